@@ -1,0 +1,1 @@
+"""Data-parallel training with PyTorch Lightning DDP, from a laptop to a SLURM cluster."""

@@ -1,0 +1,1 @@
+"""Launcher and cluster logic: threads per rank, launcher detection, pre-flight checks, ports."""

@@ -1,0 +1,103 @@
+"""The DataModule base class: dataset splits, per-rank samplers and DataLoader settings."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from app.data.samplers import UnpaddedDistributedSampler, train_sampler
+
+
+class DataNotFoundError(RuntimeError):
+    """The dataset is not on disk and may not be downloaded; the message says where we looked."""
+
+
+class ShardedDataModule(L.LightningDataModule):
+    """Builds the train/val/test datasets in `setup` and shards them over the ranks.
+
+    Subclasses implement `make_splits()`; it must be deterministic (same split on every rank and
+    every run) and must not write anything, because with `strategy="ddp"` it runs once per rank.
+    The datasets are plain attributes (`train_dataset`, `val_dataset`, `test_dataset`) so that the
+    reference trainer can use them without a Trainer.
+
+    `batch_size` is per process: the global batch is batch_size x devices x num_nodes.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = False,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1 (it is per process), got {batch_size}.")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}.")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers
+        self.shuffle = shuffle
+        self.seed = seed
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
+
+    def make_splits(self) -> tuple[Dataset, Dataset, Dataset]:
+        """Return (train, val, test) datasets."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is None:
+            self.train_dataset, self.val_dataset, self.test_dataset = self.make_splits()
+
+    def _world(self) -> tuple[int, int]:
+        """(world size, global rank) from the Trainer when attached, else from torch.distributed."""
+        if self.trainer is not None:
+            return self.trainer.world_size, self.trainer.global_rank
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size(), torch.distributed.get_rank()
+        return 1, 0
+
+    def _use_pin_memory(self) -> bool:
+        if self.pin_memory is not None:
+            return self.pin_memory
+        # Pinned host memory only helps host-to-GPU copies; on CPU it is pure overhead.
+        if self.trainer is not None:
+            return self.trainer.accelerator.__class__.__name__ == "CUDAAccelerator"
+        return torch.cuda.is_available()
+
+    def _loader(self, dataset: Dataset | None, sampler: torch.utils.data.Sampler) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("setup() must run before a dataloader is requested.")
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=self._use_pin_memory(),
+            persistent_workers=self.persistent_workers and self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        world_size, rank = self._world()
+        return self._loader(
+            self.train_dataset, train_sampler(self.train_dataset, world_size, rank, self.shuffle, self.seed)
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        world_size, rank = self._world()
+        return self._loader(self.val_dataset, UnpaddedDistributedSampler(self.val_dataset, world_size, rank))
+
+    def test_dataloader(self) -> DataLoader:
+        world_size, rank = self._world()
+        return self._loader(self.test_dataset, UnpaddedDistributedSampler(self.test_dataset, world_size, rank))
+
+    def predict_dataloader(self) -> DataLoader:
+        world_size, rank = self._world()
+        return self._loader(self.test_dataset, UnpaddedDistributedSampler(self.test_dataset, world_size, rank))

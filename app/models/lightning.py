@@ -1,0 +1,142 @@
+"""LightningModules: thin wrappers that give a bare network a loss, metrics and logging.
+
+The bare network lives in `self.net` (see `app.models.nets`); the plain-PyTorch reference trainer
+trains that same module. Optimizers and LR schedulers are chosen in YAML through LightningCLI's
+top-level `optimizer:` / `lr_scheduler:` keys, so the constructors here hold only the network's
+own, plain arguments.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from app.models.nets import ConvNet, SimpleNet, ToyNet, resnet18_cifar
+
+
+class ClassifierModule(L.LightningModule):
+    """Cross-entropy classification with exact, distributed accuracy and loss.
+
+    Accuracy and the evaluation loss are torchmetrics states (correct / total counts, weighted
+    sums) that are summed across ranks once per epoch, so the logged number is the one a single
+    process would compute over the same samples, whatever the world size or shard sizes.
+    """
+
+    def __init__(self, net: nn.Module, num_classes: int) -> None:
+        super().__init__()
+        self.net = net
+        self.criterion = nn.CrossEntropyLoss()
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.net(inputs)
+        loss = self.criterion(logits, targets)
+        # The step loss is this rank's own (no all-reduce per step: that would cost a collective
+        # every step just for the progress bar); accuracy is reduced across ranks at epoch end.
+        self.log("train_loss", loss, prog_bar=True)
+        self.train_acc(logits.detach(), targets)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
+        inputs, targets = batch
+        logits = self.net(inputs)
+        loss_metric = self.val_loss if stage == "val" else self.test_loss
+        acc_metric = self.val_acc if stage == "val" else self.test_acc
+        loss_metric.update(self.criterion(logits, targets), weight=targets.shape[0])
+        acc_metric.update(logits, targets)
+        self.log(f"{stage}_loss", loss_metric, prog_bar=True)
+        self.log(f"{stage}_acc", acc_metric, prog_bar=True)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, _ = batch
+        return self.net(inputs).argmax(dim=1)
+
+
+class MLPClassifier(ClassifierModule):
+    """The tutorials' SimpleNet: 784 inputs for MNIST, 64 for the 8x8 digits."""
+
+    def __init__(self, in_features: int = 64, hidden: int = 256, num_classes: int = 10) -> None:
+        super().__init__(SimpleNet(in_features, hidden, num_classes), num_classes)
+        self.save_hyperparameters()
+
+
+class CNNClassifier(ClassifierModule):
+    """The classic two-convolution MNIST network, on 1x28x28 inputs."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__(ConvNet(in_channels, num_classes), num_classes)
+        self.save_hyperparameters()
+
+
+class ResNetClassifier(ClassifierModule):
+    """resnet18 for 32x32 images (CIFAR-10): the GPU-scale workload.
+
+    `channels_last` stores activations NHWC, which tensor cores prefer under bf16/fp16 on GPUs.
+    """
+
+    def __init__(self, num_classes: int = 10, channels_last: bool = False) -> None:
+        super().__init__(resnet18_cifar(num_classes), num_classes)
+        self.channels_last = channels_last
+        if channels_last:
+            self.net = self.net.to(memory_format=torch.channels_last)
+        self.save_hyperparameters()
+
+    def on_before_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int):
+        if self.channels_last:
+            inputs, targets = batch
+            batch = (inputs.contiguous(memory_format=torch.channels_last), targets)
+        return batch
+
+
+class ToyRegressor(L.LightningModule):
+    """The PyTorch DDP tutorial's ToyModel with an MSE loss, on seeded random tensors."""
+
+    def __init__(self, in_features: int = 10, hidden: int = 10, out_features: int = 5) -> None:
+        super().__init__()
+        self.net = ToyNet(in_features, hidden, out_features)
+        self.criterion = nn.MSELoss()
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+        self.save_hyperparameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        loss = self.criterion(self.net(inputs), targets)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
+        inputs, targets = batch
+        loss_metric = self.val_loss if stage == "val" else self.test_loss
+        loss_metric.update(self.criterion(self.net(inputs), targets), weight=targets.shape[0])
+        self.log(f"{stage}_loss", loss_metric, prog_bar=True)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])

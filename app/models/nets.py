@@ -1,0 +1,89 @@
+"""Bare `torch.nn.Module` networks.
+
+These are shared by the LightningModules in `app.models.lightning` and by the plain-PyTorch
+reference trainer in `app.reference`, so that parity compares the very same modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+
+class ToyNet(nn.Module):
+    """The PyTorch DDP tutorial's ToyModel: Linear(10, 10) -> ReLU -> Linear(10, 5)."""
+
+    def __init__(self, in_features: int = 10, hidden: int = 10, out_features: int = 5) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(in_features, hidden)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(hidden, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+class ToyMpNet(nn.Module):
+    """The tutorial's ToyMpModel: the two halves of ToyNet on two devices (model parallelism).
+
+    DDP wraps it without `device_ids`, because the module spans more than one device.
+    On CPU both halves live on "cpu", which exercises the same code path.
+    """
+
+    def __init__(self, dev0: str | torch.device, dev1: str | torch.device) -> None:
+        super().__init__()
+        self.dev0 = torch.device(dev0)
+        self.dev1 = torch.device(dev1)
+        self.net1 = nn.Linear(10, 10).to(self.dev0)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5).to(self.dev1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.net1(x.to(self.dev0)))
+        return self.net2(x.to(self.dev1))
+
+
+class SimpleNet(nn.Module):
+    """The tutorials' SimpleNet: flatten -> Linear(in_features, hidden) -> ReLU -> Linear(hidden, 10)."""
+
+    def __init__(self, in_features: int = 784, hidden: int = 256, num_classes: int = 10) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.relu(self.fc1(torch.flatten(x, 1))))
+
+
+class ConvNet(nn.Module):
+    """The classic two-convolution MNIST network (pytorch/examples mnist/main.py)."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        x = self.dropout1(torch.max_pool2d(x, 2))
+        x = self.dropout2(torch.relu(self.fc1(torch.flatten(x, 1))))
+        return self.fc2(x)
+
+
+def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+    """torchvision resnet18 adapted to 32x32 inputs: 3x3 stem convolution, no max-pool.
+
+    The ImageNet stem (7x7 stride 2 + max-pool) would shrink a 32x32 image to 8x8 before the
+    first block and lose most of the accuracy on CIFAR-10.
+    """
+    model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model

@@ -1,0 +1,32 @@
+"""Bad command-line input: non-zero exit, one line that names the key, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.run import ddp_app
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("--trainer.max_epochs=oops", "trainer.max_epochs"),
+        ("--model.init_args.hidden=wide", "model.init_args.hidden"),
+        ("--trainer.no_such_key=1", "trainer.no_such_key"),
+        ("--data.init_args.batch_size=0", "data.batch_size"),
+    ],
+)
+def test_bad_override_names_the_key(override: str, named: str) -> None:
+    result = ddp_app("fit", "--config", "configs/digits.yaml", override, timeout=120)
+    assert result.returncode != 0
+    assert named in result.stderr
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, result.stderr
+
+
+def test_print_config_shows_the_resolved_config() -> None:
+    result = ddp_app("fit", "--config", "configs/digits.yaml", "--trainer.max_epochs=3", "--print_config", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "max_epochs: 3" in result.stdout
+    assert "app.models.MLPClassifier" in result.stdout

@@ -1,0 +1,46 @@
+"""The README's training command, run as a user would: 2 DDP processes on the digits."""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.models import MLPClassifier
+from tests.helpers.run import REPO, ddp_app
+
+pytestmark = pytest.mark.distributed
+
+
+def test_readme_documents_the_commands() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert "./quickstart.sh train" in readme
+    assert "./quickstart.sh test" in readme
+    quickstart = (REPO / "quickstart.sh").read_text()
+    assert 'ddp-app" fit --config configs/digits.yaml' in quickstart
+
+
+def test_default_job_trains_with_two_processes(tmp_path: Path) -> None:
+    result = ddp_app("fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={tmp_path}", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "MEMBER: 1/2" in output and "MEMBER: 2/2" in output
+    assert "distributed_backend=gloo" in output
+
+    last = list(tmp_path.rglob("last.ckpt"))
+    assert len(last) == 1, last
+    assert len(list(tmp_path.rglob("best-*.ckpt"))) == 1
+
+    rows = list(csv.DictReader((last[0].parent.parent / "metrics.csv").open()))
+    val_acc = [float(row["val_acc"]) for row in rows if row.get("val_acc")]
+    assert val_acc[-1] >= 0.90, val_acc
+
+    model = MLPClassifier.load_from_checkpoint(last[0], map_location="cpu", weights_only=True)
+    assert isinstance(model.net.fc1, torch.nn.Linear)
+    # The checkpoint holds the final weights: 15 epochs x 20 steps.
+    checkpoint = torch.load(last[0], map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] == 15 * 20
+    assert re.search(r"val_acc=0\.9\d+", result.stdout + result.stderr)
