@@ -1,0 +1,88 @@
+"""Read the same YAML that drives `ddp-app` and build what the reference trainer needs from it.
+
+The reference shares with the Lightning side only the bare network (`module.net`), its loss
+(`module.criterion`) and the datasets (`datamodule.train_dataset`); the training loop is its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from torch import nn
+from torch.utils.data import Dataset
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    with open(path) as file:
+        config = yaml.safe_load(file)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a YAML mapping of config keys.")
+    return config
+
+
+def instantiate(spec: dict[str, Any], *args: Any) -> Any:
+    """Build `class_path(*args, **init_args)`, as LightningCLI does for the same YAML entry."""
+    module_name, _, class_name = spec["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(*args, **(spec.get("init_args") or {}))
+
+
+def seed_everything(seed: int) -> None:
+    """The same generators Lightning's `seed_everything` seeds, so both build identical weights."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Job:
+    """What one training run needs, read from a config."""
+
+    net: nn.Module
+    criterion: nn.Module
+    train_dataset: Dataset
+    val_dataset: Dataset
+    batch_size: int
+    shuffle: bool
+    sampler_seed: int
+    num_workers: int
+    config: dict[str, Any]
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        spec = self.config.get("optimizer") or {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.001}}
+        return instantiate(spec, params)
+
+    def scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+        spec = self.config.get("lr_scheduler")
+        return instantiate(spec, optimizer) if spec else None
+
+
+def build_job(config: dict[str, Any]) -> Job:
+    """Seed, then build the network and datasets in the order LightningCLI does (model, then data)."""
+    seed_everything(int(config.get("seed_everything", 0)))
+    module = instantiate(config["model"])
+    datamodule = instantiate(config["data"])
+    datamodule.setup("fit")
+    return Job(
+        net=module.net,
+        criterion=module.criterion,
+        train_dataset=datamodule.train_dataset,
+        val_dataset=datamodule.val_dataset,
+        batch_size=datamodule.batch_size,
+        shuffle=datamodule.shuffle,
+        sampler_seed=datamodule.seed,
+        num_workers=datamodule.num_workers,
+        config=config,
+    )
+
+
+def prepare_data(config: dict[str, Any]) -> None:
+    """Download once, before any worker starts (the DataModule's own `prepare_data`)."""
+    instantiate(config["data"]).prepare_data()

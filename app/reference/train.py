@@ -1,0 +1,214 @@
+"""A plain PyTorch DDP trainer, written the way the PyTorch DDP tutorials write one.
+
+    python -m app.reference --config configs/digits.yaml                  # mp.spawn, world size = trainer.devices
+    torchrun --nproc_per_node=2 -m app.reference --config configs/digits.yaml
+    srun --ntasks-per-node=2 python -m app.reference --config configs/digits.yaml
+
+It trains the same `nn.Module` and dataset classes as the Lightning side, from the same YAML, so
+that `python -m app.parity` can compare the two weight for weight.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from app.cluster.slurm_env import master_address_and_port
+from app.cluster.threads import configure_cpu_threads
+from app.reference.config import Job, build_job, load_config, prepare_data
+
+
+def find_free_port() -> int:
+    """A port the OS says is free now; used when this process owns the choice (mp.spawn)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup(rank: int, world_size: int, local_rank: int, timeout_s: float) -> torch.device:
+    """Join the process group (MASTER_ADDR/MASTER_PORT come from the environment) and pick a device."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return device
+
+
+def cleanup() -> None:
+    dist.destroy_process_group()
+
+
+class Trainer:
+    """The tutorial's Trainer: DDP-wrapped model, sharded loader, rank-0 snapshots."""
+
+    def __init__(
+        self,
+        job: Job,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        out_dir: Path,
+        save_every: int,
+    ) -> None:
+        self.rank = rank
+        self.device = device
+        self.out_dir = out_dir
+        self.save_every = save_every
+        self.criterion = job.criterion
+        self.sampler = DistributedSampler(
+            job.train_dataset, num_replicas=world_size, rank=rank, shuffle=job.shuffle, seed=job.sampler_seed
+        )
+        self.train_data = DataLoader(
+            job.train_dataset,
+            batch_size=job.batch_size,  # per process
+            shuffle=False,  # the sampler shuffles
+            sampler=self.sampler,
+            num_workers=job.num_workers,
+            pin_memory=device.type == "cuda",
+        )
+        model = job.net.to(device)
+        # One device per process: device_ids=[local index]; on CPU, DDP takes no device_ids.
+        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = job.optimizer(self.model.parameters())
+        self.scheduler = job.scheduler(self.optimizer)
+        self.epochs_run = 0
+        self.snapshot_path = out_dir / "snapshot.pt"
+        if self.snapshot_path.exists():
+            self._load_snapshot()
+
+    def _load_snapshot(self) -> None:
+        # Snapshots are written from cuda:0 (or cpu); map them onto this rank's device.
+        snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
+        self.model.module.load_state_dict(snapshot["MODEL_STATE"])
+        self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
+        self.epochs_run = snapshot["EPOCHS_RUN"]
+        if self.rank == 0:
+            print(f"Resuming training from snapshot at epoch {self.epochs_run}")
+
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> float:
+        self.optimizer.zero_grad()
+        loss = self.criterion(self.model(source), targets)
+        loss.backward()  # DDP all-reduces (averages) the gradients here
+        self.optimizer.step()
+        return loss.item()
+
+    def _run_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)  # a new shuffled order every epoch, the same on every rank
+        losses = []
+        for source, targets in self.train_data:
+            source = source.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            losses.append(self._run_batch(source, targets))
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.rank == 0:
+            print(f"[rank {self.rank}] epoch {epoch} | steps {len(losses)} | last loss {losses[-1]:.4f}", flush=True)
+
+    def _save_snapshot(self, epoch: int) -> None:
+        """Rank 0 writes; everyone waits at the barrier; then every rank reads it back."""
+        if self.rank == 0:
+            snapshot = {
+                "MODEL_STATE": self.model.module.state_dict(),
+                "OPTIMIZER_STATE": self.optimizer.state_dict(),
+                "SCHEDULER_STATE": self.scheduler.state_dict() if self.scheduler is not None else {},
+                "EPOCHS_RUN": epoch + 1,
+            }
+            temporary = self.snapshot_path.with_suffix(".tmp")
+            torch.save(snapshot, temporary)
+            os.replace(temporary, self.snapshot_path)  # never a half-written snapshot
+        dist.barrier()
+        loaded = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
+        self.model.module.load_state_dict(loaded["MODEL_STATE"])
+
+    def train(self, max_epochs: int) -> None:
+        for epoch in range(self.epochs_run, max_epochs):
+            self._run_epoch(epoch)
+            if self.save_every and (epoch + 1) % self.save_every == 0:
+                self._save_snapshot(epoch)
+        if self.rank == 0:
+            torch.save(self.model.module.state_dict(), self.out_dir / "final.pt")
+
+
+def train_worker(rank: int, world_size: int, local_rank: int, options: dict[str, Any]) -> None:
+    """One rank's whole life: set up, build, train, tear down."""
+    configure_cpu_threads()
+    device = setup(rank, world_size, local_rank, options["timeout_s"])
+    try:
+        if local_rank == 0:
+            prepare_data(options["config"])  # downloads, once per node
+        dist.barrier()
+        job = build_job(options["config"])
+        trainer = Trainer(job, rank, world_size, device, Path(options["out_dir"]), options["save_every"])
+        trainer.train(options["max_epochs"])
+    finally:
+        cleanup()
+
+
+def spawn_entry(local_rank: int, world_size: int, options: dict[str, Any]) -> None:
+    """mp.spawn passes the process index first; on one machine it is both rank and local rank."""
+    train_worker(local_rank, world_size, local_rank, options)
+
+
+def launch(options: dict[str, Any], world_size: int | None) -> str:
+    """Start training with whichever launcher started us; returns its name."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "WORLD_SIZE" in env and "RANK" in env):
+        # torchrun: it set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for us (env://).
+        train_worker(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), options)
+        return "torchrun"
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        # srun: one task per rank; the rendezvous is on the job's first node.
+        address, port = master_address_and_port()
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+        rank, ntasks, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
+        train_worker(rank, ntasks, local_rank, options)
+        return "srun"
+    world_size = world_size or 1
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(find_free_port())
+    mp.spawn(spawn_entry, args=(world_size, options), nprocs=world_size, join=True)
+    return "mp.spawn"
+
+
+def run(
+    config_path: str | Path,
+    out_dir: str | Path,
+    world_size: int | None = None,
+    max_epochs: int | None = None,
+    save_every: int = 0,
+    timeout_s: float = 300.0,
+) -> str:
+    config = load_config(config_path)
+    trainer_config = config.get("trainer") or {}
+    if world_size is None:
+        devices = trainer_config.get("devices", 1)
+        world_size = int(devices) if str(devices).isdigit() else 1
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    options = {
+        "config": config,
+        "out_dir": str(out),
+        "max_epochs": max_epochs if max_epochs is not None else int(trainer_config.get("max_epochs", 1)),
+        "save_every": save_every,
+        "timeout_s": timeout_s,
+    }
+    return launch(options, world_size)
+
+
