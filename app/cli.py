@@ -15,6 +15,7 @@ import sys
 from typing import NoReturn
 
 import lightning as L
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
@@ -22,6 +23,7 @@ from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
 
 import app.data  # noqa: F401  (registers the DataModules for short `class_path` names)
 import app.models  # noqa: F401  (registers the LightningModules)
+from app.checkpoints import CheckpointError, SafeCheckpointIO
 from app.cluster.threads import configure_cpu_threads
 from app.data.base import DataNotFoundError
 
@@ -88,6 +90,8 @@ class DDPAppCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = SafeCheckpointIO()
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         if config["trainer"]["logger"] in (None, True):
             trainer.loggers = default_loggers(trainer.default_root_dir)
@@ -95,7 +99,7 @@ class DDPAppCLI(LightningCLI):
 
 
 # Errors that are the user's to fix: printed as one line, without a traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (DataNotFoundError, ValueError, FileNotFoundError)
+USER_ERRORS: tuple[type[BaseException], ...] = (CheckpointError, DataNotFoundError, ValueError, FileNotFoundError)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -21,9 +21,7 @@ def digits_splits(
         )
     images, labels = load_digits(return_X_y=True)
     indices = list(range(len(labels)))
-    train_val, test = train_test_split(
-        indices, test_size=test_fraction, stratify=labels, random_state=split_seed
-    )
+    train_val, test = train_test_split(indices, test_size=test_fraction, stratify=labels, random_state=split_seed)
     train, val = train_test_split(
         train_val,
         test_size=val_fraction / (1 - test_fraction),

@@ -40,9 +40,7 @@ class UnpaddedDistributedSampler(DistributedSampler):
         return self.num_samples
 
 
-def train_sampler(
-    dataset: Sized, num_replicas: int, rank: int, shuffle: bool, seed: int
-) -> DistributedSampler:
+def train_sampler(dataset: Sized, num_replicas: int, rank: int, shuffle: bool, seed: int) -> DistributedSampler:
     """The training sampler: the same for Lightning and the reference trainer, also at world size 1.
 
     Using a `DistributedSampler` even with one process keeps the sample order a function of

@@ -163,9 +163,7 @@ class CIFAR10DataModule(ShardedDataModule):
 
     def _dataset(self, train: bool, transform: transforms.Compose) -> _CIFAR10:
         try:
-            return _CIFAR10(
-                self.data_dir, train=train, transform=transform, verify_checksums=self.verify_checksums
-            )
+            return _CIFAR10(self.data_dir, train=train, transform=transform, verify_checksums=self.verify_checksums)
         except RuntimeError as error:
             raise DataNotFoundError(
                 f"CIFAR-10 not found or corrupted in {self._folder().resolve()} (looked for data_batch_1..5, "
@@ -212,4 +210,8 @@ class FakeImageDataModule(ShardedDataModule):
                 size, self.image_size, self.num_classes, transforms.ToTensor(), random_offset=offset
             )
 
-        return fake(self.train_size, 0), fake(self.eval_size, self.train_size), fake(self.eval_size, 2 * self.train_size)
+        return (
+            fake(self.train_size, 0),
+            fake(self.eval_size, self.train_size),
+            fake(self.eval_size, 2 * self.train_size),
+        )

@@ -62,7 +62,9 @@ def run_model_parallel(
 ) -> str:
     config = load_config(config_path)
     if config["model"]["class_path"].rpartition(".")[2] != "ToyRegressor":
-        raise ValueError("--model-parallel trains the tutorial's ToyMpModel: use a ToyRegressor config (configs/toy.yaml).")
+        raise ValueError(
+            "--model-parallel trains the tutorial's ToyMpModel: use a ToyRegressor config (configs/toy.yaml)."
+        )
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     options = {
         "config": config,

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -43,9 +42,7 @@ def setup(rank: int, world_size: int, local_rank: int, timeout_s: float) -> torc
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
 
@@ -210,5 +207,3 @@ def run(
         "timeout_s": timeout_s,
     }
     return launch(options, world_size)
-
-

@@ -42,9 +42,7 @@ def test_mnist_download_failure_is_one_clear_error(tmp_path: Path) -> None:
 
 def test_cifar10_loads_pickled_batches(tmp_path: Path) -> None:
     write_cifar10(tmp_path, per_batch=20, n_test=20)
-    module = CIFAR10DataModule(
-        data_dir=str(tmp_path), val_size=10, batch_size=4, num_workers=0, verify_checksums=False
-    )
+    module = CIFAR10DataModule(data_dir=str(tmp_path), val_size=10, batch_size=4, num_workers=0, verify_checksums=False)
     module.setup("fit")
     assert (len(module.train_dataset), len(module.val_dataset), len(module.test_dataset)) == (90, 10, 20)
     inputs, targets = next(iter(module.train_dataloader()))

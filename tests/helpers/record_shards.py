@@ -58,8 +58,14 @@ def main() -> None:
     L.seed_everything(0)
     model = RecordingClassifier()
     trainer = L.Trainer(
-        accelerator="cpu", strategy="ddp", devices=2, max_epochs=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
     )
     trainer.fit(model, datamodule=IndexedDigits(batch_size=16, shuffle=shuffle, seed=7))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,17 @@ BIN = Path(sys.executable).parent
 
 # Variables a DDP launcher sets; a test must not pass them on to the processes it starts.
 DISTRIBUTED_VARIABLES = (
-    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-    "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "TORCHELASTIC_RUN_ID",
 )
 
 

@@ -1,0 +1,425 @@
+"""`python -m app.parity --config configs/digits.yaml [--world-size 2] [--epochs 3]`
+
+Trains one config with Lightning DDP and with the plain-PyTorch reference and checks, for SGD and
+for Adam, that they agree:
+
+  P1  Lightning DDP == reference DDP at the same world size: every parameter and buffer bit for bit.
+  P2a DDP over N ranks == one process accumulating the N ranks' micro-batches with loss / N (bit for bit).
+  P2b DDP over N ranks ~= one process with the N-fold batch (max |diff| <= 1e-6: summation order differs).
+  P3  validation and test accuracy are the same number at world size 1 and N, and equal a plain
+      single-process evaluation of the same weights (no padded, double-counted samples).
+  P4  a reference checkpoint loads into the LightningModule, and `python -m app.export` writes a
+      bare state_dict that a plain nn.Module loads with weights_only=True: identical predictions.
+  P5  Lightning's own launcher, torchrun (Lightning and reference) and mp.spawn: identical weights.
+
+Prints a table, writes it as JSON, exits 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from app.checkpoints import load_net_weights, net_state_dict, safe_load
+from app.cluster.threads import configure_cpu_threads
+from app.reference.config import build_job, instantiate, load_config
+
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "sgd": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05, "momentum": 0.9}},
+    "adam": {"class_path": "torch.optim.Adam", "init_args": {"lr": 0.002}},
+}
+
+
+@dataclass
+class Check:
+    name: str
+    optimizer: str
+    compared: str
+    max_abs_diff: float
+    tolerance: float
+    passed: bool
+    detail: str = ""
+
+
+def compare_states(
+    expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor], tolerance: float
+) -> tuple[float, str]:
+    """(max |difference| over all tensors, a note naming the first tensor that differs, or "")."""
+    if expected.keys() != actual.keys():
+        missing = sorted(set(expected) ^ set(actual))
+        return float("inf"), f"different tensor names, first: {missing[0]}"
+    worst, first = 0.0, ""
+    for name, tensor in expected.items():
+        other = actual[name]
+        if tensor.shape != other.shape:
+            return float("inf"), f"{name}: shape {tuple(tensor.shape)} vs {tuple(other.shape)}"
+        diff = (tensor.double() - other.double()).abs().max().item() if tensor.numel() else 0.0
+        exact = torch.equal(tensor, other)
+        if not first and (diff > tolerance or (tolerance == 0 and not exact)):
+            first = f"first difference in {name}: max |diff| {diff:.3e}"
+        worst = max(worst, diff)
+    return worst, first
+
+
+def state_check(
+    name: str, optimizer: str, compared: str, expected: dict, actual: dict, tolerance: float = 0.0
+) -> Check:
+    diff, detail = compare_states(expected, actual, tolerance)
+    return Check(name, optimizer, compared, diff, tolerance, not detail, detail)
+
+
+def python_env() -> dict[str, str]:
+    """The child processes' environment: no launcher variables inherited from the caller."""
+    drop = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED"}
+    env = {key: value for key, value in os.environ.items() if key not in drop and not key.startswith("SLURM_")}
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_command(args: list[str], log: Path, timeout: float = 600) -> None:
+    """Run one training/eval command; its output goes to a log file that a failure points at."""
+    with log.open("w") as output:
+        result = subprocess.run(
+            args, stdout=output, stderr=subprocess.STDOUT, env=python_env(), timeout=timeout, check=False
+        )
+    if result.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"command failed ({result.returncode}): {' '.join(args)}\nlog {log}:\n{tail}")
+
+
+def lightning_fit(config: Path, root: Path, launcher: str, world_size: int) -> dict[str, torch.Tensor]:
+    app_args = ["-m", "app", "fit", "--config", str(config), f"--trainer.default_root_dir={root}"]
+    if launcher == "torchrun":
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
+        args += app_args
+    else:
+        args = [sys.executable, *app_args]
+    run_command(args, root.with_suffix(".log"))
+    (last,) = root.rglob("last.ckpt")
+    return net_state_dict(safe_load(last))
+
+
+def reference_fit(config: Path, out: Path, launcher: str, world_size: int) -> dict[str, torch.Tensor]:
+    ref_args = ["-m", "app.reference", "--config", str(config), "--out", str(out), "--save-every", "1"]
+    if launcher == "torchrun":
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
+        args += ref_args
+    else:
+        args = [sys.executable, *ref_args, "--world-size", str(world_size)]
+    out.mkdir(parents=True, exist_ok=True)
+    run_command(args, out.with_suffix(".log"))
+    return safe_load(out / "final.pt")
+
+
+def single_process_fit(config: dict[str, Any], world_size: int, mode: str) -> dict[str, torch.Tensor]:
+    """One process that sees, per step, exactly the micro-batches the N ranks would see.
+
+    mode "accumulate": backward on each rank's micro-batch with loss / N, then one step.
+    mode "global-batch": one forward/backward over the N micro-batches concatenated.
+    """
+    configure_cpu_threads()
+    job = build_job(config)
+    net, criterion = job.net, job.criterion
+    optimizer = job.optimizer(net.parameters())
+    scheduler = job.scheduler(optimizer)
+    samplers = [
+        DistributedSampler(job.train_dataset, world_size, rank, shuffle=job.shuffle, seed=job.sampler_seed)
+        for rank in range(world_size)
+    ]
+    loaders = [DataLoader(job.train_dataset, batch_size=job.batch_size, sampler=sampler) for sampler in samplers]
+    for epoch in range(int(config["trainer"]["max_epochs"])):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        for micro_batches in zip(*loaders, strict=True):
+            optimizer.zero_grad()
+            if mode == "accumulate":
+                for inputs, targets in micro_batches:
+                    (criterion(net(inputs), targets) / world_size).backward()
+            else:
+                inputs = torch.cat([batch[0] for batch in micro_batches])
+                targets = torch.cat([batch[1] for batch in micro_batches])
+                criterion(net(inputs), targets).backward()
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return {key: value.detach().clone() for key, value in net.state_dict().items()}
+
+
+def lightning_eval(config: Path, ckpt: Path, devices: int, out: Path) -> dict[str, float]:
+    """Lightning `validate` then `test` of one checkpoint at a world size, in one launch."""
+    args = [
+        sys.executable,
+        "-m",
+        "app.parity",
+        "eval-worker",
+        "--config",
+        str(config),
+        "--ckpt",
+        str(ckpt),
+        "--devices",
+        str(devices),
+        "--json",
+        str(out),
+    ]
+    run_command(args, out.with_suffix(".log"))
+    return json.loads(out.read_text())
+
+
+def eval_worker(config: str, ckpt: str, devices: int, out: str) -> None:
+    """Runs on every rank (Lightning re-runs this command line for ranks >= 1); rank 0 writes."""
+    from app.cli import DDPAppCLI
+
+    cli = DDPAppCLI(
+        args=[
+            "--config",
+            config,
+            f"--trainer.devices={devices}",
+            "--trainer.logger=false",
+            f"--trainer.default_root_dir={Path(out).parent / 'eval_root'}",
+        ],
+        run=False,
+    )
+    validated = cli.trainer.validate(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt, verbose=False)
+    tested = cli.trainer.test(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt, verbose=False)
+    if cli.trainer.global_rank == 0:
+        Path(out).write_text(json.dumps({**validated[0], **tested[0]}))
+
+
+def plain_accuracy(net: torch.nn.Module, dataset, batch_size: int = 256) -> float:
+    """Accuracy over every sample exactly once, in one process, as torchmetrics' float32 division."""
+    correct = total = 0
+    net.eval()
+    with torch.no_grad():
+        for inputs, targets in DataLoader(dataset, batch_size=batch_size):
+            correct += int((net(inputs).argmax(dim=1) == targets).sum())
+            total += len(targets)
+    return (torch.tensor(correct, dtype=torch.float32) / torch.tensor(total, dtype=torch.float32)).item()
+
+
+def predictions(net: torch.nn.Module, dataset) -> torch.Tensor:
+    net.eval()
+    with torch.no_grad():
+        return torch.cat([net(inputs) for inputs, _ in DataLoader(dataset, batch_size=256)])
+
+
+def variant_config(base: dict[str, Any], optimizer: str, epochs: int, world_size: int, path: Path) -> dict:
+    """The base config with this optimizer, epochs and world size: one file drives every run."""
+    config = copy.deepcopy(base)
+    current = config.get("optimizer") or {}
+    wanted = OPTIMIZERS[optimizer]
+    config["optimizer"] = current if current.get("class_path") == wanted["class_path"] else wanted
+    trainer = config.setdefault("trainer", {})
+    trainer.update(max_epochs=epochs, devices=world_size, enable_progress_bar=False, accelerator="cpu")
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return config
+
+
+def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, optimizers: list[str]) -> list[Check]:
+    base = load_config(config_path)
+    checks: list[Check] = []
+    steps = [
+        "config",
+        "lightning fit",
+        "reference mp.spawn",
+        "P2 single process",
+        "P3 eval",
+        "P4 export",
+        "P5 torchrun",
+    ]
+    progress = tqdm(total=len(steps) * len(optimizers), desc="parity", unit="step", file=sys.stderr)
+    for optimizer in optimizers:
+        work = out_dir / optimizer
+        work.mkdir(parents=True, exist_ok=True)
+        variant_path = work / "config.yaml"
+        config = variant_config(base, optimizer, epochs, world_size, variant_path)
+        progress.update()
+
+        progress.set_postfix_str(f"{optimizer}: lightning fit")
+        lightning = lightning_fit(variant_path, work / "lightning", "lightning", world_size)
+        progress.update()
+        progress.set_postfix_str(f"{optimizer}: reference")
+        reference = reference_fit(variant_path, work / "reference", "mp.spawn", world_size)
+        checks.append(
+            state_check("P1", optimizer, f"Lightning DDP vs reference DDP, {world_size} ranks", reference, lightning)
+        )
+        progress.update()
+
+        progress.set_postfix_str(f"{optimizer}: single process")
+        accumulated = single_process_fit(config, world_size, "accumulate")
+        checks.append(
+            state_check(
+                "P2a",
+                optimizer,
+                f"DDP x{world_size} vs 1 process accumulating loss/{world_size}",
+                lightning,
+                accumulated,
+            )
+        )
+        global_batch = single_process_fit(config, world_size, "global-batch")
+        checks.append(
+            state_check(
+                "P2b",
+                optimizer,
+                f"DDP x{world_size} vs 1 process, {world_size}-fold batch",
+                lightning,
+                global_batch,
+                1e-6,
+            )
+        )
+        progress.update()
+
+        progress.set_postfix_str(f"{optimizer}: evaluation")
+        (last,) = (work / "lightning").rglob("last.ckpt")
+        at_one = lightning_eval(variant_path, last, 1, work / "eval_1.json")
+        at_n = lightning_eval(variant_path, last, world_size, work / f"eval_{world_size}.json")
+        job = build_job(config)
+        load_net_weights(job.net, lightning, str(last))
+        truth = {"val_acc": plain_accuracy(job.net, job.val_dataset)}
+        datamodule = instantiate(config["data"])
+        datamodule.setup("test")
+        truth["test_acc"] = plain_accuracy(job.net, datamodule.test_dataset)
+        for metric, value in truth.items():
+            diff = max(abs(at_one[metric] - value), abs(at_n[metric] - value))
+            detail = (
+                "" if diff == 0 else f"1 rank {at_one[metric]!r}, {world_size} ranks {at_n[metric]!r}, plain {value!r}"
+            )
+            checks.append(
+                Check(
+                    "P3",
+                    optimizer,
+                    f"{metric} at 1 and {world_size} ranks vs plain eval ({value:.5f})",
+                    diff,
+                    0.0,
+                    diff == 0,
+                    detail,
+                )
+            )
+        progress.update()
+
+        progress.set_postfix_str(f"{optimizer}: export")
+        module = instantiate(config["model"])
+        load_net_weights(module.net, reference, "reference final.pt")
+        reference_net = build_job(config).net
+        reference_net.load_state_dict(reference)
+        checks.append(
+            state_check(
+                "P4",
+                optimizer,
+                "reference checkpoint in the LightningModule: predictions",
+                {"logits": predictions(reference_net, job.val_dataset)},
+                {"logits": predictions(module.net, job.val_dataset)},
+            )
+        )
+        exported = work / "model.pt"
+        run_command(
+            [sys.executable, "-m", "app.export", "--ckpt", str(last), "--out", str(exported)], work / "export.log"
+        )
+        plain_net = build_job(config).net
+        plain_net.load_state_dict(torch.load(exported, weights_only=True))
+        lightning_net = build_job(config).net
+        lightning_net.load_state_dict(lightning)
+        checks.append(
+            state_check(
+                "P4",
+                optimizer,
+                "exported model.pt (weights_only) vs Lightning checkpoint: predictions",
+                {"logits": predictions(lightning_net, job.val_dataset)},
+                {"logits": predictions(plain_net, job.val_dataset)},
+            )
+        )
+        progress.update()
+
+        progress.set_postfix_str(f"{optimizer}: torchrun")
+        lightning_torchrun = lightning_fit(variant_path, work / "lightning_torchrun", "torchrun", world_size)
+        reference_torchrun = reference_fit(variant_path, work / "reference_torchrun", "torchrun", world_size)
+        checks.append(
+            state_check(
+                "P5", optimizer, "Lightning launcher vs Lightning under torchrun", lightning, lightning_torchrun
+            )
+        )
+        checks.append(
+            state_check(
+                "P5", optimizer, "Lightning launcher vs reference under torchrun", lightning, reference_torchrun
+            )
+        )
+        checks.append(
+            state_check("P5", optimizer, "Lightning launcher vs reference under mp.spawn", lightning, reference)
+        )
+        progress.update()
+    progress.close()
+    return checks
+
+
+def print_table(checks: list[Check]) -> None:
+    header = f"{'check':<5} {'optim':<5} {'compared':<66} {'max |diff|':>11} {'tolerance':>9}  result"
+    print(header)
+    print("-" * len(header))
+    for check in checks:
+        result = "PASS" if check.passed else "FAIL"
+        print(
+            f"{check.name:<5} {check.optimizer:<5} {check.compared:<66} "
+            f"{check.max_abs_diff:>11.3e} {check.tolerance:>9.0e}  {result}"
+        )
+        if check.detail and not check.passed:
+            print(f"      {check.detail}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval-worker"]:
+        worker = argparse.ArgumentParser(prog="python -m app.parity eval-worker")
+        for flag in ("--config", "--ckpt", "--json"):
+            worker.add_argument(flag, required=True)
+        worker.add_argument("--devices", type=int, required=True)
+        args = worker.parse_args(argv[1:])
+        eval_worker(args.config, args.ckpt, args.devices, args.json)
+        return
+    parser = argparse.ArgumentParser(
+        prog="python -m app.parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--optimizers", default="sgd,adam", help="comma-separated subset of: sgd, adam")
+    parser.add_argument("--out", type=Path, default=Path("runs/parity"))
+    parser.add_argument("--json", type=Path, default=None, help="default: <out>/parity.json")
+    args = parser.parse_args(argv)
+    optimizers = [name.strip() for name in args.optimizers.split(",") if name.strip()]
+    unknown = [name for name in optimizers if name not in OPTIMIZERS]
+    if unknown or not optimizers:
+        parser.error(f"unknown optimizer(s) {unknown}; choose from {sorted(OPTIMIZERS)}")
+    if not args.config.is_file():
+        parser.error(f"config {args.config} does not exist")
+    started = time.perf_counter()
+    checks = run_parity(args.config, args.world_size, args.epochs, args.out, optimizers)
+    print_table(checks)
+    json_path = args.json or args.out / "parity.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "config": str(args.config),
+        "world_size": args.world_size,
+        "epochs": args.epochs,
+        "seconds": round(time.perf_counter() - started, 1),
+        "passed": all(c.passed for c in checks),
+        "checks": [asdict(check) for check in checks],
+    }
+    json_path.write_text(json.dumps(report, indent=2))
+    print(f"\n{sum(c.passed for c in checks)}/{len(checks)} checks passed in {report['seconds']} s; JSON: {json_path}")
+    raise SystemExit(0 if report["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()

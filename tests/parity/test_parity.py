@@ -1,0 +1,69 @@
+"""The parity command, run as a user would, on the default config with 2 processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.parity import compare_states, print_table, state_check
+from tests.helpers.run import run
+
+
+@pytest.mark.parity
+@pytest.mark.distributed
+def test_parity_command_passes_on_digits(tmp_path: Path) -> None:
+    report_path = tmp_path / "parity.json"
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "app.parity",
+            "--config",
+            "configs/digits.yaml",
+            "--world-size",
+            "2",
+            "--epochs",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--json",
+            str(report_path),
+        ],
+        timeout=420,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    checks = report["checks"]
+    assert report["passed"] and all(check["passed"] for check in checks)
+    names = {(check["name"], check["optimizer"]) for check in checks}
+    for optimizer in ("sgd", "adam"):
+        assert {(name, optimizer) for name in ("P1", "P2a", "P2b", "P3", "P4", "P5")} <= names
+    for check in checks:
+        if check["name"] in ("P1", "P2a", "P3", "P4", "P5"):
+            assert check["max_abs_diff"] == 0.0, check
+        else:
+            assert check["max_abs_diff"] <= 1e-6, check
+    assert "P1" in result.stdout and "PASS" in result.stdout
+
+
+def test_a_failing_check_names_the_first_differing_tensor(capsys: pytest.CaptureFixture[str]) -> None:
+    expected = {"fc1.weight": torch.zeros(3, 3), "fc2.weight": torch.zeros(2)}
+    actual = {"fc1.weight": torch.zeros(3, 3), "fc2.weight": torch.tensor([0.0, 1e-3])}
+    diff, detail = compare_states(expected, actual, tolerance=0.0)
+    assert diff == pytest.approx(1e-3)
+    assert "fc2.weight" in detail
+    check = state_check("P1", "sgd", "test", expected, actual)
+    assert not check.passed
+    print_table([check])
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_a_single_bit_counts_as_a_difference() -> None:
+    tensor = torch.tensor([1.0])
+    nudged = torch.nextafter(tensor, torch.tensor([2.0]))
+    _, detail = compare_states({"w": tensor}, {"w": nudged}, tolerance=0.0)
+    assert detail

@@ -1,0 +1,74 @@
+"""The reference trainer on its own: launchers, snapshots, model parallelism."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.cluster.slurm_env import expand_hostlist, first_host, job_master_port, master_address_and_port
+from tests.helpers.run import run
+
+pytestmark = pytest.mark.distributed
+
+
+def reference(*args: str, timeout: float = 240):
+    return run([sys.executable, "-m", "app.reference", *args], timeout=timeout)
+
+
+def test_snapshot_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
+    """Rank-0 snapshot + barrier + map_location load: 2 epochs, then 1 more, equals 3 at once."""
+    straight = reference("--config", "configs/toy.yaml", "--epochs", "3", "--out", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    first = reference("--config", "configs/toy.yaml", "--epochs", "2", "--out", str(tmp_path / "b"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = reference("--config", "configs/toy.yaml", "--epochs", "3", "--out", str(tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Resuming training from snapshot at epoch 2" in resumed.stdout
+    expected = torch.load(tmp_path / "a" / "final.pt", weights_only=True)
+    actual = torch.load(tmp_path / "b" / "final.pt", weights_only=True)
+    assert all(torch.equal(expected[key], actual[key]) for key in expected)
+
+
+def test_model_parallel_halves_train_like_the_single_device_model(tmp_path: Path) -> None:
+    """ToyMpModel (two halves, DDP without device_ids) == ToyModel: same init, data and updates."""
+    plain = reference("--config", "configs/toy.yaml", "--epochs", "2", "--out", str(tmp_path / "plain"))
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    split = reference(
+        "--config", "configs/toy.yaml", "--epochs", "2", "--out", str(tmp_path / "mp"), "--model-parallel"
+    )
+    assert split.returncode == 0, split.stderr[-2000:]
+    expected = torch.load(tmp_path / "plain" / "final.pt", weights_only=True)
+    actual = torch.load(tmp_path / "mp" / "final.pt", weights_only=True)
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[key], actual[key]) for key in expected)
+
+
+def test_model_parallel_refuses_other_models(tmp_path: Path) -> None:
+    result = reference("--config", "configs/digits.yaml", "--out", str(tmp_path), "--model-parallel")
+    assert result.returncode != 0
+    assert "ToyRegressor" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("hostlist", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("node[1-3]", ["node1", "node2", "node3"]),
+        ("gpu[01-02,10],login", ["gpu01", "gpu02", "gpu10", "login"]),
+    ],
+)
+def test_hostlist_expansion(hostlist: str, hosts: list[str]) -> None:
+    assert expand_hostlist(hostlist) == hosts
+    assert first_host(hostlist) == hosts[0]
+
+
+def test_master_port_is_per_job_and_overridable() -> None:
+    # Lightning's 15000 + id % 10000 gives these two jobs the same port; ours does not.
+    assert job_master_port("1234567") != job_master_port("1244567")
+    assert 10000 <= job_master_port("42") <= 32767
+    env = {"SLURM_JOB_NODELIST": "n[3-4]", "SLURM_JOB_ID": "77"}
+    assert master_address_and_port(env) == ("n3", job_master_port("77"))
+    assert master_address_and_port({**env, "MASTER_PORT": "29999"}) == ("n3", 29999)
