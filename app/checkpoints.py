@@ -21,8 +21,10 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
+from app.errors import UserFacingError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(UserFacingError):
     """A checkpoint that is missing, truncated, unsafe or for another model; one line says which."""
 
 

@@ -10,47 +10,33 @@ therefore runs once per rank: nothing here may download or write.
 
 from __future__ import annotations
 
-import re
+import datetime
+import os
 import sys
-from typing import NoReturn
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn
 
 import lightning as L
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
 
 import app.data  # noqa: F401  (registers the DataModules for short `class_path` names)
 import app.models  # noqa: F401  (registers the LightningModules)
-from app.checkpoints import CheckpointError, SafeCheckpointIO
+from app.callbacks import ExactResume, NonFiniteGuard
+from app.checkpoints import SafeCheckpointIO
+from app.cluster.preemption import Preemption
+from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
 from app.cluster.threads import configure_cpu_threads
-from app.data.base import DataNotFoundError
+from app.errors import UserFacingError, summarize_parser_error, user_message
 
-
-def summarize_error(message: str) -> str:
-    """Turn jsonargparse's multi-line report into one line that names the key and what is wrong."""
-    keys = re.findall(r'(?:Parser key|Key) "([^"]+)"', message)
-    # A key inside a `class_path` object is reported relative to it: rebuild the full path.
-    path = keys[0] + "".join(f".init_args.{key}" for key in keys[1:]) if keys else None
-    wrong_type = re.search(r"Expected a <class '([^']+)'>\. Got value: (.*)", message)
-    if path and wrong_type:
-        return f"invalid value {wrong_type.group(2).strip()!r} for {path}: expected {wrong_type.group(1)}."
-    given = re.search(r"Given value: (.*)", message)
-    expected = [name for name in re.findall(r"Expected a <class '([^']+)'>", message) if name != "NoneType"]
-    if path and given and expected and "Namespace(" not in given.group(1):
-        wanted = " or ".join(dict.fromkeys(expected))
-        return f"invalid value {given.group(1).strip()!r} for {path}: expected {wanted}."
-    if "unrecognized arguments" in message:
-        return f"{message.strip()}: no such key. Fix: check its spelling and nesting (init_args)."
-    reasons = [
-        line.strip()[2:]
-        for line in message.splitlines()
-        if line.strip().startswith("- ") and "NoneType" not in line and "Problem with given class_path" not in line
-    ]
-    if reasons:
-        return reasons[0] if not path or path in reasons[0] else f"{path}: {reasons[0]}"
-    return " ".join(message.split())
+# Lightning's default collective timeout is 30 minutes: a dead peer then hangs the others that long.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 
 
 class OneLineErrorParser(LightningArgumentParser):
@@ -60,26 +46,81 @@ class OneLineErrorParser(LightningArgumentParser):
         if not self.exit_on_error:
             super().error(message, ex)
         prog = self.prog.replace(" [options]", "")
-        sys.stderr.write(f"{prog}: error: {summarize_error(message)} (see: {prog} --help)\n")
+        sys.stderr.write(f"{prog}: error: {summarize_parser_error(message)} (see: {prog} --help)\n")
         self.exit(2)
 
 
 def default_loggers(root_dir: str) -> list[Logger]:
-    """CSV metrics always (easy to read in tests and scripts); TensorBoard too when it is installed."""
-    csv_logger = CSVLogger(save_dir=root_dir)
+    """CSV metrics always (easy to read in tests and scripts); TensorBoard too when it is installed.
+
+    Under SLURM the version is the job id, so a requeued job logs into the same directory.
+    """
+    job_id = os.environ.get("SLURM_JOB_ID")
+    csv_logger = CSVLogger(save_dir=root_dir, version=f"slurm-{job_id}" if job_id else None)
     loggers: list[Logger] = [csv_logger]
     if _TENSORBOARD_AVAILABLE:
         loggers.append(TensorBoardLogger(save_dir=root_dir, version=csv_logger.version))
     return loggers
 
 
-class DDPAppCLI(LightningCLI):
-    """LightningCLI with our defaults: one-line errors, CSV (+TensorBoard) logs, config saved
-    next to the logs and overwritten when a requeued job starts again in the same directory."""
+def check_config(config: Any) -> None:
+    """Refuse values that Lightning or PyTorch would accept silently or reject deep inside a rank."""
+    trainer = config["trainer"]
+    max_epochs = trainer.get("max_epochs")
+    if max_epochs is not None and max_epochs < 1:
+        raise UserFacingError(
+            f"trainer.max_epochs must be >= 1, got {max_epochs}. Fix: a positive number of epochs "
+            "(for a run bounded by steps or time, set trainer.max_steps or trainer.max_time instead)."
+        )
+    optimizer = config.get("optimizer")
+    lr = (optimizer or {}).get("init_args", {}).get("lr") if optimizer else None
+    if isinstance(lr, (int, float)) and lr <= 0:
+        raise UserFacingError(f"optimizer.init_args.lr must be > 0, got {lr}. Fix: a positive learning rate.")
+    devices = trainer.get("devices")
+    if isinstance(devices, int) and devices < 1:
+        raise UserFacingError(f"trainer.devices must be >= 1, got {devices}. Fix: a positive process count.")
+    on_cpu = trainer.get("accelerator") == "cpu" or (
+        trainer.get("accelerator") in (None, "auto") and not _cuda_available()
+    )
+    cores = os.cpu_count() or 1
+    if on_cpu and isinstance(devices, int) and devices > cores and not os.environ.get("DDP_APP_ALLOW_OVERSUBSCRIBE"):
+        raise UserFacingError(
+            f"trainer.devices={devices} CPU processes on a machine with {cores} cores would oversubscribe it "
+            f"(every step waits for the slowest rank). Fix: trainer.devices <= {cores}, or set "
+            "DDP_APP_ALLOW_OVERSUBSCRIBE=1 to run anyway."
+        )
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
 
-    def __init__(self, **kwargs) -> None:
+
+def check_writable(directory: Path) -> None:
+    """Fail before training, not at the first checkpoint an hour later."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-"):
+            pass
+    except OSError as error:
+        raise UserFacingError(
+            f"trainer.default_root_dir {directory} is not writable ({error.strerror}). "
+            "Fix: choose a directory you can write to."
+        ) from error
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class DDPAppCLI(LightningCLI):
+    """LightningCLI with our defaults: one-line errors, input checks, CSV (+TensorBoard) logs,
+    atomic and safe checkpoints in a fixed directory, exact resume, preemption at step
+    boundaries, a bounded collective timeout, and the config saved next to the logs."""
+
+    def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", OneLineErrorParser)
+        kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard(), Preemption()]})
         super().__init__(
             L.LightningModule,
             L.LightningDataModule,
@@ -88,26 +129,58 @@ class DDPAppCLI(LightningCLI):
             **kwargs,
         )
 
-    def instantiate_trainer(self, **kwargs) -> Trainer:
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--collective_timeout_s",
+            type=float,
+            default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+            help="How long a collective (or the rendezvous) may wait for a peer before every rank fails.",
+        )
+
+    def _subcommand_config(self, config: Any) -> Any:
+        return config[self.subcommand] if self.subcommand else config
+
+    def before_instantiate_classes(self) -> None:
+        config = self._subcommand_config(self.config)
+        check_config(config)
+        # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
+        # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
+        self.launch = preflight(config["trainer"])
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self._subcommand_config(self.config_init)
+        # Not SLURMEnvironment.detect(): that is also true under torchrun inside a Slurm job.
+        if lightning_uses_slurm(os.environ) and not config["trainer"].get("plugins"):
+            # Preemption is handled by our callback at a step boundary, not by Lightning's
+            # SIGUSR1 handler, which saves inside the signal handler (Lightning #21406).
+            kwargs["plugins"] = [SLURMEnvironment(auto_requeue=False)]
         trainer = super().instantiate_trainer(**kwargs)
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        if self.launch is not None and self.launch.global_rank == 0 and environment is not None:
+            print(describe_launch(self.launch, environment), flush=True)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = SafeCheckpointIO()
-        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        if hasattr(trainer.strategy, "_timeout"):
+            trainer.strategy._timeout = datetime.timedelta(seconds=config["collective_timeout_s"])
         if config["trainer"]["logger"] in (None, True):
             trainer.loggers = default_loggers(trainer.default_root_dir)
+        for callback in trainer.checkpoint_callbacks:
+            # A fixed directory (not inside the versioned log dir) lets `--ckpt_path last` find the
+            # previous run's last.ckpt after a crash or a requeue.
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         return trainer
-
-
-# Errors that are the user's to fix: printed as one line, without a traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (CheckpointError, DataNotFoundError, ValueError, FileNotFoundError)
 
 
 def main(args: list[str] | None = None) -> None:
     configure_cpu_threads()
     try:
         DDPAppCLI(args=args)
-    except USER_ERRORS as error:
-        print(f"ddp-app: error: {summarize_error(str(error))}", file=sys.stderr)
+    except Exception as error:
+        message = user_message(error)
+        if message is None:
+            raise
+        print(f"ddp-app: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

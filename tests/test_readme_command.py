@@ -34,7 +34,9 @@ def test_default_job_trains_with_two_processes(tmp_path: Path) -> None:
     assert len(last) == 1, last
     assert len(list(tmp_path.rglob("best-*.ckpt"))) == 1
 
-    rows = list(csv.DictReader((last[0].parent.parent / "metrics.csv").open()))
+    assert last[0].parent == tmp_path / "checkpoints"
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
     val_acc = [float(row["val_acc"]) for row in rows if row.get("val_acc")]
     assert val_acc[-1] >= 0.90, val_acc
 

@@ -7,10 +7,26 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from app.data.samplers import UnpaddedDistributedSampler, train_sampler
+from app.errors import UserFacingError
 
 
-class DataNotFoundError(RuntimeError):
+class DataNotFoundError(UserFacingError):
     """The dataset is not on disk and may not be downloaded; the message says where we looked."""
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that tells Lightning it can resume mid-epoch.
+
+    Its position needs no state of its own: `ResumableDistributedSampler` derives it from the
+    Trainer's restored loop counters. Implementing `state_dict` / `load_state_dict` is how Lightning
+    recognises a resumable loader (otherwise it warns that a mid-epoch resume is unreliable).
+    """
+
+    def state_dict(self) -> dict[str, int]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        pass
 
 
 class ShardedDataModule(L.LightningDataModule):
@@ -72,10 +88,12 @@ class ShardedDataModule(L.LightningDataModule):
             return self.trainer.accelerator.__class__.__name__ == "CUDAAccelerator"
         return torch.cuda.is_available()
 
-    def _loader(self, dataset: Dataset | None, sampler: torch.utils.data.Sampler) -> DataLoader:
+    def _loader(
+        self, dataset: Dataset | None, sampler: torch.utils.data.Sampler, loader_class: type[DataLoader] = DataLoader
+    ) -> DataLoader:
         if dataset is None:
             raise RuntimeError("setup() must run before a dataloader is requested.")
-        return DataLoader(
+        return loader_class(
             dataset,
             batch_size=self.batch_size,
             sampler=sampler,
@@ -84,11 +102,24 @@ class ShardedDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers and self.num_workers > 0,
         )
 
+    def _training_position(self) -> tuple[int, int]:
+        """(epoch, batches already trained in it), read from the Trainer's restored loop state.
+
+        Lightning calls `set_epoch` with the same epoch number. The batch count is read when the
+        epoch's iteration starts: 0 for a fresh epoch, k when resuming after the k-th step of it.
+        `processed` (not `completed`) counts a batch whose step is in a checkpoint written from
+        `on_train_batch_end`, before Lightning marks that batch completed.
+        """
+        fit_loop = self.trainer.fit_loop
+        return fit_loop.epoch_progress.current.processed, fit_loop.epoch_loop.batch_progress.current.processed
+
     def train_dataloader(self) -> DataLoader:
         world_size, rank = self._world()
-        return self._loader(
-            self.train_dataset, train_sampler(self.train_dataset, world_size, rank, self.shuffle, self.seed)
+        position = self._training_position if self.trainer is not None else None
+        sampler = train_sampler(
+            self.train_dataset, world_size, rank, self.shuffle, self.seed, self.batch_size, position
         )
+        return self._loader(self.train_dataset, sampler, ResumableDataLoader)
 
     def val_dataloader(self) -> DataLoader:
         world_size, rank = self._world()

@@ -8,7 +8,7 @@ samples so that it divides evenly, and those duplicates would be counted twice i
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 
 from torch.utils.data import DistributedSampler
 
@@ -40,10 +40,55 @@ class UnpaddedDistributedSampler(DistributedSampler):
         return self.num_samples
 
 
-def train_sampler(dataset: Sized, num_replicas: int, rank: int, shuffle: bool, seed: int) -> DistributedSampler:
+# (epoch, batches of that epoch already trained) at the moment an epoch's iteration starts.
+TrainingPosition = Callable[[], tuple[int, int]]
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A `DistributedSampler` that can start an epoch part-way through, for exact mid-epoch resume.
+
+    When iteration starts it asks `position()` for (epoch, batches already trained in it) and
+    skips that many batches of this rank's shard: the remaining batches are exactly those an
+    uninterrupted run would see next. `len()` stays the full shard length, because Lightning
+    counts the skipped batches as already fetched (it resumes its batch counter, see
+    `_TrainingEpochLoop.on_run_start`). Without `position` it is a plain `DistributedSampler`.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        batch_size: int,
+        position: TrainingPosition | None = None,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.batch_size = batch_size
+        self.position = position
+
+    def __iter__(self) -> Iterator[int]:
+        if self.position is None:
+            return super().__iter__()
+        epoch, batches_done = self.position()
+        self.set_epoch(epoch)
+        indices = list(super().__iter__())
+        return iter(indices[batches_done * self.batch_size :])
+
+
+def train_sampler(
+    dataset: Sized,
+    num_replicas: int,
+    rank: int,
+    shuffle: bool,
+    seed: int,
+    batch_size: int = 1,
+    position: TrainingPosition | None = None,
+) -> DistributedSampler:
     """The training sampler: the same for Lightning and the reference trainer, also at world size 1.
 
     Using a `DistributedSampler` even with one process keeps the sample order a function of
     (seed, epoch, world size) only, which is what makes the parity checks possible.
     """
-    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+    return ResumableDistributedSampler(dataset, num_replicas, rank, shuffle, seed, batch_size, position)

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from app.bench.recorder import StepRecorder
 from app.cluster.slurm_env import master_address_and_port
 from app.cluster.threads import configure_cpu_threads
 from app.reference.config import Job, build_job, load_config, prepare_data
@@ -61,8 +62,10 @@ class Trainer:
         device: torch.device,
         out_dir: Path,
         save_every: int,
+        recorder: StepRecorder | None = None,
     ) -> None:
         self.rank = rank
+        self.recorder = recorder  # step timings for `python -m app.bench`; None in normal runs
         self.device = device
         self.out_dir = out_dir
         self.save_every = save_every
@@ -112,7 +115,11 @@ class Trainer:
         for source, targets in self.train_data:
             source = source.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
+            if self.recorder is not None:
+                self.recorder.step_start(epoch)
             losses.append(self._run_batch(source, targets))
+            if self.recorder is not None:
+                self.recorder.step_end()
         if self.scheduler is not None:
             self.scheduler.step()
         if self.rank == 0:
@@ -152,8 +159,11 @@ def train_worker(rank: int, world_size: int, local_rank: int, options: dict[str,
             prepare_data(options["config"])  # downloads, once per node
         dist.barrier()
         job = build_job(options["config"])
-        trainer = Trainer(job, rank, world_size, device, Path(options["out_dir"]), options["save_every"])
+        recorder = StepRecorder.from_env("reference", rank, world_size)
+        trainer = Trainer(job, rank, world_size, device, Path(options["out_dir"]), options["save_every"], recorder)
         trainer.train(options["max_epochs"])
+        if recorder is not None:
+            recorder.finish(device)
     finally:
         cleanup()
 

@@ -1,0 +1,1 @@
+"""`python -m app.bench`: the reference DDP trainer and Lightning DDP, side by side (see `__main__`)."""

@@ -1,0 +1,72 @@
+"""Per-rank timings for `python -m app.bench`, recorded from outside the training code.
+
+The bench sets `APP_BENCH_DIR` (where each rank writes `<side>-rank<r>.json`) and
+`APP_BENCH_LAUNCH_TIME` (the `time.time()` at which it started the command). Without them nothing
+is recorded: `StepRecorder.from_env()` returns None and the Lightning callback does nothing.
+The reference trainer calls a recorder directly; Lightning gets `app.bench.callback.BenchTimer`.
+This module imports no Lightning, so that timing the reference does not slow its start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DIR_VARIABLE = "APP_BENCH_DIR"
+LAUNCH_TIME_VARIABLE = "APP_BENCH_LAUNCH_TIME"
+
+
+class StepRecorder:
+    """Start and end of every training step (perf_counter), and this rank's peak memory."""
+
+    def __init__(self, out_dir: Path, side: str, rank: int, world_size: int) -> None:
+        self.path = out_dir / f"{side}-rank{rank}.json"
+        self.side, self.rank, self.world_size = side, rank, world_size
+        # One (wall clock, perf_counter) anchor converts step times into wall-clock times, which
+        # the bench can compare with its own launch time and exit time (other processes).
+        self.wall_anchor, self.perf_anchor = time.time(), time.perf_counter()
+        self.epochs: list[int] = []
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    @classmethod
+    def from_env(cls, side: str, rank: int, world_size: int) -> StepRecorder | None:
+        out_dir = os.environ.get(DIR_VARIABLE)
+        return cls(Path(out_dir), side, rank, world_size) if out_dir else None
+
+    def step_start(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+        self.starts.append(time.perf_counter())
+
+    def step_end(self) -> None:
+        self.ends.append(time.perf_counter())
+
+    def finish(self, device: torch.device | None = None) -> None:
+        """Write this rank's record (atomically: the bench reads it after the process exits)."""
+        record: dict[str, Any] = {
+            "side": self.side,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "launch_time": float(os.environ.get(LAUNCH_TIME_VARIABLE, "nan")),
+            "wall_anchor": self.wall_anchor,
+            "perf_anchor": self.perf_anchor,
+            "finish_time": time.time(),
+            "epochs": self.epochs,
+            "starts": self.starts,
+            "ends": self.ends,
+            # Linux reports ru_maxrss in KiB.
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "cuda_max_allocated_mb": None,
+        }
+        if device is not None and device.type == "cuda":
+            record["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(record))
+        os.replace(temporary, self.path)
+

@@ -1,0 +1,96 @@
+"""Callbacks every `ddp-app` run gets: exact resume of random state, and a guard against NaN/Inf."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from app.errors import NonFiniteLossError
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's random generators, in types that `torch.load(weights_only=True)` accepts."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class ExactResume(L.Callback):
+    """Stores every rank's RNG state in the checkpoint and restores it right before the first
+    training step after a resume.
+
+    Lightning saves the loop counters, optimizer and schedulers but no random state, so dropout
+    masks (and anything else drawn during training) would differ after a restart. The state is
+    restored at the first `on_train_batch_start`, not at load time, because creating the
+    DataLoader iterator in between draws a seed from the global generator. The sampler position
+    comes back through `app.data.samplers.ResumableDistributedSampler`.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # Lightning builds the checkpoint on every rank (rank 0 writes it), so a collective is safe here.
+        state = capture_rng_state()
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            states: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(states, state)
+        else:
+            states = [state]
+        checkpoint["rng_states_per_rank"] = states
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        states = checkpoint.get("rng_states_per_rank")
+        if states and len(states) == trainer.world_size:
+            self._pending = states[trainer.global_rank]
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._pending is not None:
+            restore_rng_state(self._pending)
+            self._pending = None
+
+
+class NonFiniteGuard(L.Callback):
+    """Stops training at the first step whose gradients are NaN or Inf, before the optimizer uses them.
+
+    The check runs after DDP's all-reduce, so every rank sees the same gradients and takes the same
+    decision without another collective; the weights and the last checkpoint stay the last good ones.
+    """
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        total = torch.stack(torch._foreach_norm(grads)).sum()
+        if not torch.isfinite(total):
+            last = getattr(trainer.checkpoint_callback, "last_model_path", "") or "none written yet"
+            raise NonFiniteLossError(
+                f"the loss diverged: non-finite gradients at global step {trainer.global_step} "
+                f"(epoch {trainer.current_epoch}, batch {trainer.fit_loop.epoch_loop.batch_idx}); "
+                f"stopped before updating the weights, last good checkpoint: {last}. "
+                "Fix: lower the learning rate, clip gradients (trainer.gradient_clip_val) or check the data."
+            )

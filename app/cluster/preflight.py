@@ -1,0 +1,253 @@
+"""Which launcher started this process, and whether it agrees with the Trainer: checked before any
+process group exists, so that a mismatch ends in one line instead of a hang or a stack trace.
+
+    srun      a Slurm job step (SLURM_STEP_ID is set): one task per rank, Lightning's SLURMEnvironment
+    torchrun  TorchElastic's variables are set: torchrun started the ranks (Lightning checks it first)
+    plain     anything else: Lightning starts ranks 1..devices-1 itself by running the command again
+
+Lightning decides "srun was used" from SLURM_NTASKS alone, which a batch script or an salloc shell
+also carries. A job with N tasks started without srun then runs one process that waits at
+"Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/N" until the time limit. SLURM_STEP_ID is set
+by srun only (measured on Slurm 22.05: absent in the batch script and in salloc's shell), so it
+tells the two apart.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from app.cluster.slurm_env import master_address_and_port
+
+# Job names for which Lightning ignores Slurm and starts the ranks itself (its "interactive mode");
+# salloc names its jobs "interactive" and `srun --pty bash` names them "bash".
+INTERACTIVE_JOB_NAMES = ("bash", "interactive")
+
+TORCHRUN_VARIABLES = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+class PreflightError(ValueError):
+    """The launch and the Trainer's devices/num_nodes disagree, or training would hang."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this process was started, as seen before any process group exists."""
+
+    launcher: str  # "srun", "torchrun" or "plain"
+    world_size: int
+    global_rank: int
+    local_rank: int
+    node_rank: int
+    devices: int  # processes per node
+    num_nodes: int
+
+
+def resolve_devices(devices: Any, accelerator: Any = "auto") -> int | None:
+    """The number of processes per node that Trainer(devices=...) means; None if it cannot be told here.
+
+    "auto" and -1 mean every visible GPU on a GPU accelerator and one process on a CPU.
+    """
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    text = str(devices).strip()
+    if text not in ("auto", "-1"):
+        if "," in text:  # "0,1" names GPU indices
+            return len([part for part in text.split(",") if part.strip()])
+        return int(text) if text.isdigit() else None
+    name = str(accelerator).lower() if isinstance(accelerator, str) else None
+    if name == "cpu":
+        return 1
+    if name not in ("auto", "gpu", "cuda"):
+        return None
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else (1 if name == "auto" else None)
+
+
+def tasks_per_node(value: str) -> list[int]:
+    """Expand Slurm's SLURM_TASKS_PER_NODE format: "2(x3),1" -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", value):
+        counts.extend([int(count)] * int(repeat or 1))
+    return counts
+
+
+def is_torchrun(env: Mapping[str, str]) -> bool:
+    """torchrun (TorchElastic) started this process; Lightning's TorchElasticEnvironment.detect."""
+    return "TORCHELASTIC_RUN_ID" in env or all(name in env for name in TORCHRUN_VARIABLES)
+
+
+def lightning_uses_slurm(env: Mapping[str, str]) -> bool:
+    """Lightning will pick its SLURMEnvironment (and read MASTER_PORT): SLURM_NTASKS set, no torchrun,
+    not a job name of its interactive mode. Mirrors lightning.fabric's `_is_srun_used`."""
+    return not is_torchrun(env) and "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in INTERACTIVE_JOB_NAMES
+
+
+def detect_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
+    """Name the launcher and check it against devices x num_nodes; raises PreflightError."""
+    if is_torchrun(env):
+        return _torchrun_launch(env, devices, num_nodes)
+    if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env:
+        if env.get("SLURM_JOB_NAME") in INTERACTIVE_JOB_NAMES:
+            return _interactive_step_launch(env, devices, num_nodes)
+        return _srun_launch(env, devices, num_nodes)
+    if "SLURM_JOB_ID" in env:
+        _refuse_slurm_job_without_srun(env, devices, num_nodes)
+    return _plain_launch(env, devices, num_nodes)
+
+
+def _torchrun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    per_node = int(env.get("LOCAL_WORLD_SIZE", str(world_size)))
+    if per_node != devices:
+        raise PreflightError(
+            f"torchrun started {per_node} processes per node (--nproc-per-node={per_node}) but trainer.devices="
+            f"{devices}. HINT: torchrun --nproc-per-node={devices} ..., or --trainer.devices {per_node}."
+        )
+    if world_size != devices * num_nodes:
+        nodes = world_size // max(per_node, 1)
+        raise PreflightError(
+            f"torchrun started {nodes} node(s) (--nnodes={nodes}) but trainer.num_nodes={num_nodes}."
+            f" HINT: torchrun --nnodes={num_nodes} ..., or --trainer.num_nodes {nodes}."
+        )
+    return Launch(
+        "torchrun",
+        world_size,
+        int(env.get("RANK", "0")),
+        int(env.get("LOCAL_RANK", "0")),
+        int(env.get("GROUP_RANK", "0")),
+        devices,
+        num_nodes,
+    )
+
+
+def _srun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
+    ntasks = int(env.get("SLURM_NTASKS", "1"))
+    declared = env.get("SLURM_NTASKS_PER_NODE")
+    if ntasks > 1 and declared is None:
+        # Lightning's SLURMEnvironment raises a RuntimeError (a traceback) for the same case.
+        raise PreflightError(
+            f"--ntasks={ntasks} was given without --ntasks-per-node, so it is not known how many ranks run on"
+            f" each node. HINT: use --ntasks-per-node={devices} (and --nodes={num_nodes}) instead of --ntasks."
+        )
+    step_counts = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
+    counts = [int(declared)] if declared is not None else []
+    counts += step_counts
+    wrong = next((count for count in counts if count != devices), None)
+    if wrong is not None:
+        raise PreflightError(
+            f"srun started {wrong} task(s) per node (--ntasks-per-node={wrong}) but trainer.devices={devices};"
+            f" under srun Lightning starts no processes of its own, so the two must match. HINT: --ntasks-per-node="
+            f"{devices}, or --trainer.devices {wrong} (in an interactive `srun --pty` shell: --job-name=interactive,"
+            f" and Lightning starts the {devices} processes itself)."
+        )
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1")
+    if nodes != num_nodes:
+        raise PreflightError(
+            f"the job step runs on {nodes} node(s) (--nodes={nodes}) but trainer.num_nodes={num_nodes}."
+            f" HINT: --nodes={num_nodes}, or --trainer.num_nodes {nodes}."
+        )
+    return Launch(
+        "srun",
+        ntasks,
+        int(env.get("SLURM_PROCID", "0")),
+        int(env.get("SLURM_LOCALID", "0")),
+        int(env.get("SLURM_NODEID", "0")),
+        devices,
+        num_nodes,
+    )
+
+
+def _interactive_step_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
+    """A job step whose job is named "interactive" or "bash": Lightning ignores Slurm here."""
+    name, ntasks = env["SLURM_JOB_NAME"], int(env.get("SLURM_NTASKS", "1"))
+    if ntasks > 1:
+        # Lightning issue #20776: every task would start its own `devices` processes, on its own port.
+        raise PreflightError(
+            f"srun started {ntasks} tasks in a job named {name!r} (salloc's and `srun --pty bash`'s default),"
+            f" and Lightning ignores srun in jobs of that name: each task would start its own {devices}"
+            f" processes (Lightning issue #20776). HINT: srun --job-name=train ..., or salloc --job-name=train."
+        )
+    # `srun --pty bash`: one task, an interactive shell on a compute node; Lightning starts the ranks.
+    return _plain_launch(env, devices, num_nodes)
+
+
+def _refuse_slurm_job_without_srun(env: Mapping[str, str], devices: int, num_nodes: int) -> None:
+    """Inside a Slurm job but not a job step: the batch script itself, or salloc's shell."""
+    ntasks = int(env.get("SLURM_NTASKS", "1"))
+    job = env["SLURM_JOB_ID"]
+    if "SLURMD_NODENAME" not in env:
+        # salloc runs its shell on the submit host, outside the nodes it allocated.
+        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "?"
+        raise PreflightError(
+            f"this is the shell of Slurm allocation {job} (salloc), on the submit host and not on its nodes"
+            f" ({nodes}); nothing here starts one process per task. HINT: srun --job-name=train --nodes={num_nodes}"
+            f" --ntasks-per-node={devices} ddp-app ... (in a job named 'interactive' Lightning ignores srun)."
+        )
+    if ntasks > 1:
+        raise PreflightError(
+            f"job {job} has {ntasks} tasks (SLURM_NTASKS={ntasks}) but ddp-app was started without srun: one"
+            f" process would wait at 'Initializing distributed ... MEMBER: 1/{ntasks}' for the other"
+            f" {ntasks - 1} until the time limit. HINT: srun ddp-app fit ... (see slurm/train.sbatch)."
+        )
+    if devices * num_nodes > 1:
+        raise PreflightError(
+            f"trainer.devices x trainer.num_nodes = {devices * num_nodes} processes, but this Slurm job has one"
+            f" task and ddp-app was started without srun. HINT: #SBATCH --nodes={num_nodes}"
+            f" --ntasks-per-node={devices} and srun ddp-app fit ... (see slurm/train.sbatch)."
+        )
+
+
+def _plain_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
+    if num_nodes > 1 and "NODE_RANK" not in env:
+        raise PreflightError(
+            f"trainer.num_nodes={num_nodes} but nothing started this command on the other nodes (no srun,"
+            f" no torchrun, no NODE_RANK): rank 0 would wait for them forever. HINT: sbatch slurm/multinode.sbatch,"
+            f" or torchrun --nnodes={num_nodes}, or set NODE_RANK, MASTER_ADDR and MASTER_PORT on every node."
+        )
+    # Ranks >= 1 that Lightning started itself carry LOCAL_RANK and NODE_RANK.
+    local_rank, node_rank = int(env.get("LOCAL_RANK", "0")), int(env.get("NODE_RANK", "0"))
+    return Launch(
+        "plain", devices * num_nodes, node_rank * devices + local_rank, local_rank, node_rank, devices, num_nodes
+    )
+
+
+def export_master_address(env: MutableMapping[str, str]) -> None:
+    """Give Lightning's SLURMEnvironment our per-job MASTER_ADDR and MASTER_PORT before it reads them.
+
+    Its own port, 15000 + job id % 10000, is the same for two jobs on one node whose ids share the
+    last four digits; `job_master_port` hashes the whole id. A MASTER_PORT already set still wins.
+    """
+    if lightning_uses_slurm(env) and (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")):
+        address, port = master_address_and_port(dict(env))
+        env["MASTER_ADDR"], env["MASTER_PORT"] = address, str(port)
+
+
+def describe_launch(launch: Launch, cluster_environment: object, env: Mapping[str, str] | None = None) -> str:
+    """One line for the log: who started the ranks, which environment Lightning chose, and where they meet."""
+    env = os.environ if env is None else env
+    meeting = f", rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_PORT" in env else ""
+    return (
+        f"ddp-app: launched by {launch.launcher}: {type(cluster_environment).__name__}, world size"
+        f" {launch.world_size} = {launch.num_nodes} node(s) x {launch.devices} process(es){meeting}"
+    )
+
+
+def preflight(trainer_config: Mapping[str, Any], env: MutableMapping[str, str] | None = None) -> Launch | None:
+    """Check the launch against the Trainer's devices/num_nodes and export the rendezvous address.
+
+    Returns None (and checks nothing) when `devices` cannot be resolved before the Trainer exists,
+    e.g. a custom accelerator object with devices="auto".
+    """
+    env = os.environ if env is None else env
+    devices = resolve_devices(trainer_config.get("devices", "auto"), trainer_config.get("accelerator", "auto"))
+    num_nodes = int(trainer_config.get("num_nodes") or 1)
+    if devices is None:
+        return None
+    launch = detect_launch(env, devices, num_nodes)
+    export_master_address(env)
+    return launch

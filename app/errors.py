@@ -1,0 +1,84 @@
+"""One place that turns an exception into the one line a user reads, or decides it is a bug.
+
+Every entry point (`ddp-app`, and every rank it starts) prints `ddp-app: error: <line>` and exits 2
+for the problems below, which are the user's to fix; anything else keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+
+class UserFacingError(RuntimeError):
+    """An error whose message already says what is wrong and how to fix it."""
+
+
+class NonFiniteLossError(UserFacingError):
+    """The loss or the gradients became NaN/Inf; the weights were not updated with them."""
+
+
+def summarize_parser_error(message: str) -> str:
+    """Turn jsonargparse's multi-line report into one line that names the key and what is wrong."""
+    keys = re.findall(r'(?:Parser key|Key) "([^"]+)"', message)
+    # A key inside a `class_path` object is reported relative to it: rebuild the full path.
+    path = keys[0] + "".join(f".init_args.{key}" for key in keys[1:]) if keys else None
+    wrong_type = re.search(r"Expected a <class '([^']+)'>\. Got value: (.*)", message)
+    if path and wrong_type:
+        return f"invalid value {wrong_type.group(2).strip()!r} for {path}: expected {wrong_type.group(1)}."
+    given = re.search(r"Given value: (.*)", message)
+    expected = [name for name in re.findall(r"Expected a <class '([^']+)'>", message) if name != "NoneType"]
+    if path and given and expected and "Namespace(" not in given.group(1):
+        wanted = " or ".join(dict.fromkeys(expected))
+        return f"invalid value {given.group(1).strip()!r} for {path}: expected {wanted}."
+    if "unrecognized arguments" in message:
+        return f"{message.strip()}: no such key. Fix: check its spelling and nesting (init_args)."
+    if "Problem in" in message and ("yaml" in message.lower() or "while parsing" in message or "mapping" in message):
+        return f"the config file is not valid YAML: {' '.join(message.split())[:300]}"
+    reasons = [
+        line.strip()[2:]
+        for line in message.splitlines()
+        if line.strip().startswith("- ") and "NoneType" not in line and "Problem with given class_path" not in line
+    ]
+    if reasons:
+        return reasons[0] if not path or path in reasons[0] else f"{path}: {reasons[0]}"
+    return " ".join(message.split())
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def user_message(error: BaseException) -> str | None:
+    """The one-line message for an error the user can fix, or None for a bug (keep the traceback)."""
+    text = str(error)
+    if isinstance(error, UserFacingError):
+        return _one_line(text)
+    if isinstance(error, MisconfigurationException):
+        return _one_line(text)
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        where = f" while writing {error.filename}" if error.filename else ""
+        return f"no space left on the device{where}. Fix: free space or point trainer.default_root_dir elsewhere."
+    if "Error(s) in loading state_dict" in text:
+        first = next((line.strip() for line in text.splitlines()[1:] if line.strip()), "")
+        return f"the checkpoint does not fit this model: {first} Fix: use the config it was trained with."
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (
+            "MASTER_PORT is already in use on this machine. Fix: unset MASTER_PORT to let the launcher pick a "
+            "free port, or choose another one."
+        )
+    timed_out = re.search(r"(?:timed out|Timeout).*?connect.*?([\w.\-]+):(\d+)", text, re.IGNORECASE | re.DOTALL)
+    if timed_out or ("DistStoreError" in type(error).__name__ and "timed out" in text.lower()):
+        import os
+
+        address = os.environ.get("MASTER_ADDR", "?")
+        port = os.environ.get("MASTER_PORT", "?")
+        return (
+            f"could not reach the rendezvous at MASTER_ADDR={address} MASTER_PORT={port} before the timeout. "
+            "Fix: check that rank 0 runs, the address is reachable from this node and the port is open."
+        )
+    if isinstance(error, (ValueError, FileNotFoundError)):
+        return summarize_parser_error(text) if "\n" in text else _one_line(text)
+    return None
