@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import tempfile
 import urllib.request
 import zipfile
@@ -67,18 +68,22 @@ def safe_load(path: str | Path, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(source, map_location=map_location, weights_only=True)
     except Exception as error:
-        message = str(error)
-        if "Weights only load failed" in message or "Unsupported global" in message:
-            raise CheckpointError(
-                f"refused to load {path}: it holds objects other than tensors and plain data, and unpickling "
-                "it could run code. Only a file you trust may be loaded with torch.load(weights_only=False)."
-            ) from error
-        if isinstance(error, (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError)):
-            raise CheckpointError(
-                f"checkpoint {path} is truncated or corrupt ({_first_line(error)}). "
-                "Fix: resume from an earlier checkpoint."
-            ) from error
-        raise
+        raise as_checkpoint_error(path, error) from error
+
+
+def as_checkpoint_error(path: str | Path, error: BaseException) -> BaseException:
+    """The one-line CheckpointError for a failed `torch.load` of `path` (the error itself if unknown)."""
+    message = str(error)
+    if "Weights only load failed" in message or "Unsupported global" in message:
+        return CheckpointError(
+            f"refused to load {path}: it holds objects other than tensors and plain data, and unpickling "
+            "it could run code. Only a file you trust may be loaded with torch.load(weights_only=False)."
+        )
+    if isinstance(error, (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, pickle.UnpicklingError)):
+        return CheckpointError(
+            f"checkpoint {path} is truncated or corrupt ({_first_line(error)}). Fix: resume from an earlier checkpoint."
+        )
+    return error
 
 
 class SafeCheckpointIO(TorchCheckpointIO):

@@ -29,11 +29,14 @@ from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
 import app.data  # noqa: F401  (registers the DataModules for short `class_path` names)
 import app.models  # noqa: F401  (registers the LightningModules)
 from app.callbacks import ExactResume, NonFiniteGuard
-from app.checkpoints import SafeCheckpointIO
+from app.checkpoints import SafeCheckpointIO, as_checkpoint_error
 from app.cluster.preemption import Preemption
 from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, summarize_parser_error, user_message
+
+# Trainers this process built: on an error, the rank processes their launchers started are stopped.
+STARTED_TRAINERS: list[Trainer] = []
 
 # Lightning's default collective timeout is 30 minutes: a dead peer then hangs the others that long.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
@@ -77,11 +80,24 @@ def check_config(config: Any) -> None:
     if isinstance(lr, (int, float)) and lr <= 0:
         raise UserFacingError(f"optimizer.init_args.lr must be > 0, got {lr}. Fix: a positive learning rate.")
     devices = trainer.get("devices")
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
     if isinstance(devices, int) and devices < 1:
         raise UserFacingError(f"trainer.devices must be >= 1, got {devices}. Fix: a positive process count.")
-    on_cpu = trainer.get("accelerator") == "cpu" or (
-        trainer.get("accelerator") in (None, "auto") and not _cuda_available()
-    )
+    accelerator = trainer.get("accelerator")
+    accelerator = accelerator if isinstance(accelerator, str) else None
+    if accelerator in ("gpu", "cuda") and not _cuda_available():
+        raise UserFacingError(
+            f"trainer.accelerator={accelerator} but this machine has no usable GPU (torch.cuda.is_available() "
+            "is False). Fix: --trainer.accelerator=cpu (or auto), or run on a GPU node."
+        )
+    on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not _cuda_available())
+    precision = str(trainer.get("precision"))
+    if on_cpu and precision in ("16", "16-mixed", "16-true", "half"):
+        raise UserFacingError(
+            f"trainer.precision={precision} on CPU: CPUs have no native float16 arithmetic (it is emulated, "
+            "slower than 32-bit). Fix: --trainer.precision=bf16-mixed or 32-true on CPU; 16-mixed is for GPUs."
+        )
     cores = os.cpu_count() or 1
     if on_cpu and isinstance(devices, int) and devices > cores and not os.environ.get("DDP_APP_ALLOW_OVERSUBSCRIBE"):
         raise UserFacingError(
@@ -140,6 +156,15 @@ class DDPAppCLI(LightningCLI):
     def _subcommand_config(self, config: Any) -> Any:
         return config[self.subcommand] if self.subcommand else config
 
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the checkpoint's hyperparameters with torch.load(weights_only=True)
+        # before anything else (Lightning 2.6 `LightningCLI._parse_ckpt_path`); name the file if it fails.
+        try:
+            super()._parse_ckpt_path()
+        except Exception as error:
+            ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
+            raise as_checkpoint_error(ckpt_path, error) from error
+
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config(self.config)
         check_config(config)
@@ -155,6 +180,7 @@ class DDPAppCLI(LightningCLI):
             # SIGUSR1 handler, which saves inside the signal handler (Lightning #21406).
             kwargs["plugins"] = [SLURMEnvironment(auto_requeue=False)]
         trainer = super().instantiate_trainer(**kwargs)
+        STARTED_TRAINERS.append(trainer)
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if self.launch is not None and self.launch.global_rank == 0 and environment is not None:
             print(describe_launch(self.launch, environment), flush=True)
@@ -172,11 +198,26 @@ class DDPAppCLI(LightningCLI):
         return trainer
 
 
+def stop_child_ranks() -> None:
+    """Kill the ranks Lightning's launcher started from this process, if any are still running.
+
+    Lightning's process observer ends everything when a child rank fails, but when rank 0 itself
+    fails (say, before the rendezvous) the children stay behind, blocked in `init_process_group`
+    until the collective timeout: an orphaned job for up to 30 minutes.
+    """
+    for trainer in STARTED_TRAINERS:
+        for process in getattr(trainer.strategy.launcher, "procs", None) or []:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 def main(args: list[str] | None = None) -> None:
     configure_cpu_threads()
     try:
         DDPAppCLI(args=args)
     except Exception as error:
+        stop_child_ranks()
         message = user_message(error)
         if message is None:
             raise

@@ -7,6 +7,7 @@ for the problems below, which are the user's to fix; anything else keeps its tra
 from __future__ import annotations
 
 import errno
+import os
 import re
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -35,8 +36,11 @@ def summarize_parser_error(message: str) -> str:
         return f"invalid value {given.group(1).strip()!r} for {path}: expected {wanted}."
     if "unrecognized arguments" in message:
         return f"{message.strip()}: no such key. Fix: check its spelling and nesting (init_args)."
-    if "Problem in" in message and ("yaml" in message.lower() or "while parsing" in message or "mapping" in message):
-        return f"the config file is not valid YAML: {' '.join(message.split())[:300]}"
+    if "Problems parsing config" in message or "while parsing" in message or "while scanning" in message:
+        detail = (
+            " ".join(message.split()).replace('in "<unicode string>", ', "").replace("Problems parsing config: ", "")
+        )
+        return f"a config file is not valid YAML ({detail[:240]}). Fix: correct the YAML syntax there."
     reasons = [
         line.strip()[2:]
         for line in message.splitlines()
@@ -69,14 +73,12 @@ def user_message(error: BaseException) -> str | None:
             "MASTER_PORT is already in use on this machine. Fix: unset MASTER_PORT to let the launcher pick a "
             "free port, or choose another one."
         )
-    timed_out = re.search(r"(?:timed out|Timeout).*?connect.*?([\w.\-]+):(\d+)", text, re.IGNORECASE | re.DOTALL)
-    if timed_out or ("DistStoreError" in type(error).__name__ and "timed out" in text.lower()):
-        import os
-
+    if type(error).__name__ in ("DistNetworkError", "DistStoreError") or "Connection refused" in text:
         address = os.environ.get("MASTER_ADDR", "?")
         port = os.environ.get("MASTER_PORT", "?")
         return (
-            f"could not reach the rendezvous at MASTER_ADDR={address} MASTER_PORT={port} before the timeout. "
+            f"could not reach the rendezvous at MASTER_ADDR={address} MASTER_PORT={port} "
+            f"({_one_line(text.splitlines()[0] if text else type(error).__name__)[:160]}). "
             "Fix: check that rank 0 runs, the address is reachable from this node and the port is open."
         )
     if isinstance(error, (ValueError, FileNotFoundError)):

@@ -3,6 +3,7 @@
 from app.data.base import DataNotFoundError, ShardedDataModule
 from app.data.digits import DigitsDataModule
 from app.data.random_regression import RandomRegressionDataModule
+from app.data.tensor_file import TensorFileDataModule
 from app.data.vision import CIFAR10DataModule, FakeImageDataModule, MNISTDataModule
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "MNISTDataModule",
     "RandomRegressionDataModule",
     "ShardedDataModule",
+    "TensorFileDataModule",
 ]

@@ -1,0 +1,293 @@
+"""Bad input: every case exits non-zero in bounded time with one clear line, and destroys nothing.
+
+Each case runs the real `ddp-app fit` command against a run directory that already holds a
+checkpoint and a metrics log from an earlier run; their bytes must be unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.run import clean_env, ddp_app
+
+pytestmark = pytest.mark.fault
+
+TIMEOUT_S = 120
+
+
+@dataclass
+class Case:
+    args: list[str]
+    expect: str  # a substring the error line must contain (names the problem)
+    env: dict[str, str] = field(default_factory=dict)
+    prepare: Callable[[Path], list[str]] | None = None  # returns extra args, given a scratch dir
+    needs_root: bool = False
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def yaml_with_unknown_key(scratch: Path) -> list[str]:
+    return ["--config", str(write(scratch / "extra.yaml", "trainer:\n  max_epocs: 3\n"))]
+
+
+def malformed_yaml(scratch: Path) -> list[str]:
+    return ["--config", str(write(scratch / "broken.yaml", "trainer:\n  max_epochs: [3\n  devices: 2\n"))]
+
+
+def truncated_checkpoint(scratch: Path) -> list[str]:
+    good = Path(os.environ["BAD_INPUT_LAST_CKPT"]).read_bytes()
+    (scratch / "truncated.ckpt").write_bytes(good[: len(good) // 2])
+    return ["--ckpt_path", str(scratch / "truncated.ckpt")]
+
+
+def other_model_checkpoint(scratch: Path) -> list[str]:
+    from app.models import ToyRegressor
+
+    checkpoint = {
+        "state_dict": ToyRegressor().state_dict(),
+        "epoch": 0,
+        "global_step": 0,
+        "pytorch-lightning_version": "2.6.6",
+        "loops": {},
+        "callbacks": {},
+        "optimizer_states": [],
+        "lr_schedulers": [],
+    }
+    torch.save(checkpoint, scratch / "toy.ckpt")
+    return ["--ckpt_path", str(scratch / "toy.ckpt")]
+
+
+class MarkerOnUnpickle:
+    """Unpickling this object would create a file: the proof that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def malicious_checkpoint(scratch: Path) -> list[str]:
+    with open(scratch / "evil.ckpt", "wb") as file:
+        torch.save({"state_dict": {}, "payload": MarkerOnUnpickle(scratch / "PWNED")}, file, pickle_protocol=2)
+    return ["--ckpt_path", str(scratch / "evil.ckpt")]
+
+
+def nan_data(scratch: Path) -> list[str]:
+    inputs = torch.randn(64, 64)
+    inputs[17, 3] = float("nan")
+    torch.save({"inputs": inputs, "targets": torch.randint(0, 10, (64,))}, scratch / "data.pt")
+    return ["--data=app.data.TensorFileDataModule", f"--data.init_args.path={scratch / 'data.pt'}"]
+
+
+def unwritable_root(scratch: Path) -> list[str]:
+    blocker = write(scratch / "a-file", "not a directory")
+    return [f"--trainer.default_root_dir={blocker / 'runs'}"]
+
+
+def port_in_use(scratch: Path) -> list[str]:
+    return []
+
+
+CASES: dict[str, Case] = {
+    "unknown_key_cli": Case(["--trainer.max_epocs=3"], "max_epocs"),
+    "unknown_key_yaml": Case([], "max_epocs", prepare=yaml_with_unknown_key),
+    "wrong_type": Case(["--trainer.max_epochs=oops"], "trainer.max_epochs"),
+    "malformed_yaml": Case([], "YAML", prepare=malformed_yaml),
+    "missing_config": Case(["--config=configs/nope.yaml"], "does not exist"),
+    "unknown_model_class": Case(["--model=NoSuchModel"], "NoSuchModel"),
+    "negative_lr": Case(["--optimizer.init_args.lr=-0.1"], "optimizer.init_args.lr"),
+    "batch_size_zero": Case(["--data.init_args.batch_size=0"], "batch_size"),
+    "max_epochs_zero": Case(["--trainer.max_epochs=0"], "trainer.max_epochs"),
+    "max_epochs_negative": Case(["--trainer.max_epochs=-3"], "trainer.max_epochs"),
+    "devices_zero": Case(["--trainer.devices=0"], "trainer.devices"),
+    "more_cpu_devices_than_cores": Case([f"--trainer.devices={(os.cpu_count() or 1) + 1}"], "oversubscribe"),
+    "num_nodes_without_other_nodes": Case(["--trainer.num_nodes=2"], "num_nodes"),
+    "missing_data_dir": Case(
+        [
+            "--config=configs/mnist.yaml",
+            "--data.init_args.data_dir=/nonexistent/data",
+            "--data.init_args.download=false",
+            "--data.init_args.num_workers=0",
+        ],
+        "MNIST not found",
+    ),
+    "unwritable_root_dir": Case([], "not writable", prepare=unwritable_root),
+    "nonexistent_ckpt_path": Case(["--ckpt_path=/nonexistent/last.ckpt"], "/nonexistent/last.ckpt"),
+    "truncated_ckpt": Case([], "truncated or corrupt", prepare=truncated_checkpoint),
+    "checkpoint_of_another_model": Case([], "net.", prepare=other_model_checkpoint),
+    "malicious_ckpt": Case([], "refused to load", prepare=malicious_checkpoint),
+    "nan_in_input_data": Case([], "NaN", prepare=nan_data),
+    "nan_loss": Case(["--optimizer=torch.optim.SGD", "--optimizer.init_args.lr=1e30"], "diverged"),
+    "torchrun_world_size_mismatch": Case(
+        [],
+        "trainer.devices",
+        env={
+            "WORLD_SIZE": "3",
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "3",
+            "GROUP_RANK": "0",
+            "TORCHELASTIC_RUN_ID": "bad-input",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29531",
+        },
+    ),
+    "master_port_in_use": Case([], "MASTER_PORT", prepare=port_in_use),
+    # Rank 1 of a 2-node job whose rank 0 never comes up: nothing listens at the address.
+    "unreachable_master_addr": Case(
+        ["--collective_timeout_s=8", "--trainer.devices=1", "--trainer.num_nodes=2"],
+        "MASTER_ADDR=127.0.0.1",
+        env={
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29532",
+            "NODE_RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "RANK": "1",
+        },
+    ),
+    "unknown_accelerator": Case(["--trainer.accelerator=quantum"], "quantum"),
+    "gpu_on_a_machine_without_one": Case(["--trainer.accelerator=gpu"], "no usable GPU"),
+    "precision_the_device_cannot_run": Case(["--trainer.precision=16-mixed", "--trainer.accelerator=cpu"], "precision"),
+    "validation_set_smaller_than_ranks": Case(
+        ["--config=configs/toy.yaml", "--data.init_args.num_samples=4"], "fewer than the 2 ranks"
+    ),
+    "disk_full_while_saving": Case([], "no space left", needs_root=True),
+}
+
+
+def unchanged(before: dict[str, str], after: dict[str, str]) -> bool:
+    """Every file that existed before still exists with the same bytes (new files are fine)."""
+    return all(after.get(name) == value for name, value in before.items())
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def previous_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A finished run (2 epochs) whose checkpoint and logs every case must leave untouched."""
+    root = tmp_path_factory.mktemp("previous_run")
+    result = ddp_app(
+        "fit",
+        "--config",
+        "configs/digits.yaml",
+        "--trainer.max_epochs=2",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={root}",
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    os.environ["BAD_INPUT_LAST_CKPT"] = str(root / "checkpoints" / "last.ckpt")
+    yield root
+    os.environ.pop("BAD_INPUT_LAST_CKPT", None)
+
+
+def run_case(case: Case, root: Path, scratch: Path) -> subprocess.CompletedProcess[str]:
+    extra = case.prepare(scratch) if case.prepare else []
+    args = [
+        "fit",
+        "--config",
+        "configs/digits.yaml",
+        f"--trainer.default_root_dir={root}",
+        "--trainer.enable_progress_bar=false",
+        *extra,
+        *case.args,
+    ]
+    return ddp_app(*args, timeout=TIMEOUT_S, env=clean_env(**case.env))
+
+
+def assert_one_clear_line(result: subprocess.CompletedProcess[str], expect: str) -> None:
+    assert result.returncode != 0, result.stdout[-1500:] + result.stderr[-1500:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors, result.stderr[-3000:]
+    assert len(set(errors)) == 1, errors  # every rank that reports says the same single line
+    assert expect in errors[0], errors[0]
+
+
+@pytest.mark.parametrize(
+    "name", [name for name in CASES if name not in ("master_port_in_use", "disk_full_while_saving")]
+)
+def test_bad_input(name: str, previous_run: Path, tmp_path: Path) -> None:
+    case = CASES[name]
+    before = digest(previous_run)
+    result = run_case(case, previous_run, tmp_path)
+    assert_one_clear_line(result, case.expect)
+    assert unchanged(before, digest(previous_run)), "an existing checkpoint or log was changed"
+    assert not (tmp_path / "PWNED").exists(), "unpickling the checkpoint ran code"
+
+
+def test_master_port_in_use(previous_run: Path, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        case = Case([], "MASTER_PORT", env={"MASTER_PORT": str(port), "MASTER_ADDR": "127.0.0.1"})
+        before = digest(previous_run)
+        result = run_case(case, previous_run, tmp_path)
+    assert_one_clear_line(result, "MASTER_PORT")
+    assert unchanged(before, digest(previous_run))
+
+
+def test_disk_full_while_saving_keeps_the_old_checkpoint(previous_run: Path, tmp_path: Path) -> None:
+    """A real full file system: a 1 MiB tmpfs holding the previous run; the next save cannot fit."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        shutil.copytree(previous_run / "checkpoints", small / "checkpoints")
+        filler = small / "filler"
+        with open(filler, "wb") as file:  # leave less room than one more checkpoint needs
+            free = shutil.disk_usage(small).free
+            file.write(b"\0" * max(0, free - 100_000))
+        before = digest(small / "checkpoints")
+        result = ddp_app(
+            "fit",
+            "--config",
+            "configs/digits.yaml",
+            f"--trainer.default_root_dir={small}",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.logger=false",
+            timeout=TIMEOUT_S,
+        )
+        assert_one_clear_line(result, "no space left")
+        assert unchanged(before, digest(small / "checkpoints"))
+        assert not [path for path in (small / "checkpoints").iterdir() if path.name.endswith(".tmp")]
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_there_are_at_least_25_cases() -> None:
+    assert len(CASES) >= 25
+
+
+def test_malicious_checkpoint_is_really_malicious(tmp_path: Path) -> None:
+    """The test's payload does run code when loaded without weights_only (so refusing it matters)."""
+    malicious_checkpoint(tmp_path)
+    with open(tmp_path / "evil.ckpt", "rb") as file:
+        torch.load(file, weights_only=False)
+    assert (tmp_path / "PWNED").exists()
+    _ = pickle  # the payload relies on pickle's __reduce__ protocol
