@@ -30,7 +30,7 @@ import app.data  # noqa: F401  (registers the DataModules for short `class_path`
 import app.models  # noqa: F401  (registers the LightningModules)
 from app.callbacks import ExactResume, NonFiniteGuard
 from app.checkpoints import SafeCheckpointIO, as_checkpoint_error
-from app.cluster.preemption import Preemption
+from app.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, summarize_parser_error, user_message
@@ -216,6 +216,10 @@ def main(args: list[str] | None = None) -> None:
     configure_cpu_threads()
     try:
         DDPAppCLI(args=args)
+    except Preempted as preempted:
+        stop_child_ranks()
+        print(f"ddp-app: {preempted}", file=sys.stderr)
+        raise SystemExit(PREEMPTED_EXIT_CODE) from None
     except Exception as error:
         stop_child_ranks()
         message = user_message(error)

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from app.errors import UserFacingError
 
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# `ddp-app fit` exits with this code when it stopped on a preemption signal after saving a checkpoint.
+PREEMPTED_EXIT_CODE = 3
 
 
 class Preempted(UserFacingError):

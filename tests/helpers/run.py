@@ -64,3 +64,19 @@ def run(
 
 def ddp_app(*args: str, timeout: float = 300, cwd: Path | None = None, env: dict[str, str] | None = None):
     return run([str(BIN / "ddp-app"), *args], timeout=timeout, cwd=cwd, env=env)
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """PIDs in process group `pgid` that are still running (zombies, already dead, are not counted)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members

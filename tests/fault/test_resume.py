@@ -1,0 +1,193 @@
+"""Exact resume: a fit interrupted anywhere and resumed ends with the uninterrupted run's weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.checkpoints import CheckpointError, safe_load
+from tests.helpers.run import BIN, REPO, clean_env, ddp_app, live_group_members
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+STEP_CHECKPOINTS = """
+trainer:
+  max_epochs: {epochs}
+  enable_progress_bar: false
+  logger: false
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        every_n_train_steps: {every}
+        save_top_k: {keep}
+        save_last: true
+        filename: "step-{{step}}"
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        filename: "epoch-{{epoch}}"
+        save_top_k: -1
+"""
+
+
+def overlay(directory: Path, epochs: int, every: int, keep: int = -1) -> Path:
+    path = directory / f"overlay-{epochs}-{every}.yaml"
+    path.write_text(STEP_CHECKPOINTS.format(epochs=epochs, every=every, keep=keep))
+    return path
+
+
+def fit(config: str, extra: Path, root: Path, *args: str, timeout: float = 240):
+    return ddp_app(
+        "fit", "--config", config, "--config", str(extra), f"--trainer.default_root_dir={root}", *args, timeout=timeout
+    )
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return safe_load(checkpoint)["state_dict"]
+
+
+def assert_same_weights(expected: Path, actual: Path) -> None:
+    first, second = weights(expected), weights(actual)
+    assert first.keys() == second.keys()
+    different = [key for key in first if not torch.equal(first[key], second[key])]
+    assert not different, f"weights differ after resume, first: {different[0]}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """Digits, 4 epochs of 20 steps, a checkpoint every 7 steps (mid-epoch) and at each epoch end."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    extra = overlay(root, epochs=4, every=7)
+    result = fit("configs/digits.yaml", extra, root / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    yield extra, root / "run" / "checkpoints"
+
+
+@pytest.mark.parametrize(
+    "checkpoint",
+    ["step-step=21.ckpt", "step-step=42.ckpt", "epoch-epoch=1.ckpt"],
+    ids=["epoch1-after-batch1", "epoch2-after-batch2", "end-of-epoch1"],
+)
+def test_resume_from_any_checkpoint_is_bit_exact(uninterrupted, checkpoint: str, tmp_path: Path) -> None:
+    extra, checkpoints = uninterrupted
+    result = fit("configs/digits.yaml", extra, tmp_path, f"--ckpt_path={checkpoints / checkpoint}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "not resumable" not in result.stderr
+    final = tmp_path / "checkpoints" / "epoch-epoch=3.ckpt"  # the state after the last step (80)
+    assert safe_load(final)["global_step"] == 80
+    assert_same_weights(checkpoints / "epoch-epoch=3.ckpt", final)
+
+
+def test_resume_restores_random_state_for_dropout(tmp_path: Path) -> None:
+    """The CNN has dropout: without the per-rank RNG states the resumed masks (and weights) differ."""
+    extra = overlay(tmp_path, epochs=2, every=5)
+    small = ["--data.init_args.train_size=256", "--data.init_args.eval_size=32", "--data.init_args.batch_size=16"]
+    full = fit("configs/bench_cnn.yaml", extra, tmp_path / "full", *small)
+    assert full.returncode == 0, full.stderr[-3000:]
+    resumed = fit(
+        "configs/bench_cnn.yaml",
+        extra,
+        tmp_path / "resumed",
+        *small,
+        f"--ckpt_path={tmp_path / 'full' / 'checkpoints' / 'step-step=5.ckpt'}",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = "epoch-epoch=1.ckpt"
+    assert_same_weights(tmp_path / "full" / "checkpoints" / final, tmp_path / "resumed" / "checkpoints" / final)
+
+
+def start_fit(config: str, extra: Path, root: Path, *args: str) -> subprocess.Popen[str]:
+    command = [
+        str(BIN / "ddp-app"),
+        "fit",
+        "--config",
+        config,
+        "--config",
+        str(extra),
+        f"--trainer.default_root_dir={root}",
+        *args,
+    ]
+    log = open(root.parent / f"{root.name}.log", "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(
+        command, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def wait_for_step(last: Path, step: int, process: subprocess.Popen[str], timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "training ended before the interruption point"
+        if last.exists():
+            try:
+                reached = safe_load(last)["global_step"]
+            except CheckpointError:
+                raise AssertionError(f"{last} was unreadable while training wrote it") from None
+            if reached >= step:
+                return reached
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint at step >= {step} within {timeout} s")
+
+
+def group_is_gone(process: subprocess.Popen[str], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        process.poll()  # reap our direct child; the others are reaped by init
+        if not live_group_members(process.pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def long_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """20 epochs (400 steps), last.ckpt every 3 steps: long enough to interrupt mid-run."""
+    root = tmp_path_factory.mktemp("long")
+    extra = overlay(root, epochs=20, every=3, keep=0)
+    result = fit("configs/digits.yaml", extra, root / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return extra, root / "run" / "checkpoints" / "epoch-epoch=19.ckpt"
+
+
+def test_kill_9_of_the_whole_job_then_resume_last_is_bit_exact(long_uninterrupted, tmp_path: Path) -> None:
+    extra, expected = long_uninterrupted
+    process = start_fit("configs/digits.yaml", extra, tmp_path / "run")
+    try:
+        killed_at = wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 100, process)
+        os.killpg(process.pid, signal.SIGKILL)
+        assert group_is_gone(process, 10)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert killed_at < 400
+    resumed = fit("configs/digits.yaml", extra, tmp_path / "run", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(expected, tmp_path / "run" / "checkpoints" / "epoch-epoch=19.ckpt")
+
+
+def test_sigusr1_preemption_saves_at_a_step_boundary_and_resumes_exactly(long_uninterrupted, tmp_path: Path) -> None:
+    extra, expected = long_uninterrupted
+    process = start_fit("configs/digits.yaml", extra, tmp_path / "run")
+    try:
+        wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 60, process)
+        os.killpg(process.pid, signal.SIGUSR1)  # as SLURM does: every task of the job gets it
+        process.wait(timeout=60)
+        assert group_is_gone(process, 10)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    log = (tmp_path / "run.log").read_text()
+    assert "preempted at global step" in log, log[-3000:]
+    step = int(log.split("preempted at global step ")[1].split(":")[0])
+    assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step
+    assert "Traceback" not in log
+    resumed = fit("configs/digits.yaml", extra, tmp_path / "run", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(expected, tmp_path / "run" / "checkpoints" / "epoch-epoch=19.ckpt")
