@@ -49,6 +49,15 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         os.close(directory)
 
 
+def remove_stale_temporaries(path: Path) -> None:
+    """Delete temporaries of `path` left by a writer that was killed mid-save.
+
+    Only global rank 0 writes checkpoints, so no temporary of this name can be in use right now.
+    """
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        stale.unlink(missing_ok=True)
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
@@ -90,6 +99,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint I/O with atomic, fsynced saves and `weights_only=True` loads."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        remove_stale_temporaries(Path(path))
         atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
