@@ -231,8 +231,9 @@ def describe_launch(launch: Launch, cluster_environment: object, env: Mapping[st
     """One line for the log: who started the ranks, which environment Lightning chose, and where they meet."""
     env = os.environ if env is None else env
     meeting = f", rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_PORT" in env else ""
+    how = "as a plain command" if launch.launcher == "plain" else f"by {launch.launcher}"
     return (
-        f"ddp-app: launched by {launch.launcher}: {type(cluster_environment).__name__}, world size"
+        f"ddp-app: launched {how}: {type(cluster_environment).__name__}, world size"
         f" {launch.world_size} = {launch.num_nodes} node(s) x {launch.devices} process(es){meeting}"
     )
 

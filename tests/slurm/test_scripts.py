@@ -1,0 +1,257 @@
+"""The repo's sbatch scripts, submitted to the local two-node Slurm cluster as a user would.
+
+Every job gets the docs' CPU-only options (no GPU request, one CPU per task), a 3-minute limit
+instead of the scripts' hour, and a short run of configs/digits.yaml. Jobs are polled instead of
+`sbatch --wait`, whose polling added about 20 s per job here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from localcluster import LocalSlurmCluster
+
+from app.checkpoints import net_state_dict, safe_load
+from app.cluster.slurm_env import job_master_port
+from app.parity import compare_states
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM = REPO / "slurm"
+CONFIG = str(REPO / "configs" / "digits.yaml")
+CPU_ONLY = ("--gpus-per-node=0", "--cpus-per-task=1", "--time=3")
+SHORT_RUN = ("--trainer.max_epochs", "2")
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+PREFLIGHT_DEADLINE_S = 30
+
+
+@dataclass
+class Job:
+    job_id: int
+    state: str
+    seconds: float  # from submission until Slurm reports the final state
+    output: str
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The submission directory: scripts write logs/%x-%j.out relative to it."""
+    path = tmp_path_factory.mktemp("slurm-scripts")
+    (path / "logs").mkdir()
+    return path
+
+
+def submit(
+    cluster: LocalSlurmCluster,
+    workdir: Path,
+    script: Path,
+    *options: str,
+    args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 150,
+) -> Job:
+    """sbatch SCRIPT ARGS from workdir, wait for a final state (cancel on timeout), read the output."""
+    start = time.monotonic()
+    submitted = cluster.run(
+        ["sbatch", "--parsable", f"--chdir={workdir}", *options, str(script), *args], env=env, timeout=30
+    )
+    job_id = int(submitted.stdout.strip().split(";")[0])
+    try:
+        state = cluster.wait_for_state(job_id, FINAL_STATES, timeout=timeout)
+    finally:
+        cluster.run(["scancel", str(job_id)], check=False)
+    seconds = time.monotonic() - start
+    output = Path(cluster.job_info(job_id)["StdOut"]).read_text(errors="replace")
+    return Job(job_id, state, seconds, output)
+
+
+def weights(root: Path) -> dict:
+    (last,) = root.rglob("last.ckpt")
+    return net_state_dict(safe_load(last))
+
+
+@pytest.fixture(scope="module")
+def lightning_run(slurm_cluster: LocalSlurmCluster, workdir: Path) -> Iterator[tuple[Job, Path]]:
+    """train.sbatch: one node, 2 tasks; the run the other launchers are compared with."""
+    root = workdir / "lightning"
+    job = submit(
+        slurm_cluster,
+        workdir,
+        SLURM / "train.sbatch",
+        *CPU_ONLY,
+        args=(CONFIG, *SHORT_RUN, f"--trainer.default_root_dir={root}"),
+    )
+    yield job, root
+
+
+def test_train_sbatch_one_node_two_tasks(lightning_run: tuple[Job, Path]) -> None:
+    job, root = lightning_run
+    assert job.state == "COMPLETED", job.output[-3000:]
+    # Lightning's SLURMEnvironment, on the port derived from the whole job id, not 15000 + id % 10000.
+    port = job_master_port(str(job.job_id))
+    expected = "ddp-app: launched by srun: SLURMEnvironment, world size 2 = 1 node(s) x 2 process(es)"
+    assert f"{expected}, rendezvous node1:{port}" in job.output, job.output[-3000:]
+    assert "MEMBER: 1/2" in job.output and "MEMBER: 2/2" in job.output
+    assert len(list(root.rglob("last.ckpt"))) == 1
+
+
+def test_multinode_sbatch_two_nodes_one_task_each(
+    slurm_cluster: LocalSlurmCluster, workdir: Path, lightning_run: tuple[Job, Path]
+) -> None:
+    root = workdir / "multinode"
+    args = (CONFIG, *SHORT_RUN, "--trainer.devices=1", "--trainer.num_nodes=2", f"--trainer.default_root_dir={root}")
+    job = submit(slurm_cluster, workdir, SLURM / "multinode.sbatch", *CPU_ONLY, "--ntasks-per-node=1", args=args)
+    assert job.state == "COMPLETED", job.output[-3000:]
+    assert slurm_cluster.job_info(job.job_id)["NodeList"] == "node[1-2]"
+    # One task per node: rank 1 on node2 reached rank 0 on node1 over the namespace network.
+    assert "1 task(s) per node" in job.output
+    assert (
+        "launched by srun: SLURMEnvironment, world size 2 = 2 node(s) x 1 process(es), rendezvous node1:" in job.output
+    )
+    # Two ranks on two nodes compute what two ranks on one node compute.
+    assert compare_states(weights(lightning_run[1]), weights(root), 0.0) == (0.0, "")
+
+
+def test_torchrun_sbatch_equals_srun(
+    slurm_cluster: LocalSlurmCluster, workdir: Path, lightning_run: tuple[Job, Path]
+) -> None:
+    root = workdir / "torchrun"
+    # The script's two nodes, one rank each: the c10d rendezvous crosses the namespace network.
+    args = (CONFIG, *SHORT_RUN, "--trainer.devices=1", "--trainer.num_nodes=2", f"--trainer.default_root_dir={root}")
+    job = submit(slurm_cluster, workdir, SLURM / "torchrun.sbatch", *CPU_ONLY, args=args, env={"NPROC_PER_NODE": "1"})
+    assert job.state == "COMPLETED", job.output[-3000:]
+    assert "launched by torchrun: TorchElasticEnvironment, world size 2 = 2 node(s)" in job.output, job.output[-3000:]
+    assert compare_states(weights(lightning_run[1]), weights(root), 0.0) == (0.0, "")
+
+
+def test_reference_sbatch_equals_srun(
+    slurm_cluster: LocalSlurmCluster, workdir: Path, lightning_run: tuple[Job, Path]
+) -> None:
+    out = workdir / "reference"
+    args = (CONFIG, "--epochs", "2", "--out", str(out))
+    job = submit(slurm_cluster, workdir, SLURM / "reference.sbatch", *CPU_ONLY, args=args)
+    assert job.state == "COMPLETED", job.output[-3000:]
+    assert "reference training finished (launcher: srun)" in job.output
+    assert compare_states(weights(lightning_run[1]), safe_load(out / "final.pt"), 0.0) == (0.0, "")
+
+
+# --- pre-flight: each mistake stops every rank with one line, long before any time limit ---------
+
+NO_SRUN_SCRIPT = f"""#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --output=logs/%x-%j.out
+ddp-app fit --config {CONFIG}
+"""
+
+
+@pytest.fixture
+def idle_nodes(slurm_cluster: LocalSlurmCluster) -> None:
+    """Start timing a case only when the previous job has left the nodes (it may still be completing)."""
+    deadline = time.monotonic() + 60
+    while True:
+        queue = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+        states = slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()
+        if not queue and set(states) == {"idle"}:
+            return
+        assert time.monotonic() < deadline, f"nodes not idle within 60 s: queue {queue}, states {states}"
+        time.sleep(0.2)
+
+
+def assert_stopped_by_preflight(returncode_or_state: int | str, output: str, seconds: float, message: str) -> None:
+    assert returncode_or_state in (2, "FAILED"), output[-3000:]
+    assert seconds < PREFLIGHT_DEADLINE_S, f"took {seconds:.1f} s\n{output[-3000:]}"
+    errors = {line.strip() for line in output.splitlines() if "ddp-app: error:" in line}
+    assert len(errors) == 1, output[-3000:]  # the same line from every rank
+    assert message in errors.pop(), output[-3000:]
+    assert "Traceback" not in output
+    assert "Initializing distributed: GLOBAL_RANK" not in output
+
+
+@pytest.mark.parametrize(
+    ("script", "options", "args", "message"),
+    [
+        pytest.param(
+            "train.sbatch", ("--ntasks-per-node=1",), (),
+            "srun started 1 task(s) per node (--ntasks-per-node=1) but trainer.devices=2",
+            id="ntasks-per-node-differs-from-devices",
+        ),
+        pytest.param(
+            "multinode.sbatch", ("--ntasks-per-node=1",), ("--trainer.devices=1",),
+            "the job step runs on 2 node(s) (--nodes=2) but trainer.num_nodes=1",
+            id="nodes-differ-from-num-nodes",
+        ),
+        pytest.param(
+            None, (), (), "job {job_id} has 2 tasks (SLURM_NTASKS=2) but ddp-app was started without srun",
+            id="tasks-but-no-srun",
+        ),
+    ],
+)  # fmt: skip
+def test_preflight_stops_batch_job(
+    idle_nodes: None,
+    slurm_cluster: LocalSlurmCluster,
+    workdir: Path,
+    script: str | None,
+    options: tuple[str, ...],
+    args: tuple[str, ...],
+    message: str,
+) -> None:
+    if script is None:  # a user's own script that forgot srun: without pre-flight it hangs until the time limit
+        path = workdir / "no-srun.sbatch"
+        path.write_text(NO_SRUN_SCRIPT)
+        job = submit(slurm_cluster, workdir, path, *CPU_ONLY, timeout=90)
+    else:
+        job = submit(slurm_cluster, workdir, SLURM / script, *CPU_ONLY, *options, args=(CONFIG, *args), timeout=90)
+    print(f"pre-flight {script or 'no srun'}: failed in {job.seconds:.1f} s")
+    assert_stopped_by_preflight(job.state, job.output, job.seconds, message.format(job_id=job.job_id))
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        pytest.param(
+            ["srun", "--nodes=1", "--ntasks=2"], "--ntasks=2 was given without --ntasks-per-node",
+            id="ntasks-without-ntasks-per-node",
+        ),
+        pytest.param(
+            # An interactive step not named "bash" (`srun -J dev --pty bash`): Lightning would train at world size 1.
+            ["srun", "--nodes=1", "--ntasks=1", "--job-name=dev"], "srun started 1 task(s) per node",
+            id="one-task-step-for-two-devices",
+        ),
+        pytest.param(
+            ["salloc", "--nodes=1", "--ntasks-per-node=2", "srun"],
+            "srun started 2 tasks in a job named 'interactive'",
+            id="srun-inside-salloc",
+        ),
+        pytest.param(
+            ["salloc", "--nodes=1", "--ntasks-per-node=2"], "this is the shell of Slurm allocation",
+            id="salloc-shell",
+        ),
+    ],
+)  # fmt: skip
+def test_preflight_stops_interactive_command(
+    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, command: list[str], message: str
+) -> None:
+    start = time.monotonic()
+    result = slurm_cluster.run(
+        [
+            *command,
+            "--time=2",
+            "--cpus-per-task=1",
+            "ddp-app",
+            "fit",
+            "--config",
+            CONFIG,
+            f"--trainer.default_root_dir={workdir / 'interactive'}",
+        ],
+        check=False,
+        timeout=90,
+    )
+    seconds = time.monotonic() - start
+    print(f"pre-flight {' '.join(command)}: failed in {seconds:.1f} s")
+    assert_stopped_by_preflight(result.returncode, result.stdout + result.stderr, seconds, message)
