@@ -18,6 +18,7 @@ from localcluster import LocalSlurmCluster
 from app.checkpoints import net_state_dict, safe_load
 from app.cluster.slurm_env import job_master_port
 from app.parity import compare_states
+from tests.helpers.run import ddp_app
 
 pytestmark = pytest.mark.slurm
 
@@ -255,3 +256,43 @@ def test_preflight_stops_interactive_command(
     seconds = time.monotonic() - start
     print(f"pre-flight {' '.join(command)}: failed in {seconds:.1f} s")
     assert_stopped_by_preflight(result.returncode, result.stdout + result.stderr, seconds, message)
+
+
+# --- preemption: scancel --signal=USR1 -> checkpoint at a step boundary, requeue, resume, COMPLETED ----
+
+PREEMPTION_RUN = ("--trainer.max_epochs", "40", "--trainer.enable_progress_bar=false")
+
+
+@pytest.mark.fault
+def test_preemption_requeues_and_resumes_exactly(
+    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, tmp_path: Path
+) -> None:
+    root = workdir / "preempted"
+    args = (CONFIG, *PREEMPTION_RUN, f"--trainer.default_root_dir={root}")
+    submitted = slurm_cluster.run(
+        ["sbatch", "--parsable", f"--chdir={workdir}", *CPU_ONLY, str(SLURM / "train.sbatch"), *args], timeout=30
+    )
+    job_id = int(submitted.stdout.strip().split(";")[0])
+    try:
+        # Preempt once training is under way: the first epoch's checkpoint exists.
+        deadline = time.monotonic() + 120
+        while not (root / "checkpoints" / "last.ckpt").exists():
+            assert time.monotonic() < deadline, "training did not start within 120 s"
+            time.sleep(0.1)
+        slurm_cluster.run(["scancel", "--signal=USR1", str(job_id)])
+        state = slurm_cluster.wait_for_state(job_id, FINAL_STATES, timeout=240)
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)], check=False)
+    info = slurm_cluster.job_info(job_id)
+    output = Path(info["StdOut"]).read_text(errors="replace")
+    assert state == "COMPLETED", output[-4000:]
+    assert info["Restarts"] == "1", info
+    assert "ddp-app: preempted at global step" in output and "requeued SLURM job" in output, output[-4000:]
+    assert f"job {job_id} (restart 1)" in output
+    assert "Restored all states from the checkpoint" in output, output[-4000:]
+
+    # The preempted-and-resumed job ends where an uninterrupted run of the same config ends.
+    uninterrupted = tmp_path / "uninterrupted"
+    result = ddp_app("fit", "--config", CONFIG, *PREEMPTION_RUN, f"--trainer.default_root_dir={uninterrupted}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert compare_states(weights(uninterrupted), weights(root), 0.0) == (0.0, "")
