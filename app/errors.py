@@ -34,6 +34,12 @@ def summarize_parser_error(message: str) -> str:
     if path and given and expected and "Namespace(" not in given.group(1):
         wanted = " or ".join(dict.fromkeys(expected))
         return f"invalid value {given.group(1).strip()!r} for {path}: expected {wanted}."
+    not_accepted = re.search(r"Option '([^']+)' is not accepted", message)
+    if not_accepted and path:
+        return (
+            f"unknown key {path}.init_args.{not_accepted.group(1)}: that class has no such argument. "
+            "Fix: check its spelling (--help lists the accepted keys)."
+        )
     if "unrecognized arguments" in message:
         return f"{message.strip()}: no such key. Fix: check its spelling and nesting (init_args)."
     if "Problems parsing config" in message or "while parsing" in message or "while scanning" in message:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -37,18 +39,9 @@ class DigitsDataModule(ShardedDataModule):
     """The default dataset: runs anywhere, no download, 64 features per image."""
 
     def __init__(
-        self,
-        batch_size: int = 32,
-        val_fraction: float = 0.15,
-        test_fraction: float = 0.15,
-        split_seed: int = 0,
-        num_workers: int = 0,
-        pin_memory: bool | None = None,
-        persistent_workers: bool = False,
-        shuffle: bool = True,
-        seed: int = 0,
+        self, val_fraction: float = 0.15, test_fraction: float = 0.15, split_seed: int = 0, **loader_options: Any
     ) -> None:
-        super().__init__(batch_size, num_workers, pin_memory, persistent_workers, shuffle, seed)
+        super().__init__(**loader_options)  # batch_size, num_workers, ...: see ShardedDataModule
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
         self.split_seed = split_seed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.data import TensorDataset
 
@@ -37,14 +39,9 @@ class RandomRegressionDataModule(ShardedDataModule):
         in_features: int = 10,
         out_features: int = 5,
         data_seed: int = 0,
-        batch_size: int = 20,
-        num_workers: int = 0,
-        pin_memory: bool | None = None,
-        persistent_workers: bool = False,
-        shuffle: bool = True,
-        seed: int = 0,
+        **loader_options: Any,
     ) -> None:
-        super().__init__(batch_size, num_workers, pin_memory, persistent_workers, shuffle, seed)
+        super().__init__(**loader_options)  # batch_size, num_workers, ...: see ShardedDataModule
         if num_samples < 4:
             raise ValueError(f"data.num_samples must be >= 4, got {num_samples}.")
         self.num_samples = num_samples

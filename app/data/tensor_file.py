@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
@@ -39,14 +41,9 @@ class TensorFileDataModule(ShardedDataModule):
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
         split_seed: int = 0,
-        batch_size: int = 32,
-        num_workers: int = 0,
-        pin_memory: bool | None = None,
-        persistent_workers: bool = False,
-        shuffle: bool = True,
-        seed: int = 0,
+        **loader_options: Any,
     ) -> None:
-        super().__init__(batch_size, num_workers, pin_memory, persistent_workers, shuffle, seed)
+        super().__init__(**loader_options)  # batch_size, num_workers, ...: see ShardedDataModule
         self.path = path
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, Subset
@@ -41,14 +42,9 @@ class MNISTDataModule(ShardedDataModule):
         download: bool = False,
         val_size: int = 5000,
         split_seed: int = 0,
-        batch_size: int = 64,
-        num_workers: int = 2,
-        pin_memory: bool | None = None,
-        persistent_workers: bool = True,
-        shuffle: bool = True,
-        seed: int = 0,
+        **loader_options: Any,
     ) -> None:
-        super().__init__(batch_size, num_workers, pin_memory, persistent_workers, shuffle, seed)
+        super().__init__(**loader_options)  # batch_size, num_workers, ...: see ShardedDataModule
         self.data_dir = data_dir
         self.download = download
         self.val_size = val_size
@@ -127,14 +123,9 @@ class CIFAR10DataModule(ShardedDataModule):
         split_seed: int = 0,
         augment: bool = True,
         verify_checksums: bool = True,
-        batch_size: int = 128,
-        num_workers: int = 4,
-        pin_memory: bool | None = None,
-        persistent_workers: bool = True,
-        shuffle: bool = True,
-        seed: int = 0,
+        **loader_options: Any,
     ) -> None:
-        super().__init__(batch_size, num_workers, pin_memory, persistent_workers, shuffle, seed)
+        super().__init__(**loader_options)  # batch_size, num_workers, ...: see ShardedDataModule
         self.data_dir = data_dir
         self.download = download
         self.val_size = val_size
@@ -191,14 +182,9 @@ class FakeImageDataModule(ShardedDataModule):
         num_classes: int = 10,
         train_size: int = 4096,
         eval_size: int = 512,
-        batch_size: int = 64,
-        num_workers: int = 0,
-        pin_memory: bool | None = None,
-        persistent_workers: bool = False,
-        shuffle: bool = True,
-        seed: int = 0,
+        **loader_options: Any,
     ) -> None:
-        super().__init__(batch_size, num_workers, pin_memory, persistent_workers, shuffle, seed)
+        super().__init__(**loader_options)  # batch_size, num_workers, ...: see ShardedDataModule
         self.image_size = tuple(image_size)
         self.num_classes = num_classes
         self.train_size = train_size
