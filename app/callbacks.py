@@ -1,15 +1,19 @@
-"""Callbacks every `ddp-app` run gets: exact resume of random state, and a guard against NaN/Inf."""
+"""Callbacks every `ddp-app` run gets: exact resume of random state, a guard against NaN/Inf, and
+the writer of `ddp-app predict`'s output."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import BasePredictionWriter
 
+from app.checkpoints import atomic_torch_save
 from app.errors import NonFiniteLossError
 
 
@@ -94,3 +98,45 @@ class NonFiniteGuard(L.Callback):
                 f"stopped before updating the weights, last good checkpoint: {last}. "
                 "Fix: lower the learning rate, clip gradients (trainer.gradient_clip_val) or check the data."
             )
+
+
+class PredictionWriter(BasePredictionWriter):
+    """`ddp-app predict` writes `<default_root_dir>/predictions.pt`: {"indices", "predictions"}.
+
+    Each rank predicts its own (unpadded) shard; rank 0 merges the shards in dataset order, so the
+    file is the same whatever the world size.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(write_interval="epoch")
+
+    def write_on_epoch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any
+    ) -> None:
+        # With one dataloader Lightning passes the predictions as a flat list of batches but the
+        # indices still nested per dataloader.
+        if predictions and isinstance(predictions[0], list):
+            predictions = predictions[0]
+        if batch_indices and batch_indices[0] and isinstance(batch_indices[0][0], list):
+            batch_indices = batch_indices[0]
+        indices = torch.tensor([index for batch in batch_indices for index in batch], dtype=torch.long)
+        merged = torch.cat([torch.as_tensor(batch) for batch in predictions]) if predictions else torch.empty(0)
+        directory = Path(trainer.default_root_dir)
+        shard = directory / f".predictions-rank{trainer.global_rank}.pt"
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save({"indices": indices, "predictions": merged}, shard)
+        trainer.strategy.barrier("predictions written")
+        if trainer.global_rank == 0:
+            shards = [
+                torch.load(directory / f".predictions-rank{rank}.pt", weights_only=True)
+                for rank in range(trainer.world_size)
+            ]
+            all_indices = torch.cat([part["indices"] for part in shards])
+            all_predictions = torch.cat([part["predictions"] for part in shards])
+            order = torch.argsort(all_indices)
+            atomic_torch_save(
+                {"indices": all_indices[order], "predictions": all_predictions[order]}, directory / "predictions.pt"
+            )
+            for rank in range(trainer.world_size):
+                (directory / f".predictions-rank{rank}.pt").unlink(missing_ok=True)
+            print(f"ddp-app: wrote {len(order)} predictions to {directory / 'predictions.pt'}")

@@ -28,7 +28,7 @@ from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
 
 import app.data  # noqa: F401  (registers the DataModules for short `class_path` names)
 import app.models  # noqa: F401  (registers the LightningModules)
-from app.callbacks import ExactResume, NonFiniteGuard
+from app.callbacks import ExactResume, NonFiniteGuard, PredictionWriter
 from app.checkpoints import SafeCheckpointIO, as_checkpoint_error
 from app.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
@@ -136,7 +136,9 @@ class DDPAppCLI(LightningCLI):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", OneLineErrorParser)
-        kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard(), Preemption()]})
+        kwargs.setdefault(
+            "trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard(), Preemption(), PredictionWriter()]}
+        )
         super().__init__(
             L.LightningModule,
             L.LightningDataModule,

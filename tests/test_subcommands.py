@@ -1,0 +1,73 @@
+"""validate / test / predict on a trained checkpoint, as a user runs them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.data import DigitsDataModule
+from app.models import MLPClassifier
+from tests.helpers.run import ddp_app
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("trained")
+    result = ddp_app(
+        "fit",
+        "--config",
+        "configs/digits.yaml",
+        "--trainer.max_epochs=3",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={root}",
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return root / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_evaluation_subcommands_report_accuracy(trained: Path, subcommand: str, tmp_path: Path) -> None:
+    result = ddp_app(
+        subcommand,
+        "--config",
+        "configs/digits.yaml",
+        f"--ckpt_path={trained}",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    metric = "val_acc" if subcommand == "validate" else "test_acc"
+    assert metric in result.stdout
+
+
+def test_predict_writes_the_same_predictions_at_any_world_size(trained: Path, tmp_path: Path) -> None:
+    outputs = {}
+    for devices in (1, 2):
+        root = tmp_path / f"devices{devices}"
+        result = ddp_app(
+            "predict",
+            "--config",
+            "configs/digits.yaml",
+            f"--ckpt_path={trained}",
+            f"--trainer.devices={devices}",
+            f"--trainer.default_root_dir={root}",
+            "--trainer.enable_progress_bar=false",
+            timeout=180,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        outputs[devices] = torch.load(root / "predictions.pt", weights_only=True)
+        assert not list(root.glob(".predictions-rank*.pt"))
+    assert torch.equal(outputs[1]["predictions"], outputs[2]["predictions"])
+    data = DigitsDataModule()
+    data.setup("predict")
+    assert outputs[2]["indices"].tolist() == list(range(len(data.test_dataset)))
+    model = MLPClassifier.load_from_checkpoint(trained, map_location="cpu", weights_only=True).eval()
+    with torch.no_grad():
+        expected = model(data.test_dataset.tensors[0]).argmax(dim=1)
+    assert torch.equal(outputs[2]["predictions"], expected)
