@@ -1,4 +1,4 @@
-"""`python -m app.bench --config configs/digits.yaml [--world-sizes 1,2] [--repeats 5] [--json out.json] [--plot out.png]`
+"""`python -m app.bench --config configs/digits.yaml [--world-sizes 1,2] [--repeats 5] [--json F] [--plot F]`
 
 Trains one config with the plain-PyTorch reference DDP trainer and with Lightning DDP, on the same
 batches, alternating the two (reference, Lightning, reference, Lightning, ...), and reports:

@@ -69,4 +69,3 @@ class StepRecorder:
         temporary = self.path.with_suffix(".tmp")
         temporary.write_text(json.dumps(record))
         os.replace(temporary, self.path)
-

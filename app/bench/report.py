@@ -26,9 +26,7 @@ def find(runs: list[RunResult], side: str, world_size: int, repeat: int) -> RunR
     return None
 
 
-def paired(
-    runs: list[RunResult], world_size: int, figure: Callable[[RunResult, RunResult], float]
-) -> dict[str, float]:
+def paired(runs: list[RunResult], world_size: int, figure: Callable[[RunResult, RunResult], float]) -> dict[str, float]:
     """figure(reference run, Lightning run) for each repeat at one world size: the runs of a pair
     ran one right after the other, so slow phases of a noisy machine hit both."""
     values = []

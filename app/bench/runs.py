@@ -53,9 +53,7 @@ class RunResult:
     cuda_max_allocated_mb: list[float] = field(default_factory=list)  # per rank, GPUs only
 
 
-def variant_config(
-    base: dict[str, Any], world_size: int, accelerator: str, max_epochs: int | None, path: Path
-) -> Path:
+def variant_config(base: dict[str, Any], world_size: int, accelerator: str, max_epochs: int | None, path: Path) -> Path:
     """The config both sides run at one world size: the user's, plus the Lightning timing callback."""
     config = copy.deepcopy(base)
     trainer = config.setdefault("trainer", {})

@@ -41,6 +41,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# The DDPStrategy arguments that are DistributedDataParallel's own: the reference wraps its model
+# with the same ones, so that both sides run the same DDP and a benchmark compares the trainers.
+DDP_ARGUMENTS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+PRECISIONS = ("32-true", "32", "bf16-mixed")
+
+
+def ddp_arguments(trainer_config: dict[str, Any]) -> dict[str, Any]:
+    """`trainer.strategy.init_args` entries that DistributedDataParallel takes (strategy: ddp has none)."""
+    strategy = trainer_config.get("strategy")
+    init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    return {key: init_args[key] for key in DDP_ARGUMENTS if key in init_args}
+
+
+def precision_of(trainer_config: dict[str, Any]) -> str:
+    precision = str(trainer_config.get("precision", "32-true"))
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"the reference trainer supports trainer.precision {', '.join(PRECISIONS)}, not {precision!r}. "
+            "Fix: use one of those for a reference run (fp16 would also need a GradScaler)."
+        )
+    return precision
+
+
 @dataclass
 class Job:
     """What one training run needs, read from a config."""
@@ -53,6 +76,11 @@ class Job:
     shuffle: bool
     sampler_seed: int
     num_workers: int
+    pin_memory: bool | None  # None: pin when training on a GPU
+    persistent_workers: bool
+    channels_last: bool  # inputs in NHWC layout, as the LightningModule's weights
+    precision: str  # "32-true" or "bf16-mixed" (autocast around the forward pass)
+    ddp_kwargs: dict[str, Any]
     config: dict[str, Any]
 
     def optimizer(self, params) -> torch.optim.Optimizer:
@@ -79,6 +107,11 @@ def build_job(config: dict[str, Any]) -> Job:
         shuffle=datamodule.shuffle,
         sampler_seed=datamodule.seed,
         num_workers=datamodule.num_workers,
+        pin_memory=datamodule.pin_memory,
+        persistent_workers=datamodule.persistent_workers,
+        channels_last=bool(getattr(module, "channels_last", False)),
+        precision=precision_of(config.get("trainer") or {}),
+        ddp_kwargs=ddp_arguments(config.get("trainer") or {}),
         config=config,
     )
 

@@ -70,6 +70,8 @@ class Trainer:
         self.out_dir = out_dir
         self.save_every = save_every
         self.criterion = job.criterion
+        self.channels_last = job.channels_last
+        self.bf16 = job.precision == "bf16-mixed"
         self.sampler = DistributedSampler(
             job.train_dataset, num_replicas=world_size, rank=rank, shuffle=job.shuffle, seed=job.sampler_seed
         )
@@ -79,11 +81,14 @@ class Trainer:
             shuffle=False,  # the sampler shuffles
             sampler=self.sampler,
             num_workers=job.num_workers,
-            pin_memory=device.type == "cuda",
+            # Pinned host memory lets the copies below run asynchronously (non_blocking) on a GPU.
+            pin_memory=device.type == "cuda" if job.pin_memory is None else job.pin_memory,
+            persistent_workers=job.persistent_workers and job.num_workers > 0,
         )
         model = job.net.to(device)
         # One device per process: device_ids=[local index]; on CPU, DDP takes no device_ids.
-        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # ddp_kwargs: bucket_cap_mb, gradient_as_bucket_view, ... from the config's DDPStrategy.
+        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **job.ddp_kwargs)
         self.optimizer = job.optimizer(self.model.parameters())
         self.scheduler = job.scheduler(self.optimizer)
         self.epochs_run = 0
@@ -104,7 +109,9 @@ class Trainer:
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> float:
         self.optimizer.zero_grad()
-        loss = self.criterion(self.model(source), targets)
+        # bf16-mixed: the forward pass (and loss) in bfloat16 where safe, as Lightning's precision plugin.
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            loss = self.criterion(self.model(source), targets)
         loss.backward()  # DDP all-reduces (averages) the gradients here
         self.optimizer.step()
         return loss.item()
@@ -113,6 +120,8 @@ class Trainer:
         self.sampler.set_epoch(epoch)  # a new shuffled order every epoch, the same on every rank
         losses = []
         for source, targets in self.train_data:
+            if self.channels_last:
+                source = source.contiguous(memory_format=torch.channels_last)
             source = source.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             if self.recorder is not None:
