@@ -33,7 +33,7 @@ from app.checkpoints import SafeCheckpointIO, as_checkpoint_error
 from app.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
 from app.cluster.threads import configure_cpu_threads
-from app.errors import UserFacingError, summarize_parser_error, user_message
+from app.errors import UserFacingError, describe_exit, summarize_parser_error, user_message
 
 # Trainers this process built: on an error, the rank processes their launchers started are stopped.
 STARTED_TRAINERS: list[Trainer] = []
@@ -200,6 +200,28 @@ class DDPAppCLI(LightningCLI):
         return trainer
 
 
+# Lightning's launcher starts ranks >= 1 as children of rank 0: if this parent goes, rank 0 died.
+PARENT_AT_START = os.getppid()
+
+
+def dead_parent_rank() -> list[str]:
+    """'rank 0 (pid 123) died' when this rank was started by Lightning's launcher in rank 0, now gone."""
+    started_by_rank0 = os.environ.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
+    if started_by_rank0 and "SLURM_STEP_ID" not in os.environ and os.getppid() != PARENT_AT_START:
+        return [f"rank 0 (pid {PARENT_AT_START}, which started this rank) died"]
+    return []
+
+
+def dead_child_ranks() -> list[str]:
+    """'rank 1 (pid 123) was killed by SIGKILL' for each rank this process started that has died."""
+    dead = []
+    for trainer in STARTED_TRAINERS:
+        for local_rank, process in enumerate(getattr(trainer.strategy.launcher, "procs", None) or [], start=1):
+            if process.poll() not in (None, 0):
+                dead.append(f"rank {local_rank} (pid {process.pid}) {describe_exit(process.returncode)}")
+    return dead
+
+
 def stop_child_ranks() -> None:
     """Kill the ranks Lightning's launcher started from this process, if any are still running.
 
@@ -223,8 +245,11 @@ def main(args: list[str] | None = None) -> None:
         print(f"ddp-app: {preempted}", file=sys.stderr)
         raise SystemExit(PREEMPTED_EXIT_CODE) from None
     except Exception as error:
+        dead = dead_child_ranks() + dead_parent_rank()
         stop_child_ranks()
         message = user_message(error)
+        if dead:  # the root cause, before the symptom this rank saw
+            message = f"{'; '.join(dead)}, so the job stops. {message or ''}".strip()
         if message is None:
             raise
         print(f"ddp-app: error: {message}", file=sys.stderr)

@@ -57,6 +57,35 @@ def summarize_parser_error(message: str) -> str:
     return " ".join(message.split())
 
 
+# What gloo (and NCCL's TCP store) report when a peer process disappears mid-collective.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
+
+
+def _this_rank() -> str:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return f"rank {dist.get_rank()}"
+    return f"rank {os.environ.get('RANK', os.environ.get('LOCAL_RANK', '?'))}"
+
+
+def _gloo_reason(text: str) -> str:
+    match = re.search(r"\] ([^\n]*?(?:by peer|Broken pipe|Socket closed)[^.\n]*)", text)
+    return match.group(1) if match else next(sign for sign in PEER_LOST if sign in text)
+
+
+def describe_exit(returncode: int) -> str:
+    """'was killed by SIGKILL' or 'exited with code 1', for a Popen returncode."""
+    import signal
+
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
@@ -74,6 +103,11 @@ def user_message(error: BaseException) -> str | None:
     if "Error(s) in loading state_dict" in text:
         first = next((line.strip() for line in text.splitlines()[1:] if line.strip()), "")
         return f"the checkpoint does not fit this model: {first} Fix: use the config it was trained with."
+    if any(sign in text for sign in PEER_LOST):
+        return (
+            f"{_this_rank()}: lost the connection to another rank, which died or was killed "
+            f"({_gloo_reason(text)}); this rank stops too. The failed rank's own output says why."
+        )
     if "EADDRINUSE" in text or "address already in use" in text.lower():
         return (
             "MASTER_PORT is already in use on this machine. Fix: unset MASTER_PORT to let the launcher pick a "

@@ -1,0 +1,88 @@
+"""A rank killed with kill -9: every other process of the job ends within 60 s, and says which rank died."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.run import BIN, REPO, clean_env, live_group_members
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+BOUND_S = 60
+
+
+def local_rank_of(pid: int) -> str | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"LOCAL_RANK="):
+            return entry.split(b"=", 1)[1].decode()
+    return None
+
+
+def rank_pids(group: int) -> dict[int, int]:
+    """{local rank: pid} for the job's rank processes (the one without LOCAL_RANK is rank 0
+    when Lightning's own launcher started rank 1 from it)."""
+    members = [
+        pid
+        for pid in live_group_members(group)
+        if b"ddp-app" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        or b"app" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    ranks = {int(rank): pid for pid in members if (rank := local_rank_of(pid)) is not None}
+    if 0 not in ranks and 1 in ranks:
+        parent = int(Path(f"/proc/{ranks[1]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        ranks[0] = parent
+    return ranks
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])
+def test_killing_one_rank_ends_the_job_within_bound(victim: int, tmp_path: Path) -> None:
+    log_path = tmp_path / "job.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(
+            [
+                str(BIN / "ddp-app"),
+                "fit",
+                "--config",
+                "configs/digits.yaml",
+                "--trainer.max_epochs=500",
+                "--trainer.enable_progress_bar=false",
+                f"--trainer.default_root_dir={tmp_path / 'run'}",
+            ],
+            cwd=REPO,
+            env=clean_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "checkpoints" / "last.ckpt").exists():  # training is under way
+            assert job.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        ranks = rank_pids(job.pid)
+        assert set(ranks) == {0, 1}, ranks
+        os.kill(ranks[victim], signal.SIGKILL)
+        killed_at = time.monotonic()
+        while live_group_members(job.pid) and time.monotonic() - killed_at < BOUND_S:
+            job.poll()
+            time.sleep(0.2)
+        elapsed = time.monotonic() - killed_at
+        assert not live_group_members(job.pid), f"processes still alive {BOUND_S} s after the kill"
+    finally:
+        if live_group_members(job.pid):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    output = log_path.read_text()
+    assert job.returncode != 0
+    assert f"rank {victim}" in output, output[-3000:]
+    print(f"killed rank {victim}: every process gone after {elapsed:.1f} s")
