@@ -3,7 +3,9 @@ the writer of `ddp-app predict`'s output."""
 
 from __future__ import annotations
 
+import math
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.callbacks import BasePredictionWriter, TQDMProgressBar
 
 from app.checkpoints import atomic_torch_save
 from app.errors import NonFiniteLossError
@@ -140,3 +142,27 @@ class PredictionWriter(BasePredictionWriter):
             for rank in range(trainer.world_size):
                 (directory / f".predictions-rank{rank}.pt").unlink(missing_ok=True)
             print(f"ddp-app: wrote {len(order)} predictions to {directory / 'predictions.pt'}")
+
+
+class ThrottledProgressBar(TQDMProgressBar):
+    """Lightning's TQDM bar, redrawn during training at most every `min_interval_s` seconds.
+
+    The stock bar redraws after every step (refresh_rate=1), about 0.2 ms each on a CPU: a fifth
+    of a digits MLP step. tqdm itself redraws at most every 0.1 s; this restores that behaviour
+    (the last step of an epoch is always drawn). `ddp-app` puts it in place of the Trainer's
+    default bar; a progress bar configured in `trainer.callbacks` is left as it is.
+    """
+
+    def __init__(self, min_interval_s: float = 0.2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.min_interval_s = min_interval_s
+        self._last_redraw = -math.inf
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.monotonic()
+        if now - self._last_redraw < self.min_interval_s and batch_idx + 1 != self.train_progress_bar.total:
+            return
+        self._last_redraw = now
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

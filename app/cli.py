@@ -21,14 +21,14 @@ import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
 
 import app.data  # noqa: F401  (registers the DataModules for short `class_path` names)
 import app.models  # noqa: F401  (registers the LightningModules)
-from app.callbacks import ExactResume, NonFiniteGuard, PredictionWriter
+from app.callbacks import ExactResume, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
 from app.checkpoints import SafeCheckpointIO, as_checkpoint_error
 from app.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
@@ -192,6 +192,9 @@ class DDPAppCLI(LightningCLI):
             trainer.strategy._timeout = datetime.timedelta(seconds=config["collective_timeout_s"])
         if config["trainer"]["logger"] in (None, True):
             trainer.loggers = default_loggers(trainer.default_root_dir)
+        bar = trainer.progress_bar_callback
+        if type(bar) is TQDMProgressBar and bar.refresh_rate == 1:  # the Trainer's default: redraws every step
+            trainer.callbacks[trainer.callbacks.index(bar)] = ThrottledProgressBar()
         for callback in trainer.checkpoint_callbacks:
             # A fixed directory (not inside the versioned log dir) lets `--ckpt_path last` find the
             # previous run's last.ckpt after a crash or a requeue.

@@ -11,7 +11,7 @@ from app.cli import DDPAppCLI
 from tests.helpers.run import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-LOCAL_DATA = {"digits.yaml", "toy.yaml", "bench_cnn.yaml"}
+LOCAL_DATA = {"digits.yaml", "toy.yaml", "bench_cnn.yaml", "bench_resnet18.yaml"}
 
 
 def build(config: Path, *overrides: str) -> LightningCLI:

@@ -171,7 +171,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         left.errorbar(xs, medians, yerr=errors, marker="o", capsize=4, label=side, color=colors[side])
     if 1 in sizes:
         base = report["by_world_size"]["1"]["reference"]["samples_per_s"]["median"]
-        left.plot(sizes, [base * size for size in sizes], "--", color="grey", label="ideal (N x reference at 1)")
+        left.plot(sizes, [base * size for size in sizes], "--", color="grey", label="ideal: N x reference at N=1")
+        base = report["by_world_size"]["1"]["lightning"]["samples_per_s"]["median"]
+        left.plot(sizes, [base * size for size in sizes], ":", color="grey", label="ideal: N x lightning at N=1")
     left.set(xlabel="world size (processes)", ylabel="samples / s (all ranks)", title="throughput", xticks=sizes)
     left.set_ylim(bottom=0)
     left.legend()
@@ -186,8 +188,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
         positions = [index + shift for index in range(len(sizes))]
         right.bar(positions, medians, width, yerr=errors, capsize=4, label=side, color=colors[side])
     for index, size in enumerate(sizes):
-        ratio = report["by_world_size"][str(size)]["lightning_over_reference_step_time"]["median"]
-        right.annotate(f"x{ratio:.3f}", (index, 0), xytext=(0, 4), textcoords="offset points", ha="center")
+        figures = report["by_world_size"][str(size)]
+        top = max(figures[side]["step_ms"]["max"] for side in ("reference", "lightning"))
+        ratio = figures["lightning_over_reference_step_time"]["median"]
+        right.annotate(
+            f"lightning/reference x{ratio:.3f}", (index, top), xytext=(0, 4), textcoords="offset points", ha="center"
+        )
+    right.margins(y=0.12)
     right.set(
         xticks=range(len(sizes)),
         xticklabels=[f"N={size}" for size in sizes],

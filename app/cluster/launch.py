@@ -215,6 +215,11 @@ def run_local_ranks(nprocs: int, command: list[str], env: Mapping[str, str]) -> 
     if first_failure is None:
         return 0
     code = processes[first_failure].returncode
+    if code < 0 or not reports:  # died without saying why (kill -9, OOM killer, segfault): name it
+        failed = processes[first_failure]
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        sys.stderr.write(f"ddp-app: rank {first_failure} (pid {failed.pid}) {how}; stopped the other ranks.\n")
+        sys.stderr.flush()
     return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
 
 

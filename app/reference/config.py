@@ -80,6 +80,7 @@ class Job:
     persistent_workers: bool
     channels_last: bool  # inputs in NHWC layout, as the LightningModule's weights
     precision: str  # "32-true" or "bf16-mixed" (autocast around the forward pass)
+    deterministic: bool | str  # trainer.deterministic: True, "warn" or False/None
     ddp_kwargs: dict[str, Any]
     config: dict[str, Any]
 
@@ -111,6 +112,7 @@ def build_job(config: dict[str, Any]) -> Job:
         persistent_workers=datamodule.persistent_workers,
         channels_last=bool(getattr(module, "channels_last", False)),
         precision=precision_of(config.get("trainer") or {}),
+        deterministic=(config.get("trainer") or {}).get("deterministic") or False,
         ddp_kwargs=ddp_arguments(config.get("trainer") or {}),
         config=config,
     )

@@ -168,6 +168,8 @@ def train_worker(rank: int, world_size: int, local_rank: int, options: dict[str,
             prepare_data(options["config"])  # downloads, once per node
         dist.barrier()
         job = build_job(options["config"])
+        if job.deterministic:  # as Trainer(deterministic=...) does for the same config
+            torch.use_deterministic_algorithms(True, warn_only=job.deterministic == "warn")
         recorder = StepRecorder.from_env("reference", rank, world_size)
         trainer = Trainer(job, rank, world_size, device, Path(options["out_dir"]), options["save_every"], recorder)
         trainer.train(options["max_epochs"])

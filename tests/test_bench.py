@@ -1,0 +1,76 @@
+"""`python -m app.bench`, run as a user would on a tiny budget: the report has its figures, not targets."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.bench.report import spread
+from app.bench.runs import epoch_step_times
+from tests.helpers.run import run
+
+pytestmark = pytest.mark.distributed
+
+
+def test_bench_writes_the_table_json_and_plot(tmp_path: Path) -> None:
+    report_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "app.bench",
+            "--config",
+            "configs/digits.yaml",
+            "--world-sizes",
+            "1,2",
+            "--repeats",
+            "1",
+            "--epochs",
+            "2",
+            "--warmup-steps",
+            "2",
+            "--no-warmup",
+            "--out",
+            str(tmp_path / "runs"),
+            "--json",
+            str(report_path),
+            "--plot",
+            str(plot_path),
+        ],
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    for key in (
+        "lightning_over_reference_step_time",
+        "lightning_added_ms_per_step",
+        "first_step_ratio",
+        "scaling_efficiency",
+    ):
+        assert isinstance(report[key], float) and math.isfinite(report[key]), (key, report[key])
+        assert set(report["summary"][key]) >= {"median", "min", "max"}
+    for key in ("lightning_over_reference_step_time", "first_step_ratio", "scaling_efficiency"):
+        assert report[key] > 0, (key, report[key])
+    for side in ("reference", "lightning"):
+        figures = report["by_world_size"]["2"][side]
+        for name in ("step_ms", "samples_per_s", "first_step_s", "teardown_s", "peak_rss_mb_max_rank"):
+            assert figures[name]["median"] > 0, (side, name, figures[name])
+    assert len(report["runs"]) == 4  # (reference, Lightning) x world sizes 1, 2
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "step time (ms)" in result.stdout and "scaling efficiency" in result.stdout
+
+
+def test_step_times_leave_out_warm_up_and_epoch_boundaries() -> None:
+    record = {"epochs": [0, 0, 0, 0, 1, 1, 1], "starts": [0.0, 1.0, 1.5, 2.0, 10.0, 10.5, 11.0]}
+    intervals, by_epoch = epoch_step_times(record, warmup_steps=1)
+    assert by_epoch == [[0.5, 0.5], [0.5, 0.5]]  # 2.0 -> 10.0 spans validation: not a step
+    assert intervals == [0.5, 0.5, 0.5, 0.5]
+
+
+def test_spread_ignores_non_finite_values() -> None:
+    assert spread([3.0, 1.0, float("nan"), 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert spread([])["n"] == 0
