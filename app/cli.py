@@ -30,10 +30,11 @@ import app.data  # noqa: F401  (registers the DataModules for short `class_path`
 import app.models  # noqa: F401  (registers the LightningModules)
 from app.callbacks import ExactResume, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
 from app.checkpoints import SafeCheckpointIO, as_checkpoint_error
+from app.cluster.launch import describe_exit
 from app.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
 from app.cluster.threads import configure_cpu_threads
-from app.errors import UserFacingError, describe_exit, summarize_parser_error, user_message
+from app.errors import UserFacingError, summarize_parser_error, user_message
 
 # Trainers this process built: on an error, the rank processes their launchers started are stopped.
 STARTED_TRAINERS: list[Trainer] = []

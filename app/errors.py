@@ -74,18 +74,6 @@ def _gloo_reason(text: str) -> str:
     return match.group(1) if match else next(sign for sign in PEER_LOST if sign in text)
 
 
-def describe_exit(returncode: int) -> str:
-    """'was killed by SIGKILL' or 'exited with code 1', for a Popen returncode."""
-    import signal
-
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 

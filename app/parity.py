@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from app.checkpoints import load_net_weights, net_state_dict, safe_load
+from app.cluster.launch import env_without_launcher
 from app.cluster.threads import configure_cpu_threads
 from app.reference.config import build_job, instantiate, load_config
 
@@ -83,8 +84,7 @@ def state_check(
 
 def python_env() -> dict[str, str]:
     """The child processes' environment: no launcher variables inherited from the caller."""
-    drop = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED"}
-    env = {key: value for key, value in os.environ.items() if key not in drop and not key.startswith("SLURM_")}
+    env = env_without_launcher(os.environ)
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
     return env
 

@@ -8,13 +8,13 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed
 
-from tests.helpers.run import DISTRIBUTED_VARIABLES
+from app.cluster.launch import LAUNCHER_VARIABLES
 
 
 @pytest.fixture(autouse=True)
 def restore_distributed_state() -> Iterator[None]:
     """Restore launcher variables (Lightning sets some in-process) and destroy a leftover process group."""
-    saved = {key: os.environ.get(key) for key in (*DISTRIBUTED_VARIABLES, "OMP_NUM_THREADS")}
+    saved = {key: os.environ.get(key) for key in (*LAUNCHER_VARIABLES, "OMP_NUM_THREADS")}
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -9,25 +9,14 @@ import torch
 
 from app.data import DigitsDataModule
 from app.models import MLPClassifier
-from tests.helpers.run import ddp_app
+from tests.helpers.run import ddp_app, train
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("trained")
-    result = ddp_app(
-        "fit",
-        "--config",
-        "configs/digits.yaml",
-        "--trainer.max_epochs=3",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={root}",
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return root / "checkpoints" / "last.ckpt"
+    return train("configs/digits.yaml", tmp_path_factory.mktemp("trained"), epochs=3)
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test"])

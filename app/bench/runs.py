@@ -17,22 +17,10 @@ from typing import Any
 import yaml
 
 from app.bench.recorder import DIR_VARIABLE, LAUNCH_TIME_VARIABLE
+from app.cluster.launch import env_without_launcher
 
 SIDES = ("reference", "lightning")
 TIMER_CALLBACK = {"class_path": "app.bench.callback.BenchTimer"}
-# Variables a launcher sets: the runs must not inherit the caller's.
-LAUNCHER_VARIABLES = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "PL_GLOBAL_SEED",
-    "TORCHELASTIC_RUN_ID",
-)
 
 
 @dataclass
@@ -86,8 +74,7 @@ def command(side: str, config: Path, world_size: int, run_dir: Path) -> list[str
 
 
 def run_env(accelerator: str, timings: Path) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
-    env = {key: value for key, value in env.items() if not key.startswith("SLURM_")}
+    env = env_without_launcher(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     if accelerator == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the reference picks CUDA whenever it sees a GPU

@@ -124,7 +124,31 @@ def rank_command() -> list[str]:
     return [sys.executable, "-m", spec.name, *sys.argv[1:]]
 
 
+# Everything a launcher (torchrun, srun, Lightning, this module) sets for a rank: a process that
+# starts a fresh job must not pass the caller's values on.
+LAUNCHER_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+    "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID",
+)  # fmt: skip
+
+
+def env_without_launcher(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` minus launcher and SLURM variables: the environment for starting a new, separate job."""
+    return {key: value for key, value in env.items() if key not in LAUNCHER_VARIABLES and not key.startswith("SLURM_")}
+
+
+def describe_exit(returncode: int) -> str:
+    """'was killed by SIGKILL' or 'exited with code 1', for a Popen returncode."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
 def free_port() -> int:
+    """A port the OS says is free now, for a launcher that owns the choice."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -217,8 +241,9 @@ def run_local_ranks(nprocs: int, command: list[str], env: Mapping[str, str]) -> 
     code = processes[first_failure].returncode
     if code < 0 or not reports:  # died without saying why (kill -9, OOM killer, segfault): name it
         failed = processes[first_failure]
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        sys.stderr.write(f"ddp-app: rank {first_failure} (pid {failed.pid}) {how}; stopped the other ranks.\n")
+        sys.stderr.write(
+            f"ddp-app: rank {first_failure} (pid {failed.pid}) {describe_exit(code)}; stopped the other ranks.\n"
+        )
         sys.stderr.flush()
     return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
 

@@ -16,10 +16,11 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from app.cluster.launch import free_port
 from app.cluster.threads import configure_cpu_threads
 from app.models.nets import ToyMpNet
 from app.reference.config import build_job, load_config, seed_everything
-from app.reference.train import cleanup, find_free_port, setup
+from app.reference.train import cleanup, setup
 
 
 def devices_for(rank: int) -> tuple[torch.device, torch.device]:
@@ -73,6 +74,6 @@ def run_model_parallel(
         "timeout_s": timeout_s,
     }
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(find_free_port())
+    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
     mp.spawn(model_parallel_worker, args=(world_size or 2, options), nprocs=world_size or 2, join=True)
     return "mp.spawn"

@@ -22,18 +22,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from app.bench.recorder import StepRecorder
+from app.cluster.launch import free_port
 from app.cluster.slurm_env import master_address_and_port
 from app.cluster.threads import configure_cpu_threads
 from app.reference.config import Job, build_job, load_config, prepare_data
-
-
-def find_free_port() -> int:
-    """A port the OS says is free now; used when this process owns the choice (mp.spawn)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def setup(rank: int, world_size: int, local_rank: int, timeout_s: float) -> torch.device:
@@ -200,7 +192,7 @@ def launch(options: dict[str, Any], world_size: int | None) -> str:
         return "srun"
     world_size = world_size or 1
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(find_free_port())
+    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
     mp.spawn(spawn_entry, args=(world_size, options), nprocs=world_size, join=True)
     return "mp.spawn"
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import shutil
 import socket
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.run import clean_env, ddp_app
+from tests.helpers.run import clean_env, ddp_app, train
 
 pytestmark = pytest.mark.fault
 
@@ -188,17 +187,7 @@ def digest(directory: Path) -> dict[str, str]:
 def previous_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A finished run (2 epochs) whose checkpoint and logs every case must leave untouched."""
     root = tmp_path_factory.mktemp("previous_run")
-    result = ddp_app(
-        "fit",
-        "--config",
-        "configs/digits.yaml",
-        "--trainer.max_epochs=2",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={root}",
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    os.environ["BAD_INPUT_LAST_CKPT"] = str(root / "checkpoints" / "last.ckpt")
+    os.environ["BAD_INPUT_LAST_CKPT"] = str(train("configs/digits.yaml", root, epochs=2))
     yield root
     os.environ.pop("BAD_INPUT_LAST_CKPT", None)
 
@@ -290,4 +279,3 @@ def test_malicious_checkpoint_is_really_malicious(tmp_path: Path) -> None:
     with open(tmp_path / "evil.ckpt", "rb") as file:
         torch.load(file, weights_only=False)
     assert (tmp_path / "PWNED").exists()
-    _ = pickle  # the payload relies on pickle's __reduce__ protocol

@@ -19,7 +19,7 @@ import torch
 
 from app.checkpoints import CheckpointError, atomic_torch_save, safe_load
 from tests.fault.test_bad_input import malicious_checkpoint
-from tests.helpers.run import BIN, REPO, clean_env, ddp_app
+from tests.helpers.run import BIN, REPO, clean_env, ddp_app, train
 
 pytestmark = pytest.mark.fault
 
@@ -147,17 +147,7 @@ def test_malicious_checkpoint_over_http_is_refused_without_running(tmp_path: Pat
 
 
 def test_our_own_checkpoints_load_with_weights_only(tmp_path: Path, http_server: str) -> None:
-    result = ddp_app(
-        "fit",
-        "--config",
-        "configs/toy.yaml",
-        "--trainer.max_epochs=1",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={tmp_path}",
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    checkpoint = torch.load(train("configs/toy.yaml", tmp_path, epochs=1), weights_only=True)
     assert {"state_dict", "loops", "optimizer_states", "hyper_parameters", "rng_states_per_rank"} <= checkpoint.keys()
     assert len(checkpoint["rng_states_per_rank"]) == 2
     remote = safe_load(f"{http_server}/checkpoints/last.ckpt")

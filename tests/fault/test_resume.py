@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from app.checkpoints import CheckpointError, safe_load
+from app.cluster.preemption import PREEMPTED_EXIT_CODE
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, live_group_members
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -178,6 +179,7 @@ def test_sigusr1_preemption_saves_at_a_step_boundary_and_resumes_exactly(long_un
         wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 60, process)
         os.killpg(process.pid, signal.SIGUSR1)  # as SLURM does: every task of the job gets it
         process.wait(timeout=60)
+        assert process.returncode == PREEMPTED_EXIT_CODE
         assert group_is_gone(process, 10)
     finally:
         if process.poll() is None:

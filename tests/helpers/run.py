@@ -8,28 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from app.cluster.launch import env_without_launcher
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
-# Variables a DDP launcher sets; a test must not pass them on to the processes it starts.
-DISTRIBUTED_VARIABLES = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "PL_GLOBAL_SEED",
-    "PL_SEED_WORKERS",
-    "TORCHELASTIC_RUN_ID",
-)
-
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in DISTRIBUTED_VARIABLES}
-    env = {key: value for key, value in env.items() if not key.startswith("SLURM_")}
+    env = env_without_launcher(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -80,3 +66,13 @@ def live_group_members(pgid: int) -> list[int]:
         if group == pgid and state != "Z":
             members.append(int(entry.name))
     return members
+
+
+def train(config: str, root: Path, epochs: int, *overrides: str, timeout: float = 240) -> Path:
+    """`ddp-app fit` for a short run that must succeed; returns its last.ckpt."""
+    result = ddp_app(
+        "fit", "--config", config, f"--trainer.max_epochs={epochs}", "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={root}", *overrides, timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "checkpoints" / "last.ckpt"

@@ -10,22 +10,12 @@ import torch
 from sklearn.datasets import load_digits
 
 from app.models import MLPClassifier
-from tests.helpers.run import REPO, ddp_app, run
+from tests.helpers.run import REPO, run, train
 
 
 @pytest.mark.distributed
 def test_exported_model_classifies_like_the_trained_model(tmp_path: Path) -> None:
-    trained = ddp_app(
-        "fit",
-        "--config",
-        "configs/digits.yaml",
-        "--trainer.max_epochs=5",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={tmp_path}",
-        timeout=240,
-    )
-    assert trained.returncode == 0, trained.stderr[-2000:]
-    last = tmp_path / "checkpoints" / "last.ckpt"
+    last = train("configs/digits.yaml", tmp_path, epochs=5)
     exported = run([sys.executable, "-m", "app.export", "--ckpt", str(last), "--out", str(tmp_path / "model.pt")])
     assert exported.returncode == 0, exported.stderr
     plain = run(
