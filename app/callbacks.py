@@ -83,23 +83,31 @@ class NonFiniteGuard(L.Callback):
 
     The check runs after DDP's all-reduce, so every rank sees the same gradients and takes the same
     decision without another collective; the weights and the last checkpoint stay the last good ones.
+    It costs one fused norm and one host read per step (about 20 us on a CPU; on a GPU the read
+    waits for the backward pass, which the optimizer step would wait for anyway).
     """
+
+    def __init__(self) -> None:
+        self._parameters: list[torch.nn.Parameter] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Collected once: walking `pl_module.parameters()` every step (through every submodule,
+        # metrics included) cost more than the check itself (0.15 ms per step on the digits MLP).
+        self._parameters = [parameter for parameter in pl_module.parameters() if parameter.requires_grad]
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if not grads:
+        grads = [parameter.grad for parameter in self._parameters if parameter.grad is not None]
+        if not grads or math.isfinite(torch.stack(torch._foreach_norm(grads)).sum().item()):
             return
-        total = torch.stack(torch._foreach_norm(grads)).sum()
-        if not torch.isfinite(total):
-            last = getattr(trainer.checkpoint_callback, "last_model_path", "") or "none written yet"
-            raise NonFiniteLossError(
-                f"the loss diverged: non-finite gradients at global step {trainer.global_step} "
-                f"(epoch {trainer.current_epoch}, batch {trainer.fit_loop.epoch_loop.batch_idx}); "
-                f"stopped before updating the weights, last good checkpoint: {last}. "
-                "Fix: lower the learning rate, clip gradients (trainer.gradient_clip_val) or check the data."
-            )
+        last = getattr(trainer.checkpoint_callback, "last_model_path", "") or "none written yet"
+        raise NonFiniteLossError(
+            f"the loss diverged: non-finite gradients at global step {trainer.global_step} "
+            f"(epoch {trainer.current_epoch}, batch {trainer.fit_loop.epoch_loop.batch_idx}); "
+            f"stopped before updating the weights, last good checkpoint: {last}. "
+            "Fix: lower the learning rate, clip gradients (trainer.gradient_clip_val) or check the data."
+        )
 
 
 class PredictionWriter(BasePredictionWriter):

@@ -137,9 +137,7 @@ class DDPAppCLI(LightningCLI):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", OneLineErrorParser)
-        kwargs.setdefault(
-            "trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard(), Preemption(), PredictionWriter()]}
-        )
+        kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard(), Preemption()]})
         super().__init__(
             L.LightningModule,
             L.LightningDataModule,
@@ -193,6 +191,10 @@ class DDPAppCLI(LightningCLI):
             trainer.strategy._timeout = datetime.timedelta(seconds=config["collective_timeout_s"])
         if config["trainer"]["logger"] in (None, True):
             trainer.loggers = default_loggers(trainer.default_root_dir)
+        if self.subcommand == "predict":
+            # Only here: Lightning calls every hook of every callback at every step, so a callback
+            # that does nothing during fit still costs time per step.
+            trainer.callbacks.append(PredictionWriter())
         bar = trainer.progress_bar_callback
         if type(bar) is TQDMProgressBar and bar.refresh_rate == 1:  # the Trainer's default: redraws every step
             trainer.callbacks[trainer.callbacks.index(bar)] = ThrottledProgressBar()
