@@ -46,7 +46,6 @@ def steps_between_checks(seconds_since_check: float, steps_since_check: int, che
     return max(1, min(MAX_STEPS_BETWEEN_CHECKS, int(check_interval_s / seconds_per_step)))
 
 
-
 class Preemption(L.Callback):
     """On SIGUSR1/SIGTERM: checkpoint at a step boundary on all ranks, requeue under SLURM, stop.
 
