@@ -10,6 +10,7 @@ therefore runs once per rank: nothing here may download or write.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -25,6 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
+from lightning.pytorch.profilers import PassThroughProfiler
 
 import app.data  # noqa: F401  (registers the DataModules for short `class_path` names)
 import app.models  # noqa: F401  (registers the LightningModules)
@@ -52,6 +54,21 @@ class OneLineErrorParser(LightningArgumentParser):
         prog = self.prog.replace(" [options]", "")
         sys.stderr.write(f"{prog}: error: {summarize_parser_error(message)} (see: {prog} --help)\n")
         self.exit(2)
+
+
+class NoProfiler(PassThroughProfiler):
+    """The Trainer's default "no profiler", without a generator-based context manager per use.
+
+    Lightning enters `trainer.profiler.profile(...)` around every hook of every callback, about 70
+    times per training step; the inherited `@contextmanager` costs 1.6 us per use on a CPU against
+    0.25 us for a shared `nullcontext` (about 0.1 ms per step). `--trainer.profiler` still works.
+    """
+
+    def profile(self, action_name: str) -> contextlib.AbstractContextManager:
+        return NO_PROFILING
+
+
+NO_PROFILING = contextlib.nullcontext()
 
 
 def default_loggers(root_dir: str) -> list[Logger]:
@@ -191,6 +208,8 @@ class DDPAppCLI(LightningCLI):
             trainer.strategy._timeout = datetime.timedelta(seconds=config["collective_timeout_s"])
         if config["trainer"]["logger"] in (None, True):
             trainer.loggers = default_loggers(trainer.default_root_dir)
+        if type(trainer.profiler) is PassThroughProfiler:  # the default: no profiler was configured
+            trainer.profiler = NoProfiler()
         if self.subcommand == "predict":
             # Only here: Lightning calls every hook of every callback at every step, so a callback
             # that does nothing during fit still costs time per step.

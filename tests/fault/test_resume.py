@@ -193,3 +193,39 @@ def test_sigusr1_preemption_saves_at_a_step_boundary_and_resumes_exactly(long_un
     resumed = fit("configs/digits.yaml", extra, tmp_path / "run", "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_weights(expected, tmp_path / "run" / "checkpoints" / "epoch-epoch=19.ckpt")
+
+
+def rank_pid(launcher_pid: int, local_rank: int) -> int:
+    """The pid of the rank process with LOCAL_RANK=local_rank among the launcher's children."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if parent == launcher_pid and f"LOCAL_RANK={local_rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no rank {local_rank} under launcher {launcher_pid}")
+
+
+def test_a_signal_to_one_rank_only_stops_every_rank_at_the_same_step(long_uninterrupted, tmp_path: Path) -> None:
+    """A local `kill -USR1` of rank 1: the ranks agree at their next check (about once a second)."""
+    extra, expected = long_uninterrupted
+    process = start_fit("configs/digits.yaml", extra, tmp_path / "run")
+    try:
+        wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 60, process)
+        os.kill(rank_pid(process.pid, 1), signal.SIGUSR1)
+        process.wait(timeout=60)
+        assert process.returncode == PREEMPTED_EXIT_CODE
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    log = (tmp_path / "run.log").read_text()
+    step = int(log.split("preempted at global step ")[1].split(":")[0])
+    assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step
+    resumed = fit("configs/digits.yaml", extra, tmp_path / "run", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(expected, tmp_path / "run" / "checkpoints" / "epoch-epoch=19.ckpt")

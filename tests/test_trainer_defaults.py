@@ -1,0 +1,50 @@
+"""What `ddp-app` puts on every Trainer to keep Lightning's per-step cost down, without losing features."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from lightning.pytorch.profilers import SimpleProfiler
+
+from app.callbacks import PredictionWriter
+from app.cli import DDPAppCLI, NoProfiler
+from tests.helpers.run import REPO
+
+DIGITS = str(REPO / "configs" / "digits.yaml")
+
+
+def build(tmp_path: Path, *overrides: str) -> DDPAppCLI:
+    return DDPAppCLI(
+        args=["--config", DIGITS, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1", *overrides],
+        run=False,
+    )
+
+
+def test_the_default_profiler_is_the_cheap_no_op_and_a_configured_one_is_kept(tmp_path: Path) -> None:
+    assert type(build(tmp_path).trainer.profiler) is NoProfiler
+    assert type(build(tmp_path, "--trainer.profiler=simple").trainer.profiler) is SimpleProfiler
+
+
+def test_fit_carries_no_prediction_writer(tmp_path: Path) -> None:
+    # Lightning calls every hook of every callback at every step; the writer only matters for predict
+    # (tests/test_subcommands.py checks that predict still writes predictions.pt).
+    callbacks = build(tmp_path).trainer.callbacks
+    assert not any(isinstance(callback, PredictionWriter) for callback in callbacks)
+
+
+def test_train_accuracy_is_the_accuracy_over_every_training_sample(tmp_path: Path) -> None:
+    # lr 1e-30: Adam's steps are below float32 resolution, so the weights stay fixed during the
+    # epoch and the logged accuracy can be recomputed from the trained model.
+    cli = build(
+        tmp_path, "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+        "--optimizer.init_args.lr=1e-30",
+    )  # fmt: skip
+    before = [parameter.detach().clone() for parameter in cli.model.parameters()]
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert all(torch.equal(a, b) for a, b in zip(before, cli.model.parameters(), strict=True))
+    inputs, targets = map(torch.stack, zip(*cli.datamodule.train_dataset, strict=True))
+    with torch.no_grad():
+        expected = (cli.model(inputs).argmax(dim=1) == targets).double().mean()
+    assert int(cli.model._train_seen) == len(targets)
+    assert torch.isclose(cli.trainer.callback_metrics["train_acc"].double(), expected)
