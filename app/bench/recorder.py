@@ -34,6 +34,9 @@ class StepRecorder:
         self.epochs: list[int] = []
         self.starts: list[float] = []
         self.ends: list[float] = []
+        # This thread's CPU time at each step start: the work a step does, without the waiting
+        # (for a peer rank, for a core), which wall-clock step times mix in.
+        self.cpu_starts: list[float] = []
 
     @classmethod
     def from_env(cls, side: str, rank: int, world_size: int) -> StepRecorder | None:
@@ -43,6 +46,7 @@ class StepRecorder:
     def step_start(self, epoch: int) -> None:
         self.epochs.append(epoch)
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.thread_time())
 
     def step_end(self) -> None:
         self.ends.append(time.perf_counter())
@@ -60,6 +64,7 @@ class StepRecorder:
             "epochs": self.epochs,
             "starts": self.starts,
             "ends": self.ends,
+            "cpu_starts": self.cpu_starts,
             # Linux reports ru_maxrss in KiB.
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "cuda_max_allocated_mb": None,

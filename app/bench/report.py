@@ -52,6 +52,7 @@ def per_side(runs: list[RunResult], side: str, world_size: int) -> dict[str, Any
     return {
         "step_ms": spread([run.step_ms for run in mine]),
         "step_median_ms": spread([run.step_median_ms for run in mine]),
+        "step_cpu_ms": spread([run.step_cpu_ms for run in mine]),
         "samples_per_s": spread([run.samples_per_s for run in mine]),
         "first_step_s": spread([run.first_step_s for run in mine]),
         "teardown_s": spread([run.teardown_s for run in mine]),
@@ -74,6 +75,8 @@ def build_report(runs: list[RunResult], world_sizes: list[int], context: dict[st
             "lightning_over_reference_step_median": paired(
                 runs, world_size, lambda r, lt: lt.step_median_ms / r.step_median_ms
             ),
+            "lightning_over_reference_step_cpu": paired(runs, world_size, lambda r, lt: lt.step_cpu_ms / r.step_cpu_ms),
+            "lightning_added_cpu_ms_per_step": paired(runs, world_size, lambda r, lt: lt.step_cpu_ms - r.step_cpu_ms),
             "first_step_ratio": paired(runs, world_size, lambda r, lt: lt.first_step_s / r.first_step_s),
             "teardown_added_s": paired(runs, world_size, lambda r, lt: lt.teardown_s - r.teardown_s),
         }
@@ -118,6 +121,7 @@ def format_table(report: dict[str, Any]) -> str:
     rows: list[tuple[str, str, str, str, str]] = [
         ("step time (ms)", "step_ms", ".3f", "lightning_over_reference_step_time", "x"),
         ("  median single step (ms)", "step_median_ms", ".3f", "lightning_over_reference_step_median", "x"),
+        ("  main-thread CPU (ms/step)", "step_cpu_ms", ".3f", "lightning_over_reference_step_cpu", "x"),
         ("samples/s", "samples_per_s", ".0f", "", ""),
         ("launch -> first step (s)", "first_step_s", ".2f", "first_step_ratio", "x"),
         ("teardown (s)", "teardown_s", ".2f", "teardown_added_s", "s more"),

@@ -33,6 +33,7 @@ class RunResult:
     steps: int  # timed steps on rank 0 (after warm-up)
     step_ms: float  # median over epochs of the epoch's mean step time: includes periodic costs
     step_median_ms: float  # median over single steps: hides costs paid every N steps (logging)
+    step_cpu_ms: float  # like step_ms, in rank 0's main-thread CPU time: the work without the waiting
     samples_per_s: float
     first_step_s: float  # launch -> the last rank starts its first training step
     teardown_s: float  # the last rank's last training step -> every process has exited
@@ -100,14 +101,17 @@ def launch(args: list[str], env: dict[str, str], log: Path, timeout_s: float) ->
     return started, exited
 
 
-def epoch_step_times(record: dict[str, Any], warmup_steps: int) -> tuple[list[float], list[list[float]]]:
-    """(every steady-state step interval, the same grouped by epoch), in seconds.
+def epoch_step_times(
+    record: dict[str, Any], warmup_steps: int, clock: str = "starts"
+) -> tuple[list[float], list[list[float]]]:
+    """(every steady-state step interval, the same grouped by epoch), in seconds of `clock`
+    ("starts": wall clock; "cpu_starts": the main thread's CPU time).
 
     A step's time is from its start to the next step's start, so it includes fetching the batch
     and everything the framework does around the step. Intervals that span an epoch boundary
     (validation, checkpoints) are left out, as are the first `warmup_steps` steps.
     """
-    epochs, starts = record["epochs"], record["starts"]
+    epochs, starts = record["epochs"], record[clock]
     by_epoch: dict[int, list[float]] = {}
     for index in range(max(warmup_steps, 0), len(starts) - 1):
         if epochs[index] == epochs[index + 1]:
@@ -140,6 +144,8 @@ def summarize_run(
             "raise trainer.max_epochs (--epochs) or the dataset size."
         )
     step_s = statistics.median(sum(epoch) / len(epoch) for epoch in grouped)
+    _, cpu_grouped = epoch_step_times(records[0], warmup_steps, clock="cpu_starts")
+    step_cpu_s = statistics.median(sum(epoch) / len(epoch) for epoch in cpu_grouped)
     first_step = max(wall_time(record, record["starts"][0]) for record in records)
     last_step_end = max(wall_time(record, record["ends"][-1]) for record in records)
     return RunResult(
@@ -149,6 +155,7 @@ def summarize_run(
         steps=len(intervals),
         step_ms=step_s * 1e3,
         step_median_ms=statistics.median(intervals) * 1e3,
+        step_cpu_ms=step_cpu_s * 1e3,
         samples_per_s=world_size * per_rank_batch_size / step_s,
         first_step_s=first_step - started,
         teardown_s=exited - last_step_end,
