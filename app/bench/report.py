@@ -91,6 +91,7 @@ def build_report(runs: list[RunResult], world_sizes: list[int], context: dict[st
         "world_size": largest,
         "lightning_over_reference_step_time": headline["lightning_over_reference_step_time"],
         "lightning_added_ms_per_step": headline["lightning_added_ms_per_step"],
+        "lightning_added_cpu_ms_per_step": headline["lightning_added_cpu_ms_per_step"],
         "first_step_ratio": headline["first_step_ratio"],
         "scaling_efficiency": scaling["lightning"].get(str(largest), spread([])),
         "scaling_efficiency_reference": scaling["reference"].get(str(largest), spread([])),

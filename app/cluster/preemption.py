@@ -91,7 +91,12 @@ class Preemption(L.Callback):
         self._restore_handlers()
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._restore_handlers()
+        # Not Lightning's handlers while the job ends: its SIGTERM handler broadcasts to the other
+        # ranks, which may be gone already. After a requeue SLURM sends SIGTERM to every task; a rank
+        # still on its way out then died with a gloo error instead of its preemption message. Lightning
+        # puts the handlers from before `fit` back in its teardown.
+        if not isinstance(exception, Preempted):
+            self._restore_handlers()
 
     def _anyone_signalled(self) -> bool:
         """True when any rank got a signal; sets the step of the next check, the same on all ranks."""
