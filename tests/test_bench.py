@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from app.bench.__main__ import pair_order
 from app.bench.report import spread
 from app.bench.runs import epoch_step_times
 from tests.helpers.run import run
@@ -74,3 +75,9 @@ def test_step_times_leave_out_warm_up_and_epoch_boundaries() -> None:
 def test_spread_ignores_non_finite_values() -> None:
     assert spread([3.0, 1.0, float("nan"), 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
     assert spread([])["n"] == 0
+
+
+def test_each_side_runs_first_in_half_of_the_pairs() -> None:
+    orders = [pair_order(repeat) for repeat in range(4)]
+    assert all(sorted(order) == ["lightning", "reference"] for order in orders)
+    assert [order[0] for order in orders].count("lightning") == 2

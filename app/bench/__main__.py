@@ -1,7 +1,9 @@
 """`python -m app.bench --config configs/digits.yaml [--world-sizes 1,2] [--repeats 5] [--json F] [--plot F]`
 
 Trains one config with the plain-PyTorch reference DDP trainer and with Lightning DDP, on the same
-batches, alternating the two (reference, Lightning, reference, Lightning, ...), and reports:
+batches, alternating the two (reference, Lightning, Lightning, reference, ...: the order within a
+pair flips every repeat, so a machine that slows down under sustained load does not always
+penalise the side that runs second), and reports:
 
   per-step time  the median over epochs of the epoch's mean step time, after warm-up steps; a step
                  runs from one step's start to the next's, so it includes data loading and every
@@ -52,6 +54,15 @@ def resolve_accelerator(requested: str) -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
+def pair_order(repeat: int) -> tuple[str, ...]:
+    """(reference, lightning) on even repeats, (lightning, reference) on odd ones.
+
+    With a fixed order the second run of every pair pays for whatever the first one left behind
+    (a VM's CPU budget, heat, other tenants' bursts), and the paired ratios carry that bias.
+    """
+    return SIDES if repeat % 2 == 0 else SIDES[::-1]
+
+
 def run_bench(args: argparse.Namespace) -> dict:
     base = load_config(args.config)
     accelerator = resolve_accelerator(args.accelerator)
@@ -65,7 +76,12 @@ def run_bench(args: argparse.Namespace) -> dict:
     # Warm-up launches (not timed) fill the page cache and compile bytecode, which would
     # otherwise make the first pair slower than the rest.
     schedule = [(-1, min(args.world_sizes), side) for side in SIDES] if args.warmup else []
-    schedule += [(repeat, size, side) for repeat in range(args.repeats) for size in args.world_sizes for side in SIDES]
+    schedule += [
+        (repeat, size, side)
+        for repeat in range(args.repeats)
+        for size in args.world_sizes
+        for side in pair_order(repeat)
+    ]
     loadavg_before = os.getloadavg()
     started = time.perf_counter()
     runs: list[RunResult] = []
