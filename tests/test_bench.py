@@ -81,3 +81,13 @@ def test_each_side_runs_first_in_half_of_the_pairs() -> None:
     orders = [pair_order(repeat) for repeat in range(4)]
     assert all(sorted(order) == ["lightning", "reference"] for order in orders)
     assert [order[0] for order in orders].count("lightning") == 2
+
+
+def test_per_call_bench_times_every_cut_before_and_after(capsys: pytest.CaptureFixture[str]) -> None:
+    from app.bench.per_call import main
+
+    main(["--calls", "50", "--repeats", "1"])
+    rows = {line[:18].strip(): line[18:].split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(rows) == {"train accuracy", "NaN-guard grads", "profiler"}
+    for before, after, _ in rows.values():
+        assert float(before) > 0 and float(after) > 0

@@ -10,38 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.run import BIN, REPO, clean_env, live_group_members
+from tests.helpers.run import BIN, REPO, clean_env, live_group_members, rank_pids
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
 BOUND_S = 60
-
-
-def local_rank_of(pid: int) -> str | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for entry in environ:
-        if entry.startswith(b"LOCAL_RANK="):
-            return entry.split(b"=", 1)[1].decode()
-    return None
-
-
-def rank_pids(group: int) -> dict[int, int]:
-    """{local rank: pid} for the job's rank processes (the one without LOCAL_RANK is rank 0
-    when Lightning's own launcher started rank 1 from it)."""
-    members = [
-        pid
-        for pid in live_group_members(group)
-        if b"ddp-app" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        or b"app" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
-    ranks = {int(rank): pid for pid in members if (rank := local_rank_of(pid)) is not None}
-    if 0 not in ranks and 1 in ranks:
-        parent = int(Path(f"/proc/{ranks[1]}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        ranks[0] = parent
-    return ranks
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])

@@ -14,7 +14,7 @@ import torch
 
 from app.checkpoints import CheckpointError, safe_load
 from app.cluster.preemption import PREEMPTED_EXIT_CODE
-from tests.helpers.run import BIN, REPO, clean_env, ddp_app, live_group_members
+from tests.helpers.run import BIN, REPO, clean_env, ddp_app, live_group_members, rank_pids
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -195,28 +195,13 @@ def test_sigusr1_preemption_saves_at_a_step_boundary_and_resumes_exactly(long_un
     assert_same_weights(expected, tmp_path / "run" / "checkpoints" / "epoch-epoch=19.ckpt")
 
 
-def rank_pid(launcher_pid: int, local_rank: int) -> int:
-    """The pid of the rank process with LOCAL_RANK=local_rank among the launcher's children."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if parent == launcher_pid and f"LOCAL_RANK={local_rank}".encode() in environ:
-            return int(entry.name)
-    raise AssertionError(f"no rank {local_rank} under launcher {launcher_pid}")
-
-
 def test_a_signal_to_one_rank_only_stops_every_rank_at_the_same_step(long_uninterrupted, tmp_path: Path) -> None:
     """A local `kill -USR1` of rank 1: the ranks agree at their next check (about once a second)."""
     extra, expected = long_uninterrupted
     process = start_fit("configs/digits.yaml", extra, tmp_path / "run")
     try:
         wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 60, process)
-        os.kill(rank_pid(process.pid, 1), signal.SIGUSR1)
+        os.kill(rank_pids(process.pid)[1], signal.SIGUSR1)
         process.wait(timeout=60)
         assert process.returncode == PREEMPTED_EXIT_CODE
     finally:
