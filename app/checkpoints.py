@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import pickle
 import tempfile
 import urllib.request
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,19 +116,117 @@ def net_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {key.removeprefix("net."): value for key, value in state.items() if key.startswith("net.")}
 
 
+def check_shapes(
+    expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], source: str, strict: bool = True
+) -> None:
+    """Raise a one-line error naming the first key whose presence (when `strict`) or shape differs."""
+    for key in list(expected) + [key for key in found if key not in expected]:
+        if key not in found or key not in expected:
+            if strict:
+                missing = f"it lacks {key!r}" if key not in found else f"unexpected key {key!r}"
+                raise CheckpointError(
+                    f"{source} does not fit this model: {missing}. Fix: use the config it was trained with."
+                )
+            continue
+        if found[key] != expected[key]:
+            raise CheckpointError(
+                f"{source} does not fit this model: {key!r} has shape {found[key]} in the checkpoint but "
+                f"{expected[key]} in the model. Fix: use the config it was trained with."
+            )
+
+
+def shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(value.shape) for key, value in state.items()}
+
+
 def check_compatible(net: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Raise a one-line error naming the first key whose presence or shape differs."""
-    expected = net.state_dict()
-    for key in list(expected) + [key for key in state if key not in expected]:
-        if key not in state:
-            raise CheckpointError(f"{source} does not fit this model: it lacks {key!r}.")
-        if key not in expected:
-            raise CheckpointError(f"{source} does not fit this model: unexpected key {key!r}.")
-        if tuple(state[key].shape) != tuple(expected[key].shape):
+    check_shapes(shapes(net.state_dict()), shapes(state), source)
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """What a Lightning checkpoint says about the model it fits; the tensors themselves are dropped."""
+
+    path: str
+    class_path: str | None  # `_class_path` in the hyperparameters, saved by LightningCLI
+    hyper_parameters: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+
+
+def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
+    """Load a Lightning checkpoint (weights_only) and keep its model class, hyperparameters and shapes.
+
+    A file that is not a Lightning checkpoint is refused here: Lightning itself fails on it deep
+    inside every rank (`KeyError: 'pytorch-lightning_version'`).
+    """
+    checkpoint = safe_load(path)
+    if not isinstance(checkpoint, dict) or not {"state_dict", "pytorch-lightning_version"} <= checkpoint.keys():
+        if (
+            isinstance(checkpoint, dict)
+            and checkpoint
+            and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
+        ):
             raise CheckpointError(
-                f"{source} does not fit this model: {key!r} has shape {tuple(state[key].shape)} in the "
-                f"checkpoint but {tuple(expected[key].shape)} in the model. Fix: use the config it was trained with."
+                f"{path} is an exported weights file (a bare state_dict, as `python -m app.export` writes), not a "
+                f"Lightning checkpoint: load it into the network with net.load_state_dict(torch.load('{path}', "
+                "weights_only=True)). Fix: give --ckpt_path the .ckpt it was exported from."
             )
+        raise CheckpointError(
+            f"{path} is not a Lightning checkpoint (it has no 'state_dict' or 'pytorch-lightning_version'). "
+            "Fix: give --ckpt_path a .ckpt written by ddp-app fit."
+        )
+    hyper_parameters = dict(checkpoint.get("hyper_parameters") or {})
+    hyper_parameters.pop("_instantiator", None)
+    class_path = hyper_parameters.pop("_class_path", None)
+    return CheckpointSummary(str(path), class_path, hyper_parameters, shapes(checkpoint["state_dict"]))
+
+
+def _resolve_class(class_path: str) -> object:
+    """The class a dotted path names, or the path itself when it cannot be imported."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return class_path
+
+
+def check_model_class(checkpoint: CheckpointSummary, configured_class_path: str) -> None:
+    """Refuse a checkpoint made with another LightningModule class than the configured one.
+
+    LightningCLI would otherwise build the checkpoint's class in place of the configured one,
+    silently, and fail later on shapes or data.
+    """
+    if checkpoint.class_path is None or checkpoint.class_path == configured_class_path:
+        return  # no class saved (not made through LightningCLI): the shapes check decides
+    if _resolve_class(checkpoint.class_path) != _resolve_class(configured_class_path):
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} was made with model {checkpoint.class_path}, but the config builds "
+            f"{configured_class_path}. Fix: use the config it was trained with (model.class_path: "
+            f"{checkpoint.class_path}), or a checkpoint of {configured_class_path}."
+        )
+
+
+def check_overrides(checkpoint: CheckpointSummary, overrides: dict[str, Any]) -> None:
+    """Refuse a command-line model argument that contradicts the checkpoint's hyperparameter.
+
+    LightningCLI replaces the config's model arguments with the checkpoint's, so the value typed on
+    the command line would be dropped without a word.
+    """
+    for key, value in overrides.items():
+        if key in checkpoint.hyper_parameters and checkpoint.hyper_parameters[key] != value:
+            stored = checkpoint.hyper_parameters[key]
+            raise CheckpointError(
+                f"--model.init_args.{key}={value} contradicts checkpoint {checkpoint.path}, which was trained with "
+                f"{key}={stored}. Fix: drop --model.init_args.{key} to use the checkpoint's {stored}, or start a "
+                "new run without --ckpt_path."
+            )
+
+
+def check_state_fits(checkpoint: CheckpointSummary, model: nn.Module) -> None:
+    """The check Lightning's `load_state_dict` makes, before anything is written, in one line."""
+    strict = getattr(model, "strict_loading", True)  # a LightningModule may allow missing or extra keys
+    check_shapes(shapes(model.state_dict()), checkpoint.shapes, f"checkpoint {checkpoint.path}", strict=strict)
 
 
 def load_net_weights(net: nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import lightning as L
+from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Trainer
@@ -31,7 +32,15 @@ from lightning.pytorch.profilers import PassThroughProfiler
 import app.data  # noqa: F401  (registers the DataModules for short `class_path` names)
 import app.models  # noqa: F401  (registers the LightningModules)
 from app.callbacks import ExactResume, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
-from app.checkpoints import SafeCheckpointIO, as_checkpoint_error
+from app.checkpoints import (
+    CheckpointSummary,
+    SafeCheckpointIO,
+    as_checkpoint_error,
+    check_model_class,
+    check_overrides,
+    check_state_fits,
+    summarize_checkpoint,
+)
 from app.cluster.launch import describe_exit
 from app.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
@@ -141,6 +150,32 @@ def check_writable(directory: Path) -> None:
         ) from error
 
 
+def command_line_model_keys(args: list[str]) -> list[str]:
+    """The model arguments set on the command line: `hidden` for `--model.init_args.hidden 128`
+    or `--model.hidden=128` (jsonargparse accepts both)."""
+    keys = []
+    for arg in args:
+        if arg.startswith("--model."):
+            path = arg.removeprefix("--model.").partition("=")[0].split(".")
+            if path[0] in ("init_args", "dict_kwargs"):
+                path = path[1:]
+            if path and path[0] not in ("class_path", "help"):
+                keys.append(path[0])
+    return keys
+
+
+def last_checkpoint(trainer: Trainer) -> Path | None:
+    """The file `ckpt_path="last"` will load: the newest last*.ckpt in the checkpoint callbacks'
+    directories, as Lightning picks it (`_CheckpointConnector._parse_ckpt_path`); None on a first run."""
+    candidates = [
+        path
+        for callback in trainer.checkpoint_callbacks
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath
+        for path in Path(callback.dirpath).glob(f"{callback.CHECKPOINT_NAME_LAST}*{callback.FILE_EXTENSION}")
+    ]
+    return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -153,6 +188,8 @@ class DDPAppCLI(LightningCLI):
     boundaries, a bounded collective timeout, and the config saved next to the logs."""
 
     def __init__(self, **kwargs: Any) -> None:
+        self.command_line: list[str] = []
+        self.checkpoint: CheckpointSummary | None = None  # the --ckpt_path file, when it is one
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", OneLineErrorParser)
         kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard(), Preemption()]})
@@ -175,7 +212,27 @@ class DDPAppCLI(LightningCLI):
     def _subcommand_config(self, config: Any) -> Any:
         return config[self.subcommand] if self.subcommand else config
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        if args is None or isinstance(args, list):
+            self.command_line = list(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
+
     def _parse_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else None
+        ckpt_path = config.get("ckpt_path") if config else None
+        # Lightning's own condition: "last" and "best" (and URLs) are resolved later by the Trainer.
+        if ckpt_path and Path(ckpt_path).is_file():
+            self.checkpoint = summarize_checkpoint(ckpt_path)
+            model = config.get("model")
+            if model is not None:
+                check_model_class(self.checkpoint, model.class_path)
+                arguments = model.get("init_args") or Namespace()
+                given = {key: arguments[key] for key in command_line_model_keys(self.command_line) if key in arguments}
+                check_overrides(
+                    self.checkpoint,
+                    {key: value.as_dict() if isinstance(value, Namespace) else value for key, value in given.items()},
+                )
         # LightningCLI reads the checkpoint's hyperparameters with torch.load(weights_only=True)
         # before anything else (Lightning 2.6 `LightningCLI._parse_ckpt_path`); name the file if it fails.
         try:
@@ -190,6 +247,17 @@ class DDPAppCLI(LightningCLI):
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
+
+    def after_instantiate_classes(self) -> None:
+        # Before the Trainer or a logger writes anything: a checkpoint that cannot load stops here,
+        # in one line, instead of in `load_state_dict` inside every rank.
+        config = self._subcommand_config(self.config)
+        checkpoint = self.checkpoint
+        if checkpoint is None and config.get("ckpt_path") == "last" and (last := last_checkpoint(self.trainer)):
+            checkpoint = summarize_checkpoint(last)
+            check_model_class(checkpoint, config["model"].class_path)
+        if checkpoint is not None:
+            check_state_fits(checkpoint, self.model)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._subcommand_config(self.config_init)
