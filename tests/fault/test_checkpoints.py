@@ -11,13 +11,28 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from torch import nn
 
-from app.checkpoints import CheckpointError, atomic_torch_save, safe_load
+from app.checkpoints import (
+    CheckpointError,
+    CheckpointSummary,
+    atomic_torch_save,
+    check_model_class,
+    check_overrides,
+    check_state_fits,
+    safe_load,
+    shapes,
+    summarize_checkpoint,
+)
+from app.cli import command_line_model_keys
+from app.export import main as export_main
 from tests.fault.test_bad_input import malicious_checkpoint
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, train
 
@@ -152,3 +167,146 @@ def test_our_own_checkpoints_load_with_weights_only(tmp_path: Path, http_server:
     assert len(checkpoint["rng_states_per_rank"]) == 2
     remote = safe_load(f"{http_server}/checkpoints/last.ckpt")
     assert remote["global_step"] == checkpoint["global_step"]
+
+
+# Checkpoints that do not fit the config: one line naming the file and what does not fit, exit 2,
+# and nothing written, from every subcommand that takes --ckpt_path.
+
+
+class UserRegressor(L.LightningModule):
+    """A user's module: no `net` attribute, no save_hyperparameters()."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, width)
+
+
+def summary(
+    state: dict[str, torch.Tensor], class_path: str | None = None, **hyper_parameters: Any
+) -> CheckpointSummary:
+    return CheckpointSummary("run/last.ckpt", class_path, hyper_parameters, shapes(state))
+
+
+def test_a_user_module_without_net_is_checked_on_its_own_state_dict() -> None:
+    check_state_fits(summary(UserRegressor().state_dict()), UserRegressor())
+    with pytest.raises(CheckpointError, match=r"'layer.weight' has shape \(8, 3\) in the checkpoint but \(4, 3\)"):
+        check_state_fits(summary(UserRegressor(width=8).state_dict()), UserRegressor())
+    with pytest.raises(CheckpointError, match="unexpected key 'extra'"):
+        check_state_fits(summary({**UserRegressor().state_dict(), "extra": torch.zeros(1)}), UserRegressor())
+    lenient = UserRegressor()
+    lenient.strict_loading = False  # Lightning then loads without the extra key, and so do we
+    check_state_fits(summary({**UserRegressor().state_dict(), "extra": torch.zeros(1)}), lenient)
+
+
+def test_the_model_class_is_compared_as_a_class_not_as_a_spelling() -> None:
+    state = UserRegressor().state_dict()
+    check_model_class(summary(state, "app.models.MLPClassifier"), "app.models.lightning.MLPClassifier")
+    check_model_class(summary(state), "app.models.ToyRegressor")  # no class saved: the shapes decide
+    with pytest.raises(CheckpointError, match="made with model app.models.MLPClassifier, but the config builds app."):
+        check_model_class(summary(state, "app.models.MLPClassifier"), "app.models.ToyRegressor")
+
+
+def test_a_command_line_model_argument_that_contradicts_the_checkpoint_is_refused() -> None:
+    stored = summary(UserRegressor().state_dict(), "app.models.MLPClassifier", hidden=256, in_features=64)
+    check_overrides(stored, {"hidden": 256, "num_classes": 10})  # equal, or not stored: fine
+    with pytest.raises(CheckpointError, match=r"--model.init_args.hidden=128 contradicts .* hidden=256\. Fix: drop"):
+        check_overrides(stored, {"hidden": 128})
+
+
+def test_model_keys_set_on_the_command_line() -> None:
+    args = [
+        "fit",
+        "--config",
+        "c.yaml",
+        "--model.init_args.hidden",
+        "128",
+        "--model.in_features=3",
+        "--model.class_path=X",
+    ]
+    assert command_line_model_keys([*args, "--trainer.max_epochs=1", "--ckpt_path=last"]) == ["hidden", "in_features"]
+
+
+def test_an_exported_weights_file_is_named_as_such(tmp_path: Path) -> None:
+    torch.save(UserRegressor().state_dict(), tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match="model.pt is an exported weights file"):
+        summarize_checkpoint(tmp_path / "model.pt")
+    torch.save({"weights": [1, 2]}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="other.pt is not a Lightning checkpoint"):
+        summarize_checkpoint(tmp_path / "other.pt")
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 1-epoch digits run (MLPClassifier, hidden=256), shared by the cases below."""
+    root = tmp_path_factory.mktemp("digits_run")
+    train("configs/digits.yaml", root, epochs=1)
+    return root
+
+
+def exported_weights(run: Path, scratch: Path) -> list[str]:
+    export_main(["--ckpt", str(run / "checkpoints" / "last.ckpt"), "--out", str(scratch / "model.pt")])
+    return ["fit", "--config", "configs/digits.yaml", "--ckpt_path", str(scratch / "model.pt")]
+
+
+def without_hyperparameters(run: Path, scratch: Path) -> list[str]:
+    """As a module without save_hyperparameters() writes it: only the shapes can tell."""
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    del checkpoint["hyper_parameters"]
+    torch.save(checkpoint, scratch / "no-hparams.ckpt")
+    return [
+        "fit",
+        "--config",
+        "configs/digits.yaml",
+        "--model.hidden=128",
+        "--ckpt_path",
+        str(scratch / "no-hparams.ckpt"),
+    ]
+
+
+def last_ckpt(run: Path) -> str:
+    return str(run / "checkpoints" / "last.ckpt")
+
+
+CLASSES = ["last.ckpt", "app.models.MLPClassifier", "app.models.ToyRegressor"]
+MISFITS: dict[str, tuple[Callable[[Path, Path], list[str]], list[str]]] = {
+    # The digits checkpoint under the toy config: LightningCLI would swap in MLPClassifier silently.
+    "another_model_class": (
+        lambda run, _: ["fit", "--config=configs/toy.yaml", f"--ckpt_path={last_ckpt(run)}"], CLASSES
+    ),
+    "another_model_class_validate": (
+        lambda run, _: ["validate", "--config=configs/toy.yaml", f"--ckpt_path={last_ckpt(run)}"], CLASSES
+    ),
+    # `last` is resolved from the checkpoint callback's directory, after the classes are built.
+    "another_model_class_last": (lambda run, _: ["fit", "--config=configs/toy.yaml", "--ckpt_path=last"], CLASSES),
+    "another_architecture": (
+        without_hyperparameters, ["no-hparams.ckpt", "'net.fc1.weight'", "(256, 64)", "(128, 64)"]
+    ),
+    "exported_weights": (exported_weights, ["model.pt", "exported weights file", "load_state_dict"]),
+    # The checkpoint's hidden=256 would win over the command line without a word.
+    "contradicting_override": (
+        lambda run, _: [
+            "fit", "--config=configs/digits.yaml", "--model.init_args.hidden", "128", f"--ckpt_path={last_ckpt(run)}"
+        ],
+        ["last.ckpt", "--model.init_args.hidden=128", "hidden=256"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(MISFITS))
+def test_a_checkpoint_that_does_not_fit_stops_in_one_line_writing_nothing(
+    name: str, digits_run: Path, tmp_path: Path
+) -> None:
+    make_args, facts = MISFITS[name]
+    args = make_args(digits_run, tmp_path)
+    before = {path: path.read_bytes() for path in digits_run.rglob("*") if path.is_file()}
+    result = ddp_app(
+        *args, f"--trainer.default_root_dir={digits_run}", "--trainer.enable_progress_bar=false", timeout=120
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, result.stderr[-3000:]  # once, not once per rank
+    assert all(fact in errors[0] for fact in facts), errors[0]
+    # No checkpoint touched, and no new log version directory or any other file.
+    assert {path: path.read_bytes() for path in digits_run.rglob("*") if path.is_file()} == before
