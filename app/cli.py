@@ -32,11 +32,13 @@ import app.data  # noqa: F401  (registers the DataModules for short `class_path`
 import app.models  # noqa: F401  (registers the LightningModules)
 from app.callbacks import ExactResume, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
 from app.checkpoints import SafeCheckpointIO, as_checkpoint_error
+from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
 from app.cluster.launch import describe_exit
-from app.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
+from app.cluster.preemption import Stopped
 from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, summarize_parser_error, user_message
+from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
 
 # Trainers this process built: on an error, the rank processes their launchers started are stopped.
 STARTED_TRAINERS: list[Trainer] = []
@@ -155,7 +157,7 @@ class DDPAppCLI(LightningCLI):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", OneLineErrorParser)
-        kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard(), Preemption()]})
+        kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard()]})
         super().__init__(
             L.LightningModule,
             L.LightningDataModule,
@@ -171,6 +173,9 @@ class DDPAppCLI(LightningCLI):
             default=DEFAULT_COLLECTIVE_TIMEOUT_S,
             help="How long a collective (or the rendezvous) may wait for a peer before every rank fails.",
         )
+        # A group of its own (not trainer.callbacks): ddp-app always keeps last.ckpt fresh, and the
+        # interval is one key to set: `last_checkpoint.every_n_seconds`.
+        parser.add_class_arguments(LastCheckpoint, "last_checkpoint")
 
     def _subcommand_config(self, config: Any) -> Any:
         return config[self.subcommand] if self.subcommand else config
@@ -198,6 +203,10 @@ class DDPAppCLI(LightningCLI):
             # Preemption is handled by our callback at a step boundary, not by Lightning's
             # SIGUSR1 handler, which saves inside the signal handler (Lightning #21406).
             kwargs["plugins"] = [SLURMEnvironment(auto_requeue=False)]
+        if config["trainer"].get("enable_checkpointing") is not False:
+            callbacks = config["trainer"].get("callbacks") or []
+            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+            kwargs["callbacks"] = [*callbacks, config["last_checkpoint"]]
         trainer = super().instantiate_trainer(**kwargs)
         STARTED_TRAINERS.append(trainer)
         environment = getattr(trainer.strategy, "cluster_environment", None)
@@ -224,6 +233,15 @@ class DDPAppCLI(LightningCLI):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         return trainer
+
+    def _resolve_last_checkpoint(self) -> None:
+        """`--ckpt_path last`: our last.ckpt (Lightning only looks in ModelCheckpoint directories);
+        none yet means a first run, which starts fresh without a warning."""
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") == "last":
+            config["ckpt_path"] = find_last_checkpoint(self.trainer)
+
+    before_fit = before_validate = before_test = before_predict = _resolve_last_checkpoint
 
 
 # Lightning's launcher starts ranks >= 1 as children of rank 0: if this parent goes, rank 0 died.
@@ -266,10 +284,15 @@ def main(args: list[str] | None = None) -> None:
     configure_cpu_threads()
     try:
         DDPAppCLI(args=args)
-    except Preempted as preempted:
+    except Stopped as stopped:
         stop_child_ranks()
-        print(f"ddp-app: {preempted}", file=sys.stderr)
-        raise SystemExit(PREEMPTED_EXIT_CODE) from None
+        if stopped.is_global_zero:  # once, not once per rank
+            print(f"ddp-app: {stopped}", file=sys.stderr)
+        raise SystemExit(stopped.exit_code) from None
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
+        stop_child_ranks()
+        print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
     except Exception as error:
         dead = dead_child_ranks() + dead_parent_rank()
         stop_child_ranks()
