@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import http.server
-import os
 import random
 import signal
 import subprocess
