@@ -245,22 +245,20 @@ def run_local_ranks(nprocs: int, command: list[str], env: Mapping[str, str]) -> 
     stop_deadline = float("inf")
     try:
         while running:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                if time.monotonic() > stop_deadline:
-                    kill_running()
-                time.sleep(0.05)
-                continue
-            process = running.pop(pid, None)
-            if process is None:
-                continue
-            process.returncode = os.waitstatus_to_exitcode(status)
-            if process.returncode != 0 and first_failure is None and pid not in killed:
-                first_failure = processes.index(process)
-                if process.returncode in STOP_EXIT_CODES:  # the others stop at the same step: let them finish
-                    stop_deadline = time.monotonic() + STOP_GRACE_S
-                else:
-                    kill_running()
+            # poll(), not os.waitpid(-1): Popen.send_signal and kill reap an exited rank themselves.
+            for pid, process in list(running.items()):
+                if process.poll() is None:
+                    continue
+                del running[pid]
+                if process.returncode != 0 and first_failure is None and pid not in killed:
+                    first_failure = processes.index(process)
+                    if process.returncode in STOP_EXIT_CODES:  # the others stop at the same step: let them finish
+                        stop_deadline = time.monotonic() + STOP_GRACE_S
+                    else:
+                        kill_running()
+            if time.monotonic() > stop_deadline:
+                kill_running()
+            time.sleep(0.05)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
