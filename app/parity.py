@@ -389,7 +389,7 @@ def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, o
         check = state_check(
             "P6",
             optimizer,
-            f"accumulate_grad_batches={steps} ({batches} batches/epoch): Lightning vs reference",
+            f"Lightning vs reference, accumulating {steps} of {batches} batches/epoch",
             reference_accumulated,
             lightning_accumulated,
         )
