@@ -239,6 +239,8 @@ def variant_config(base: dict[str, Any], optimizer: str, epochs: int, world_size
     config["optimizer"] = current if current.get("class_path") == wanted["class_path"] else wanted
     trainer = config.setdefault("trainer", {})
     trainer.update(max_epochs=epochs, devices=world_size, enable_progress_bar=False, accelerator="cpu")
+    # P1-P5 step after every batch (P2's single process does); P6 adds accumulation on its own.
+    trainer.pop("accumulate_grad_batches", None)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return config
 
