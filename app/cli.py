@@ -15,6 +15,7 @@ import datetime
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,7 +36,7 @@ from app.checkpoints import SafeCheckpointIO, as_checkpoint_error
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
 from app.cluster.launch import describe_exit
 from app.cluster.preemption import Stopped
-from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
+from app.cluster.preflight import Launch, describe_launch, lightning_uses_slurm, preflight
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
@@ -130,6 +131,36 @@ def check_config(config: Any) -> None:
         check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
 
 
+def drop_static_graph_for_accumulation(trainer_config: Any) -> str | None:
+    """Turn DDP's `static_graph` off when gradients are accumulated; returns a notice, or None if unchanged.
+
+    Lightning skips the all-reduce on accumulation micro-batches with `DistributedDataParallel.no_sync()`,
+    which static_graph does not support: the reducer fails an internal assert, and PyTorch reports
+    runs where it instead silently stops all-reducing (ranks train apart). static_graph is only a
+    speed hint (the gradients are the same without it), so we drop it for this run rather than
+    refuse a config we ship. The reference trainer decides the same (`app.reference.config.ddp_arguments`).
+    """
+    accumulate = trainer_config.get("accumulate_grad_batches") or 1
+    strategy = trainer_config.get("strategy")
+    init_args = getattr(strategy, "init_args", None)
+    if accumulate <= 1 or init_args is None or not init_args.get("static_graph"):
+        return None
+    init_args["static_graph"] = False
+    return (
+        f"ddp-app: trainer.accumulate_grad_batches={accumulate} with static_graph: true in "
+        "trainer.strategy.init_args: DDP's static graph cannot skip the all-reduce on accumulation steps "
+        "(no_sync), so this run uses static_graph=false (a speed hint; same gradients). "
+        "Set static_graph: false in the config to silence this."
+    )
+
+
+def is_global_rank_zero(launch: Launch | None, env: Mapping[str, str]) -> bool:
+    """Before any process group exists: from the launch, or from the launcher's variables if unknown."""
+    if launch is not None:
+        return launch.global_rank == 0
+    return all(env.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
 def check_writable(directory: Path) -> None:
     """Fail before training, not at the first checkpoint an hour later."""
     try:
@@ -195,6 +226,10 @@ class DDPAppCLI(LightningCLI):
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
+        notice = drop_static_graph_for_accumulation(config["trainer"])
+        # Every rank parses the config and makes the same change; one line in the log is enough.
+        if notice and is_global_rank_zero(self.launch, os.environ):
+            print(notice, flush=True)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._subcommand_config(self.config_init)
