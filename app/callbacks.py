@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, TQDMProgressBar
 
 from app.checkpoints import atomic_torch_save
 from app.errors import NonFiniteLossError
+from app.last_checkpoint import find_last_checkpoint
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -101,7 +102,7 @@ class NonFiniteGuard(L.Callback):
         grads = [parameter.grad for parameter in self._parameters if parameter.grad is not None]
         if not grads or math.isfinite(torch.stack(torch._foreach_norm(grads)).sum().item()):
             return
-        last = getattr(trainer.checkpoint_callback, "last_model_path", "") or "none written yet"
+        last = find_last_checkpoint(trainer) or "none written yet"
         raise NonFiniteLossError(
             f"the loss diverged: non-finite gradients at global step {trainer.global_step} "
             f"(epoch {trainer.current_epoch}, batch {trainer.fit_loop.epoch_loop.batch_idx}); "

@@ -15,6 +15,7 @@ import datetime
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -41,11 +42,13 @@ from app.checkpoints import (
     check_state_fits,
     summarize_checkpoint,
 )
+from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
 from app.cluster.launch import describe_exit
-from app.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
-from app.cluster.preflight import describe_launch, lightning_uses_slurm, preflight
+from app.cluster.preemption import Stopped
+from app.cluster.preflight import Launch, describe_launch, lightning_uses_slurm, preflight
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, summarize_parser_error, user_message
+from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
 
 # Trainers this process built: on an error, the rank processes their launchers started are stopped.
 STARTED_TRAINERS: list[Trainer] = []
@@ -137,6 +140,36 @@ def check_config(config: Any) -> None:
         check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
 
 
+def drop_static_graph_for_accumulation(trainer_config: Any) -> str | None:
+    """Turn DDP's `static_graph` off when gradients are accumulated; returns a notice, or None if unchanged.
+
+    Lightning skips the all-reduce on accumulation micro-batches with `DistributedDataParallel.no_sync()`,
+    which static_graph does not support: the reducer fails an internal assert, and PyTorch reports
+    runs where it instead silently stops all-reducing (ranks train apart). static_graph is only a
+    speed hint (the gradients are the same without it), so we drop it for this run rather than
+    refuse a config we ship. The reference trainer decides the same (`app.reference.config.ddp_arguments`).
+    """
+    accumulate = trainer_config.get("accumulate_grad_batches") or 1
+    strategy = trainer_config.get("strategy")
+    init_args = getattr(strategy, "init_args", None)
+    if accumulate <= 1 or init_args is None or not init_args.get("static_graph"):
+        return None
+    init_args["static_graph"] = False
+    return (
+        f"ddp-app: trainer.accumulate_grad_batches={accumulate} with static_graph: true in "
+        "trainer.strategy.init_args: DDP's static graph cannot skip the all-reduce on accumulation steps "
+        "(no_sync), so this run uses static_graph=false (a speed hint; same gradients). "
+        "Set static_graph: false in the config to silence this."
+    )
+
+
+def is_global_rank_zero(launch: Launch | None, env: Mapping[str, str]) -> bool:
+    """Before any process group exists: from the launch, or from the launcher's variables if unknown."""
+    if launch is not None:
+        return launch.global_rank == 0
+    return all(env.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
 def check_writable(directory: Path) -> None:
     """Fail before training, not at the first checkpoint an hour later."""
     try:
@@ -164,18 +197,6 @@ def command_line_model_keys(args: list[str]) -> list[str]:
     return keys
 
 
-def last_checkpoint(trainer: Trainer) -> Path | None:
-    """The file `ckpt_path="last"` will load: the newest last*.ckpt in the checkpoint callbacks'
-    directories, as Lightning picks it (`_CheckpointConnector._parse_ckpt_path`); None on a first run."""
-    candidates = [
-        path
-        for callback in trainer.checkpoint_callbacks
-        if isinstance(callback, ModelCheckpoint) and callback.dirpath
-        for path in Path(callback.dirpath).glob(f"{callback.CHECKPOINT_NAME_LAST}*{callback.FILE_EXTENSION}")
-    ]
-    return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
-
-
 def _cuda_available() -> bool:
     import torch
 
@@ -192,7 +213,7 @@ class DDPAppCLI(LightningCLI):
         self.checkpoint: CheckpointSummary | None = None  # the --ckpt_path file, when it is one
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", OneLineErrorParser)
-        kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard(), Preemption()]})
+        kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard()]})
         super().__init__(
             L.LightningModule,
             L.LightningDataModule,
@@ -208,6 +229,9 @@ class DDPAppCLI(LightningCLI):
             default=DEFAULT_COLLECTIVE_TIMEOUT_S,
             help="How long a collective (or the rendezvous) may wait for a peer before every rank fails.",
         )
+        # A group of its own (not trainer.callbacks): ddp-app always keeps last.ckpt fresh, and the
+        # interval is one key to set: `last_checkpoint.every_n_seconds`.
+        parser.add_class_arguments(LastCheckpoint, "last_checkpoint")
 
     def _subcommand_config(self, config: Any) -> Any:
         return config[self.subcommand] if self.subcommand else config
@@ -247,13 +271,17 @@ class DDPAppCLI(LightningCLI):
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
+        notice = drop_static_graph_for_accumulation(config["trainer"])
+        # Every rank parses the config and makes the same change; one line in the log is enough.
+        if notice and is_global_rank_zero(self.launch, os.environ):
+            print(notice, flush=True)
 
     def after_instantiate_classes(self) -> None:
         # Before the Trainer or a logger writes anything: a checkpoint that cannot load stops here,
         # in one line, instead of in `load_state_dict` inside every rank.
         config = self._subcommand_config(self.config)
         checkpoint = self.checkpoint
-        if checkpoint is None and config.get("ckpt_path") == "last" and (last := last_checkpoint(self.trainer)):
+        if checkpoint is None and config.get("ckpt_path") == "last" and (last := find_last_checkpoint(self.trainer)):
             checkpoint = summarize_checkpoint(last)
             check_model_class(checkpoint, config["model"].class_path)
         if checkpoint is not None:
@@ -266,6 +294,10 @@ class DDPAppCLI(LightningCLI):
             # Preemption is handled by our callback at a step boundary, not by Lightning's
             # SIGUSR1 handler, which saves inside the signal handler (Lightning #21406).
             kwargs["plugins"] = [SLURMEnvironment(auto_requeue=False)]
+        if config["trainer"].get("enable_checkpointing") is not False:
+            callbacks = config["trainer"].get("callbacks") or []
+            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+            kwargs["callbacks"] = [*callbacks, config["last_checkpoint"]]
         trainer = super().instantiate_trainer(**kwargs)
         STARTED_TRAINERS.append(trainer)
         environment = getattr(trainer.strategy, "cluster_environment", None)
@@ -292,6 +324,15 @@ class DDPAppCLI(LightningCLI):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         return trainer
+
+    def _resolve_last_checkpoint(self) -> None:
+        """`--ckpt_path last`: our last.ckpt (Lightning only looks in ModelCheckpoint directories);
+        none yet means a first run, which starts fresh without a warning."""
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") == "last":
+            config["ckpt_path"] = find_last_checkpoint(self.trainer)
+
+    before_fit = before_validate = before_test = before_predict = _resolve_last_checkpoint
 
 
 # Lightning's launcher starts ranks >= 1 as children of rank 0: if this parent goes, rank 0 died.
@@ -334,10 +375,15 @@ def main(args: list[str] | None = None) -> None:
     configure_cpu_threads()
     try:
         DDPAppCLI(args=args)
-    except Preempted as preempted:
+    except Stopped as stopped:
         stop_child_ranks()
-        print(f"ddp-app: {preempted}", file=sys.stderr)
-        raise SystemExit(PREEMPTED_EXIT_CODE) from None
+        if stopped.is_global_zero:  # once, not once per rank
+            print(f"ddp-app: {stopped}", file=sys.stderr)
+        raise SystemExit(stopped.exit_code) from None
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
+        stop_child_ranks()
+        print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
     except Exception as error:
         dead = dead_child_ranks() + dead_parent_rank()
         stop_child_ranks()

@@ -11,6 +11,8 @@ for Adam, that they agree:
   P4  a reference checkpoint loads into the LightningModule, and `python -m app.export` writes a
       bare state_dict that a plain nn.Module loads with weights_only=True: identical predictions.
   P5  Lightning's own launcher, torchrun (Lightning and reference) and mp.spawn: identical weights.
+  P6  gradient accumulation: Lightning DDP with trainer.accumulate_grad_batches=k == the reference
+      with the same k, bit for bit; k leaves the epoch a short last group, which steps too.
 
 Prints a table, writes it as JSON, exits 1 if any check fails.
 """
@@ -36,7 +38,7 @@ from tqdm import tqdm
 from app.checkpoints import load_net_weights, net_state_dict, safe_load
 from app.cluster.launch import env_without_launcher
 from app.cluster.threads import configure_cpu_threads
-from app.reference.config import build_job, instantiate, load_config
+from app.reference.config import Job, build_job, instantiate, load_config
 
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "sgd": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05, "momentum": 0.9}},
@@ -215,6 +217,20 @@ def predictions(net: torch.nn.Module, dataset) -> torch.Tensor:
         return torch.cat([net(inputs) for inputs, _ in DataLoader(dataset, batch_size=256)])
 
 
+def accumulation_with_tail(batches_per_epoch: int) -> int:
+    """The smallest k >= 2 that does not divide the epoch: its last group is short (Lightning steps it)."""
+    steps = 2
+    while batches_per_epoch % steps == 0:
+        steps += 1
+    return steps
+
+
+def batches_per_epoch(job: Job, world_size: int) -> int:
+    """Micro-batches one rank sees per epoch, as its DistributedSampler and DataLoader give them."""
+    sampler = DistributedSampler(job.train_dataset, world_size, 0, shuffle=job.shuffle, seed=job.sampler_seed)
+    return len(DataLoader(job.train_dataset, batch_size=job.batch_size, sampler=sampler))
+
+
 def variant_config(base: dict[str, Any], optimizer: str, epochs: int, world_size: int, path: Path) -> dict:
     """The base config with this optimizer, epochs and world size: one file drives every run."""
     config = copy.deepcopy(base)
@@ -223,6 +239,8 @@ def variant_config(base: dict[str, Any], optimizer: str, epochs: int, world_size
     config["optimizer"] = current if current.get("class_path") == wanted["class_path"] else wanted
     trainer = config.setdefault("trainer", {})
     trainer.update(max_epochs=epochs, devices=world_size, enable_progress_bar=False, accelerator="cpu")
+    # P1-P5 step after every batch (P2's single process does); P6 adds accumulation on its own.
+    trainer.pop("accumulate_grad_batches", None)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return config
 
@@ -238,6 +256,7 @@ def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, o
         "P3 eval",
         "P4 export",
         "P5 torchrun",
+        "P6 accumulation",
     ]
     progress = tqdm(total=len(steps) * len(optimizers), desc="parity", unit="step", file=sys.stderr)
     for optimizer in optimizers:
@@ -358,6 +377,28 @@ def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, o
         checks.append(
             state_check("P5", optimizer, "Lightning launcher vs reference under mp.spawn", lightning, reference)
         )
+        progress.update()
+
+        progress.set_postfix_str(f"{optimizer}: accumulation")
+        batches = batches_per_epoch(job, world_size)
+        steps = accumulation_with_tail(batches)
+        accumulate_path = work / "config_accumulate.yaml"
+        accumulate_config = copy.deepcopy(config)
+        accumulate_config["trainer"]["accumulate_grad_batches"] = steps
+        accumulate_path.write_text(yaml.safe_dump(accumulate_config, sort_keys=False))
+        lightning_accumulated = lightning_fit(accumulate_path, work / "lightning_accumulate", "lightning", world_size)
+        reference_accumulated = reference_fit(accumulate_path, work / "reference_accumulate", "mp.spawn", world_size)
+        check = state_check(
+            "P6",
+            optimizer,
+            f"Lightning vs reference, accumulating {steps} of {batches} batches/epoch",
+            reference_accumulated,
+            lightning_accumulated,
+        )
+        # Equal weights prove nothing if neither side accumulated: they must differ from P1's run.
+        if all(torch.equal(lightning[key], lightning_accumulated[key]) for key in lightning):
+            check.passed, check.detail = False, "the weights equal the run without accumulation: k had no effect"
+        checks.append(check)
         progress.update()
     progress.close()
     return checks

@@ -7,11 +7,18 @@ back to back. `ddp-app` instead starts all N ranks up front from a light parent 
 library only) with the variables Lightning's launcher would give them (MASTER_ADDR, MASTER_PORT,
 WORLD_SIZE, NODE_RANK, LOCAL_RANK): with LOCAL_RANK set, Lightning starts no processes itself.
 
-The parent stays until the ranks are done, like torchrun's agent: it forwards SIGTERM/SIGUSR1
-to them, kills the others as soon as one rank fails (a rank waiting in a collective would otherwise
-hang until the collective timeout), and exits with the failing rank's code. Ranks die with the
-parent (PR_SET_PDEATHSIG) if it is killed. Every rank reports the same bad input, so the one-line
-errors of ranks >= 1 are held back and printed only when rank 0 did not report its own.
+The parent stays until the ranks are done, like torchrun's agent: it forwards SIGTERM, SIGUSR1
+and SIGINT to them, kills the others as soon as one rank fails (a rank waiting in a collective
+would otherwise hang until the collective timeout), and exits with the failing rank's code. Ranks
+die with the parent (PR_SET_PDEATHSIG) if it is killed. Every rank reports the same bad input, so
+the one-line reports of ranks >= 1 are held back and printed only when rank 0 did not report its own.
+
+Ctrl-C: each rank runs in a session of its own (as torchrun's workers do), so a terminal's SIGINT
+reaches the parent only, which forwards exactly one SIGINT to every rank, whether the user pressed
+Ctrl-C or sent SIGINT to the parent's pid. The ranks then save last.ckpt at the same step and exit
+with 130. A second SIGINT kills the ranks at once; the previous last.ckpt stays intact (atomic saves).
+Ranks that stop on purpose (exit codes 3 and 130: preempted or interrupted, all at the same step)
+are given time to finish instead of being killed when the first of them exits.
 
 It applies only when it is certain what Lightning would do: a single node, `devices` a number > 1,
 a `ddp` strategy that starts processes by running the script (not ddp_spawn), not under srun,
@@ -29,20 +36,24 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
+
+from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # Set by torchrun, srun or Lightning's own launcher: the ranks already exist.
 LAUNCHED_VARIABLES = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID")
 TRAINER_KEYS = ("devices", "num_nodes", "accelerator", "strategy")
-# Sent to a process id by a scheduler or a user. Ctrl-C needs no forwarding: the terminal sends
-# SIGINT to the whole process group, ranks included, and a second one would cut Lightning's
-# graceful shutdown short; the launcher ignores it and waits for the ranks to exit.
+# Sent to the parent by a scheduler or a user; SIGINT is forwarded by its own handler (once).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# `ddp-app: error: ...` and `ddp-app fit: error: ...`: the one-line reports of bad input.
-ERROR_LINE = re.compile(rb"^[\w.\- ]+: error: ")
+# `ddp-app: error: ...`, `ddp-app fit: error: ...` and `ddp-app: interrupted ...`: one-line reports
+# that every rank makes alike, printed once.
+REPORT_LINE = re.compile(rb"^[\w.\- ]+: (error: |interrupted )")
+# How long ranks that stop on purpose get to finish (the others are saving or exiting) before they are killed.
+STOP_GRACE_S = 60.0
 
 
 def _option(argv: list[str], index: int) -> tuple[str, str | None, int]:
@@ -180,7 +191,7 @@ def _die_with_parent() -> None:
 def _forward_stderr(stream: IO[bytes], held: list[bytes]) -> None:
     """Copy a rank's stderr through as it comes, holding back its one-line error reports."""
     for line in iter(stream.readline, b""):
-        if ERROR_LINE.match(line):
+        if REPORT_LINE.match(line):
             held.append(line)
         else:
             sys.stderr.buffer.write(line)
@@ -191,8 +202,11 @@ def _forward_stderr(stream: IO[bytes], held: list[bytes]) -> None:
 def run_local_ranks(nprocs: int, command: list[str], env: Mapping[str, str]) -> int:
     """Start `nprocs` ranks of `command`, wait for all of them; returns the exit code to use."""
     # stderr only: Lightning's progress bar writes to stdout, which the ranks share with us.
+    # A session per rank: a terminal's Ctrl-C reaches this parent only, which forwards it once.
     processes = [
-        subprocess.Popen(command, env=rank_env, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+        subprocess.Popen(
+            command, env=rank_env, stderr=subprocess.PIPE, preexec_fn=_die_with_parent, start_new_session=True
+        )
         for rank_env in rank_environments(nprocs, env)
     ]
     held: list[list[bytes]] = [[] for _ in processes]
@@ -202,30 +216,49 @@ def run_local_ranks(nprocs: int, command: list[str], env: Mapping[str, str]) -> 
     ]
     for reader in readers:
         reader.start()
+    running = {process.pid: process for process in processes}
+    killed: set[int] = set()
+    interrupts = 0
+
+    def kill_running() -> None:
+        # SIGKILL: a rank blocked in a collective does not react to SIGTERM (Lightning does the same).
+        for process in running.values():
+            if process.pid not in killed:
+                process.kill()
+                killed.add(process.pid)
 
     def forward_signal(signum: int, frame: Any) -> None:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signum)
+        for process in running.values():
+            process.send_signal(signum)
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:  # the ranks save last.ckpt at the same step and exit with 130
+            forward_signal(signum, frame)
+        else:  # the user does not want to wait for that
+            kill_running()
 
     previous = {signum: signal.signal(signum, forward_signal) for signum in FORWARDED_SIGNALS}
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, lambda signum, frame: None)
-    killed: set[int] = set()
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_interrupt)
     first_failure: int | None = None
+    stop_deadline = float("inf")
     try:
-        running = {process.pid: process for process in processes}
         while running:
-            pid, status = os.waitpid(-1, 0)
-            process = running.pop(pid, None)
-            if process is None:
-                continue
-            process.returncode = os.waitstatus_to_exitcode(status)
-            if process.returncode != 0 and first_failure is None and pid not in killed:
-                first_failure = processes.index(process)
-                # SIGKILL: a rank blocked in a collective does not react to SIGTERM (Lightning does the same).
-                for other in running.values():
-                    other.kill()
-                    killed.add(other.pid)
+            # poll(), not os.waitpid(-1): Popen.send_signal and kill reap an exited rank themselves.
+            for pid, process in list(running.items()):
+                if process.poll() is None:
+                    continue
+                del running[pid]
+                if process.returncode != 0 and first_failure is None and pid not in killed:
+                    first_failure = processes.index(process)
+                    if process.returncode in STOP_EXIT_CODES:  # the others stop at the same step: let them finish
+                        stop_deadline = time.monotonic() + STOP_GRACE_S
+                    else:
+                        kill_running()
+            if time.monotonic() > stop_deadline:
+                kill_running()
+            time.sleep(0.05)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -236,9 +269,17 @@ def run_local_ranks(nprocs: int, command: list[str], env: Mapping[str, str]) -> 
     for line in dict.fromkeys(reports):  # the same report from several ranks, once
         sys.stderr.buffer.write(line)
     sys.stderr.buffer.flush()
+    if interrupts > 1:
+        sys.stderr.write(
+            "ddp-app: second Ctrl-C: stopped the ranks without saving; the previous last.ckpt is intact.\n"
+        )
+        sys.stderr.flush()
+        return INTERRUPTED_EXIT_CODE
     if first_failure is None:
         return 0
     code = processes[first_failure].returncode
+    if code in STOP_EXIT_CODES:  # rank 0 printed where it saved and how to resume
+        return code
     if code < 0 or not reports:  # died without saying why (kill -9, OOM killer, segfault): name it
         failed = processes[first_failure]
         sys.stderr.write(

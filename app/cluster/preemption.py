@@ -1,41 +1,45 @@
-"""Preemption: save at the next step boundary, requeue, exit. Nothing heavy in the signal handler.
+"""Stop signals: preemption (SIGUSR1/SIGTERM) and Ctrl-C (SIGINT). The handlers only set a flag.
 
 SLURM sends SIGUSR1 ahead of the time limit (`#SBATCH --signal=SIGUSR1@90`) and SIGTERM before it
-kills a job. Lightning's own SIGUSR1 handler saves the checkpoint inside the handler, which can
-hang intermittently (Lightning #21406); here the handler only sets a flag.
+kills a job; a user presses Ctrl-C. Lightning's own SIGUSR1 handler saves the checkpoint inside the
+handler, which can hang intermittently (Lightning #21406), and its Ctrl-C handling saves nothing.
+Here a handler records the signal; `app.last_checkpoint.LastCheckpoint` acts on it at the next
+step boundary, on every rank at the same step: it saves `last.ckpt` and raises `Stopped`.
+A second Ctrl-C while that is under way ends the process at once: the previous `last.ckpt` stays
+intact because checkpoints are replaced atomically (`app.checkpoints.atomic_torch_save`).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
-import time
-from pathlib import Path
+import sys
 from types import FrameType
 from typing import Any
 
-import lightning as L
-import torch
-import torch.distributed as dist
-
+from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from app.errors import UserFacingError
 
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-# `ddp-app fit` exits with this code when it stopped on a preemption signal after saving a checkpoint.
-PREEMPTED_EXIT_CODE = 3
-
-
-class Preempted(UserFacingError):
-    """Training stopped on a preemption signal after writing a checkpoint to resume from."""
-
+STOP_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)
 
 # Lightning 2.6 broadcasts rank 0's SIGTERM flag before every training step
 # (`_TrainingEpochLoop._broadcast_sigterm_tensor`: a collective and an `.item()` per step, with no
-# switch to turn it off). `Preemption` owns SIGTERM during training, so that flag is never set.
+# switch to turn it off). `LastCheckpoint` owns SIGTERM during training, so that flag is never set.
 LIGHTNING_PER_STEP_SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 # An upper bound for the interval between checks, in case the steps slow down much after one.
 MAX_STEPS_BETWEEN_CHECKS = 10_000
+
+
+class Stopped(UserFacingError):
+    """Training stopped on a signal after writing a checkpoint to resume from."""
+
+    def __init__(self, message: str, exit_code: int, is_global_zero: bool) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.is_global_zero = is_global_zero  # every rank stops; one of them reports it
 
 
 def steps_between_checks(seconds_since_check: float, steps_since_check: int, check_interval_s: float) -> int:
@@ -46,89 +50,67 @@ def steps_between_checks(seconds_since_check: float, steps_since_check: int, che
     return max(1, min(MAX_STEPS_BETWEEN_CHECKS, int(check_interval_s / seconds_per_step)))
 
 
-class Preemption(L.Callback):
-    """On SIGUSR1/SIGTERM: checkpoint at a step boundary on all ranks, requeue under SLURM, stop.
+def abort_now(signum: int, frame: FrameType | None) -> None:
+    """A second Ctrl-C: end this process now, without saving; the previous last.ckpt is intact."""
+    os.write(2, b"ddp-app: second Ctrl-C: stopped without saving; the previous last.ckpt is intact.\n")
+    os._exit(INTERRUPTED_EXIT_CODE)
 
-    Ranks may receive the signal at different steps (or only one rank may, with a local `kill`), so
-    they agree through a two-element all-reduce on a CPU (gloo) group, which does not synchronise
-    the GPU stream. It runs about once per `check_interval_s` seconds of training, not every step:
-    with millisecond steps a collective per step costs more than the step itself (0.9 ms per step
-    at 2 ranks on the digits MLP, docs/performance.md), while SLURM warns 90 s ahead. Each check
-    also fixes the next one: every rank proposes how many steps make `check_interval_s` at its
-    recent pace, and the all-reduce hands all of them the smallest proposal, so all ranks check at
-    the same step. Steps longer than `check_interval_s` are checked every step.
-    """
 
-    def __init__(self, check_interval_s: float = 1.0) -> None:
-        self.check_interval_s = check_interval_s
-        self._received: int | None = None
+class StopSignalFlag:
+    """Records the first stop signal; installed for the duration of training only."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
         self._previous: dict[int, Any] = {}
-        self._group: Any = None
-        self._steps_until_check = 1
-        self._steps_since_check = 0
-        self._last_check = time.monotonic()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._received = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, abort_now)
+        if self.received is None or signum != signal.SIGINT:  # a preemption outranks Ctrl-C: it requeues
+            self.received = signum
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for signum in PREEMPTION_SIGNALS:
+    def install(self) -> None:
+        self.received = None
+        for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._on_signal)
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if hasattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST):
-            setattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, lambda: None)
-        self._steps_until_check, self._steps_since_check = 1, 0
-        self._last_check = time.monotonic()
 
-    def _restore_handlers(self) -> None:
+    def restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._restore_handlers()
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # Not Lightning's handlers while the job ends: its SIGTERM handler broadcasts to the other
-        # ranks, which may be gone already. After a requeue SLURM sends SIGTERM to every task; a rank
-        # still on its way out then died with a gloo error instead of its preemption message. Lightning
-        # puts the handlers from before `fit` back in its teardown.
-        if not isinstance(exception, Preempted):
-            self._restore_handlers()
-
-    def _anyone_signalled(self) -> bool:
-        """True when any rank got a signal; sets the step of the next check, the same on all ranks."""
-        signalled = self._received is not None
-        if self._group is None:  # one process: nobody to agree with, and a flag read costs nothing
-            return signalled
-        now = time.monotonic()
-        proposal = steps_between_checks(now - self._last_check, self._steps_since_check, self.check_interval_s)
-        # MAX of the flags, and MAX of the negated proposals = MIN of the proposals, in one collective.
-        message = torch.tensor([int(signalled), -proposal], dtype=torch.int64)
-        dist.all_reduce(message, op=dist.ReduceOp.MAX, group=self._group)
-        self._steps_until_check = int(-message[1])
-        self._steps_since_check, self._last_check = 0, now
-        return bool(message[0])
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._steps_since_check += 1
-        self._steps_until_check -= 1
-        if self._steps_until_check > 0 or not self._anyone_signalled():
-            return
-        directory = Path(getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir)
-        path = directory / "last.ckpt"
-        trainer.save_checkpoint(path)  # every rank takes part; rank 0 writes (atomically)
-        requeued = ""
-        if trainer.global_rank == 0:
-            requeued = requeue_slurm_job()
-        raise Preempted(
-            f"preempted at global step {trainer.global_step}: saved {path}{requeued}. "
-            "Resume with --ckpt_path last (the sbatch scripts in slurm/ do)."
+def stop_message(signum: int, step: int, epoch: int, path: str, is_global_zero: bool) -> tuple[str, int]:
+    """The one line printed after stopping on `signum`, and the exit code; rank 0 requeues under SLURM."""
+    resume = resume_command(sys.argv)
+    if signum == signal.SIGINT:
+        return (
+            f"interrupted (Ctrl-C) at global step {step} (epoch {epoch}): saved {path}. Resume with: {resume}",
+            INTERRUPTED_EXIT_CODE,
         )
+    requeued = requeue_slurm_job() if is_global_zero else ""
+    return (
+        f"preempted at global step {step} (epoch {epoch}, {signal.Signals(signum).name}): saved {path}{requeued}. "
+        f"Resume with --ckpt_path last (the sbatch scripts in slurm/ do): {resume}",
+        PREEMPTED_EXIT_CODE,
+    )
+
+
+def resume_command(argv: list[str]) -> str:
+    """This command line with `--ckpt_path last` in place of any ckpt_path it had."""
+    program = "ddp-app" if os.path.basename(argv[0]).startswith(("ddp-app", "__main__")) else argv[0]
+    kept: list[str] = []
+    skip_value = False
+    for arg in argv[1:]:
+        if skip_value:
+            skip_value = False
+            continue
+        if arg == "--ckpt_path":
+            skip_value = True
+            continue
+        if not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    return shlex.join([program, *kept, "--ckpt_path", "last"])
 
 
 def requeue_slurm_job() -> str:

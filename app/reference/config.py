@@ -47,11 +47,21 @@ DDP_ARGUMENTS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "fi
 PRECISIONS = ("32-true", "32", "bf16-mixed")
 
 
+def accumulation_steps_of(trainer_config: dict[str, Any]) -> int:
+    """`trainer.accumulate_grad_batches`: micro-batches per optimizer step (1: no accumulation)."""
+    return int(trainer_config.get("accumulate_grad_batches") or 1)
+
+
 def ddp_arguments(trainer_config: dict[str, Any]) -> dict[str, Any]:
     """`trainer.strategy.init_args` entries that DistributedDataParallel takes (strategy: ddp has none)."""
     strategy = trainer_config.get("strategy")
     init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
-    return {key: init_args[key] for key in DDP_ARGUMENTS if key in init_args}
+    kwargs = {key: init_args[key] for key in DDP_ARGUMENTS if key in init_args}
+    if accumulation_steps_of(trainer_config) > 1 and kwargs.get("static_graph"):
+        # no_sync() on accumulation steps does not work with static_graph; ddp-app drops it for
+        # such a run too (app/cli.py `drop_static_graph_for_accumulation`), so both run the same DDP.
+        kwargs["static_graph"] = False
+    return kwargs
 
 
 def precision_of(trainer_config: dict[str, Any]) -> str:
@@ -81,6 +91,7 @@ class Job:
     channels_last: bool  # inputs in NHWC layout, as the LightningModule's weights
     precision: str  # "32-true" or "bf16-mixed" (autocast around the forward pass)
     deterministic: bool | str  # trainer.deterministic: True, "warn" or False/None
+    accumulation_steps: int  # trainer.accumulate_grad_batches
     ddp_kwargs: dict[str, Any]
     config: dict[str, Any]
 
@@ -113,6 +124,7 @@ def build_job(config: dict[str, Any]) -> Job:
         channels_last=bool(getattr(module, "channels_last", False)),
         precision=precision_of(config.get("trainer") or {}),
         deterministic=(config.get("trainer") or {}).get("deterministic") or False,
+        accumulation_steps=accumulation_steps_of(config.get("trainer") or {}),
         ddp_kwargs=ddp_arguments(config.get("trainer") or {}),
         config=config,
     )

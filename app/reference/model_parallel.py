@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from app.cluster.launch import free_port
 from app.cluster.threads import configure_cpu_threads
 from app.models.nets import ToyMpNet
-from app.reference.config import build_job, load_config, seed_everything
+from app.reference.config import accumulation_steps_of, build_job, load_config, seed_everything
 from app.reference.train import cleanup, setup
 
 
@@ -65,6 +65,11 @@ def run_model_parallel(
     if config["model"]["class_path"].rpartition(".")[2] != "ToyRegressor":
         raise ValueError(
             "--model-parallel trains the tutorial's ToyMpModel: use a ToyRegressor config (configs/toy.yaml)."
+        )
+    if accumulation_steps_of(config.get("trainer") or {}) > 1:
+        raise ValueError(
+            "--model-parallel steps after every batch: it does not accumulate gradients. "
+            "Fix: remove trainer.accumulate_grad_batches from the config for a --model-parallel run."
         )
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     options = {

@@ -10,6 +10,7 @@ that `python -m app.parity` can compare the two weight for weight.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from pathlib import Path
@@ -64,6 +65,7 @@ class Trainer:
         self.criterion = job.criterion
         self.channels_last = job.channels_last
         self.bf16 = job.precision == "bf16-mixed"
+        self.accumulation_steps = job.accumulation_steps  # micro-batches per optimizer step
         self.sampler = DistributedSampler(
             job.train_dataset, num_replicas=world_size, rank=rank, shuffle=job.shuffle, seed=job.sampler_seed
         )
@@ -99,26 +101,37 @@ class Trainer:
         if self.rank == 0:
             print(f"Resuming training from snapshot at epoch {self.epochs_run}")
 
-    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> float:
-        self.optimizer.zero_grad()
-        # bf16-mixed: the forward pass (and loss) in bfloat16 where safe, as Lightning's precision plugin.
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss = self.criterion(self.model(source), targets)
-        loss.backward()  # DDP all-reduces (averages) the gradients here
-        self.optimizer.step()
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor, batch_index: int) -> float:
+        """One micro-batch; every `accumulation_steps` of them (and the epoch's last) make one step."""
+        steps = self.accumulation_steps
+        # As Lightning: the last micro-batch of the epoch steps too, even if its group is short.
+        should_step = (batch_index + 1) % steps == 0 or batch_index + 1 == len(self.train_data)
+        if batch_index % steps == 0:  # the group's first micro-batch (where Lightning zeroes them too)
+            self.optimizer.zero_grad()
+        # Micro-batches that do not step skip the all-reduce: their gradients add up locally and the
+        # step's backward all-reduces the sum. The forward pass must be inside no_sync() too: DDP
+        # decides there whether the following backward all-reduces.
+        with contextlib.nullcontext() if should_step else self.model.no_sync():
+            # bf16-mixed: the forward pass (and loss) in bfloat16 where safe, as Lightning's precision plugin.
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                loss = self.criterion(self.model(source), targets)
+            # loss / steps: the gradients summed over the group's micro-batches are their mean.
+            (loss / steps).backward()  # on a stepping micro-batch, DDP all-reduces (averages) here
+        if should_step:
+            self.optimizer.step()
         return loss.item()
 
     def _run_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)  # a new shuffled order every epoch, the same on every rank
         losses = []
-        for source, targets in self.train_data:
+        for batch_index, (source, targets) in enumerate(self.train_data):
             if self.channels_last:
                 source = source.contiguous(memory_format=torch.channels_last)
             source = source.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             if self.recorder is not None:
                 self.recorder.step_start(epoch)
-            losses.append(self._run_batch(source, targets))
+            losses.append(self._run_batch(source, targets, batch_index))
             if self.recorder is not None:
                 self.recorder.step_end()
         if self.scheduler is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import http.server
-import os
 import random
 import signal
 import subprocess
@@ -34,7 +33,7 @@ from app.checkpoints import (
 from app.cli import command_line_model_keys
 from app.export import main as export_main
 from tests.fault.test_bad_input import malicious_checkpoint
-from tests.helpers.run import BIN, REPO, clean_env, ddp_app, train
+from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, train
 
 pytestmark = pytest.mark.fault
 
@@ -106,7 +105,7 @@ def test_lightning_run_killed_during_saves_keeps_a_loadable_last_ckpt(tmp_path: 
                 time.sleep(0.05)
             time.sleep(rng.random())
         finally:
-            os.killpg(job.pid, signal.SIGKILL)
+            kill_job(job.pid)  # the launcher and the ranks, the writer among them
             job.wait()
         checkpoint = safe_load(last)
         assert checkpoint["global_step"] > 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.run import BIN, REPO, clean_env, live_group_members, rank_pids
+from tests.helpers.run import BIN, REPO, clean_env, kill_job, live_job_processes, rank_pids
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -46,14 +46,13 @@ def test_killing_one_rank_ends_the_job_within_bound(victim: int, tmp_path: Path)
         assert set(ranks) == {0, 1}, ranks
         os.kill(ranks[victim], signal.SIGKILL)
         killed_at = time.monotonic()
-        while live_group_members(job.pid) and time.monotonic() - killed_at < BOUND_S:
+        while live_job_processes(job.pid) and time.monotonic() - killed_at < BOUND_S:
             job.poll()
             time.sleep(0.2)
         elapsed = time.monotonic() - killed_at
-        assert not live_group_members(job.pid), f"processes still alive {BOUND_S} s after the kill"
+        assert not live_job_processes(job.pid), f"processes still alive {BOUND_S} s after the kill"
     finally:
-        if live_group_members(job.pid):
-            os.killpg(job.pid, signal.SIGKILL)
+        kill_job(job.pid)
         job.wait()
     output = log_path.read_text()
     assert job.returncode != 0

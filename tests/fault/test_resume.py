@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from app.checkpoints import CheckpointError, safe_load
-from app.cluster.preemption import PREEMPTED_EXIT_CODE
-from tests.helpers.run import BIN, REPO, clean_env, ddp_app, live_group_members, rank_pids
+from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
+from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, live_job_processes, rank_pids
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -139,7 +140,7 @@ def group_is_gone(process: subprocess.Popen[str], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         process.poll()  # reap our direct child; the others are reaped by init
-        if not live_group_members(process.pid):
+        if not live_job_processes(process.pid):
             return True
         time.sleep(0.1)
     return False
@@ -160,11 +161,10 @@ def test_kill_9_of_the_whole_job_then_resume_last_is_bit_exact(long_uninterrupte
     process = start_fit("configs/digits.yaml", extra, tmp_path / "run")
     try:
         killed_at = wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 100, process)
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_job(process.pid)  # launcher and ranks, at once
         assert group_is_gone(process, 10)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+        kill_job(process.pid)
         process.wait()
     assert killed_at < 400
     resumed = fit("configs/digits.yaml", extra, tmp_path / "run", "--ckpt_path=last")
@@ -177,17 +177,17 @@ def test_sigusr1_preemption_saves_at_a_step_boundary_and_resumes_exactly(long_un
     process = start_fit("configs/digits.yaml", extra, tmp_path / "run")
     try:
         wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 60, process)
-        os.killpg(process.pid, signal.SIGUSR1)  # as SLURM does: every task of the job gets it
+        os.killpg(process.pid, signal.SIGUSR1)  # as SLURM sends it to the batch step
         process.wait(timeout=60)
         assert process.returncode == PREEMPTED_EXIT_CODE
         assert group_is_gone(process, 10)
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_job(process.pid)
             process.wait()
     log = (tmp_path / "run.log").read_text()
     assert "preempted at global step" in log, log[-3000:]
-    step = int(log.split("preempted at global step ")[1].split(":")[0])
+    step = int(re.search(r"preempted at global step (\d+)", log).group(1))
     assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step
     assert "Traceback" not in log
     resumed = fit("configs/digits.yaml", extra, tmp_path / "run", "--ckpt_path=last")
@@ -206,10 +206,10 @@ def test_a_signal_to_one_rank_only_stops_every_rank_at_the_same_step(long_uninte
         assert process.returncode == PREEMPTED_EXIT_CODE
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_job(process.pid)
             process.wait()
     log = (tmp_path / "run.log").read_text()
-    step = int(log.split("preempted at global step ")[1].split(":")[0])
+    step = int(re.search(r"preempted at global step (\d+)", log).group(1))
     assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step
     resumed = fit("configs/digits.yaml", extra, tmp_path / "run", "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from app.cluster.launch import env_without_launcher
@@ -14,8 +16,14 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
+# Every process a test starts inherits this variable with a value of its own, by which
+# `live_job_processes` finds them all, wherever they were re-parented.
+JOB_TAG = "DDP_APP_TEST_JOB"
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = env_without_launcher(os.environ)
+    env[JOB_TAG] = uuid.uuid4().hex
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -38,11 +46,13 @@ def run(
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        kill_job(process.pid)
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         raise AssertionError(f"{args} did not finish in {timeout} s\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
     finally:
         if process.poll() is None:
+            kill_job(process.pid)
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
@@ -52,47 +62,68 @@ def ddp_app(*args: str, timeout: float = 300, cwd: Path | None = None, env: dict
     return run([str(BIN / "ddp-app"), *args], timeout=timeout, cwd=cwd, env=env)
 
 
-def live_group_members(pgid: int) -> list[int]:
-    """PIDs in process group `pgid` that are still running (zombies, already dead, are not counted)."""
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat fields after the command name (state, ppid, pgrp, session, ...), or None if gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _environ(pid: int) -> list[bytes]:
+    try:
+        return (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+_job_tags: dict[int, bytes] = {}
+
+
+def live_job_processes(root: int) -> list[int]:
+    """PIDs of the job started as `root` that are still running (zombies are not counted).
+
+    A job's processes are found by the JOB_TAG variable they all inherit from `clean_env()`: the
+    ddp-app launcher starts each rank in a session of its own, and a rank whose launcher was killed
+    is no longer its child, but it must be counted until it is gone.
+    """
+    if root not in _job_tags:
+        tags = [entry for entry in _environ(root) if entry.startswith(JOB_TAG.encode() + b"=")]
+        if not tags:
+            return [root] if (_stat(root) or ["Z"])[0] != "Z" else []
+        _job_tags[root] = tags[0]
+    tag = _job_tags[root]
     members = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            members.append(int(entry.name))
+        if entry.name.isdigit() and tag in _environ(int(entry.name)):
+            fields = _stat(int(entry.name))
+            if fields is not None and fields[0] != "Z":
+                members.append(int(entry.name))
     return members
 
 
 def local_rank_of(pid: int) -> str | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for entry in environ:
+    for entry in _environ(pid):
         if entry.startswith(b"LOCAL_RANK="):
             return entry.split(b"=", 1)[1].decode()
     return None
 
 
-def rank_pids(group: int) -> dict[int, int]:
+def rank_pids(root: int) -> dict[int, int]:
     """{local rank: pid} for the job's rank processes (the one without LOCAL_RANK is rank 0
     when Lightning's own launcher started rank 1 from it)."""
-    members = [
-        pid
-        for pid in live_group_members(group)
-        if b"ddp-app" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        or b"app" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
+    members = [pid for pid in live_job_processes(root) if b"app" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     ranks = {int(rank): pid for pid in members if (rank := local_rank_of(pid)) is not None}
     if 0 not in ranks and 1 in ranks:
-        parent = int(Path(f"/proc/{ranks[1]}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        ranks[0] = parent
+        ranks[0] = int((_stat(ranks[1]) or ["", "0"])[1])
     return ranks
+
+
+def kill_job(root: int) -> None:
+    """SIGKILL every process of the job (cleanup in a `finally`)."""
+    for pid in live_job_processes(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def train(config: str, root: Path, epochs: int, *overrides: str, timeout: float = 240) -> Path:

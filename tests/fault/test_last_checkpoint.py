@@ -1,0 +1,149 @@
+"""last.ckpt stays fresh on a real 2-rank job: a crash late in training loses at most one epoch,
+and Ctrl-C saves at one step for every rank, exits 130 and resumes bit-exactly."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.checkpoints import CheckpointError, safe_load
+from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
+from tests.fault.test_resume import assert_same_weights, fit, start_fit, wait_for_step
+from tests.helpers.run import kill_job
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+EPOCHS = 40  # 20 steps each on digits at 2 ranks: 800 steps
+# A user's config with only a monitored ModelCheckpoint(save_last=True). mode=min on val_acc makes
+# an early epoch the best one, after which Lightning alone never rewrites last.ckpt again.
+MONITORED_ONLY = f"""
+trainer:
+  max_epochs: {EPOCHS}
+  enable_progress_bar: false
+  logger: false
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{monitor: val_acc, mode: min, save_top_k: 1, save_last: true, filename: "best-{{epoch}}"}}
+"""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    overlay = root / "monitored-only.yaml"
+    overlay.write_text(MONITORED_ONLY)
+    result = fit("configs/digits.yaml", overlay, root / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = root / "run" / "checkpoints" / "last.ckpt"
+    assert safe_load(last)["global_step"] == EPOCHS * 20
+    yield overlay, last
+
+
+def newest_step_seen(last: Path, process, until_step: int, timeout: float = 120) -> int:
+    """Poll last.ckpt until it holds `until_step` or later; the newest step read."""
+    return wait_for_step(last, until_step, process, timeout)
+
+
+def test_kill_9_after_the_best_epoch_loses_at_most_one_epoch_and_resumes_bit_exact(
+    uninterrupted, tmp_path: Path
+) -> None:
+    overlay, expected = uninterrupted
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    process = start_fit("configs/digits.yaml", overlay, tmp_path / "run")
+    try:
+        seen = newest_step_seen(last, process, until_step=EPOCHS * 20 // 2)
+        deadline = time.monotonic() + 0.5  # keep reading while training goes on, then kill mid-run
+        while time.monotonic() < deadline:
+            try:
+                seen = max(seen, safe_load(last)["global_step"])
+            except CheckpointError:
+                raise AssertionError("last.ckpt was unreadable while training wrote it") from None
+        kill_job(process.pid)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    state = safe_load(last)
+    (best,) = (tmp_path / "run" / "checkpoints").glob("best-*.ckpt")
+    best_epoch = safe_load(best)["epoch"]
+    assert state["global_step"] >= seen, "last.ckpt went back in time"
+    assert state["epoch"] > best_epoch + 5, f"last.ckpt is stale: epoch {state['epoch']}, best {best_epoch}"
+    assert state["global_step"] < EPOCHS * 20, "the kill came after the end of training: it proved nothing"
+    resumed = fit("configs/digits.yaml", overlay, tmp_path / "run", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(expected, last)
+
+
+def interrupt_line(log: str) -> tuple[int, str]:
+    lines = [line for line in log.splitlines() if "interrupted (Ctrl-C) at global step" in line]
+    assert len(lines) == 1, log[-3000:]  # one line, from rank 0, not one per rank
+    return int(re.search(r"at global step (\d+)", lines[0]).group(1)), lines[0]
+
+
+def test_ctrl_c_to_the_process_group_saves_at_one_step_exits_130_and_resumes_bit_exact(
+    uninterrupted, tmp_path: Path
+) -> None:
+    overlay, expected = uninterrupted
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    process = start_fit("configs/digits.yaml", overlay, tmp_path / "run")
+    try:
+        wait_for_step(last, 200, process)
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        process.wait(timeout=60)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    log = (tmp_path / "run.log").read_text()
+    assert process.returncode == INTERRUPTED_EXIT_CODE, log[-3000:]
+    step, line = interrupt_line(log)
+    assert safe_load(last)["global_step"] == step
+    assert f"Resume with: ddp-app fit --config configs/digits.yaml --config {overlay}" in line
+    assert line.endswith("--ckpt_path last")
+    assert "Traceback" not in log and "exited with code" not in log, log[-3000:]
+    resumed = fit("configs/digits.yaml", overlay, tmp_path / "run", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(expected, last)
+
+
+def test_sigint_to_the_launcher_alone_stops_like_ctrl_c(uninterrupted, tmp_path: Path) -> None:
+    overlay, _ = uninterrupted
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    process = start_fit("configs/digits.yaml", overlay, tmp_path / "run")
+    try:
+        wait_for_step(last, 100, process)
+        os.kill(process.pid, signal.SIGINT)
+        process.wait(timeout=60)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    log = (tmp_path / "run.log").read_text()
+    assert process.returncode == INTERRUPTED_EXIT_CODE, log[-3000:]
+    step, _ = interrupt_line(log)
+    assert safe_load(last)["global_step"] == step
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_keeps_a_loadable_last_ckpt(uninterrupted, tmp_path: Path) -> None:
+    overlay, _ = uninterrupted
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    process = start_fit("configs/digits.yaml", overlay, tmp_path / "run")
+    try:
+        before = wait_for_step(last, 100, process)
+        os.killpg(process.pid, signal.SIGINT)
+        time.sleep(0.05)  # the ranks are stopping (and may be saving) now
+        os.killpg(process.pid, signal.SIGINT)
+        sent = time.monotonic()
+        process.wait(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    log = (tmp_path / "run.log").read_text()
+    assert process.returncode == INTERRUPTED_EXIT_CODE, log[-3000:]
+    assert "second Ctrl-C" in log, log[-3000:]
+    assert took < 10, f"the second Ctrl-C took {took:.1f} s"
+    assert safe_load(last)["global_step"] >= before  # the previous last.ckpt, or the new one: never a broken one

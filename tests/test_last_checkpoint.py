@@ -1,0 +1,89 @@
+"""When `LastCheckpoint` writes last.ckpt, recorded in-process on real (1-rank) fits of the digits job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+
+from app.cli import DDPAppCLI
+from app.cluster.preemption import resume_command
+from app.last_checkpoint import LastCheckpoint
+from tests.helpers.run import REPO
+
+DIGITS = str(REPO / "configs" / "digits.yaml")
+STEPS_PER_EPOCH = 40  # digits at 1 rank, batch 32
+
+
+class SaveRecorder(L.Callback):
+    """(global step, micro-batches done in the epoch) at each checkpoint save."""
+
+    def __init__(self) -> None:
+        self.saves: list[tuple[int, int]] = []
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.saves.append((trainer.global_step, trainer.fit_loop.epoch_loop.batch_progress.current.processed))
+
+
+def fit_recording_saves(tmp_path: Path, *overrides: str) -> list[tuple[int, int]]:
+    cli = DDPAppCLI(
+        args=[
+            "--config", DIGITS, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1",
+            "--trainer.enable_progress_bar=false", "--trainer.logger=false", "--trainer.max_epochs=2",
+            "--last_checkpoint.check_interval_s=0", *overrides,
+        ],
+        run=False,
+    )  # fmt: skip
+    recorder = SaveRecorder()
+    cli.trainer.callbacks.append(recorder)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return recorder.saves
+
+
+def test_every_epoch_end_saves_last_even_when_the_monitored_metric_does_not_improve(tmp_path: Path) -> None:
+    # mode=min on an accuracy that rises: the best-k callback saves at epoch 0 only.
+    saves = fit_recording_saves(
+        tmp_path, "--last_checkpoint.every_n_seconds=0", "--trainer.callbacks.init_args.mode=min"
+    )
+    assert [step for step, _ in saves] == [STEPS_PER_EPOCH, STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+    assert len(list((tmp_path / "checkpoints").glob("best-*.ckpt"))) == 1
+
+
+def test_a_step_interval_adds_saves_within_the_epoch(tmp_path: Path) -> None:
+    saves = fit_recording_saves(tmp_path, "--last_checkpoint.every_n_seconds=0", "--last_checkpoint.every_n_steps=15")
+    last_saves = sorted({step for step, _ in saves})
+    assert last_saves == [15, 30, 40, 45, 60, 75, 80]
+
+
+def test_a_due_time_interval_saves_at_the_next_check_and_never_between_accumulated_batches(tmp_path: Path) -> None:
+    # Due at every check, checked every batch: a save after every optimizer step and none between
+    # the accumulated micro-batches, whose summed gradients no checkpoint holds.
+    saves = fit_recording_saves(
+        tmp_path, "--last_checkpoint.every_n_seconds=1e-9", "--trainer.accumulate_grad_batches=3",
+        "--trainer.strategy=auto",
+    )  # fmt: skip
+    within_epoch = [batches for _, batches in saves if batches % STEPS_PER_EPOCH]
+    assert within_epoch and all(batches % 3 == 0 for batches in within_epoch), saves
+    steps = [step for step, _ in saves]
+    assert steps == sorted(steps) and max(steps) == 2 * 14  # 40 batches = 13 full groups + a tail of 1
+
+
+def test_no_last_checkpoint_when_checkpointing_is_off(tmp_path: Path) -> None:
+    cli = DDPAppCLI(
+        args=["--config", DIGITS, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1",
+              "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]"],
+        run=False,
+    )  # fmt: skip
+    assert not any(isinstance(callback, LastCheckpoint) for callback in cli.trainer.callbacks)
+
+
+def test_a_bad_interval_is_one_line_naming_the_key() -> None:
+    with pytest.raises(ValueError, match="last_checkpoint.every_n_seconds must be >= 0"):
+        LastCheckpoint(every_n_seconds=-1)
+
+
+def test_the_resume_command_replaces_any_ckpt_path_with_last() -> None:
+    argv = ["/venv/bin/ddp-app", "fit", "--config", "a b.yaml", "--ckpt_path", "x.ckpt", "--ckpt_path=y"]
+    assert resume_command(argv) == "ddp-app fit --config 'a b.yaml' --ckpt_path last"
