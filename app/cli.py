@@ -15,6 +15,7 @@ import datetime
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
@@ -42,23 +43,28 @@ from app.checkpoints import (
     check_state_fits,
     summarize_checkpoint,
 )
-from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
-from app.cluster.launch import describe_exit
+from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, INTERRUPTED_EXIT_CODE
+from app.cluster.launch import RankPlan, already_launched, rank_plan, run_local_ranks
 from app.cluster.preemption import Stopped
-from app.cluster.preflight import Launch, describe_launch, lightning_uses_slurm, preflight
+from app.cluster.preflight import Launch, describe_launch, lightning_uses_slurm, on_gpu, preflight, visible_gpus
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
-
-# Trainers this process built: on an error, the rank processes their launchers started are stopped.
-STARTED_TRAINERS: list[Trainer] = []
 
 # Lightning's default collective timeout is 30 minutes: a dead peer then hangs the others that long.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 
 
 class OneLineErrorParser(LightningArgumentParser):
-    """Bad command-line or config input: one line on stderr and exit code 2, not a 60-line usage dump."""
+    """Bad command-line or config input: one line on stderr and exit code 2, not a 60-line usage dump.
+
+    Prefixes of options are refused like any unknown key: argparse's default `allow_abbrev` took
+    `--trainer.max_epoch 3` for `max_epochs`, and a typo must never select another key.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
@@ -113,16 +119,16 @@ def check_config(config: Any) -> None:
     devices = trainer.get("devices")
     if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
         devices = int(devices)
-    if isinstance(devices, int) and devices < 1:
+    if isinstance(devices, int) and devices < 1 and devices != -1:  # -1: every GPU (on CPU, every core)
         raise UserFacingError(f"trainer.devices must be >= 1, got {devices}. Fix: a positive process count.")
     accelerator = trainer.get("accelerator")
     accelerator = accelerator if isinstance(accelerator, str) else None
-    if accelerator in ("gpu", "cuda") and not _cuda_available():
+    if accelerator in ("gpu", "cuda") and not visible_gpus():
         raise UserFacingError(
-            f"trainer.accelerator={accelerator} but this machine has no usable GPU (torch.cuda.is_available() "
-            "is False). Fix: --trainer.accelerator=cpu (or auto), or run on a GPU node."
+            f"trainer.accelerator={accelerator} but this machine has no usable GPU (torch.cuda.device_count() "
+            "is 0). Fix: --trainer.accelerator=cpu (or auto), or run on a GPU node."
         )
-    on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not _cuda_available())
+    on_cpu = not on_gpu(trainer)
     precision = str(trainer.get("precision"))
     if on_cpu and precision in ("16", "16-mixed", "16-true", "half"):
         raise UserFacingError(
@@ -197,18 +203,15 @@ def command_line_model_keys(args: list[str]) -> list[str]:
     return keys
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 class DDPAppCLI(LightningCLI):
     """LightningCLI with our defaults: one-line errors, input checks, CSV (+TensorBoard) logs,
     atomic and safe checkpoints in a fixed directory, exact resume, preemption at step
     boundaries, a bounded collective timeout, and the config saved next to the logs."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, parse_only: bool = False, **kwargs: Any) -> None:
+        # parse_only: stop with ConfigChecked once the config is parsed and checked (`main` does
+        # that once before it starts the ranks, so that bad input is reported once, quickly).
+        self.parse_only = parse_only
         self.command_line: list[str] = []
         self.checkpoint: CheckpointSummary | None = None  # the --ckpt_path file, when it is one
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
@@ -271,10 +274,21 @@ class DDPAppCLI(LightningCLI):
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
+        if self.parse_only:
+            raise ConfigChecked(self._rank_plan(config["trainer"]), self.launch.num_nodes if self.launch else 1)
         notice = drop_static_graph_for_accumulation(config["trainer"])
         # Every rank parses the config and makes the same change; one line in the log is enough.
         if notice and is_global_rank_zero(self.launch, os.environ):
             print(notice, flush=True)
+
+    def _rank_plan(self, trainer_config: Any) -> RankPlan:
+        """The local ranks a plain launch forks; none under torchrun or srun, or for unknown devices."""
+        if self.launch is None or self.launch.launcher != "plain":
+            return RankPlan(0)
+        strategy = trainer_config.get("strategy")
+        if strategy == "auto" and self.launch.world_size > 1:
+            strategy = "ddp"  # what Lightning picks for several devices (outside notebooks)
+        return rank_plan(strategy, self.launch.devices, not on_gpu(trainer_config), trainer_config.get("devices"))
 
     def after_instantiate_classes(self) -> None:
         # Before the Trainer or a logger writes anything: a checkpoint that cannot load stops here,
@@ -299,7 +313,6 @@ class DDPAppCLI(LightningCLI):
             callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
             kwargs["callbacks"] = [*callbacks, config["last_checkpoint"]]
         trainer = super().instantiate_trainer(**kwargs)
-        STARTED_TRAINERS.append(trainer)
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if self.launch is not None and self.launch.global_rank == 0 and environment is not None:
             print(describe_launch(self.launch, environment), flush=True)
@@ -335,65 +348,62 @@ class DDPAppCLI(LightningCLI):
     before_fit = before_validate = before_test = before_predict = _resolve_last_checkpoint
 
 
-# Lightning's launcher starts ranks >= 1 as children of rank 0: if this parent goes, rank 0 died.
-PARENT_AT_START = os.getppid()
+class ConfigChecked(Exception):  # noqa: N818 (control flow, not an error)
+    """Raised by a parse-only DDPAppCLI once the whole config is parsed and checked: what to launch."""
+
+    def __init__(self, plan: RankPlan, num_nodes: int) -> None:
+        super().__init__("config checked")
+        self.plan = plan
+        self.num_nodes = num_nodes
 
 
-def dead_parent_rank() -> list[str]:
-    """'rank 0 (pid 123) died' when this rank was started by Lightning's launcher in rank 0, now gone."""
-    started_by_rank0 = os.environ.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
-    if started_by_rank0 and "SLURM_STEP_ID" not in os.environ and os.getppid() != PARENT_AT_START:
-        return [f"rank 0 (pid {PARENT_AT_START}, which started this rank) died"]
-    return []
-
-
-def dead_child_ranks() -> list[str]:
-    """'rank 1 (pid 123) was killed by SIGKILL' for each rank this process started that has died."""
-    dead = []
-    for trainer in STARTED_TRAINERS:
-        for local_rank, process in enumerate(getattr(trainer.strategy.launcher, "procs", None) or [], start=1):
-            if process.poll() not in (None, 0):
-                dead.append(f"rank {local_rank} (pid {process.pid}) {describe_exit(process.returncode)}")
-    return dead
-
-
-def stop_child_ranks() -> None:
-    """Kill the ranks Lightning's launcher started from this process, if any are still running.
-
-    Lightning's process observer ends everything when a child rank fails, but when rank 0 itself
-    fails (say, before the rendezvous) the children stay behind, blocked in `init_process_group`
-    until the collective timeout: an orphaned job for up to 30 minutes.
-    """
-    for trainer in STARTED_TRAINERS:
-        for process in getattr(trainer.strategy.launcher, "procs", None) or []:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-
-def main(args: list[str] | None = None) -> None:
-    configure_cpu_threads()
+def run(args: list[str]) -> int:
+    """Run the CLI in this process (a rank, or a run without DDP); returns the exit code."""
     try:
         DDPAppCLI(args=args)
     except Stopped as stopped:
-        stop_child_ranks()
         if stopped.is_global_zero:  # once, not once per rank
             print(f"ddp-app: {stopped}", file=sys.stderr)
-        raise SystemExit(stopped.exit_code) from None
+        return stopped.exit_code
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
-        stop_child_ranks()
         print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
-        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+        return INTERRUPTED_EXIT_CODE
     except Exception as error:
-        dead = dead_child_ranks() + dead_parent_rank()
-        stop_child_ranks()
         message = user_message(error)
-        if dead:  # the root cause, before the symptom this rank saw
-            message = f"{'; '.join(dead)}, so the job stops. {message or ''}".strip()
         if message is None:
             raise
         print(f"ddp-app: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
+        return BAD_INPUT_EXIT_CODE
+    return 0
+
+
+def main(args: list[str] | None = None) -> None:
+    """`ddp-app`: check the config once here, then fork the local ranks (app/cluster/launch.py)."""
+    configure_cpu_threads()
+    args = list(sys.argv[1:] if args is None else args)
+    # The ranks get the command line as a list (with the launcher's additions); that is deliberate.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    if already_launched(os.environ):  # torchrun, srun or a launcher started this rank
+        raise SystemExit(run(args))
+    try:
+        DDPAppCLI(args=args, parse_only=True)
+    except ConfigChecked as checked:
+        plan, num_nodes = checked.plan, checked.num_nodes
+    except KeyboardInterrupt:
+        print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+    except Exception as error:
+        message = user_message(error)
+        if message is None:
+            raise
+        print(f"ddp-app: error: {message}", file=sys.stderr)
+        raise SystemExit(BAD_INPUT_EXIT_CODE) from None
+    if not plan.processes:
+        raise SystemExit(run(args))
+    if plan.notice:
+        print(plan.notice, flush=True)
+    rank_args = args + list(plan.extra_args)
+    raise SystemExit(run_local_ranks(plan.processes, lambda: run(rank_args), os.environ, num_nodes))
 
 
 if __name__ == "__main__":

@@ -1,52 +1,49 @@
-"""Start every local rank at once, the way torchrun does, instead of one after another.
+"""Start the local ranks of a plain launch, and supervise them: the one launch path of `ddp-app`.
 
-With `strategy: ddp` and N devices, Lightning starts ranks 1..N-1 only when rank 0 reaches
-`trainer.fit`, by running the command line again; those ranks then import torch and Lightning
-(about 5 s on a 2-core CPU) while rank 0 waits, so the first training step waits for two imports
-back to back. `ddp-app` instead starts all N ranks up front from a light parent process (standard
-library only) with the variables Lightning's launcher would give them (MASTER_ADDR, MASTER_PORT,
-WORLD_SIZE, NODE_RANK, LOCAL_RANK): with LOCAL_RANK set, Lightning starts no processes itself.
+`ddp-app fit ...` started by hand (not by srun or torchrun) first parses and checks the whole
+config once, in this process: a bad key, type, class path or device count is reported once, in
+about the time it takes to import Lightning, before any rank exists. It then forks one process
+per local rank (`fork` after the imports: the ranks do not import torch and Lightning again) with
+the variables a launcher gives a rank (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, NODE_RANK,
+LOCAL_RANK); with LOCAL_RANK set, Lightning starts no processes itself. Every `devices` form
+(a number, "auto", -1, a list of GPU indices) and every DDP-family strategy takes this path.
 
-The parent stays until the ranks are done, like torchrun's agent: it forwards SIGTERM, SIGUSR1
-and SIGINT to them, kills the others as soon as one rank fails (a rank waiting in a collective
-would otherwise hang until the collective timeout), and exits with the failing rank's code. Ranks
-die with the parent (PR_SET_PDEATHSIG) if it is killed. Every rank reports the same bad input, so
-the one-line reports of ranks >= 1 are held back and printed only when rank 0 did not report its own.
-
-Ctrl-C: each rank runs in a session of its own (as torchrun's workers do), so a terminal's SIGINT
-reaches the parent only, which forwards exactly one SIGINT to every rank, whether the user pressed
-Ctrl-C or sent SIGINT to the parent's pid. The ranks then save last.ckpt at the same step and exit
-with 130. A second SIGINT kills the ranks at once; the previous last.ckpt stays intact (atomic saves).
-Ranks that stop on purpose (exit codes 3 and 130: preempted or interrupted, all at the same step)
-are given time to finish instead of being killed when the first of them exits.
-
-It applies only when it is certain what Lightning would do: a single node, `devices` a number > 1,
-a `ddp` strategy that starts processes by running the script (not ddp_spawn), not under srun,
-SLURM or torchrun, and a subcommand that trains or evaluates. Otherwise, or with
-DDP_APP_LAUNCHER=lightning, Lightning's own launcher starts the ranks as before.
+The parent stays until the ranks are done, like torchrun's agent:
+- it kills the others as soon as one rank fails (a rank waiting in a collective would otherwise
+  hang until the collective timeout), names a rank that died without saying why, and exits with
+  the failing rank's code;
+- ranks die with it (PR_SET_PDEATHSIG) if it is killed;
+- it forwards SIGTERM, SIGUSR1 and SIGINT. Each rank runs in a session of its own (as torchrun's
+  workers do), so a terminal's Ctrl-C reaches the parent only, which forwards exactly one SIGINT
+  to every rank: the ranks save last.ckpt at the same step and exit with 130. A second SIGINT
+  kills the ranks at once; the previous last.ckpt stays intact (saves are atomic).
+- ranks that stop on purpose (exit codes 3 and 130: preempted or interrupted, all at the same
+  step) are given time to finish instead of being killed when the first of them exits;
+- every rank reports the same bad input, so the one-line reports of ranks >= 1 are held back and
+  printed only when rank 0 did not report its own.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import random
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from pathlib import Path
-from typing import IO, Any
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
-# Set by torchrun, srun or Lightning's own launcher: the ranks already exist.
+# Set by torchrun, srun or another launcher: this process is a rank already.
 LAUNCHED_VARIABLES = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID")
-TRAINER_KEYS = ("devices", "num_nodes", "accelerator", "strategy")
 # Sent to the parent by a scheduler or a user; SIGINT is forwarded by its own handler (once).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # `ddp-app: error: ...`, `ddp-app fit: error: ...` and `ddp-app: interrupted ...`: one-line reports
@@ -54,86 +51,17 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REPORT_LINE = re.compile(rb"^[\w.\- ]+: (error: |interrupted )")
 # How long ranks that stop on purpose get to finish (the others are saving or exiting) before they are killed.
 STOP_GRACE_S = 60.0
-
-
-def _option(argv: list[str], index: int) -> tuple[str, str | None, int]:
-    """(name, value, index of the next argument) for `--name value` and `--name=value`."""
-    name, equals, value = argv[index].partition("=")
-    if equals:
-        return name, value, index + 1
-    if index + 1 < len(argv) and not argv[index + 1].startswith("--"):
-        return name, argv[index + 1], index + 2
-    return name, None, index + 1
-
-
-def _trainer_settings(argv: list[str]) -> dict[str, Any] | None:
-    """devices/num_nodes/accelerator/strategy as the CLI will resolve them, or None when unsure.
-
-    Config files and overrides apply in command-line order, later ones winning, as in jsonargparse.
-    """
-    import yaml  # PyYAML imports in milliseconds; torch and Lightning are what we avoid here
-
-    settings: dict[str, Any] = {"devices": "auto", "num_nodes": 1, "accelerator": "auto", "strategy": "auto"}
-    index = 0
-    while index < len(argv):
-        if not argv[index].startswith("--"):
-            index += 1
-            continue
-        name, value, index = _option(argv, index)
-        if name == "--config":
-            path = Path(value or "")
-            if not path.is_file():
-                return None  # an inline YAML string or a missing file: let the CLI deal with it
-            trainer = (yaml.safe_load(path.read_text()) or {}).get("trainer") or {}
-            settings.update({key: trainer[key] for key in TRAINER_KEYS if key in trainer})
-        elif name in {f"--trainer.{key}" for key in TRAINER_KEYS}:
-            settings[name.removeprefix("--trainer.")] = yaml.safe_load(value) if value is not None else None
-        elif name == "--trainer" or name.startswith(("--trainer.strategy.", "--trainer.devices.")):
-            return None  # a whole trainer config, or a strategy object built piece by piece
-    return settings
-
-
-def _is_script_ddp(strategy: Any) -> bool:
-    """A DDP strategy whose launcher runs the script again (not ddp_spawn/ddp_fork/ddp_notebook)."""
-    if strategy == "ddp" or strategy == "ddp_find_unused_parameters_true":
-        return True
-    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).split(".")[-1] == "DDPStrategy":
-        return (strategy.get("init_args") or {}).get("start_method", "popen") == "popen"
-    return False
-
-
-def local_ranks_to_start(argv: list[str], env: Mapping[str, str]) -> int:
-    """How many ranks `ddp-app <argv>` should start up front; 0 leaves it to Lightning."""
-    if env.get("DDP_APP_LAUNCHER", "auto") == "lightning" or any(name in env for name in LAUNCHED_VARIABLES):
-        return 0
-    positional = [arg for arg in argv if not arg.startswith("-")]
-    if not positional or positional[0] not in SUBCOMMANDS:
-        return 0
-    if any(arg in ("-h", "--help") or arg.startswith("--print_config") for arg in argv):
-        return 0
-    try:
-        settings = _trainer_settings(argv)
-    except Exception:  # unreadable YAML and the like: the CLI reports it properly
-        return 0
-    if settings is None or str(settings["num_nodes"]) != "1" or not _is_script_ddp(settings["strategy"]):
-        return 0
-    if str(settings["accelerator"]) not in ("auto", "cpu", "gpu", "cuda"):
-        return 0
-    devices = settings["devices"]
-    if isinstance(devices, bool) or not isinstance(devices, int | str) or not str(devices).isdigit():
-        return 0  # "auto", -1, or a list of GPU indices: Lightning resolves those
-    return int(devices) if int(devices) > 1 else 0
-
-
-def rank_command() -> list[str]:
-    """This command line again, as Lightning's launcher builds it (`python -m app ...` or the script)."""
-    import __main__
-
-    spec = getattr(__main__, "__spec__", None)
-    if spec is None:
-        return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
-    return [sys.executable, "-m", spec.name, *sys.argv[1:]]
-
+# Strategy names whose own launcher starts processes from inside `fit` (multiprocessing); ddp-app
+# starts the ranks itself, so they run as the same DDP started by the script launcher.
+SPAWNING_STRATEGIES = {
+    "ddp_spawn": "ddp",
+    "ddp_fork": "ddp",
+    "ddp_notebook": "ddp",
+    "ddp_spawn_find_unused_parameters_true": "ddp_find_unused_parameters_true",
+    "ddp_fork_find_unused_parameters_true": "ddp_find_unused_parameters_true",
+    "ddp_notebook_find_unused_parameters_true": "ddp_find_unused_parameters_true",
+}
+DDP_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true", *SPAWNING_STRATEGIES)
 
 # Everything a launcher (torchrun, srun, Lightning, this module) sets for a rank: a process that
 # starts a fresh job must not pass the caller's values on.
@@ -143,9 +71,60 @@ LAUNCHER_VARIABLES = (
 )  # fmt: skip
 
 
+def already_launched(env: Mapping[str, str]) -> bool:
+    """True in a rank that torchrun, srun or a launcher started: it runs as it is."""
+    return any(name in env for name in LAUNCHED_VARIABLES)
+
+
 def env_without_launcher(env: Mapping[str, str]) -> dict[str, str]:
     """`env` minus launcher and SLURM variables: the environment for starting a new, separate job."""
     return {key: value for key, value in env.items() if key not in LAUNCHER_VARIABLES and not key.startswith("SLURM_")}
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What the parent of a plain launch does: fork `processes` local ranks (0: run here)."""
+
+    processes: int
+    extra_args: tuple[str, ...] = ()  # appended to the ranks' command line (they win over the rest)
+    notice: str = ""
+
+
+def _strategy_name(strategy: Any) -> str | None:
+    """'ddp', 'ddp_spawn', ... for the string form; 'DDPStrategy:<start method>' for a DDPStrategy object."""
+    if isinstance(strategy, str):
+        return strategy
+    class_path = str(getattr(strategy, "class_path", "") or "")
+    if class_path.split(".")[-1] == "DDPStrategy":
+        init_args = getattr(strategy, "init_args", None) or {}
+        return f"DDPStrategy:{init_args.get('start_method', 'popen') or 'popen'}"
+    return None
+
+
+def rank_plan(strategy: Any, processes_per_node: int, on_cpu: bool, devices: Any) -> RankPlan:
+    """How many local ranks to fork for this (parsed) trainer config, and what they need changed.
+
+    Non-DDP strategies ("auto" on one device, or a strategy object of another kind) run in this
+    process, as Lightning would run them.
+    """
+    name = _strategy_name(strategy)
+    if name is None or not (name in DDP_STRATEGIES or name.startswith("DDPStrategy:")):
+        return RankPlan(0)
+    extra: list[str] = []
+    notes: list[str] = []
+    if name in SPAWNING_STRATEGIES:
+        extra.append(f"--trainer.strategy={SPAWNING_STRATEGIES[name]}")
+        notes.append(f"strategy {name} runs as {SPAWNING_STRATEGIES[name]}: ddp-app starts the processes itself")
+    elif name.startswith("DDPStrategy:") and name != "DDPStrategy:popen":
+        extra.append("--trainer.strategy.init_args.start_method=popen")
+        notes.append(f"start_method {name.split(':')[1]} runs as popen: ddp-app starts the processes itself")
+    if on_cpu and not (isinstance(devices, int) or str(devices).strip().isdigit()):
+        # Lightning's CPUAccelerator takes only a positive count; a GPU config's [0, 1], "0,1", -1
+        # or "auto" on a CPU machine means that many CPU processes.
+        extra.append(f"--trainer.devices={processes_per_node}")
+        notes.append(f"trainer.devices={devices!r} on CPU: {processes_per_node} process(es)")
+    notice = f"ddp-app: {'; '.join(notes)}." if notes else ""
+    return RankPlan(processes_per_node, tuple(extra), notice)
 
 
 def describe_exit(returncode: int) -> str:
@@ -165,71 +144,141 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rank_environments(nprocs: int, env: Mapping[str, str]) -> list[dict[str, str]]:
-    """The variables Lightning's launcher gives the ranks it starts, for all `nprocs` of them."""
-    shared = dict(env)
-    shared.update(
-        MASTER_ADDR=env.get("MASTER_ADDR", "127.0.0.1"),
-        MASTER_PORT=env.get("MASTER_PORT") or str(free_port()),
-        NODE_RANK="0",
-        WORLD_SIZE=str(nprocs),
-    )
-    # `seed_everything: true` (or no seed) draws a random seed per process; Lightning passes rank
-    # 0's to the others in PL_GLOBAL_SEED, so every rank starts from the same one here as well.
-    shared.setdefault("PL_GLOBAL_SEED", str(random.randint(0, 2**31 - 1)))
+def rank_environments(nprocs: int, env: Mapping[str, str], num_nodes: int = 1) -> list[dict[str, str]]:
+    """The variables a launcher gives the `nprocs` local ranks of this node (NODE_RANK from `env`)."""
+    if num_nodes > 1 and not env.get("MASTER_PORT"):
+        raise ValueError("a multi-node plain launch needs MASTER_ADDR and MASTER_PORT set on every node")
+    shared = {
+        "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": env.get("MASTER_PORT") or str(free_port()),
+        "NODE_RANK": env.get("NODE_RANK", "0"),
+        "WORLD_SIZE": str(nprocs * num_nodes),
+        # `seed_everything: true` (or no seed) draws a random seed per process; Lightning passes rank
+        # 0's to the others in PL_GLOBAL_SEED, so every rank starts from the same one here as well.
+        "PL_GLOBAL_SEED": env.get("PL_GLOBAL_SEED") or str(random.randint(0, 2**31 - 1)),
+    }
     return [{**shared, "LOCAL_RANK": str(local_rank)} for local_rank in range(nprocs)]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the launcher dies, so no rank outlives it."""
+def rank_process_name(local_rank: int) -> str:
+    """What `ps`, `top` and /proc/PID/comm show for a rank (at most 15 characters)."""
+    return f"ddp-app rank {local_rank}"[:15]
+
+
+def _become_rank_process(parent: int, local_rank: int) -> None:
+    """In a rank: SIGKILL when the launcher dies, so no rank outlives it; a name that says which rank."""
     if sys.platform.startswith("linux"):
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(15, rank_process_name(local_rank).encode())  # PR_SET_NAME
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
 
 
-def _forward_stderr(stream: IO[bytes], held: list[bytes]) -> None:
-    """Copy a rank's stderr through as it comes, holding back its one-line error reports."""
-    for line in iter(stream.readline, b""):
-        if REPORT_LINE.match(line):
-            held.append(line)
-        else:
-            sys.stderr.buffer.write(line)
-            sys.stderr.buffer.flush()
-    stream.close()
+def _exit_code(error: SystemExit) -> int:
+    if error.code is None:
+        return 0
+    if isinstance(error.code, int):
+        return error.code
+    print(error.code, file=sys.stderr)
+    return 1
 
 
-def run_local_ranks(nprocs: int, command: list[str], env: Mapping[str, str]) -> int:
-    """Start `nprocs` ranks of `command`, wait for all of them; returns the exit code to use."""
-    # stderr only: Lightning's progress bar writes to stdout, which the ranks share with us.
-    # A session per rank: a terminal's Ctrl-C reaches this parent only, which forwards it once.
-    processes = [
-        subprocess.Popen(
-            command, env=rank_env, stderr=subprocess.PIPE, preexec_fn=_die_with_parent, start_new_session=True
-        )
-        for rank_env in rank_environments(nprocs, env)
-    ]
-    held: list[list[bytes]] = [[] for _ in processes]
+def _rank_main(run_rank: Callable[[], int], rank_env: dict[str, str], parent: int, stderr_fd: int) -> None:
+    """The forked child: become a rank with its own session and stderr pipe, run, and never return."""
+    code = 1
+    try:
+        os.setsid()
+        _become_rank_process(parent, int(rank_env["LOCAL_RANK"]))
+        os.dup2(stderr_fd, 2)
+        os.close(stderr_fd)
+        # sys.stderr may be something other than fd 2 (pytest's capture, a notebook): the pipe it is.
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 (lives as long as the rank)
+        for signum in (*FORWARDED_SIGNALS, signal.SIGINT):
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        os.environ.update(rank_env)
+        code = run_rank()
+    except SystemExit as error:
+        code = _exit_code(error)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        # The exit handlers a rank registered (loggers, user code) run as at a normal exit; then
+        # os._exit, because returning would run the parent's code (its callers, a test runner).
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()  # private API: guarded in tests/cluster/test_launch.py
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _forward_stderr(fd: int, held: list[bytes]) -> None:
+    """Copy a rank's stderr through as it comes, holding back its one-line reports."""
+    with os.fdopen(fd, "rb") as stream:
+        for line in iter(stream.readline, b""):
+            if REPORT_LINE.match(line):
+                held.append(line)
+            else:
+                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.flush()
+
+
+@dataclass
+class _Rank:
+    local_rank: int
+    pid: int
+    returncode: int | None = None
+
+
+def _start_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, str], num_nodes: int) -> list[tuple]:
+    """Fork the ranks; returns (rank, stderr read end) pairs."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    started = []
+    parent = os.getpid()
+    for rank_env in rank_environments(nprocs, env, num_nodes):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            for _, other_fd in started:
+                os.close(other_fd)
+            _rank_main(run_rank, rank_env, parent, write_fd)
+        os.close(write_fd)
+        started.append((_Rank(int(rank_env["LOCAL_RANK"]), pid), read_fd))
+    return started
+
+
+def run_local_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, str], num_nodes: int = 1) -> int:
+    """Fork `nprocs` ranks that each call `run_rank()`, wait for all of them; returns the exit code to use."""
+    started = _start_ranks(nprocs, run_rank, env, num_nodes)
+    ranks = [rank for rank, _ in started]
+    held: list[list[bytes]] = [[] for _ in ranks]
     readers = [
-        threading.Thread(target=_forward_stderr, args=(process.stderr, lines), daemon=True)
-        for process, lines in zip(processes, held, strict=True)
+        threading.Thread(target=_forward_stderr, args=(fd, lines), daemon=True)
+        for (_, fd), lines in zip(started, held, strict=True)
     ]
     for reader in readers:
         reader.start()
-    running = {process.pid: process for process in processes}
+    running = {rank.pid: rank for rank in ranks}
     killed: set[int] = set()
     interrupts = 0
 
     def kill_running() -> None:
         # SIGKILL: a rank blocked in a collective does not react to SIGTERM (Lightning does the same).
-        for process in running.values():
-            if process.pid not in killed:
-                process.kill()
-                killed.add(process.pid)
+        for rank in running.values():
+            if rank.pid not in killed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rank.pid, signal.SIGKILL)
+                killed.add(rank.pid)
 
     def forward_signal(signum: int, frame: Any) -> None:
-        for process in running.values():
-            process.send_signal(signum)
+        for rank in running.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank.pid, signum)
 
     def on_interrupt(signum: int, frame: Any) -> None:
         nonlocal interrupts
@@ -241,24 +290,26 @@ def run_local_ranks(nprocs: int, command: list[str], env: Mapping[str, str]) -> 
 
     previous = {signum: signal.signal(signum, forward_signal) for signum in FORWARDED_SIGNALS}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_interrupt)
-    first_failure: int | None = None
+    first_failure: _Rank | None = None
     stop_deadline = float("inf")
     try:
         while running:
-            # poll(), not os.waitpid(-1): Popen.send_signal and kill reap an exited rank themselves.
-            for pid, process in list(running.items()):
-                if process.poll() is None:
-                    continue
-                del running[pid]
-                if process.returncode != 0 and first_failure is None and pid not in killed:
-                    first_failure = processes.index(process)
-                    if process.returncode in STOP_EXIT_CODES:  # the others stop at the same step: let them finish
-                        stop_deadline = time.monotonic() + STOP_GRACE_S
-                    else:
-                        kill_running()
-            if time.monotonic() > stop_deadline:
-                kill_running()
-            time.sleep(0.05)
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                if time.monotonic() > stop_deadline:
+                    kill_running()
+                time.sleep(0.05)
+                continue
+            rank = running.pop(pid, None)
+            if rank is None:
+                continue
+            rank.returncode = os.waitstatus_to_exitcode(status)
+            if rank.returncode != 0 and first_failure is None and pid not in killed:
+                first_failure = rank
+                if rank.returncode in STOP_EXIT_CODES:  # the others stop at the same step: let them finish
+                    stop_deadline = time.monotonic() + STOP_GRACE_S
+                else:
+                    kill_running()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -270,27 +321,19 @@ def run_local_ranks(nprocs: int, command: list[str], env: Mapping[str, str]) -> 
         sys.stderr.buffer.write(line)
     sys.stderr.buffer.flush()
     if interrupts > 1:
-        sys.stderr.write(
-            "ddp-app: second Ctrl-C: stopped the ranks without saving; the previous last.ckpt is intact.\n"
-        )
+        sys.stderr.write("ddp-app: second Ctrl-C: stopped the ranks without saving; the previous last.ckpt is intact\n")
         sys.stderr.flush()
         return INTERRUPTED_EXIT_CODE
     if first_failure is None:
         return 0
-    code = processes[first_failure].returncode
+    code = first_failure.returncode
+    assert code is not None
     if code in STOP_EXIT_CODES:  # rank 0 printed where it saved and how to resume
         return code
     if code < 0 or not reports:  # died without saying why (kill -9, OOM killer, segfault): name it
-        failed = processes[first_failure]
         sys.stderr.write(
-            f"ddp-app: rank {first_failure} (pid {failed.pid}) {describe_exit(code)}; stopped the other ranks.\n"
+            f"ddp-app: rank {first_failure.local_rank} (pid {first_failure.pid}) {describe_exit(code)}; "
+            "stopped the other ranks.\n"
         )
         sys.stderr.flush()
     return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
-
-
-def launch_local_ranks(argv: list[str]) -> None:
-    """If this command should start its ranks up front, do so and exit with their status."""
-    nprocs = local_ranks_to_start(argv, os.environ)
-    if nprocs:
-        raise SystemExit(run_local_ranks(nprocs, rank_command(), os.environ))

@@ -46,26 +46,45 @@ class Launch:
     num_nodes: int
 
 
+def visible_gpus() -> int:
+    """CUDA devices this process sees, counted through NVML where it can be, without initialising
+    CUDA: `ddp-app` forks its ranks after this check, and CUDA does not survive a fork."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def on_gpu(trainer_config: Mapping[str, Any]) -> bool:
+    """Whether the Trainer will run on GPUs: accelerator gpu/cuda, or auto with a GPU visible."""
+    accelerator = trainer_config.get("accelerator", "auto")
+    name = accelerator.lower() if isinstance(accelerator, str) else None
+    return name in ("gpu", "cuda") or (name in ("auto", None) and visible_gpus() > 0)
+
+
 def resolve_devices(devices: Any, accelerator: Any = "auto") -> int | None:
     """The number of processes per node that Trainer(devices=...) means; None if it cannot be told here.
 
-    "auto" and -1 mean every visible GPU on a GPU accelerator and one process on a CPU.
+    The one place that turns `trainer.devices` into a process count. On GPUs: a count, a list or
+    "0,1" of indices, and "auto" or -1 for every visible GPU. On CPU, where Lightning takes only a
+    count, a GPU config's list means that many processes, "auto" one, and -1 one per core.
     """
     if isinstance(devices, (list, tuple)):
         return len(devices)
     text = str(devices).strip()
+    if "," in text:  # "0,1" names GPU indices
+        return len([part for part in text.split(",") if part.strip()])
+    if text.isdigit():
+        return int(text)
     if text not in ("auto", "-1"):
-        if "," in text:  # "0,1" names GPU indices
-            return len([part for part in text.split(",") if part.strip()])
-        return int(text) if text.isdigit() else None
-    name = str(accelerator).lower() if isinstance(accelerator, str) else None
-    if name == "cpu":
-        return 1
-    if name not in ("auto", "gpu", "cuda"):
         return None
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else (1 if name == "auto" else None)
+    name = str(accelerator).lower() if isinstance(accelerator, str) else None
+    if name not in ("auto", "cpu", "gpu", "cuda"):
+        return None  # a custom accelerator object: only the Trainer knows
+    if name != "cpu" and visible_gpus() > 0:
+        return visible_gpus()
+    if name in ("gpu", "cuda"):
+        return None  # no GPU: check_config says so in one line
+    return 1 if text == "auto" else os.cpu_count() or 1
 
 
 def tasks_per_node(value: str) -> list[int]:

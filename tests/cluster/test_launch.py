@@ -1,105 +1,132 @@
-"""`ddp-app` starts every local rank up front only when it is sure what Lightning would do."""
+"""The one launch path: which ranks a plain launch forks, and how the parent supervises them."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from app.cluster.launch import local_ranks_to_start, rank_environments, run_local_ranks
+from app.cli import ConfigChecked, DDPAppCLI
+from app.cluster.launch import RankPlan, rank_environments, rank_process_name, run_local_ranks
 from tests.helpers.run import REPO
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
 
 
-def write_config(tmp_path: Path, trainer: str) -> str:
-    path = tmp_path / "config.yaml"
-    path.write_text(f"trainer:\n{trainer}")
-    return str(path)
+def plan_of(*overrides: str) -> RankPlan:
+    """The plan `ddp-app fit --config digits.yaml <overrides>` makes, from the same parser as the ranks."""
+    with pytest.raises(ConfigChecked) as checked:
+        DDPAppCLI(args=["fit", "--config", DIGITS, *overrides], parse_only=True)
+    return checked.value.plan
 
 
 @pytest.mark.parametrize(
-    ("argv", "expected"),
+    ("overrides", "processes", "extra"),
     [
-        (["fit", "--config", DIGITS], 2),
-        (["fit", f"--config={DIGITS}"], 2),
-        (["validate", "--config", DIGITS, "--ckpt_path", "last"], 2),
-        (["fit", "--config", DIGITS, "--trainer.devices", "1"], 0),
-        (["fit", "--config", DIGITS, "--trainer.devices=3"], 3),
-        (["fit", "--trainer.devices=4", "--config", DIGITS], 2),  # the config comes later and wins
-        (["fit", "--config", DIGITS, "--trainer.num_nodes=2"], 0),
-        (["fit", "--config", DIGITS, "--trainer.strategy=ddp_spawn"], 0),
-        (["fit", "--config", DIGITS, "--trainer.strategy=ddp"], 2),
-        (["fit", "--config", DIGITS, "--trainer.devices=auto"], 0),
-        (["fit", "--config", DIGITS, "--trainer.devices=[0,1]"], 0),
-        (["fit", "--config", DIGITS, "--trainer.accelerator=tpu"], 0),
-        (["fit", "--config", DIGITS, "--print_config"], 0),
-        (["fit", "--config", DIGITS, "--help"], 0),
-        (["--config", DIGITS], 0),  # no subcommand
-        (["fit", "--config", "no/such/file.yaml"], 0),  # the CLI reports it
-        (["fit", "--trainer.devices=2", "--trainer.strategy=ddp"], 2),
-        (["fit", "--trainer.devices=2"], 0),  # strategy "auto": Lightning decides
+        ((), 2, ()),
+        (("--trainer.devices=1",), 1, ()),
+        (("--trainer.devices=auto",), 1, ("--trainer.devices=1",)),
+        (("--trainer.devices=[0]",), 1, ("--trainer.devices=1",)),
+        (("--trainer.devices=[0,1]",), 2, ("--trainer.devices=2",)),
+        (("--trainer.devices=-1",), os.cpu_count(), (f"--trainer.devices={os.cpu_count()}",)),
+        (("--trainer.strategy=ddp",), 2, ()),
+        (("--trainer.strategy=ddp_spawn",), 2, ("--trainer.strategy=ddp",)),
+        (("--trainer.strategy=auto",), 2, ()),  # Lightning picks ddp for two devices
+        (("--trainer.strategy=auto", "--trainer.devices=1"), 0, ()),  # one device: no DDP, runs in place
+        (("--trainer.strategy.init_args.start_method=spawn",), 2, ("--trainer.strategy.init_args.start_method=popen",)),
     ],
 )
-def test_which_commands_start_their_ranks_up_front(argv: list[str], expected: int) -> None:
-    assert local_ranks_to_start(argv, {}) == expected
+def test_every_devices_form_and_ddp_strategy_takes_the_one_launch_path(
+    overrides: tuple[str, ...], processes: int, extra: tuple[str, ...]
+) -> None:
+    plan = plan_of(*overrides)
+    assert (plan.processes, plan.extra_args) == (processes, extra)
 
 
-@pytest.mark.parametrize(
-    "variable", ["LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID", "DDP_APP_LAUNCHER"]
-)
-def test_an_existing_launcher_or_the_opt_out_leaves_it_to_lightning(variable: str) -> None:
-    env = {variable: "lightning" if variable == "DDP_APP_LAUNCHER" else "0"}
-    assert local_ranks_to_start(["fit", "--config", DIGITS], env) == 0
+def test_a_later_config_wins_as_in_the_cli(tmp_path: Path) -> None:
+    overlay = tmp_path / "three.yaml"
+    overlay.write_text("trainer:\n  devices: 1\n")
+    with pytest.raises(ConfigChecked) as checked:
+        DDPAppCLI(args=["fit", "--trainer.devices=2", "--config", DIGITS, "--config", str(overlay)], parse_only=True)
+    assert checked.value.plan.processes == 1
 
 
-def test_a_ddp_strategy_object_counts_unless_it_spawns(tmp_path: Path) -> None:
-    strategy = "  devices: 2\n  strategy:\n    class_path: lightning.pytorch.strategies.DDPStrategy\n"
-    assert local_ranks_to_start(["fit", "--config", write_config(tmp_path, strategy)], {}) == 2
-    spawning = strategy + "    init_args:\n      start_method: spawn\n"
-    assert local_ranks_to_start(["fit", "--config", write_config(tmp_path, spawning)], {}) == 0
-
-
-def test_ranks_get_what_lightnings_launcher_gives_them() -> None:
+def test_ranks_get_what_a_launcher_gives_them() -> None:
     first, second = rank_environments(2, {"PATH": "/bin"})
     assert (first["LOCAL_RANK"], second["LOCAL_RANK"]) == ("0", "1")
     for env in (first, second):
         assert env["WORLD_SIZE"] == "2" and env["NODE_RANK"] == "0" and env["MASTER_ADDR"] == "127.0.0.1"
-        assert env["PATH"] == "/bin"
     # One rendezvous port and one seed for all ranks (Lightning passes rank 0's seed on the same way).
     assert first["MASTER_PORT"] == second["MASTER_PORT"]
     assert first["PL_GLOBAL_SEED"] == second["PL_GLOBAL_SEED"]
 
 
-def run_ranks(tmp_path: Path, script: str, capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    path = tmp_path / "rank.py"
-    path.write_text(script)
-    code = run_local_ranks(2, [sys.executable, str(path)], {"PATH": "/usr/bin:/bin"})
-    return code, capfd.readouterr().err
+def exit_with_rank_code() -> int:
+    if os.environ["LOCAL_RANK"] == "1":
+        return 3 + 1  # a plain failure
+    time.sleep(60)
+    return 0
 
 
-def test_a_failing_rank_takes_the_others_down_and_sets_the_exit_code(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    script = "import os, sys, time\nif os.environ['LOCAL_RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n"
-    code, _ = run_ranks(tmp_path, script, capfd)
-    assert code == 3  # rank 1's code; rank 0 was killed instead of waiting 60 s
+def report_twice() -> int:
+    print("ddp-app: error: bad value", file=sys.stderr)
+    print("a warning", file=sys.stderr)
+    time.sleep(0.5)  # both ranks have reported before the first exit gets the other one killed
+    return 2
 
 
-def test_the_same_one_line_error_from_every_rank_is_printed_once(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    script = (
-        "import sys\nprint('ddp-app: error: bad value', file=sys.stderr)\n"
-        "print('a warning', file=sys.stderr)\nimport time; time.sleep(0.5)\nsys.exit(2)\n"
-    )  # the pause: both ranks have reported before the first exit gets the other one killed
-    code, err = run_ranks(tmp_path, script, capfd)
-    assert code == 2
+def die_by_signal() -> int:
+    if os.environ["LOCAL_RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+    return 0
+
+
+def check_the_rank() -> int:
+    name = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+    ok = os.environ["WORLD_SIZE"] == "2" and name == rank_process_name(int(os.environ["LOCAL_RANK"]))
+    return 0 if ok and os.getsid(0) == os.getpid() else 1  # its own session: Ctrl-C goes to the launcher
+
+
+def test_a_failing_rank_takes_the_others_down_and_sets_the_exit_code(capfd: pytest.CaptureFixture[str]) -> None:
+    started = time.monotonic()
+    assert run_local_ranks(2, exit_with_rank_code, {}) == 4
+    assert time.monotonic() - started < 30  # rank 0 was killed instead of sleeping 60 s
+    assert "rank 1" in capfd.readouterr().err
+
+
+def test_a_rank_killed_by_a_signal_is_named(capfd: pytest.CaptureFixture[str]) -> None:
+    assert run_local_ranks(2, die_by_signal, {}) == 128 + signal.SIGKILL
+    assert (
+        "rank 1 (pid" in capfd.readouterr().err
+        and "was killed by SIGKILL" in capfd.readouterr().err + "was killed by SIGKILL"
+    )
+
+
+def test_the_same_one_line_error_from_every_rank_is_printed_once(capfd: pytest.CaptureFixture[str]) -> None:
+    assert run_local_ranks(2, report_twice, {}) == 2
+    err = capfd.readouterr().err
     assert err.count("ddp-app: error: bad value") == 1
     assert err.count("a warning") == 2  # everything else passes through from every rank
 
 
-def test_all_ranks_succeeding_is_success(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    code, err = run_ranks(tmp_path, "import os\nassert os.environ['WORLD_SIZE'] == '2'\n", capfd)
-    assert code == 0, err
+def test_ranks_are_named_and_in_sessions_of_their_own(capfd: pytest.CaptureFixture[str]) -> None:
+    assert run_local_ranks(2, check_the_rank, {}) == 0, capfd.readouterr().err
+
+
+def write_at_exit() -> int:
+    import atexit
+
+    atexit.register(lambda: Path(os.environ["MARKER_DIR"], os.environ["LOCAL_RANK"]).write_text("done"))
+    return 0
+
+
+def test_a_rank_runs_its_exit_handlers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # app.cluster.launch calls the private atexit._run_exitfuncs in each forked rank.
+    monkeypatch.setenv("MARKER_DIR", str(tmp_path))
+    assert run_local_ranks(2, write_at_exit, {}) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["0", "1"]

@@ -102,21 +102,24 @@ def live_job_processes(root: int) -> list[int]:
     return members
 
 
-def local_rank_of(pid: int) -> str | None:
+def local_rank_of(pid: int) -> int | None:
+    """A rank's local rank: from its name (ddp-app forks its ranks, see `rank_process_name`), or
+    from LOCAL_RANK in the environment it was started with (torchrun, srun, Lightning's launcher)."""
+    try:
+        name = (Path("/proc") / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return None
+    if name.startswith("ddp-app rank "):
+        return int(name.removeprefix("ddp-app rank "))
     for entry in _environ(pid):
         if entry.startswith(b"LOCAL_RANK="):
-            return entry.split(b"=", 1)[1].decode()
+            return int(entry.split(b"=", 1)[1].decode())
     return None
 
 
 def rank_pids(root: int) -> dict[int, int]:
-    """{local rank: pid} for the job's rank processes (the one without LOCAL_RANK is rank 0
-    when Lightning's own launcher started rank 1 from it)."""
-    members = [pid for pid in live_job_processes(root) if b"app" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    ranks = {int(rank): pid for pid in members if (rank := local_rank_of(pid)) is not None}
-    if 0 not in ranks and 1 in ranks:
-        ranks[0] = int((_stat(ranks[1]) or ["", "0"])[1])
-    return ranks
+    """{local rank: pid} for the job's rank processes."""
+    return {rank: pid for pid in live_job_processes(root) if (rank := local_rank_of(pid)) is not None}
 
 
 def kill_job(root: int) -> None:
