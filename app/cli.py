@@ -44,9 +44,17 @@ from app.checkpoints import (
     summarize_checkpoint,
 )
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, INTERRUPTED_EXIT_CODE
-from app.cluster.launch import RankPlan, already_launched, rank_plan, run_local_ranks
+from app.cluster.launch import RankPlan, rank_plan, run_local_ranks
 from app.cluster.preemption import Stopped
-from app.cluster.preflight import Launch, describe_launch, lightning_uses_slurm, on_gpu, preflight, visible_gpus
+from app.cluster.preflight import (
+    Launch,
+    already_launched,
+    describe_launch,
+    lightning_uses_slurm,
+    on_gpu,
+    preflight,
+    visible_gpus,
+)
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint

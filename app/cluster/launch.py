@@ -42,8 +42,6 @@ from typing import Any
 
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
 
-# Set by torchrun, srun or another launcher: this process is a rank already.
-LAUNCHED_VARIABLES = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID")
 # Sent to the parent by a scheduler or a user; SIGINT is forwarded by its own handler (once).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # `ddp-app: error: ...`, `ddp-app fit: error: ...` and `ddp-app: interrupted ...`: one-line reports
@@ -69,11 +67,6 @@ LAUNCHER_VARIABLES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
     "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID",
 )  # fmt: skip
-
-
-def already_launched(env: Mapping[str, str]) -> bool:
-    """True in a rank that torchrun, srun or a launcher started: it runs as it is."""
-    return any(name in env for name in LAUNCHED_VARIABLES)
 
 
 def env_without_launcher(env: Mapping[str, str]) -> dict[str, str]:

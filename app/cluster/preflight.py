@@ -100,6 +100,14 @@ def is_torchrun(env: Mapping[str, str]) -> bool:
     return "TORCHELASTIC_RUN_ID" in env or all(name in env for name in TORCHRUN_VARIABLES)
 
 
+def already_launched(env: Mapping[str, str]) -> bool:
+    """This process is one rank of a job that torchrun, srun (a batch job step) or a launcher
+    started: it runs as it is. Not so in an interactive `srun --pty bash` or salloc shell, where
+    Lightning ignores Slurm and ddp-app starts the ranks."""
+    in_slurm_step = "SLURM_STEP_ID" in env and env.get("SLURM_JOB_NAME") not in INTERACTIVE_JOB_NAMES
+    return "LOCAL_RANK" in env or is_torchrun(env) or in_slurm_step
+
+
 def lightning_uses_slurm(env: Mapping[str, str]) -> bool:
     """Lightning will pick its SLURMEnvironment (and read MASTER_PORT): SLURM_NTASKS set, no torchrun,
     not a job name of its interactive mode. Mirrors lightning.fabric's `_is_srun_used`."""
