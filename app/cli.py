@@ -216,10 +216,12 @@ class DDPAppCLI(LightningCLI):
     atomic and safe checkpoints in a fixed directory, exact resume, preemption at step
     boundaries, a bounded collective timeout, and the config saved next to the logs."""
 
-    def __init__(self, parse_only: bool = False, **kwargs: Any) -> None:
-        # parse_only: stop with ConfigChecked once the config is parsed and checked (`main` does
-        # that once before it starts the ranks, so that bad input is reported once, quickly).
+    def __init__(self, parse_only: bool = False, check_machine: bool = True, **kwargs: Any) -> None:
+        # parse_only: stop with ConfigParsed once the config is parsed (and, with check_machine,
+        # checked against this machine and launch): `main` does that once before it starts the
+        # ranks, so that bad input is reported once, quickly; `parse_config` for tools.
         self.parse_only = parse_only
+        self.check_machine = check_machine
         self.command_line: list[str] = []
         self.checkpoint: CheckpointSummary | None = None  # the --ckpt_path file, when it is one
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
@@ -278,12 +280,14 @@ class DDPAppCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config(self.config)
+        if self.parse_only and not self.check_machine:
+            raise ConfigParsed(config, RankPlan(0), 1)
         check_config(config)
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
         if self.parse_only:
-            raise ConfigChecked(self._rank_plan(config["trainer"]), self.launch.num_nodes if self.launch else 1)
+            raise ConfigParsed(config, self._rank_plan(config["trainer"]), self.launch.num_nodes if self.launch else 1)
         notice = drop_static_graph_for_accumulation(config["trainer"])
         # Every rank parses the config and makes the same change; one line in the log is enough.
         if notice and is_global_rank_zero(self.launch, os.environ):
@@ -356,13 +360,24 @@ class DDPAppCLI(LightningCLI):
     before_fit = before_validate = before_test = before_predict = _resolve_last_checkpoint
 
 
-class ConfigChecked(Exception):  # noqa: N818 (control flow, not an error)
-    """Raised by a parse-only DDPAppCLI once the whole config is parsed and checked: what to launch."""
+class ConfigParsed(Exception):  # noqa: N818 (control flow, not an error)
+    """Raised by a parse-only DDPAppCLI once the whole config is parsed (and checked): what to launch."""
 
-    def __init__(self, plan: RankPlan, num_nodes: int) -> None:
-        super().__init__("config checked")
+    def __init__(self, config: Any, plan: RankPlan, num_nodes: int) -> None:
+        super().__init__("config parsed")
+        self.config = config
         self.plan = plan
         self.num_nodes = num_nodes
+
+
+def parse_config(args: list[str]) -> Any:
+    """The subcommand config `ddp-app <args>` would run with: the same parser, files and precedence,
+    nothing checked against this machine (for tools like `python -m app.slurm` on a login node)."""
+    try:
+        DDPAppCLI(args=args, parse_only=True, check_machine=False)
+    except ConfigParsed as parsed:
+        return parsed.config
+    raise AssertionError("DDPAppCLI(parse_only=True) returned without parsing")
 
 
 def run(args: list[str]) -> int:
@@ -395,7 +410,7 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(run(args))
     try:
         DDPAppCLI(args=args, parse_only=True)
-    except ConfigChecked as checked:
+    except ConfigParsed as checked:
         plan, num_nodes = checked.plan, checked.num_nodes
     except KeyboardInterrupt:
         print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)

@@ -21,8 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from app.cluster.preflight import resolve_devices
 from app.cluster.slurm_env import master_address_and_port
 
 # sbatch's short options, as their long names.
@@ -51,21 +50,19 @@ class TrainerShape:
 
 
 def read_trainer_shape(config_path: str | Path, overrides: list[str] | None = None) -> TrainerShape:
-    """trainer.devices / num_nodes / accelerator from a YAML config, then `--trainer.X Y` overrides."""
-    with open(config_path) as file:
-        config = yaml.safe_load(file) or {}
-    trainer = dict(config.get("trainer") or {})
-    args = list(overrides or [])
-    for index, arg in enumerate(args):
-        match = re.fullmatch(r"--trainer\.(devices|num_nodes|accelerator)(?:=(.*))?", arg)
-        if match:
-            value = match.group(2) if match.group(2) is not None else (args[index + 1] if index + 1 < len(args) else "")
-            trainer[match.group(1)] = yaml.safe_load(value)
+    """trainer.devices / num_nodes / accelerator as `ddp-app fit --config CONFIG OVERRIDES` resolves
+    them: the CLI's own parser (files, `--trainer.X` overrides, precedence), not a second one."""
+    from app.cli import parse_config  # imports Lightning: only when a config is read
+
+    trainer = parse_config(["fit", "--config", str(config_path), *(overrides or [])])["trainer"]
     devices = trainer.get("devices", "auto")
-    devices = len(devices) if isinstance(devices, list) else devices
-    if isinstance(devices, str) and devices.strip().isdigit():
-        devices = int(devices)
-    return TrainerShape(devices, int(trainer.get("num_nodes") or 1), str(trainer.get("accelerator") or "auto"))
+    count = resolve_devices(devices, "cpu") if str(devices).strip() not in ("auto", "-1") else None
+    accelerator = trainer.get("accelerator") or "auto"
+    return TrainerShape(
+        count if count is not None else str(devices),
+        int(trainer.get("num_nodes") or 1),
+        accelerator if isinstance(accelerator, str) else type(accelerator).__name__,
+    )
 
 
 def render(

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from app.cluster.preflight import INTERACTIVE_JOB_NAMES
 from app.errors import UserFacingError
 
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -116,7 +117,7 @@ def resume_command(argv: list[str]) -> str:
 def requeue_slurm_job() -> str:
     """Ask SLURM to requeue this batch job; returns a note for the message ('' outside SLURM)."""
     job_id = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    if not job_id or os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+    if not job_id or os.environ.get("SLURM_JOB_NAME") in INTERACTIVE_JOB_NAMES:  # nothing to requeue
         return ""
     if os.environ.get("SLURM_ARRAY_TASK_ID"):
         job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import ConfigChecked, DDPAppCLI
+from app.cli import ConfigParsed, DDPAppCLI
 from app.cluster.launch import RankPlan, rank_environments, rank_process_name, run_local_ranks
 from tests.helpers.run import REPO
 
@@ -19,7 +19,7 @@ DIGITS = str(REPO / "configs" / "digits.yaml")
 
 def plan_of(*overrides: str) -> RankPlan:
     """The plan `ddp-app fit --config digits.yaml <overrides>` makes, from the same parser as the ranks."""
-    with pytest.raises(ConfigChecked) as checked:
+    with pytest.raises(ConfigParsed) as checked:
         DDPAppCLI(args=["fit", "--config", DIGITS, *overrides], parse_only=True)
     return checked.value.plan
 
@@ -50,7 +50,7 @@ def test_every_devices_form_and_ddp_strategy_takes_the_one_launch_path(
 def test_a_later_config_wins_as_in_the_cli(tmp_path: Path) -> None:
     overlay = tmp_path / "three.yaml"
     overlay.write_text("trainer:\n  devices: 1\n")
-    with pytest.raises(ConfigChecked) as checked:
+    with pytest.raises(ConfigParsed) as checked:
         DDPAppCLI(args=["fit", "--trainer.devices=2", "--config", DIGITS, "--config", str(overlay)], parse_only=True)
     assert checked.value.plan.processes == 1
 

@@ -17,6 +17,7 @@ from lightning.fabric.utilities.warnings import PossibleUserWarning
 from app.cluster.preflight import (
     Launch,
     PreflightError,
+    already_launched,
     describe_launch,
     detect_launch,
     export_master_address,
@@ -323,3 +324,18 @@ def test_ddp_app_stops_in_one_line_before_any_process_group(tmp_path: Path) -> N
     assert len(errors) == 1 and errors[0].startswith("ddp-app: error: job 1 has 2 tasks"), result.stderr
     assert "Traceback" not in result.stderr
     assert "Initializing distributed: GLOBAL_RANK" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "launched"),
+    [
+        ({}, False),
+        ({"LOCAL_RANK": "1"}, True),
+        ({"TORCHELASTIC_RUN_ID": "x"}, True),
+        ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train"}, True),
+        ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "interactive"}, False),
+        ({"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train"}, False),  # the batch script itself
+    ],
+)
+def test_a_rank_that_was_started_runs_as_it_is(env: dict[str, str], launched: bool) -> None:
+    assert already_launched(env) is launched
