@@ -285,7 +285,14 @@ def test_master_port_is_left_alone_where_lightning_does_not_use_slurm(env: dict[
 
 @pytest.mark.parametrize(
     ("devices", "accelerator", "count"),
-    [(2, "auto", 2), ("2", "cpu", 2), ([0, 1], "gpu", 2), ("0,1", "gpu", 2), ("auto", "cpu", 1), (-1, "cpu", 1)],
+    [
+        (2, "auto", 2),
+        ("2", "cpu", 2),
+        ([0, 1], "gpu", 2),
+        ("0,1", "gpu", 2),
+        ("auto", "cpu", 1),
+        (-1, "cpu", os.cpu_count()),
+    ],
 )
 def test_resolve_devices(devices: object, accelerator: str, count: int) -> None:
     assert resolve_devices(devices, accelerator) == count
