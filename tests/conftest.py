@@ -9,6 +9,26 @@ import pytest
 import torch.distributed
 
 from app.cluster.launch import LAUNCHER_VARIABLES
+from tests.helpers import run
+
+# Tiers that start processes, need the Slurm cluster or take long; every other test is `quick`.
+NOT_QUICK = ("distributed", "slurm", "parity", "slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`quick`: every in-process test, plus the few marked `quick` by hand (one real 2-rank fit,
+    one Lightning-vs-reference check): the tier to run before every commit (README, Tests)."""
+    for item in items:
+        if not any(item.get_closest_marker(name) for name in NOT_QUICK):
+            item.add_marker(pytest.mark.quick)
+
+
+@pytest.fixture(autouse=True)
+def current_test_markers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Let `tests.helpers.run` check that a test which starts several ranks is marked `distributed`."""
+    run.CURRENT_MARKERS = {marker.name for marker in request.node.iter_markers()}
+    yield
+    run.CURRENT_MARKERS = set()
 
 
 @pytest.fixture(autouse=True)

@@ -73,9 +73,13 @@ def exit_with_rank_code() -> int:
 
 
 def report_twice() -> int:
-    print("ddp-app: error: bad value", file=sys.stderr)
-    print("a warning", file=sys.stderr)
-    time.sleep(0.5)  # both ranks have reported before the first exit gets the other one killed
+    print("ddp-app: error: bad value", file=sys.stderr, flush=True)
+    print("a warning", file=sys.stderr, flush=True)
+    # Both ranks report before either exits (the first exit gets the other killed): a file barrier.
+    barrier = Path(os.environ["BARRIER_DIR"])
+    (barrier / os.environ["LOCAL_RANK"]).touch()
+    while len(list(barrier.iterdir())) < 2:
+        time.sleep(0.01)
     return 2
 
 
@@ -107,7 +111,10 @@ def test_a_rank_killed_by_a_signal_is_named(capfd: pytest.CaptureFixture[str]) -
     )
 
 
-def test_the_same_one_line_error_from_every_rank_is_printed_once(capfd: pytest.CaptureFixture[str]) -> None:
+def test_the_same_one_line_error_from_every_rank_is_printed_once(
+    capfd: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BARRIER_DIR", str(tmp_path))
     assert run_local_ranks(2, report_twice, {}) == 2
     err = capfd.readouterr().err
     assert err.count("ddp-app: error: bad value") == 1

@@ -14,7 +14,7 @@ import pytest
 
 from app.checkpoints import CheckpointError, safe_load
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
-from tests.fault.test_resume import assert_same_weights, fit, start_fit, wait_for_step
+from tests.fault.test_resume import fit, resume_and_compare, start_fit, wait_for_step
 from tests.helpers.run import kill_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -74,9 +74,7 @@ def test_kill_9_after_the_best_epoch_loses_at_most_one_epoch_and_resumes_bit_exa
     assert state["global_step"] >= seen, "last.ckpt went back in time"
     assert state["epoch"] > best_epoch + 5, f"last.ckpt is stale: epoch {state['epoch']}, best {best_epoch}"
     assert state["global_step"] < EPOCHS * 20, "the kill came after the end of training: it proved nothing"
-    resumed = fit("configs/digits.yaml", overlay, tmp_path / "run", "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_weights(expected, last)
+    resume_and_compare("configs/digits.yaml", overlay, tmp_path / "run", expected)
 
 
 def interrupt_line(log: str) -> tuple[int, str]:
@@ -105,9 +103,7 @@ def test_ctrl_c_to_the_process_group_saves_at_one_step_exits_130_and_resumes_bit
     assert f"Resume with: ddp-app fit --config configs/digits.yaml --config {overlay}" in line
     assert line.endswith("--ckpt_path last")
     assert "Traceback" not in log and "exited with code" not in log, log[-3000:]
-    resumed = fit("configs/digits.yaml", overlay, tmp_path / "run", "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_weights(expected, last)
+    resume_and_compare("configs/digits.yaml", overlay, tmp_path / "run", expected)
 
 
 def test_sigint_to_the_launcher_alone_stops_like_ctrl_c(uninterrupted, tmp_path: Path) -> None:

@@ -50,6 +50,14 @@ def fit(config: str, extra: Path, root: Path, *args: str, timeout: float = 240):
     )
 
 
+def resume_and_compare(config: str, extra: Path, root: Path, expected: Path) -> None:
+    """`fit ... --ckpt_path last` in `root` ends with exactly the weights of `expected` (the
+    uninterrupted run's checkpoint of the same name)."""
+    resumed = fit(config, extra, root, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(expected, root / "checkpoints" / expected.name)
+
+
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return safe_load(checkpoint)["state_dict"]
 
@@ -167,9 +175,7 @@ def test_kill_9_of_the_whole_job_then_resume_last_is_bit_exact(long_uninterrupte
         kill_job(process.pid)
         process.wait()
     assert killed_at < 400
-    resumed = fit("configs/digits.yaml", extra, tmp_path / "run", "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_weights(expected, tmp_path / "run" / "checkpoints" / "epoch-epoch=19.ckpt")
+    resume_and_compare("configs/digits.yaml", extra, tmp_path / "run", expected)
 
 
 def test_sigusr1_preemption_saves_at_a_step_boundary_and_resumes_exactly(long_uninterrupted, tmp_path: Path) -> None:
@@ -190,9 +196,7 @@ def test_sigusr1_preemption_saves_at_a_step_boundary_and_resumes_exactly(long_un
     step = int(re.search(r"preempted at global step (\d+)", log).group(1))
     assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step
     assert "Traceback" not in log
-    resumed = fit("configs/digits.yaml", extra, tmp_path / "run", "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_weights(expected, tmp_path / "run" / "checkpoints" / "epoch-epoch=19.ckpt")
+    resume_and_compare("configs/digits.yaml", extra, tmp_path / "run", expected)
 
 
 def test_a_signal_to_one_rank_only_stops_every_rank_at_the_same_step(long_uninterrupted, tmp_path: Path) -> None:
@@ -211,6 +215,4 @@ def test_a_signal_to_one_rank_only_stops_every_rank_at_the_same_step(long_uninte
     log = (tmp_path / "run.log").read_text()
     step = int(re.search(r"preempted at global step (\d+)", log).group(1))
     assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step
-    resumed = fit("configs/digits.yaml", extra, tmp_path / "run", "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_weights(expected, tmp_path / "run" / "checkpoints" / "epoch-epoch=19.ckpt")
+    resume_and_compare("configs/digits.yaml", extra, tmp_path / "run", expected)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,7 +56,21 @@ def run(
             kill_job(process.pid)
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+    check_marked_distributed(stdout)
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+# The markers of the running test, set by an autouse fixture in tests/conftest.py.
+CURRENT_MARKERS: set[str] = set()
+# Rank 0's launch line: "ddp-app: launched as a plain command: ..., world size 2 = ...".
+MULTI_RANK_LAUNCH = re.compile(r"ddp-app: launched .*world size ([2-9]|\d{2,})")
+
+
+def check_marked_distributed(stdout: str) -> None:
+    """A test whose command started several ranks must say so with the `distributed` marker, so that
+    `-m "not distributed"` (and the quick tier) stay fast and free of process groups."""
+    if MULTI_RANK_LAUNCH.search(stdout) and "distributed" not in CURRENT_MARKERS:
+        raise AssertionError("this test started several ranks: mark it @pytest.mark.distributed")
 
 
 def ddp_app(*args: str, timeout: float = 300, cwd: Path | None = None, env: dict[str, str] | None = None):
