@@ -50,6 +50,7 @@ from app.cluster.preflight import (
     Launch,
     already_launched,
     describe_launch,
+    fresh_store_for_this_round,
     lightning_uses_slurm,
     on_gpu,
     preflight,
@@ -286,6 +287,8 @@ class DDPAppCLI(LightningCLI):
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
+        if self.launch is not None and self.launch.launcher == "torchrun" and not self.parse_only:
+            fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
         if self.parse_only:
             raise ConfigParsed(config, self._rank_plan(config["trainer"]), self.launch.num_nodes if self.launch else 1)
         notice = drop_static_graph_for_accumulation(config["trainer"])
@@ -356,6 +359,9 @@ class DDPAppCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") == "last":
             config["ckpt_path"] = find_last_checkpoint(self.trainer)
+            if self.trainer.is_global_zero:  # a restarted or requeued job says where it picks up
+                found = f"resuming from {config['ckpt_path']}" if config["ckpt_path"] else "none yet, starting fresh"
+                print(f"ddp-app: --ckpt_path last: {found}", flush=True)
 
     before_fit = before_validate = before_test = before_predict = _resolve_last_checkpoint
 

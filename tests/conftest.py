@@ -23,12 +23,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.quick)
 
 
-@pytest.fixture(autouse=True)
-def current_test_markers(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Let `tests.helpers.run` check that a test which starts several ranks is marked `distributed`."""
-    run.CURRENT_MARKERS = {marker.name for marker in request.node.iter_markers()}
-    yield
-    run.CURRENT_MARKERS = set()
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Let `tests.helpers.run` check that a test which starts several ranks is marked `distributed`
+    (set before any fixture runs: a module-scoped fixture may start the ranks)."""
+    run.CURRENT_MARKERS = {marker.name for marker in item.iter_markers()}
 
 
 @pytest.fixture(autouse=True)

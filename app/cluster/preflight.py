@@ -243,6 +243,38 @@ def _plain_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
     )
 
 
+def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) -> None:
+    """Under torchrun, give every round of the worker group a rendezvous store of its own.
+
+    torchrun's agent shares its rendezvous TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE)
+    and keeps it across restarts, while `init_process_group` files gloo's keys under the fixed
+    prefix "default_pg": after `--max-restarts` restarted the group, its ranks read the dead
+    round's addresses and fail in connectFullMesh ("Connection refused") or wait. So global rank 0
+    takes a free port, publishes it in the agent's store under this round's own key, and every
+    rank meets there; MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE are changed for this process only.
+    """
+    if not is_torchrun(env) or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    agent_store = TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    key = f"ddp-app/{env.get('TORCHELASTIC_RUN_ID', '')}/round-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/port"
+    if env.get("RANK", "0") == "0":
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        agent_store.set(key, str(port))
+    else:
+        port = int(agent_store.get(key))  # waits for rank 0, up to timeout_s
+    env["MASTER_PORT"] = str(port)
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+
+
 def export_master_address(env: MutableMapping[str, str]) -> None:
     """Give Lightning's SLURMEnvironment our per-job MASTER_ADDR and MASTER_PORT before it reads them.
 

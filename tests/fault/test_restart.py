@@ -1,0 +1,42 @@
+"""torchrun --max-restarts brings a job back from a rank killed with kill -9, bit-exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.fault.test_last_checkpoint import uninterrupted  # noqa: F401 (the shared baseline run)
+from tests.fault.test_resume import assert_same_weights, wait_for_step
+from tests.helpers.run import BIN, REPO, clean_env, kill_job, rank_pids
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+
+def test_torchrun_restarts_the_group_after_kill_9_and_ends_bit_exact(uninterrupted, tmp_path: Path) -> None:  # noqa: F811
+    overlay, expected = uninterrupted
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    command = [
+        str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--max-restarts=2",
+        "-m", "app", "fit", "--config", "configs/digits.yaml", "--config", str(overlay),
+        f"--trainer.default_root_dir={tmp_path / 'run'}", "--ckpt_path", "last",
+    ]  # fmt: skip
+    with open(tmp_path / "torchrun.log", "w") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_for_step(last, 200, process)
+        os.kill(rank_pids(process.pid)[1], signal.SIGKILL)
+        process.wait(timeout=240)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    output = (tmp_path / "torchrun.log").read_text()
+    assert process.returncode == 0, output[-4000:]
+    assert "--ckpt_path last: none yet, starting fresh" in output  # the first round
+    assert f"--ckpt_path last: resuming from {last}" in output, output[-4000:]  # the restarted round
+    assert_same_weights(expected, last)
