@@ -118,7 +118,8 @@ def plot(series: Series, out: Path, title: str, version_starts: list[int]) -> No
             axis.set_yscale("log")  # losses fall by orders of magnitude; the late epochs stay readable
         axis.grid(alpha=0.3)
         axis.legend(loc="best", fontsize="small")
-    axes[-1, 0].set_xlabel("step (optimizer steps; dotted: a resumed version starts)")
+    resumed = "; dotted: a resumed version starts" if version_starts else ""
+    axes[-1, 0].set_xlabel(f"step (optimizer steps{resumed})")
     starts = epoch_starts(series)
     if starts:
         shown = sorted(starts)[:: max(1, len(starts) // 12)]  # at most about a dozen epoch ticks

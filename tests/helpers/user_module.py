@@ -12,17 +12,21 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class TwoLayerRegressor(L.LightningModule):
-    """Layers as direct attributes, so its state_dict keys are `hidden.*` and `output.*`."""
+    """Layers as direct attributes, so its state_dict keys are `hidden.*` and `output.*`.
+
+    The dropout makes a forward pass in training mode random: an export must be in eval mode.
+    """
 
     def __init__(self, in_features: int = 6, hidden: int = 16, lr: float = 0.05) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.hidden = nn.Linear(in_features, hidden)
+        self.dropout = nn.Dropout(0.2)
         self.output = nn.Linear(hidden, 1)
         self.lr = lr
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(torch.tanh(self.hidden(x)))
+        return self.output(self.dropout(torch.tanh(self.hidden(x))))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
