@@ -1,5 +1,5 @@
-"""Callbacks every `ddp-app` run gets: exact resume of random state, a guard against NaN/Inf, and
-the writer of `ddp-app predict`'s output."""
+"""Callbacks every `ddp-app` run gets: exact resume of random state, a guard against NaN/Inf, the
+writer of `ddp-app predict`'s output, and the progress display (a bar on a terminal, lines in a log)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import BasePredictionWriter, TQDMProgressBar
+from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar, TQDMProgressBar
 
 from app.checkpoints import atomic_torch_save
 from app.errors import NonFiniteLossError
@@ -175,3 +175,111 @@ class ThrottledProgressBar(TQDMProgressBar):
             return
         self._last_redraw = now
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+def batches_done_this_epoch(trainer: L.Trainer) -> int:
+    """Training batches this rank has run in the current epoch (restored on a resume)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+class LogLineProgressBar(ProgressBar):
+    """Progress for a log file, not a terminal: one line per epoch, and during an epoch at most one
+    every `interval_s` seconds, e.g.
+
+        epoch=3 step=80 batch=20/20 samples/s=5120 train_loss=0.2311 val_loss=0.2050 val_acc=0.9630
+
+    tqdm's bar writes a carriage-return redraw several times a second, which in an sbatch log, CI or
+    `| tee` is one unreadable multi-megabyte line. The values are the progress-bar metrics (what
+    `self.log(..., prog_bar=True)` shows in the bar), samples/s is over all ranks since the previous
+    line. Per step this costs one clock read and a comparison: no collective, no formatting.
+    Global rank 0 prints; Lightning disables the bar on the other ranks.
+    """
+
+    def __init__(self, interval_s: float = 30.0) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._enabled = True
+        self._next_line_at = math.inf
+        # (time, batches of this epoch done on this rank) at the previous line; None: read at the next batch.
+        self._window: tuple[float, int] | None = None
+        # Seconds of validation inside the window: samples/s is a training speed.
+        self._validation_s = 0.0
+        self._validation_start = 0.0
+
+    def disable(self) -> None:
+        self._enabled = False
+        self._next_line_at = math.inf
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A resume in the middle of an epoch starts without on_train_epoch_start: the window then
+        # opens at the first batch, which the -inf deadline sends to `_due` without printing.
+        self._window = None
+        self._validation_s = 0.0  # the sanity check's validation ran before training
+        self._next_line_at = -math.inf if self._enabled else math.inf
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        now = time.monotonic()
+        self._window = (now, 0)
+        self._validation_s = 0.0
+        if self._enabled:
+            self._next_line_at = now + self.interval_s
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if time.monotonic() >= self._next_line_at:
+            self._due(trainer, pl_module)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._validation_start = time.monotonic()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._validation_s += time.monotonic() - self._validation_start
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Validation has run by now, so the line carries this epoch's val_* values.
+        if self._enabled:
+            self._print_line(trainer, pl_module)
+
+    def _due(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._window is None:
+            self._window = (time.monotonic(), batches_done_this_epoch(trainer))
+            self._validation_s = 0.0
+            self._next_line_at = self._window[0] + self.interval_s
+            return
+        self._print_line(trainer, pl_module)
+
+    def _print_line(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        now = time.monotonic()
+        batches = batches_done_this_epoch(trainer)
+        total = self.total_train_batches
+        fields = [f"epoch={trainer.current_epoch}", f"step={trainer.global_step}"]
+        fields.append(f"batch={batches}/{total if math.isfinite(total) else '?'}")
+        training_s = now - self._window[0] - self._validation_s if self._window is not None else 0.0
+        if self._window is not None and training_s > 0:
+            samples = self._samples_until(trainer, batches) - self._samples_until(trainer, self._window[1])
+            fields.append(f"samples/s={samples / training_s:.0f}")
+        for name, value in self.get_metrics(trainer, pl_module).items():
+            if name != "v_num":
+                fields.append(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}")
+        print(" ".join(fields), flush=True)
+        self._window = (now, batches)
+        self._validation_s = 0.0
+        self._next_line_at = now + self.interval_s
+
+    def _samples_until(self, trainer: L.Trainer, batches: int) -> float:
+        """Samples in the first `batches` batches of this epoch, over all ranks.
+
+        Every rank has the same number of samples per epoch (the training sampler pads), and only the
+        last batch of an epoch may be short.
+        """
+        loader = trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None) or 1  # 1 without a batch size: batches/s
+        try:
+            per_rank = len(loader.sampler)  # type: ignore[union-attr]
+        except (AttributeError, TypeError):
+            per_rank = math.inf
+        return min(batches * batch_size, per_rank) * trainer.world_size

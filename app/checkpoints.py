@@ -16,9 +16,10 @@ import pickle
 import tempfile
 import urllib.request
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -31,13 +32,14 @@ class CheckpointError(UserFacingError):
     """A checkpoint that is missing, truncated, unsafe or for another model; one line says which."""
 
 
-def atomic_torch_save(obj: Any, path: str | Path) -> None:
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call `write(file)` on a temporary file beside `path`, fsync it and rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(descriptor, "wb") as file:
-            torch.save(obj, file)
+            write(file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
@@ -49,6 +51,10 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         os.fsync(directory)  # make the rename itself durable
     finally:
         os.close(directory)
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    atomic_write(path, lambda file: torch.save(obj, file))
 
 
 def remove_stale_temporaries(path: Path) -> None:
@@ -234,8 +240,20 @@ def load_net_weights(net: nn.Module, state: dict[str, torch.Tensor], source: str
     net.load_state_dict(state)
 
 
-def export_net(ckpt_path: str | Path, out_path: str | Path) -> dict[str, torch.Tensor]:
-    """Write the bare `nn.Module` state_dict from a Lightning checkpoint; loadable with weights_only=True."""
-    state = net_state_dict(safe_load(ckpt_path))
+def exportable_state_dict(checkpoint: dict[str, Any], source: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """What `python -m app.export` writes: the bare network (`net.*` keys without the prefix) when the
+    LightningModule has a `net`, else the module's own weights, exactly as in the checkpoint."""
+    state = net_state_dict(checkpoint) or checkpoint["state_dict"]
+    if not state:
+        raise CheckpointError(
+            f"{source} holds no weights to export (its 'state_dict' is empty). "
+            "Fix: export a checkpoint written by a run that trained a model with parameters."
+        )
+    return state
+
+
+def export_state_dict(ckpt_path: str | Path, out_path: str | Path) -> dict[str, torch.Tensor]:
+    """Write the exportable state_dict of a Lightning checkpoint; it loads with weights_only=True."""
+    state = exportable_state_dict(safe_load(ckpt_path), str(ckpt_path))
     atomic_torch_save(state, out_path)
     return state

@@ -33,7 +33,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 
 import app.data  # noqa: F401  (registers the DataModules for short `class_path` names)
 import app.models  # noqa: F401  (registers the LightningModules)
-from app.callbacks import ExactResume, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
+from app.callbacks import ExactResume, LogLineProgressBar, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
 from app.checkpoints import (
     CheckpointSummary,
     SafeCheckpointIO,
@@ -345,7 +345,9 @@ class DDPAppCLI(LightningCLI):
             trainer.callbacks.append(PredictionWriter())
         bar = trainer.progress_bar_callback
         if type(bar) is TQDMProgressBar and bar.refresh_rate == 1:  # the Trainer's default: redraws every step
-            trainer.callbacks[trainer.callbacks.index(bar)] = ThrottledProgressBar()
+            # Not a terminal (sbatch log, CI, `| tee`): tqdm's carriage-return redraws are unreadable there.
+            replacement = ThrottledProgressBar() if sys.stdout.isatty() else LogLineProgressBar()
+            trainer.callbacks[trainer.callbacks.index(bar)] = replacement
         for callback in trainer.checkpoint_callbacks:
             # A fixed directory (not inside the versioned log dir) lets `--ckpt_path last` find the
             # previous run's last.ckpt after a crash or a requeue.

@@ -10,12 +10,18 @@ import torch
 from sklearn.datasets import load_digits
 
 from app.models import MLPClassifier
+from tests.helpers.isolated import predict_in_isolation
 from tests.helpers.run import REPO, run, train
 
 
+@pytest.fixture(scope="module")
+def last(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default job, trained on 2 ranks for 5 epochs; its last.ckpt."""
+    return train("configs/digits.yaml", tmp_path_factory.mktemp("digits"), epochs=5)
+
+
 @pytest.mark.distributed
-def test_exported_model_classifies_like_the_trained_model(tmp_path: Path) -> None:
-    last = train("configs/digits.yaml", tmp_path, epochs=5)
+def test_exported_model_classifies_like_the_trained_model(last: Path, tmp_path: Path) -> None:
     exported = run([sys.executable, "-m", "app.export", "--ckpt", str(last), "--out", str(tmp_path / "model.pt")])
     assert exported.returncode == 0, exported.stderr
     plain = run(
@@ -39,6 +45,25 @@ def test_exported_model_classifies_like_the_trained_model(tmp_path: Path) -> Non
     accuracy = float(plain.stdout.split()[1])
     assert accuracy == pytest.approx((model_predictions == torch.tensor(labels)).float().mean().item())
     assert accuracy > 0.9
+
+
+@pytest.mark.distributed
+def test_exported_program_of_the_digits_mlp_runs_without_the_project(last: Path, tmp_path: Path) -> None:
+    # No --config: the model comes from the checkpoint's hyperparameters, the data from the
+    # config.yaml that LightningCLI wrote into the run's log directory.
+    out = tmp_path / "digits.pt2"
+    exported = run(
+        [sys.executable, "-m", "app.export", "--ckpt", str(last), "--out", str(out), "--format", "exported-program"]
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert "config.yaml" in exported.stdout, exported.stdout
+    model = MLPClassifier.load_from_checkpoint(last, map_location="cpu", weights_only=True).eval()
+    images = torch.tensor(load_digits(return_X_y=True)[0] / 16.0, dtype=torch.float32)
+    with torch.no_grad():
+        expected = model(images)
+    predicted = predict_in_isolation(out, images, tmp_path / "plain")
+    torch.testing.assert_close(predicted, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(predicted.argmax(dim=1), expected.argmax(dim=1))
 
 
 def test_export_of_a_missing_checkpoint_is_one_line(tmp_path: Path) -> None:

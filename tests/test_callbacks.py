@@ -1,0 +1,52 @@
+"""The progress display when stdout is not a terminal: compact lines, not tqdm's carriage returns."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from app.callbacks import LogLineProgressBar
+from tests.helpers.run import ddp_app
+from tests.helpers.user_module import SeededRegressionData, TwoLayerRegressor
+
+
+def fit_user_module(tmp_path: Path, bar: LogLineProgressBar, epochs: int) -> None:
+    trainer = L.Trainer(
+        devices=1, accelerator="cpu", max_epochs=epochs, default_root_dir=tmp_path, logger=False,
+        enable_checkpointing=False, enable_model_summary=False, callbacks=[bar], log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(TwoLayerRegressor(), datamodule=SeededRegressionData(samples=64, batch_size=8))
+
+
+def test_one_line_per_epoch_with_the_default_interval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fit_user_module(tmp_path, LogLineProgressBar(), epochs=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in lines] == [
+        ["epoch=0", "step=8", "batch=8/8"],
+        ["epoch=1", "step=16", "batch=8/8"],
+    ]
+    assert all(re.search(r" samples/s=\d+ train_loss=\d", line) for line in lines), lines
+
+
+def test_lines_during_the_epoch_at_most_every_interval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # interval 0: a line after every batch, then the epoch's own line (with the same values).
+    fit_user_module(tmp_path, LogLineProgressBar(interval_s=0), epochs=1)
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    assert [line.split()[2] for line in out.splitlines()] == [f"batch={n}/8" for n in range(1, 9)] + ["batch=8/8"]
+
+
+@pytest.mark.distributed
+def test_a_two_rank_fit_into_a_pipe_prints_one_line_per_epoch(tmp_path: Path) -> None:
+    result = ddp_app(
+        "fit", "--config", "configs/digits.yaml", "--trainer.max_epochs=2", f"--trainer.default_root_dir={tmp_path}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "\r" not in result.stdout and "\r" not in result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("epoch=")]
+    assert [line.split()[:2] for line in lines] == [["epoch=0", "step=20"], ["epoch=1", "step=40"]], result.stdout
+    for line in lines:
+        assert re.search(r" samples/s=\d+ ", line) and re.search(r" val_acc=0\.\d+", line), line
