@@ -38,8 +38,11 @@ from app.cluster.launch import describe_exit
 from app.cluster.preemption import Stopped
 from app.cluster.preflight import Launch, describe_launch, lightning_uses_slurm, preflight
 from app.cluster.threads import configure_cpu_threads
+from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
+from app.models.sync_check import warn_on_per_rank_means
+from app.user_code import add_user_code_directories
 
 # Trainers this process built: on an error, the rank processes their launchers started are stopped.
 STARTED_TRAINERS: list[Trainer] = []
@@ -186,6 +189,10 @@ class DDPAppCLI(LightningCLI):
     boundaries, a bounded collective timeout, and the config saved next to the logs."""
 
     def __init__(self, **kwargs: Any) -> None:
+        # Before parsing: a user's `class_path: mymodels.MyNet` imports from the current directory
+        # or beside the config, on every rank (app/user_code.py has the rule).
+        args = kwargs.get("args")
+        add_user_code_directories(args if isinstance(args, list) else None)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", OneLineErrorParser)
         kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard()]})
@@ -269,14 +276,18 @@ class DDPAppCLI(LightningCLI):
                 callback.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         return trainer
 
-    def _resolve_last_checkpoint(self) -> None:
+    def _before_run(self) -> None:
         """`--ckpt_path last`: our last.ckpt (Lightning only looks in ModelCheckpoint directories);
-        none yet means a first run, which starts fresh without a warning."""
+        none yet means a first run, which starts fresh without a warning. Any DataModule's loaders
+        get our samplers (exact evaluation, exact mid-epoch resume), and per-rank means logged
+        during evaluation are reported once."""
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") == "last":
             config["ckpt_path"] = find_last_checkpoint(self.trainer)
+        shard_all_loaders(self.trainer, self.datamodule, self.model)
+        warn_on_per_rank_means(self.trainer, self.model)
 
-    before_fit = before_validate = before_test = before_predict = _resolve_last_checkpoint
+    before_fit = before_validate = before_test = before_predict = _before_run
 
 
 # Lightning's launcher starts ranks >= 1 as children of rank 0: if this parent goes, rank 0 died.
