@@ -44,8 +44,9 @@ LOADER_METHODS = {
     "test_dataloader": False,
     "predict_dataloader": False,
 }
-# Marks a method already wrapped, so a second fit/validate on the same objects does not wrap it twice.
-WRAPPED = "_ddp_app_shards_loaders"
+# The attribute of a wrapped method that holds the Trainer of the current run: a later run on the
+# same objects updates it instead of wrapping the method twice.
+WRAPPED = "_ddp_app_shards_loaders_for"
 
 
 def is_plain_loader(loader: Any) -> bool:
@@ -105,12 +106,12 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
     )
 
 
-def _resharding(method: Callable[[], Any], trainer: L.Trainer, training: bool) -> Callable[[], Any]:
+def _resharding(method: Callable[[], Any], run: dict[str, Any], training: bool) -> Callable[[], Any]:
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return reshard(method(*args, **kwargs), trainer, training)
+        return reshard(method(*args, **kwargs), run["trainer"], training)
 
-    setattr(wrapper, WRAPPED, True)
+    setattr(wrapper, WRAPPED, run)
     return wrapper
 
 
@@ -121,5 +122,8 @@ def shard_all_loaders(trainer: L.Trainer, *sources: L.LightningDataModule | L.Li
             continue
         for name, training in LOADER_METHODS.items():
             method = getattr(source, name)
-            if not getattr(method, WRAPPED, False):
-                setattr(source, name, _resharding(method, trainer, training))
+            run = getattr(method, WRAPPED, None)
+            if run is not None:
+                run["trainer"] = trainer
+            else:
+                setattr(source, name, _resharding(method, {"trainer": trainer}, training))

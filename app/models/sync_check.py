@@ -20,7 +20,8 @@ import lightning as L
 import torch
 from torchmetrics import Metric
 
-WRAPPED = "_ddp_app_checks_sync_dist"
+# The attribute of a wrapped `log` that holds the current run's Trainer (a later run updates it).
+WRAPPED = "_ddp_app_checks_sync_dist_for"
 
 
 def per_rank_mean_warning(module_name: str, metric_name: str) -> str:
@@ -35,25 +36,24 @@ def per_rank_mean_warning(module_name: str, metric_name: str) -> str:
 def warn_on_per_rank_means(trainer: L.Trainer, module: L.LightningModule) -> None:
     """Make `module.log` print `per_rank_mean_warning` once (on global rank 0) when it applies."""
     log: Callable[..., Any] = module.log
-    if getattr(log, WRAPPED, False):
+    run = getattr(log, WRAPPED, None)
+    if run is not None:
+        run["trainer"] = trainer
         return
+    run = {"trainer": trainer}
     warned: list[str] = []
 
     @functools.wraps(log)
     def checked_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         # sync_dist first: the other conditions are only read for the few calls that set it.
-        if (
-            kwargs.get("sync_dist")
-            and not warned
-            and not trainer.training
-            and trainer.world_size > 1
-            and kwargs.get("reduce_fx", "mean") in ("mean", torch.mean)
-            and not isinstance(value, Metric)
-        ):
-            warned.append(name)
-            if trainer.is_global_zero:
-                print(per_rank_mean_warning(type(module).__name__, name), file=sys.stderr, flush=True)
+        if kwargs.get("sync_dist") and not warned:
+            trainer = run["trainer"]
+            per_rank_mean = kwargs.get("reduce_fx", "mean") in ("mean", torch.mean) and not isinstance(value, Metric)
+            if per_rank_mean and not trainer.training and trainer.world_size > 1:
+                warned.append(name)
+                if trainer.is_global_zero:
+                    print(per_rank_mean_warning(type(module).__name__, name), file=sys.stderr, flush=True)
         return log(name, value, *args, **kwargs)
 
-    setattr(checked_log, WRAPPED, True)
+    setattr(checked_log, WRAPPED, run)
     module.log = checked_log  # type: ignore[method-assign]
