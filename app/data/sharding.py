@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from app.data.base import ResumableDataLoader
@@ -71,14 +72,19 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
     if not is_plain_loader(loader):
         return loader
     world_size, rank = trainer.world_size, trainer.global_rank
+    generator = loader.generator
     if training:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        # A generator of its own: creating the epoch's iterator draws a seed from it, not from the
+        # global generator. Otherwise that draw falls between an epoch-end checkpoint and the next
+        # step in an uninterrupted run but before the RNG restore in a resumed one (dropout differs).
+        generator = generator or torch.Generator().manual_seed(seed)
         sampler = ResumableDistributedSampler(
             loader.dataset,
             world_size,
             rank,
             shuffle=type(loader.sampler) is RandomSampler,
-            # The seed Lightning's own sampler would use: seed_everything's.
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            seed=seed,  # the seed Lightning's own sampler would use: seed_everything's
             batch_size=loader.batch_size,
             position=lambda: training_position(trainer),
         )
@@ -97,7 +103,7 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
+        generator=generator,
         prefetch_factor=loader.prefetch_factor,
         persistent_workers=loader.persistent_workers,
         pin_memory_device=loader.pin_memory_device,

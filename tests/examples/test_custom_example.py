@@ -60,7 +60,7 @@ def printed_metrics(output: str) -> dict[str, str]:
 
 
 def test_validation_metrics_are_identical_at_1_2_and_3_ranks(baseline, tmp_path: Path) -> None:
-    """203 samples: Lightning's padded sampler would count 1 (2 ranks) or 1 (3 ranks) sample twice."""
+    """203 samples: Lightning's padded sampler would count 1 sample twice at 2 ranks, 1 at 3 ranks."""
     _, checkpoints = baseline
     checkpoint = checkpoints / "step-step=45.ckpt"
     # 1 rank from inside the example's directory, with its local paths, as a user who copied it runs it.
@@ -71,7 +71,11 @@ def test_validation_metrics_are_identical_at_1_2_and_3_ranks(baseline, tmp_path:
     for ranks in (2, 3):
         result = validate(ranks, checkpoint, tmp_path / str(ranks))
         assert result.returncode == 0, result.stderr[-3000:]
-        assert printed_metrics(result.stdout) == expected, f"{ranks} ranks: {result.stdout[-2000:]}"
+        metrics = printed_metrics(result.stdout)
+        # Accuracy is a ratio of summed integer counts: exact. The loss is a sum of floats whose
+        # order depends on the sharding (per-rank sums, then the all-reduce): equal to float32 rounding.
+        assert metrics["val_acc"] == expected["val_acc"], f"{ranks} ranks: {result.stdout[-2000:]}"
+        assert float(metrics["val_loss"]) == pytest.approx(float(expected["val_loss"]), rel=1e-6, abs=0)
 
 
 def test_a_per_rank_mean_logged_with_sync_dist_is_reported_once(baseline, tmp_path: Path) -> None:
@@ -85,10 +89,14 @@ def test_a_per_rank_mean_logged_with_sync_dist_is_reported_once(baseline, tmp_pa
     assert len(warnings) == 1 and "'val_loss_mean'" in warnings[0], result.stderr[-3000:]
 
 
-def test_resume_from_the_middle_of_an_epoch_is_bit_exact(baseline, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "checkpoint", ["step-step=45.ckpt", "epoch-epoch=3.ckpt"], ids=["epoch2-after-batch13", "end-of-epoch3"]
+)
+def test_resume_is_bit_exact(baseline, checkpoint: str, tmp_path: Path) -> None:
+    """Mid-epoch: the sampler skips the batches done. Epoch end: the model has dropout, and the
+    next epoch's iterator must not draw from the generator whose state the checkpoint holds."""
     extra, checkpoints = baseline
-    middle = checkpoints / "step-step=45.ckpt"  # epoch 2, after its 13th of 16 batches
-    result = fit(extra, tmp_path, f"--ckpt_path={middle}")
+    result = fit(extra, tmp_path, f"--ckpt_path={checkpoints / checkpoint}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "not resumable" not in result.stderr
     assert_same_weights(checkpoints / FINAL, tmp_path / "checkpoints" / FINAL)
