@@ -62,7 +62,10 @@ def parse_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
         ),
         (["--model", "app.model.MLPClassifier"], "app has no module model. Did you mean app.models.MLPClassifier?"),
         (["--model", "MLPClasifier"], "Did you mean app.models.MLPClassifier?"),
-        (["--model", "mymodels.MyNet"], "cannot import mymodels.MyNet: no module named 'mymodels' (looked in "),
+        (
+            ["--model", "theirmodels.MyNet"],
+            "cannot import theirmodels.MyNet: no module named 'theirmodels' (looked in ",
+        ),
         (["--data", "torch.utils.data.TensorDataset"], "torch.utils.data.TensorDataset is not a LightningDataModule"),
         (["--model", "torch.nn.Linear"], "torch.nn.Linear is not a LightningModule"),
     ],
