@@ -57,8 +57,11 @@ from app.cluster.preflight import (
     visible_gpus,
 )
 from app.cluster.threads import configure_cpu_threads
+from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
+from app.models.sync_check import warn_on_per_rank_means
+from app.user_code import add_user_code_directories
 
 # Lightning's default collective timeout is 30 minutes: a dead peer then hangs the others that long.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
@@ -225,6 +228,10 @@ class DDPAppCLI(LightningCLI):
         self.check_machine = check_machine
         self.command_line: list[str] = []
         self.checkpoint: CheckpointSummary | None = None  # the --ckpt_path file, when it is one
+        # Before parsing: a user's `class_path: mymodels.MyNet` imports from the current directory
+        # or beside the config, on every rank (app/user_code.py has the rule).
+        args = kwargs.get("args")
+        add_user_code_directories(args if isinstance(args, list) else None)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", OneLineErrorParser)
         kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard()]})
@@ -355,17 +362,21 @@ class DDPAppCLI(LightningCLI):
                 callback.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         return trainer
 
-    def _resolve_last_checkpoint(self) -> None:
+    def _before_run(self) -> None:
         """`--ckpt_path last`: our last.ckpt (Lightning only looks in ModelCheckpoint directories);
-        none yet means a first run, which starts fresh without a warning."""
+        none yet means a first run, which starts fresh (one line says which). Any DataModule's loaders
+        get our samplers (exact evaluation, exact mid-epoch resume), and per-rank means logged
+        during evaluation are reported once."""
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") == "last":
             config["ckpt_path"] = find_last_checkpoint(self.trainer)
             if self.trainer.is_global_zero:  # a restarted or requeued job says where it picks up
                 found = f"resuming from {config['ckpt_path']}" if config["ckpt_path"] else "none yet, starting fresh"
                 print(f"ddp-app: --ckpt_path last: {found}", flush=True)
+        shard_all_loaders(self.trainer, self.datamodule, self.model)
+        warn_on_per_rank_means(self.trainer, self.model)
 
-    before_fit = before_validate = before_test = before_predict = _resolve_last_checkpoint
+    before_fit = before_validate = before_test = before_predict = _before_run
 
 
 class ConfigParsed(Exception):  # noqa: N818 (control flow, not an error)

@@ -34,6 +34,9 @@ def summarize_parser_error(message: str) -> str:
     if path and given and expected and "Namespace(" not in given.group(1):
         wanted = " or ".join(dict.fromkeys(expected))
         return f"invalid value {given.group(1).strip()!r} for {path}: expected {wanted}."
+    class_path_error = _class_path_error(path, message)
+    if class_path_error:
+        return class_path_error
     not_accepted = re.search(r"Option '([^']+)' is not accepted", message)
     if not_accepted and path:
         return (
@@ -55,6 +58,28 @@ def summarize_parser_error(message: str) -> str:
     if reasons:
         return reasons[0] if not path or path in reasons[0] else f"{path}: {reasons[0]}"
     return " ".join(message.split())
+
+
+def _class_path_error(path: str | None, message: str) -> str | None:
+    """A `class_path` that did not import, names no class, or names a class of the wrong kind."""
+    given = re.search(r"Given value: (\S+)", message)
+    problem = re.search(r"Problem with given class_path '([^']+)':\s*\n\s*(.+)", message)
+    bare_name = re.search(r"Expected a dot import path string: (\S+)", message)
+    wrong_kind = "Import path does not correspond to a subclass" in message
+    if not path or not (problem or bare_name or (wrong_kind and given)):
+        return None
+    from app.user_code import explain_class_path_error
+
+    subtypes = re.search(r"Subtypes: \[<class '([^']+)'>", message)
+    base = subtypes.group(1) if subtypes else None
+    if base and base.startswith("lightning.pytorch.core."):
+        base = "lightning.pytorch." + base.rpartition(".")[2]
+    if problem:
+        return explain_class_path_error(path, problem.group(1), problem.group(2), base)
+    if bare_name:
+        return explain_class_path_error(path, bare_name.group(1), bare_name.group(0), base)
+    reason = next(line.strip() for line in message.splitlines() if "does not correspond to a subclass" in line)
+    return explain_class_path_error(path, given.group(1), reason, base)
 
 
 # What gloo (and NCCL's TCP store) report when a peer process disappears mid-collective.

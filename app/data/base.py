@@ -6,7 +6,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from app.data.samplers import UnpaddedDistributedSampler, train_sampler
+from app.data.samplers import UnpaddedDistributedSampler, train_sampler, training_position
 from app.errors import UserFacingError
 
 
@@ -103,15 +103,7 @@ class ShardedDataModule(L.LightningDataModule):
         )
 
     def _training_position(self) -> tuple[int, int]:
-        """(epoch, batches already trained in it), read from the Trainer's restored loop state.
-
-        Lightning calls `set_epoch` with the same epoch number. The batch count is read when the
-        epoch's iteration starts: 0 for a fresh epoch, k when resuming after the k-th step of it.
-        `processed` (not `completed`) counts a batch whose step is in a checkpoint written from
-        `on_train_batch_end`, before Lightning marks that batch completed.
-        """
-        fit_loop = self.trainer.fit_loop
-        return fit_loop.epoch_progress.current.processed, fit_loop.epoch_loop.batch_progress.current.processed
+        return training_position(self.trainer)
 
     def train_dataloader(self) -> DataLoader:
         world_size, rank = self._world()

@@ -9,6 +9,7 @@ samples so that it divides evenly, and those duplicates would be counted twice i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sized
+from typing import Any
 
 from torch.utils.data import DistributedSampler
 
@@ -42,6 +43,18 @@ class UnpaddedDistributedSampler(DistributedSampler):
 
 # (epoch, batches of that epoch already trained) at the moment an epoch's iteration starts.
 TrainingPosition = Callable[[], tuple[int, int]]
+
+
+def training_position(trainer: Any) -> tuple[int, int]:
+    """(epoch, batches already trained in it), read from a Lightning Trainer's restored loop state.
+
+    Lightning calls `set_epoch` with the same epoch number. The batch count is read when the
+    epoch's iteration starts: 0 for a fresh epoch, k when resuming after the k-th step of it.
+    `processed` (not `completed`) counts a batch whose step is in a checkpoint written from
+    `on_train_batch_end`, before Lightning marks that batch completed.
+    """
+    fit_loop = trainer.fit_loop
+    return fit_loop.epoch_progress.current.processed, fit_loop.epoch_loop.batch_progress.current.processed
 
 
 class ResumableDistributedSampler(DistributedSampler):

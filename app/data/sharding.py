@@ -1,0 +1,135 @@
+"""Our samplers for every DataModule, not only ours: exact evaluation and exact mid-epoch resume.
+
+Lightning gives a plain `DataLoader` (shuffle=True/False, no sampler of its own) a padded
+`DistributedSampler` under DDP: evaluation counts the repeated samples twice, and a resumed
+epoch starts over from its first batch. `ddp-app` instead wraps the `*_dataloader` methods of the
+run's DataModule (and LightningModule) so that each plain loader they return is rebuilt, from its
+public attributes, with
+
+- training: `ResumableDistributedSampler` (shuffled with `seed_everything`'s seed as Lightning's
+  would be, positioned from the Trainer's restored loop counters), in a `ResumableDataLoader`;
+- validation, test, predict: `UnpaddedDistributedSampler` (each sample on exactly one rank).
+
+Left as returned (Lightning's own handling then applies): loaders whose sampler is already a
+`DistributedSampler` (our `ShardedDataModule`'s, or the user's own sharding), a sampler or batch
+sampler the user set (`DataLoader(sampler=...)`: Lightning wraps it in its `DistributedSamplerWrapper`),
+DataLoader subclasses, iterable datasets and anything that is not a DataLoader.
+
+Why wrap the methods rather than set `use_distributed_sampler=False` or add a Callback: Lightning
+has no public hook that may replace a loader (its own replacement is the private
+`_DataConnector._prepare_dataloader`), and a Callback costs hook dispatch at every training step.
+Lightning fetches loaders with `getattr(datamodule, "val_dataloader")()`, which finds the wrapper on
+the instance; `functools.wraps` keeps `is_overridden` answering as for the unwrapped method.
+No private API is used; `tests/data/test_user_loaders.py` fails loudly if Lightning stops fetching
+loaders through the instance (the samplers it iterates would no longer be ours).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from app.data.base import ResumableDataLoader
+from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler, training_position
+
+# The methods Lightning calls for loaders, and whether they train.
+LOADER_METHODS = {
+    "train_dataloader": True,
+    "val_dataloader": False,
+    "test_dataloader": False,
+    "predict_dataloader": False,
+}
+# The attribute of a wrapped method that holds the Trainer of the current run: a later run on the
+# same objects updates it instead of wrapping the method twice.
+WRAPPED = "_ddp_app_shards_loaders_for"
+
+
+def is_plain_loader(loader: Any) -> bool:
+    """A `DataLoader` whose samplers are the ones DataLoader picks itself from `shuffle=`."""
+    if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset):
+        return False
+    if loader.batch_sampler is None or type(loader.batch_sampler) is not BatchSampler:
+        return False
+    sampler = loader.sampler
+    if type(sampler) is RandomSampler:
+        # replacement or a sample count of its own is a sampling scheme of the user's: keep it.
+        return not sampler.replacement and sampler.num_samples == len(loader.dataset)
+    return type(sampler) is SequentialSampler
+
+
+def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
+    """The loader with our sampler for this rank if it is a plain one (also inside lists and dicts)."""
+    if isinstance(loader, (list, tuple)):
+        return type(loader)(reshard(item, trainer, training) for item in loader)
+    if isinstance(loader, dict):
+        return {key: reshard(item, trainer, training) for key, item in loader.items()}
+    if not is_plain_loader(loader):
+        return loader
+    world_size, rank = trainer.world_size, trainer.global_rank
+    generator = loader.generator
+    if training:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        # A generator of its own: creating the epoch's iterator draws a seed from it, not from the
+        # global generator. Otherwise that draw falls between an epoch-end checkpoint and the next
+        # step in an uninterrupted run but before the RNG restore in a resumed one (dropout differs).
+        generator = generator or torch.Generator().manual_seed(seed)
+        sampler = ResumableDistributedSampler(
+            loader.dataset,
+            world_size,
+            rank,
+            shuffle=type(loader.sampler) is RandomSampler,
+            seed=seed,  # the seed Lightning's own sampler would use: seed_everything's
+            batch_size=loader.batch_size,
+            position=lambda: training_position(trainer),
+        )
+        loader_class: type[DataLoader] = ResumableDataLoader
+    else:
+        sampler = UnpaddedDistributedSampler(loader.dataset, world_size, rank)
+        loader_class = DataLoader
+    return loader_class(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+        # DataLoader(in_order=...) exists from torch 2.6 on.
+        **({"in_order": loader.in_order} if hasattr(loader, "in_order") else {}),
+    )
+
+
+def _resharding(method: Callable[[], Any], run: dict[str, Any], training: bool) -> Callable[[], Any]:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return reshard(method(*args, **kwargs), run["trainer"], training)
+
+    setattr(wrapper, WRAPPED, run)
+    return wrapper
+
+
+def shard_all_loaders(trainer: L.Trainer, *sources: L.LightningDataModule | L.LightningModule | None) -> None:
+    """Wrap the `*_dataloader` methods of the DataModule and LightningModule of a run (before it starts)."""
+    for source in sources:
+        if source is None:
+            continue
+        for name, training in LOADER_METHODS.items():
+            method = getattr(source, name)
+            run = getattr(method, WRAPPED, None)
+            if run is not None:
+                run["trainer"] = trainer
+            else:
+                setattr(source, name, _resharding(method, {"trainer": trainer}, training))

@@ -1,0 +1,124 @@
+"""The guarantees on code we did not write: examples/custom's plain LightningModule and DataModule.
+
+Exact evaluation at 1, 2 and 3 ranks, exact mid-epoch resume, one last.ckpt, preemption.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from app.checkpoints import safe_load
+from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
+from tests.fault.test_resume import assert_same_weights, group_is_gone, overlay, start_fit, wait_for_step
+from tests.helpers.run import REPO, clean_env, ddp_app, kill_job
+
+pytestmark = [pytest.mark.distributed, pytest.mark.fault]
+
+CONFIG = "examples/custom/config.yaml"
+EPOCHS = 24  # 16 steps per epoch at 2 ranks: 384 steps, long enough to preempt mid-run
+FINAL = f"epoch-epoch={EPOCHS - 1}.ckpt"
+
+
+def fit(extra: Path, root: Path, *args: str):
+    return ddp_app(
+        "fit", "--config", CONFIG, "--config", str(extra), f"--trainer.default_root_dir={root}", *args, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Uninterrupted, 2 ranks: a checkpoint every 5 steps (mid-epoch), at every epoch end, and last.ckpt."""
+    root = tmp_path_factory.mktemp("custom")
+    extra = overlay(root, epochs=EPOCHS, every=5)
+    result = fit(extra, root / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sync_dist" not in result.stderr  # the example logs torchmetrics objects: no warning
+    return extra, root / "run" / "checkpoints"
+
+
+def test_one_last_checkpoint(baseline) -> None:
+    _, checkpoints = baseline
+    assert [path.name for path in checkpoints.glob("last*.ckpt")] == ["last.ckpt"]
+    assert safe_load(checkpoints / "last.ckpt")["global_step"] == EPOCHS * 16
+
+
+def validate(ranks: int, checkpoint: Path, root: Path, cwd: Path = REPO, config: str = CONFIG, *args: str):
+    env = clean_env(DDP_APP_ALLOW_OVERSUBSCRIBE="1")
+    return ddp_app(
+        "validate", "--config", config, f"--trainer.devices={ranks}", f"--trainer.default_root_dir={root}",
+        "--trainer.enable_progress_bar=false", f"--ckpt_path={checkpoint}", *args, cwd=cwd, env=env, timeout=300,
+    )  # fmt: skip
+
+
+def printed_metrics(output: str) -> dict[str, str]:
+    return dict(re.findall(r"(val_\w+)\s+([-\d.e]+)", output))
+
+
+def test_validation_metrics_are_identical_at_1_2_and_3_ranks(baseline, tmp_path: Path) -> None:
+    """203 samples: Lightning's padded sampler would count 1 sample twice at 2 ranks, 1 at 3 ranks."""
+    _, checkpoints = baseline
+    checkpoint = checkpoints / "step-step=45.ckpt"
+    # 1 rank from inside the example's directory, with its local paths, as a user who copied it runs it.
+    one = validate(1, checkpoint, tmp_path / "1", REPO / "examples" / "custom", "config.yaml")
+    assert one.returncode == 0, one.stderr[-3000:]
+    expected = printed_metrics(one.stdout)
+    assert set(expected) == {"val_acc", "val_loss"}, one.stdout[-2000:]
+    for ranks in (2, 3):
+        result = validate(ranks, checkpoint, tmp_path / str(ranks))
+        assert result.returncode == 0, result.stderr[-3000:]
+        metrics = printed_metrics(result.stdout)
+        # Accuracy is a ratio of summed integer counts: exact. The loss is a sum of floats whose
+        # order depends on the sharding (per-rank sums, then the all-reduce): equal to float32 rounding.
+        assert metrics["val_acc"] == expected["val_acc"], f"{ranks} ranks: {result.stdout[-2000:]}"
+        assert float(metrics["val_loss"]) == pytest.approx(float(expected["val_loss"]), rel=1e-6, abs=0)
+
+
+def test_a_per_rank_mean_logged_with_sync_dist_is_reported_once(baseline, tmp_path: Path) -> None:
+    env = clean_env()
+    result = ddp_app(
+        "validate", "--config", CONFIG, "--model=tests.helpers.user_modules.PerRankMeanNet",
+        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false", env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "per-rank means" in line]
+    assert len(warnings) == 1 and "'val_loss_mean'" in warnings[0], result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "checkpoint", ["step-step=45.ckpt", "epoch-epoch=3.ckpt"], ids=["epoch2-after-batch13", "end-of-epoch3"]
+)
+def test_resume_is_bit_exact(baseline, checkpoint: str, tmp_path: Path) -> None:
+    """Mid-epoch: the sampler skips the batches done. Epoch end: the model has dropout, and the
+    next epoch's iterator must not draw from the generator whose state the checkpoint holds."""
+    extra, checkpoints = baseline
+    result = fit(extra, tmp_path, f"--ckpt_path={checkpoints / checkpoint}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "not resumable" not in result.stderr
+    assert_same_weights(checkpoints / FINAL, tmp_path / "checkpoints" / FINAL)
+
+
+def test_preemption_saves_at_a_step_boundary_and_resumes_bit_exactly(baseline, tmp_path: Path) -> None:
+    extra, checkpoints = baseline
+    process = start_fit(CONFIG, extra, tmp_path / "run")
+    try:
+        wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 60, process)
+        os.killpg(process.pid, signal.SIGUSR1)  # as SLURM sends it to the batch step
+        process.wait(timeout=60)
+        assert process.returncode == PREEMPTED_EXIT_CODE
+        assert group_is_gone(process, 10)
+    finally:
+        if process.poll() is None:
+            kill_job(process.pid)
+            process.wait()
+    log = (tmp_path / "run.log").read_text()
+    step = int(re.search(r"preempted at global step (\d+)", log).group(1))
+    assert step < EPOCHS * 16, "training ended before the signal"
+    assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step
+    resumed = fit(extra, tmp_path / "run", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(checkpoints / FINAL, tmp_path / "run" / "checkpoints" / FINAL)
