@@ -141,7 +141,10 @@ def single_process_fit(config: dict[str, Any], world_size: int, mode: str) -> di
         DistributedSampler(job.train_dataset, world_size, rank, shuffle=job.shuffle, seed=job.sampler_seed)
         for rank in range(world_size)
     ]
-    loaders = [DataLoader(job.train_dataset, batch_size=job.batch_size, sampler=sampler) for sampler in samplers]
+    loaders = [
+        DataLoader(job.train_dataset, batch_size=job.batch_size, sampler=sampler, generator=torch.Generator())
+        for sampler in samplers
+    ]
     for epoch in range(int(config["trainer"]["max_epochs"])):
         for sampler in samplers:
             sampler.set_epoch(epoch)

@@ -89,7 +89,11 @@ class ShardedDataModule(L.LightningDataModule):
         return torch.cuda.is_available()
 
     def _loader(
-        self, dataset: Dataset | None, sampler: torch.utils.data.Sampler, loader_class: type[DataLoader] = DataLoader
+        self,
+        dataset: Dataset | None,
+        sampler: torch.utils.data.Sampler,
+        loader_class: type[DataLoader] = DataLoader,
+        generator: torch.Generator | None = None,
     ) -> DataLoader:
         if dataset is None:
             raise RuntimeError("setup() must run before a dataloader is requested.")
@@ -97,6 +101,7 @@ class ShardedDataModule(L.LightningDataModule):
             dataset,
             batch_size=self.batch_size,
             sampler=sampler,
+            generator=generator,
             num_workers=self.num_workers,
             pin_memory=self._use_pin_memory(),
             persistent_workers=self.persistent_workers and self.num_workers > 0,
@@ -111,7 +116,12 @@ class ShardedDataModule(L.LightningDataModule):
         sampler = train_sampler(
             self.train_dataset, world_size, rank, self.shuffle, self.seed, self.batch_size, position
         )
-        return self._loader(self.train_dataset, sampler, ResumableDataLoader)
+        # A generator of its own: each epoch's iterator draws a seed from it, not from the global
+        # generator, whose state the checkpoint holds. Otherwise that draw falls after an epoch-end
+        # checkpoint in an uninterrupted run but before the RNG restore in a resumed one, and
+        # dropout masks differ. (Worker processes' own random streams are not checkpointed.)
+        generator = torch.Generator().manual_seed(self.seed)
+        return self._loader(self.train_dataset, sampler, ResumableDataLoader, generator)
 
     def val_dataloader(self) -> DataLoader:
         world_size, rank = self._world()

@@ -78,6 +78,9 @@ class Trainer:
             # Pinned host memory lets the copies below run asynchronously (non_blocking) on a GPU.
             pin_memory=device.type == "cuda" if job.pin_memory is None else job.pin_memory,
             persistent_workers=job.persistent_workers and job.num_workers > 0,
+            # As the Lightning side: the per-epoch iterator seed comes from here, not from the
+            # global generator that dropout draws from.
+            generator=torch.Generator().manual_seed(job.sampler_seed),
         )
         model = job.net.to(device)
         # One device per process: device_ids=[local index]; on CPU, DDP takes no device_ids.

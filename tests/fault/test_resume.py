@@ -94,22 +94,30 @@ def test_resume_from_any_checkpoint_is_bit_exact(uninterrupted, checkpoint: str,
     assert_same_weights(checkpoints / "epoch-epoch=3.ckpt", final)
 
 
-def test_resume_restores_random_state_for_dropout(tmp_path: Path) -> None:
-    """The CNN has dropout: without the per-rank RNG states the resumed masks (and weights) differ."""
-    extra = overlay(tmp_path, epochs=2, every=5)
-    small = ["--data.init_args.train_size=256", "--data.init_args.eval_size=32", "--data.init_args.batch_size=16"]
-    full = fit("configs/bench_cnn.yaml", extra, tmp_path / "full", *small)
+CNN_SMALL = ["--data.init_args.train_size=256", "--data.init_args.eval_size=32", "--data.init_args.batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def cnn_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The CNN (with dropout), 2 epochs of 8 steps, a checkpoint every 5 steps and at each epoch end."""
+    root = tmp_path_factory.mktemp("cnn")
+    extra = overlay(root, epochs=2, every=5)
+    full = fit("configs/bench_cnn.yaml", extra, root / "full", *CNN_SMALL)
     assert full.returncode == 0, full.stderr[-3000:]
+    return extra, root / "full" / "checkpoints"
+
+
+@pytest.mark.parametrize("checkpoint", ["step-step=5.ckpt", "epoch-epoch=0.ckpt"], ids=["mid-epoch", "epoch-end"])
+def test_resume_restores_random_state_for_dropout(cnn_uninterrupted, checkpoint: str, tmp_path: Path) -> None:
+    """Without the per-rank RNG states the resumed dropout masks (and weights) differ; from an
+    epoch end also if the next epoch's DataLoader iterator drew its seed from the global generator."""
+    extra, checkpoints = cnn_uninterrupted
     resumed = fit(
-        "configs/bench_cnn.yaml",
-        extra,
-        tmp_path / "resumed",
-        *small,
-        f"--ckpt_path={tmp_path / 'full' / 'checkpoints' / 'step-step=5.ckpt'}",
+        "configs/bench_cnn.yaml", extra, tmp_path / "resumed", *CNN_SMALL, f"--ckpt_path={checkpoints / checkpoint}"
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = "epoch-epoch=1.ckpt"
-    assert_same_weights(tmp_path / "full" / "checkpoints" / final, tmp_path / "resumed" / "checkpoints" / final)
+    assert_same_weights(checkpoints / final, tmp_path / "resumed" / "checkpoints" / final)
 
 
 def start_fit(config: str, extra: Path, root: Path, *args: str) -> subprocess.Popen[str]:
