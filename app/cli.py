@@ -29,10 +29,10 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
 from lightning.pytorch.profilers import PassThroughProfiler
 
-import app.data  # noqa: F401  (registers the DataModules for short `class_path` names)
-import app.models  # noqa: F401  (registers the LightningModules)
+import app.data
+import app.models.lightning  # noqa: F401  (registers the LightningModules for short `class_path` names)
 from app.callbacks import ExactResume, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
-from app.checkpoints import SafeCheckpointIO, as_checkpoint_error
+from app.checkpoints import as_checkpoint_error, atomic_torch_save, remove_stale_temporaries, safe_load
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
 from app.cluster.launch import describe_exit
 from app.cluster.preemption import Stopped
@@ -40,6 +40,8 @@ from app.cluster.preflight import Launch, describe_launch, lightning_uses_slurm,
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
+
+app.data.import_all()  # registers the DataModules for short `class_path` names
 
 # Trainers this process built: on an error, the rank processes their launchers started are stopped.
 STARTED_TRAINERS: list[Trainer] = []
@@ -57,6 +59,17 @@ class OneLineErrorParser(LightningArgumentParser):
         prog = self.prog.replace(" [options]", "")
         sys.stderr.write(f"{prog}: error: {summarize_parser_error(message)} (see: {prog} --help)\n")
         self.exit(2)
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint I/O with atomic, fsynced saves and `weights_only=True` loads."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        remove_stale_temporaries(Path(path))
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        return safe_load(path, map_location=map_location if map_location is not None else "cpu")
 
 
 NO_PROFILING = contextlib.nullcontext()
