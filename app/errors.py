@@ -151,6 +151,23 @@ def one_line_message(error: BaseException) -> str | None:
             f"({_one_line(text.splitlines()[0] if text else type(error).__name__)[:160]}). "
             "Fix: check that rank 0 runs, the address is reachable from this node and the port is open."
         )
-    if type(error).__name__ == "ArgumentError" and type(error).__module__.startswith(("jsonargparse", "argparse")):
-        return summarize_parser_error(text)
+    if _raised_in(error, PARSER):
+        # jsonargparse wraps what a constructor raised while it checks the config. Our own input
+        # error keeps its line, a parser complaint gets one, and a bug in a user's class its traceback.
+        root = _root_cause(error)
+        if isinstance(root, UserFacingError):
+            return _one_line(str(root))
+        if root is error or _raised_in(root, PARSER):
+            return summarize_parser_error(text)
     return None
+
+
+PARSER = ("jsonargparse/", "argparse.py")
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    seen = {id(error)}
+    while (cause := error.__cause__ or error.__context__) is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        error = cause
+    return error
