@@ -5,6 +5,9 @@
   (Lightning serialises into memory and then writes through fsspec, without fsync.)
 - Every load uses `torch.load(..., weights_only=True)`, also for http(s) URLs (Lightning defaults
   to `weights_only=False` for those): a checkpoint whose unpickling would run code is refused.
+
+No Lightning here: the datasets the reference trainer shares load tensor files with `safe_load`.
+Lightning's side, `SafeCheckpointIO`, is in `app.cli`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
 from app.errors import UserFacingError
@@ -101,17 +103,6 @@ def as_checkpoint_error(path: str | Path, error: BaseException) -> BaseException
             f"checkpoint {path} is truncated or corrupt ({_first_line(error)}). Fix: resume from an earlier checkpoint."
         )
     return error
-
-
-class SafeCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint I/O with atomic, fsynced saves and `weights_only=True` loads."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        remove_stale_temporaries(Path(path))
-        atomic_torch_save(checkpoint, path)
-
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        return safe_load(path, map_location=map_location if map_location is not None else "cpu")
 
 
 def net_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:

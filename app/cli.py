@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
+import importlib.util
+import inspect
 import os
 import sys
 import tempfile
@@ -22,25 +25,28 @@ from typing import Any, NoReturn
 
 import lightning as L
 from jsonargparse import Namespace
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
-from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
 from lightning.pytorch.profilers import PassThroughProfiler
+from lightning.pytorch.strategies import StrategyRegistry
 
-import app.data  # noqa: F401  (registers the DataModules for short `class_path` names)
-import app.models  # noqa: F401  (registers the LightningModules)
+import app.data
+import app.models.lightning  # noqa: F401  (registers the LightningModules for short `class_path` names)
 from app.callbacks import ExactResume, LogLineProgressBar, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
 from app.checkpoints import (
     CheckpointSummary,
-    SafeCheckpointIO,
     as_checkpoint_error,
+    atomic_torch_save,
     check_model_class,
     check_overrides,
     check_state_fits,
+    remove_stale_temporaries,
+    safe_load,
     summarize_checkpoint,
 )
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, INTERRUPTED_EXIT_CODE
@@ -63,6 +69,8 @@ from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
 from app.models.sync_check import warn_on_per_rank_means
 from app.user_code import add_user_code_directories
 
+app.data.import_all()  # registers the DataModules for short `class_path` names
+
 # Lightning's default collective timeout is 30 minutes: a dead peer then hangs the others that long.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 
@@ -84,6 +92,17 @@ class OneLineErrorParser(LightningArgumentParser):
         prog = self.prog.replace(" [options]", "")
         sys.stderr.write(f"{prog}: error: {summarize_parser_error(message)} (see: {prog} --help)\n")
         self.exit(2)
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint I/O with atomic, fsynced saves and `weights_only=True` loads."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        remove_stale_temporaries(Path(path))
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        return safe_load(path, map_location=map_location if map_location is not None else "cpu")
 
 
 NO_PROFILING = contextlib.nullcontext()
@@ -110,7 +129,7 @@ def default_loggers(root_dir: str) -> list[Logger]:
     job_id = os.environ.get("SLURM_JOB_ID")
     csv_logger = CSVLogger(save_dir=root_dir, version=f"slurm-{job_id}" if job_id else None)
     loggers: list[Logger] = [csv_logger]
-    if _TENSORBOARD_AVAILABLE:
+    if importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None:
         loggers.append(TensorBoardLogger(save_dir=root_dir, version=csv_logger.version))
     return loggers
 
@@ -181,6 +200,52 @@ def drop_static_graph_for_accumulation(trainer_config: Any) -> str | None:
     )
 
 
+def runs_several_processes(trainer_config: Any) -> bool:
+    """Whether `strategy: auto` becomes "ddp": Lightning picks it for more than one device or node
+    (outside a notebook, which `ddp-app` never runs in)."""
+    devices = trainer_config.get("devices")
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
+    return count > 1 or int(trainer_config.get("num_nodes") or 1) > 1
+
+
+def apply_collective_timeout(trainer_config: Any, seconds: float) -> None:
+    """Give the strategy `timeout=collective_timeout_s` through its own argument, before it is built.
+
+    A `class_path` strategy gets it in its `init_args` (unless the config sets a timeout of its
+    own); a name (`ddp`, `ddp_spawn`, ..., or `auto` where Lightning would choose `ddp`) becomes
+    the registered class with its registered arguments plus the timeout. Strategies without a
+    `timeout` argument (single device) are left alone.
+    """
+    timeout = datetime.timedelta(seconds=seconds)
+    strategy = trainer_config.get("strategy")
+    if strategy == "auto" and runs_several_processes(trainer_config):
+        strategy = "ddp"
+    if isinstance(strategy, str):
+        if strategy not in StrategyRegistry:
+            return
+        entry = StrategyRegistry[strategy]
+        cls = entry["strategy"]
+        if "timeout" in inspect.signature(cls).parameters:
+            init_args = Namespace(**{**entry["init_params"], "timeout": timeout})
+            trainer_config["strategy"] = Namespace(
+                class_path=f"{cls.__module__}.{cls.__qualname__}", init_args=init_args
+            )
+        return
+    class_path = getattr(strategy, "class_path", None)
+    if class_path is None:
+        return
+    module_name, _, class_name = class_path.rpartition(".")
+    parameter = inspect.signature(getattr(importlib.import_module(module_name), class_name)).parameters.get("timeout")
+    if parameter is None:
+        return
+    if strategy.get("init_args") is None:
+        strategy["init_args"] = Namespace()
+    if strategy["init_args"].get("timeout") in (None, parameter.default):
+        strategy["init_args"]["timeout"] = timeout
+
+
 def is_global_rank_zero(launch: Launch | None, env: Mapping[str, str]) -> bool:
     """Before any process group exists: from the launch, or from the launcher's variables if unknown."""
     if launch is not None:
@@ -234,7 +299,15 @@ class DDPAppCLI(LightningCLI):
         add_user_code_directories(args if isinstance(args, list) else None)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", OneLineErrorParser)
-        kwargs.setdefault("trainer_defaults", {"callbacks": [ExactResume(), NonFiniteGuard()]})
+        kwargs.setdefault(
+            "trainer_defaults",
+            {
+                "callbacks": [ExactResume(), NonFiniteGuard()],
+                # Defaults, so a config's own `profiler:` or `plugins:` replaces them.
+                "profiler": {"class_path": "app.cli.NoProfiler"},
+                "plugins": [{"class_path": "app.cli.SafeCheckpointIO"}],
+            },
+        )
         super().__init__(
             L.LightningModule,
             L.LightningDataModule,
@@ -294,6 +367,7 @@ class DDPAppCLI(LightningCLI):
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
+        apply_collective_timeout(config["trainer"], config["collective_timeout_s"])
         if self.launch is not None and self.launch.launcher == "torchrun" and not self.parse_only:
             fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
         if self.parse_only:
@@ -325,11 +399,17 @@ class DDPAppCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._subcommand_config(self.config_init)
+        plugins = config["trainer"].get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+            # A config's own plugins replaced the default list: keep the safe checkpoint I/O anyway.
+            plugins.append(SafeCheckpointIO())
         # Not SLURMEnvironment.detect(): that is also true under torchrun inside a Slurm job.
-        if lightning_uses_slurm(os.environ) and not config["trainer"].get("plugins"):
+        if lightning_uses_slurm(os.environ) and not any(isinstance(plugin, ClusterEnvironment) for plugin in plugins):
             # Preemption is handled by our callback at a step boundary, not by Lightning's
             # SIGUSR1 handler, which saves inside the signal handler (Lightning #21406).
-            kwargs["plugins"] = [SLURMEnvironment(auto_requeue=False)]
+            plugins.append(SLURMEnvironment(auto_requeue=False))
+        kwargs["plugins"] = plugins
         if config["trainer"].get("enable_checkpointing") is not False:
             callbacks = config["trainer"].get("callbacks") or []
             callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
@@ -338,14 +418,8 @@ class DDPAppCLI(LightningCLI):
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if self.launch is not None and self.launch.global_rank == 0 and environment is not None:
             print(describe_launch(self.launch, environment), flush=True)
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
-            trainer.strategy.checkpoint_io = SafeCheckpointIO()
-        if hasattr(trainer.strategy, "_timeout"):
-            trainer.strategy._timeout = datetime.timedelta(seconds=config["collective_timeout_s"])
         if config["trainer"]["logger"] in (None, True):
             trainer.loggers = default_loggers(trainer.default_root_dir)
-        if type(trainer.profiler) is PassThroughProfiler:  # the default: no profiler was configured
-            trainer.profiler = NoProfiler()
         if self.subcommand == "predict":
             # Only here: Lightning calls every hook of every callback at every step, so a callback
             # that does nothing during fit still costs time per step.

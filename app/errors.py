@@ -1,7 +1,13 @@
 """One place that turns an exception into the one line a user reads, or decides it is a bug.
 
 Every entry point (`ddp-app`, and every rank it starts) prints `ddp-app: error: <line>` and exits 2
-for the problems below, which are the user's to fix; anything else keeps its traceback.
+for the problems below, which are the user's to fix: errors we raise for bad input
+(`UserFacingError` and its subclasses) and errors we recognise (parser errors, Lightning's
+configuration errors, a full disk, a lost peer rank, a failed rendezvous, a checkpoint for another
+model). Anything else, a `ValueError` in a user's `training_step` included, keeps its traceback.
+`DDP_APP_TRACEBACK=1` prints the traceback before the one line too.
+
+This module imports no Lightning: the datasets the reference trainer shares raise these errors.
 """
 
 from __future__ import annotations
@@ -9,12 +15,18 @@ from __future__ import annotations
 import errno
 import os
 import re
+import sys
+import traceback
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
+TRACEBACK_VARIABLE = "DDP_APP_TRACEBACK"
 
 
 class UserFacingError(RuntimeError):
     """An error whose message already says what is wrong and how to fix it."""
+
+
+class InvalidConfigError(UserFacingError, ValueError):
+    """A config value out of its range. Also a ValueError, which is what callers validating input expect."""
 
 
 class NonFiniteLossError(UserFacingError):
@@ -103,12 +115,42 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _is_lightning_misconfiguration(error: BaseException) -> bool:
+    # Looked up, not imported: if Lightning is not loaded, the error cannot be one of its own.
+    exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")
+    return exceptions is not None and isinstance(error, exceptions.MisconfigurationException)
+
+
+# Lightning's modules that validate the Trainer's arguments and raise a plain ValueError for a bad
+# one (`accelerator="quantum"`, an unknown strategy or precision name).
+LIGHTNING_INPUT_CHECKS = ("lightning/pytorch/trainer/connectors/", "lightning/fabric/connector.py")
+
+
+def _raised_in(error: BaseException, places: tuple[str, ...]) -> bool:
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and any(place in frames[-1].filename.replace(os.sep, "/") for place in places)
+
+
 def user_message(error: BaseException) -> str | None:
-    """The one-line message for an error the user can fix, or None for a bug (keep the traceback)."""
+    """The one-line message for an error the user can fix, or None for a bug (keep the traceback).
+
+    With `DDP_APP_TRACEBACK=1`, the traceback of an error that gets a one-line message is printed
+    to stderr first (a bug's traceback is printed anyway).
+    """
+    message = one_line_message(error)
+    if message is not None and os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+        traceback.print_exception(error, file=sys.stderr)
+    return message
+
+
+def one_line_message(error: BaseException) -> str | None:
+    """What `user_message` returns, without printing anything."""
     text = str(error)
     if isinstance(error, UserFacingError):
         return _one_line(text)
-    if isinstance(error, MisconfigurationException):
+    if _is_lightning_misconfiguration(error):
+        return _one_line(text)
+    if isinstance(error, ValueError) and _raised_in(error, LIGHTNING_INPUT_CHECKS):
         return _one_line(text)
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
         where = f" while writing {error.filename}" if error.filename else ""
@@ -134,6 +176,23 @@ def user_message(error: BaseException) -> str | None:
             f"({_one_line(text.splitlines()[0] if text else type(error).__name__)[:160]}). "
             "Fix: check that rank 0 runs, the address is reachable from this node and the port is open."
         )
-    if isinstance(error, (ValueError, FileNotFoundError)):
-        return summarize_parser_error(text) if "\n" in text else _one_line(text)
+    if _raised_in(error, PARSER):
+        # jsonargparse wraps what a constructor raised while it checks the config. Our own input
+        # error keeps its line, a parser complaint gets one, and a bug in a user's class its traceback.
+        root = _root_cause(error)
+        if isinstance(root, UserFacingError):
+            return _one_line(str(root))
+        if root is error or _raised_in(root, PARSER):
+            return summarize_parser_error(text)
     return None
+
+
+PARSER = ("jsonargparse/", "argparse.py")
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    seen = {id(error)}
+    while (cause := error.__cause__ or error.__context__) is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        error = cause
+    return error

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from app.cluster.preflight import resolve_devices
 from app.cluster.slurm_env import master_address_and_port
+from app.errors import InvalidConfigError
 
 # sbatch's short options, as their long names.
 SHORT_OPTIONS = {
@@ -87,7 +88,7 @@ def render(
         devices = gpus_per_node
     if devices is None:
         if not isinstance(shape.devices, int):
-            raise ValueError(
+            raise InvalidConfigError(
                 f"trainer.devices is {shape.devices!r} in {config}: the script needs a number."
                 " HINT: --gpus-per-node N (or --devices N for a CPU-only job)."
             )
@@ -95,7 +96,7 @@ def render(
     if gpus_per_node is None:
         gpus_per_node = 0 if shape.accelerator == "cpu" else devices
     if gpus_per_node and gpus_per_node != devices:
-        raise ValueError(
+        raise InvalidConfigError(
             f"--gpus-per-node={gpus_per_node} but {devices} processes per node: DDP runs one process per GPU."
             f" HINT: --gpus-per-node {devices}, or --devices {gpus_per_node}."
         )

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch.profilers import SimpleProfiler
+from lightning.pytorch.strategies import DDPStrategy
 
 from app.callbacks import PredictionWriter
-from app.cli import DDPAppCLI, NoProfiler
+from app.cli import DDPAppCLI, NoProfiler, SafeCheckpointIO
 from tests.helpers.run import REPO
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
@@ -24,6 +27,28 @@ def build(tmp_path: Path, *overrides: str) -> DDPAppCLI:
 def test_the_default_profiler_is_the_cheap_no_op_and_a_configured_one_is_kept(tmp_path: Path) -> None:
     assert type(build(tmp_path).trainer.profiler) is NoProfiler
     assert type(build(tmp_path, "--trainer.profiler=simple").trainer.profiler) is SimpleProfiler
+
+
+def test_checkpoints_are_safe_by_default_and_with_a_configs_own_plugins(tmp_path: Path) -> None:
+    assert type(build(tmp_path).trainer.strategy.checkpoint_io) is SafeCheckpointIO
+    own = "--trainer.plugins=lightning.fabric.plugins.environments.LightningEnvironment"
+    trainer = build(tmp_path, own).trainer
+    assert type(trainer.strategy.checkpoint_io) is SafeCheckpointIO
+    assert type(trainer.strategy.cluster_environment).__name__ == "LightningEnvironment"
+    custom = "--trainer.plugins=lightning.fabric.plugins.io.torch_io.TorchCheckpointIO"
+    assert type(build(tmp_path, custom).trainer.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"
+
+
+@pytest.mark.parametrize("strategy", [None, "ddp", "auto", "ddp_find_unused_parameters_true"])
+def test_collective_timeout_reaches_the_strategy_through_its_timeout_argument(tmp_path: Path, strategy: str) -> None:
+    overrides = ["--trainer.devices=2", "--collective_timeout_s=123"]
+    if strategy is not None:  # None: the config's DDPStrategy class_path
+        overrides.append(f"--trainer.strategy={strategy}")
+    trainer = build(tmp_path, *overrides).trainer
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert trainer.strategy._timeout == datetime.timedelta(seconds=123)  # no public getter
+    if strategy == "ddp_find_unused_parameters_true":  # the name's own arguments are kept
+        assert trainer.strategy._ddp_kwargs["find_unused_parameters"] is True
 
 
 def test_fit_carries_no_prediction_writer(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 The bench sets `APP_BENCH_DIR` (where each rank writes `<side>-rank<r>.json`) and
 `APP_BENCH_LAUNCH_TIME` (the `time.time()` at which it started the command). Without them nothing
 is recorded: `StepRecorder.from_env()` returns None and the Lightning callback does nothing.
-The reference trainer calls a recorder directly; Lightning gets `app.bench.callback.BenchTimer`.
+The reference trainer gets one passed in by `app.bench.reference`; Lightning gets `app.bench.callback.BenchTimer`.
 This module imports no Lightning, so that timing the reference does not slow its start.
 """
 

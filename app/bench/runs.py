@@ -61,7 +61,7 @@ def command(side: str, config: Path, world_size: int, run_dir: Path) -> list[str
         return [
             sys.executable,
             "-m",
-            "app.reference",
+            "app.bench.reference",
             "--config",
             str(config),
             "--out",

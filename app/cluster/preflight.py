@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.cluster.slurm_env import master_address_and_port
+from app.errors import InvalidConfigError
 
 # Job names for which Lightning ignores Slurm and starts the ranks itself (its "interactive mode");
 # salloc names its jobs "interactive" and `srun --pty bash` names them "bash".
@@ -29,7 +30,7 @@ INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 TORCHRUN_VARIABLES = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
-class PreflightError(ValueError):
+class PreflightError(InvalidConfigError):
     """The launch and the Trainer's devices/num_nodes disagree, or training would hang."""
 
 

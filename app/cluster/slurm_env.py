@@ -6,6 +6,8 @@ import hashlib
 import os
 import re
 
+from app.errors import InvalidConfigError
+
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand Slurm's compressed host list: "gpu[01-03,07],login1" -> gpu01, gpu02, gpu03, gpu07, login1.
@@ -28,7 +30,7 @@ def first_host(hostlist: str) -> str:
     """The job's first node: where rank 0 runs and the rendezvous listens."""
     hosts = expand_hostlist(hostlist)
     if not hosts:
-        raise ValueError(f"SLURM_JOB_NODELIST {hostlist!r} names no host.")
+        raise InvalidConfigError(f"SLURM_JOB_NODELIST {hostlist!r} names no host.")
     return hosts[0]
 
 

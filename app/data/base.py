@@ -6,12 +6,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from app.data.datasets import DataNotFoundError, LoaderSettings
 from app.data.samplers import UnpaddedDistributedSampler, train_sampler, training_position
-from app.errors import UserFacingError
 
-
-class DataNotFoundError(UserFacingError):
-    """The dataset is not on disk and may not be downloaded; the message says where we looked."""
+__all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 
 
 class ResumableDataLoader(DataLoader):
@@ -32,7 +30,8 @@ class ResumableDataLoader(DataLoader):
 class ShardedDataModule(L.LightningDataModule):
     """Builds the train/val/test datasets in `setup` and shards them over the ranks.
 
-    Subclasses implement `make_splits()`; it must be deterministic (same split on every rank and
+    Subclasses implement `make_splits()`, by calling their function in `app.data.datasets` (which
+    the reference trainer calls too); it must be deterministic (same split on every rank and
     every run) and must not write anything, because with `strategy="ddp"` it runs once per rank.
     The datasets are plain attributes (`train_dataset`, `val_dataset`, `test_dataset`) so that the
     reference trainer can use them without a Trainer.
@@ -50,10 +49,7 @@ class ShardedDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1 (it is per process), got {batch_size}.")
-        if num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}.")
+        LoaderSettings(batch_size, num_workers, pin_memory, persistent_workers, shuffle, seed)  # checks the values
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
@@ -85,7 +81,7 @@ class ShardedDataModule(L.LightningDataModule):
             return self.pin_memory
         # Pinned host memory only helps host-to-GPU copies; on CPU it is pure overhead.
         if self.trainer is not None:
-            return self.trainer.accelerator.__class__.__name__ == "CUDAAccelerator"
+            return self.trainer.strategy.root_device.type == "cuda"
         return torch.cuda.is_available()
 
     def _loader(

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler
 
+from app.errors import InvalidConfigError
+
 
 class UnpaddedDistributedSampler(DistributedSampler):
     """Rank r reads samples r, r + world_size, r + 2 * world_size, ...; nothing repeated, nothing dropped.
@@ -26,7 +28,7 @@ class UnpaddedDistributedSampler(DistributedSampler):
     def __init__(self, dataset: Sized, num_replicas: int, rank: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
         if len(dataset) < num_replicas:
-            raise ValueError(
+            raise InvalidConfigError(
                 f"The evaluation set has {len(dataset)} samples, fewer than the {num_replicas} ranks, "
                 "so some ranks would have nothing to evaluate. Use a larger validation/test split "
                 "or fewer devices."

@@ -1,20 +1,25 @@
 """LightningModules: thin wrappers that give a bare network a loss, metrics and logging.
 
-The bare network lives in `self.net` (see `app.models.nets`); the plain-PyTorch reference trainer
-trains that same module. Optimizers and LR schedulers are chosen in YAML through LightningCLI's
-top-level `optimizer:` / `lr_scheduler:` keys, so the constructors here hold only the network's
-own, plain arguments.
+The bare network lives in `self.net` and the loss in `self.criterion`, both built by a function
+in `app.models.nets` (no Lightning); the plain-PyTorch reference trainer calls the same function.
+Optimizers and LR schedulers are chosen in YAML through LightningCLI's top-level `optimizer:` /
+`lr_scheduler:` keys, so the constructors here hold only the network's own, plain arguments.
 """
 
 from __future__ import annotations
 
 import lightning as L
 import torch
-from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from app.models.nets import ConvNet, SimpleNet, ToyNet, resnet18_cifar
+from app.models.nets import (
+    TrainingParts,
+    cnn_classifier_parts,
+    mlp_classifier_parts,
+    resnet_classifier_parts,
+    toy_regressor_parts,
+)
 
 
 def logs_this_step(module: L.LightningModule) -> bool:
@@ -44,10 +49,11 @@ class ClassifierModule(L.LightningModule):
     pays for a per-batch value that nobody reads.
     """
 
-    def __init__(self, net: nn.Module, num_classes: int) -> None:
+    def __init__(self, parts: TrainingParts, num_classes: int) -> None:
         super().__init__()
-        self.net = net
-        self.criterion = nn.CrossEntropyLoss()
+        self.net = parts.net
+        self.criterion = parts.criterion
+        self.channels_last = parts.channels_last
         # Not buffers: DDP would broadcast those from rank 0 before every forward pass.
         self._train_correct = torch.zeros((), dtype=torch.long)
         self._train_seen = torch.zeros((), dtype=torch.long)
@@ -111,7 +117,7 @@ class MLPClassifier(ClassifierModule):
     """The tutorials' SimpleNet: 784 inputs for MNIST, 64 for the 8x8 digits."""
 
     def __init__(self, in_features: int = 64, hidden: int = 256, num_classes: int = 10) -> None:
-        super().__init__(SimpleNet(in_features, hidden, num_classes), num_classes)
+        super().__init__(mlp_classifier_parts(in_features, hidden, num_classes), num_classes)
         self.save_hyperparameters()
 
 
@@ -119,7 +125,7 @@ class CNNClassifier(ClassifierModule):
     """The classic two-convolution MNIST network, on 1x28x28 inputs."""
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
-        super().__init__(ConvNet(in_channels, num_classes), num_classes)
+        super().__init__(cnn_classifier_parts(in_channels, num_classes), num_classes)
         self.save_hyperparameters()
 
 
@@ -130,10 +136,7 @@ class ResNetClassifier(ClassifierModule):
     """
 
     def __init__(self, num_classes: int = 10, channels_last: bool = False) -> None:
-        super().__init__(resnet18_cifar(num_classes), num_classes)
-        self.channels_last = channels_last
-        if channels_last:
-            self.net = self.net.to(memory_format=torch.channels_last)
+        super().__init__(resnet_classifier_parts(num_classes, channels_last), num_classes)
         self.save_hyperparameters()
 
     def on_before_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int):
@@ -148,8 +151,8 @@ class ToyRegressor(L.LightningModule):
 
     def __init__(self, in_features: int = 10, hidden: int = 10, out_features: int = 5) -> None:
         super().__init__()
-        self.net = ToyNet(in_features, hidden, out_features)
-        self.criterion = nn.MSELoss()
+        parts = toy_regressor_parts(in_features, hidden, out_features)
+        self.net, self.criterion = parts.net, parts.criterion
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
         self.save_hyperparameters()

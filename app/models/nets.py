@@ -1,10 +1,13 @@
-"""Bare `torch.nn.Module` networks.
+"""Bare `torch.nn.Module` networks and their losses; no Lightning.
 
 These are shared by the LightningModules in `app.models.lightning` and by the plain-PyTorch
 reference trainer in `app.reference`, so that parity compares the very same modules.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torchvision
@@ -87,3 +90,46 @@ def resnet18_cifar(num_classes: int = 10) -> nn.Module:
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
+
+
+@dataclass
+class TrainingParts:
+    """What a LightningModule trains, without Lightning: the bare network and its loss.
+
+    The LightningModules in `app.models.lightning` build theirs with the functions below, and the
+    reference trainer calls the same function with the config's `model.init_args`, so both
+    construct the same modules in the same order (and, seeded alike, get identical weights).
+    """
+
+    net: nn.Module
+    criterion: nn.Module
+    channels_last: bool = False  # inputs go in NHWC layout, as the weights are stored
+
+
+def mlp_classifier_parts(in_features: int = 64, hidden: int = 256, num_classes: int = 10) -> TrainingParts:
+    return TrainingParts(SimpleNet(in_features, hidden, num_classes), nn.CrossEntropyLoss())
+
+
+def cnn_classifier_parts(in_channels: int = 1, num_classes: int = 10) -> TrainingParts:
+    return TrainingParts(ConvNet(in_channels, num_classes), nn.CrossEntropyLoss())
+
+
+def resnet_classifier_parts(num_classes: int = 10, channels_last: bool = False) -> TrainingParts:
+    net = resnet18_cifar(num_classes)
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
+    return TrainingParts(net, nn.CrossEntropyLoss(), channels_last)
+
+
+def toy_regressor_parts(in_features: int = 10, hidden: int = 10, out_features: int = 5) -> TrainingParts:
+    return TrainingParts(ToyNet(in_features, hidden, out_features), nn.MSELoss())
+
+
+# LightningModule class name (the last part of a config's `model.class_path`) -> its parts, with
+# the same arguments and defaults as the module's `__init__` (tests/models/test_parts.py checks).
+PARTS: dict[str, Callable[..., TrainingParts]] = {
+    "MLPClassifier": mlp_classifier_parts,
+    "CNNClassifier": cnn_classifier_parts,
+    "ResNetClassifier": resnet_classifier_parts,
+    "ToyRegressor": toy_regressor_parts,
+}

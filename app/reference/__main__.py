@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from app.reference.model_parallel import run_model_parallel
-from app.reference.train import run
+from app.reference.train import MakeHooks, run
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, make_hooks: MakeHooks | None = None) -> None:
+    """`make_hooks`: instrumentation for every rank (see `app.bench.reference`); None for a plain run."""
     parser = argparse.ArgumentParser(prog="python -m app.reference", description=__doc__)
     parser.add_argument("--config", required=True, help="the same YAML that ddp-app takes")
     parser.add_argument("--world-size", type=int, default=None, help="mp.spawn only (default: trainer.devices)")
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.model_parallel:
         launcher = run_model_parallel(args.config, args.out, args.world_size, args.epochs, args.timeout)
     else:
-        launcher = run(args.config, args.out, args.world_size, args.epochs, args.save_every, args.timeout)
+        launcher = run(args.config, args.out, args.world_size, args.epochs, args.save_every, args.timeout, make_hooks)
     print(f"reference training finished (launcher: {launcher}); weights in {args.out}/final.pt")
 
 

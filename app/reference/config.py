@@ -1,7 +1,9 @@
 """Read the same YAML that drives `ddp-app` and build what the reference trainer needs from it.
 
-The reference shares with the Lightning side only the bare network (`module.net`), its loss
-(`module.criterion`) and the datasets (`datamodule.train_dataset`); the training loop is its own.
+The reference shares with the Lightning side only the bare network and its loss (built by the
+function in `app.models.nets` that the config's LightningModule calls too) and the datasets (from
+`app.data.datasets`, which the config's DataModule calls); the training loop is its own. Nothing
+here imports Lightning.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch
 import yaml
 from torch import nn
 from torch.utils.data import Dataset
+
+from app.data.datasets import DATASETS, DOWNLOADS, LoaderSettings
+from app.models.nets import PARTS, TrainingParts
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -82,6 +87,7 @@ class Job:
     criterion: nn.Module
     train_dataset: Dataset
     val_dataset: Dataset
+    test_dataset: Dataset
     batch_size: int
     shuffle: bool
     sampler_seed: int
@@ -104,24 +110,42 @@ class Job:
         return instantiate(spec, optimizer) if spec else None
 
 
+def class_name(spec: dict[str, Any], key: str, known: dict[str, Any]) -> str:
+    """The class a config's `model:` or `data:` entry names, if the reference knows how to build it."""
+    name = spec["class_path"].rpartition(".")[2]
+    if name not in known:
+        raise ValueError(
+            f"the reference trainer builds {key}.class_path {', '.join(known)}, not {spec['class_path']!r}. "
+            f"Fix: add its bare parts to {'app.models.nets.PARTS' if key == 'model' else 'app.data.datasets.DATASETS'}."
+        )
+    return name
+
+
+def build_parts(model: dict[str, Any]) -> TrainingParts:
+    """The bare network and loss that the config's LightningModule would build, without it."""
+    return PARTS[class_name(model, "model", PARTS)](**(model.get("init_args") or {}))
+
+
 def build_job(config: dict[str, Any]) -> Job:
     """Seed, then build the network and datasets in the order LightningCLI does (model, then data)."""
     seed_everything(int(config.get("seed_everything", 0)))
-    module = instantiate(config["model"])
-    datamodule = instantiate(config["data"])
-    datamodule.setup("fit")
+    parts = build_parts(config["model"])
+    data = config["data"]
+    loader, dataset_args = LoaderSettings.split_off(data.get("init_args") or {})
+    train_dataset, val_dataset, test_dataset = DATASETS[class_name(data, "data", DATASETS)](**dataset_args)
     return Job(
-        net=module.net,
-        criterion=module.criterion,
-        train_dataset=datamodule.train_dataset,
-        val_dataset=datamodule.val_dataset,
-        batch_size=datamodule.batch_size,
-        shuffle=datamodule.shuffle,
-        sampler_seed=datamodule.seed,
-        num_workers=datamodule.num_workers,
-        pin_memory=datamodule.pin_memory,
-        persistent_workers=datamodule.persistent_workers,
-        channels_last=bool(getattr(module, "channels_last", False)),
+        net=parts.net,
+        criterion=parts.criterion,
+        train_dataset=train_dataset,
+        val_dataset=val_dataset,
+        test_dataset=test_dataset,
+        batch_size=loader.batch_size,
+        shuffle=loader.shuffle,
+        sampler_seed=loader.seed,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        persistent_workers=loader.persistent_workers,
+        channels_last=parts.channels_last,
         precision=precision_of(config.get("trainer") or {}),
         deterministic=(config.get("trainer") or {}).get("deterministic") or False,
         accumulation_steps=accumulation_steps_of(config.get("trainer") or {}),
@@ -131,5 +155,7 @@ def build_job(config: dict[str, Any]) -> Job:
 
 
 def prepare_data(config: dict[str, Any]) -> None:
-    """Download once, before any worker starts (the DataModule's own `prepare_data`)."""
-    instantiate(config["data"]).prepare_data()
+    """Download once, before any worker starts (what the DataModule's own `prepare_data` does)."""
+    download = DOWNLOADS.get(class_name(config["data"], "data", DATASETS))
+    if download is not None:
+        download(**(config["data"].get("init_args") or {}))

@@ -16,11 +16,10 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from app.cluster.launch import free_port
 from app.cluster.threads import configure_cpu_threads
 from app.models.nets import ToyMpNet
 from app.reference.config import accumulation_steps_of, build_job, load_config, seed_everything
-from app.reference.train import cleanup, setup
+from app.reference.train import cleanup, free_port, setup
 
 
 def devices_for(rank: int) -> tuple[torch.device, torch.device]:

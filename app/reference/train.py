@@ -5,7 +5,9 @@
     srun --ntasks-per-node=2 python -m app.reference --config configs/digits.yaml
 
 It trains the same `nn.Module` and dataset classes as the Lightning side, from the same YAML, so
-that `python -m app.parity` can compare the two weight for weight.
+that `python -m app.parity` can compare the two weight for weight. It imports torch, the models and
+the datasets, and no Lightning; instrumentation (the benchmark's step timer) is passed in as
+`make_hooks`, see `app.bench.reference`.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,11 +26,31 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from app.bench.recorder import StepRecorder
-from app.cluster.launch import free_port
 from app.cluster.slurm_env import master_address_and_port
 from app.cluster.threads import configure_cpu_threads
 from app.reference.config import Job, build_job, load_config, prepare_data
+
+
+class StepHooks(Protocol):
+    """What the trainer calls around every training step, and once at the end (e.g. a step timer)."""
+
+    def step_start(self, epoch: int) -> None: ...
+
+    def step_end(self) -> None: ...
+
+    def finish(self, device: torch.device) -> None: ...
+
+
+# Called in every rank with (rank, world size); returns that rank's hooks, or None for none.
+# mp.spawn pickles it: pass a module-level function (or a functools.partial of one).
+MakeHooks = Callable[[int, int], StepHooks | None]
+
+
+def free_port() -> int:
+    """A port the OS says is free now, for the rendezvous of the ranks mp.spawn starts."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def setup(rank: int, world_size: int, local_rank: int, timeout_s: float) -> torch.device:
@@ -55,10 +79,10 @@ class Trainer:
         device: torch.device,
         out_dir: Path,
         save_every: int,
-        recorder: StepRecorder | None = None,
+        hooks: StepHooks | None = None,
     ) -> None:
         self.rank = rank
-        self.recorder = recorder  # step timings for `python -m app.bench`; None in normal runs
+        self.hooks = hooks  # e.g. step timings for `python -m app.bench`; None in normal runs
         self.device = device
         self.out_dir = out_dir
         self.save_every = save_every
@@ -132,11 +156,11 @@ class Trainer:
                 source = source.contiguous(memory_format=torch.channels_last)
             source = source.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            if self.recorder is not None:
-                self.recorder.step_start(epoch)
+            if self.hooks is not None:
+                self.hooks.step_start(epoch)
             losses.append(self._run_batch(source, targets, batch_index))
-            if self.recorder is not None:
-                self.recorder.step_end()
+            if self.hooks is not None:
+                self.hooks.step_end()
         if self.scheduler is not None:
             self.scheduler.step()
         if self.rank == 0:
@@ -178,11 +202,12 @@ def train_worker(rank: int, world_size: int, local_rank: int, options: dict[str,
         job = build_job(options["config"])
         if job.deterministic:  # as Trainer(deterministic=...) does for the same config
             torch.use_deterministic_algorithms(True, warn_only=job.deterministic == "warn")
-        recorder = StepRecorder.from_env("reference", rank, world_size)
-        trainer = Trainer(job, rank, world_size, device, Path(options["out_dir"]), options["save_every"], recorder)
+        make_hooks = options.get("make_hooks")
+        hooks = make_hooks(rank, world_size) if make_hooks is not None else None
+        trainer = Trainer(job, rank, world_size, device, Path(options["out_dir"]), options["save_every"], hooks)
         trainer.train(options["max_epochs"])
-        if recorder is not None:
-            recorder.finish(device)
+        if hooks is not None:
+            hooks.finish(device)
     finally:
         cleanup()
 
@@ -220,6 +245,7 @@ def run(
     max_epochs: int | None = None,
     save_every: int = 0,
     timeout_s: float = 300.0,
+    make_hooks: MakeHooks | None = None,
 ) -> str:
     config = load_config(config_path)
     trainer_config = config.get("trainer") or {}
@@ -234,5 +260,6 @@ def run(
         "max_epochs": max_epochs if max_epochs is not None else int(trainer_config.get("max_epochs", 1)),
         "save_every": save_every,
         "timeout_s": timeout_s,
+        "make_hooks": make_hooks,
     }
     return launch(options, world_size)

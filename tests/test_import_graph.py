@@ -1,0 +1,106 @@
+"""Package boundaries: no import cycle between app/ packages, and a reference trainer without Lightning."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+APP = REPO / "app"
+
+
+def unit_of(module: str) -> str:
+    """app.data.base -> app.data; app.cli -> app.cli: a subpackage, or a top-level module of app."""
+    return ".".join(module.split(".")[:2])
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every `app.*` module this file imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("app.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("app."):
+            found.add(node.module)
+    return found
+
+
+def unit_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in APP.rglob("*.py"):
+        unit = unit_of(module_name(path))
+        if unit == "app":
+            continue
+        edges = {unit_of(imported) for imported in imports_of(path)} - {unit, "app"}
+        graph.setdefault(unit, set()).update(edges)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, trail: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                return [*trail[trail.index(target) :], target] if target in trail else [node, target]
+            if target not in state and (cycle := visit(target, [*trail, target])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [node])):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_between_app_packages() -> None:
+    cycle = find_cycle(unit_graph())
+    assert cycle is None, f"import cycle between app/ packages: {' -> '.join(cycle or [])}"
+
+
+def test_reference_imports_only_models_datasets_and_helpers() -> None:
+    """Statically: the reference's own files import no Lightning side of app/ and no benchmark."""
+    allowed = {"app.reference", "app.models.nets", "app.data.datasets", "app.cluster.slurm_env", "app.cluster.threads"}
+    for path in (APP / "reference").glob("*.py"):
+        for imported in imports_of(path):
+            assert imported in allowed or imported.startswith("app.reference."), (
+                f"{path.relative_to(REPO)} imports {imported}: the reference may import the bare models "
+                "and datasets (app.models.nets, app.data.datasets), not the Lightning side or app.bench"
+            )
+
+
+FORBIDDEN = ("lightning", "pytorch_lightning", "lightning_fabric", "app.bench", "app.cli")
+
+
+def test_importing_the_reference_loads_no_lightning() -> None:
+    """The acceptance check: `python -c "import app.reference.train"` loads no Lightning, no app.bench."""
+    script = (
+        "import json, sys\n"
+        "import app.reference.train, app.reference.__main__, app.reference.model_parallel\n"
+        "from app.reference.config import build_job, load_config\n"
+        "build_job(load_config('configs/digits.yaml'))\n"
+        "build_job(load_config('configs/toy.yaml'))\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    loaded = json.loads(result.stdout.splitlines()[-1])
+    offending = [name for name in loaded if name in FORBIDDEN or name.startswith(tuple(f"{f}." for f in FORBIDDEN))]
+    assert not offending, f"importing and building the reference loaded {offending[:5]}"

@@ -1,0 +1,106 @@
+"""Every Lightning, PyTorch or torchvision private API we rely on (docs/private_apis.md), one test each.
+
+Each test fails with a message that names what changed and what depends on it, so that a Lightning
+upgrade breaks here, loudly, and not as a silent change of behaviour in a long run. pyproject pins
+`lightning>=2.6,<2.7`; lift the pin when this file passes on the next minor version.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torchvision import datasets
+
+from app.cluster.preemption import LIGHTNING_PER_STEP_SIGTERM_BROADCAST
+from app.errors import one_line_message
+
+DOC = "see docs/private_apis.md"
+
+
+def test_training_epoch_loop_broadcasts_sigterm_through_the_method_last_checkpoint_replaces() -> None:
+    method = getattr(_TrainingEpochLoop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, None)
+    assert callable(method), (
+        f"Lightning removed _TrainingEpochLoop.{LIGHTNING_PER_STEP_SIGTERM_BROADCAST}: LastCheckpoint.on_train_start "
+        f"no longer switches off the per-step SIGTERM broadcast; find its replacement ({DOC})"
+    )
+    assert f"self.{LIGHTNING_PER_STEP_SIGTERM_BROADCAST}()" in inspect.getsource(_TrainingEpochLoop.advance), (
+        f"_TrainingEpochLoop.advance no longer calls {LIGHTNING_PER_STEP_SIGTERM_BROADCAST}: replacing it "
+        f"does not remove the per-step collective any more ({DOC})"
+    )
+
+
+def test_lightning_cli_still_parses_the_checkpoint_path_in_the_method_we_override() -> None:
+    assert callable(getattr(LightningCLI, "_parse_ckpt_path", None)), (
+        f"LightningCLI._parse_ckpt_path is gone: DDPAppCLI's one-line error for an unreadable ckpt_path "
+        f"no longer runs ({DOC})"
+    )
+    assert "self._parse_ckpt_path()" in inspect.getsource(LightningCLI), (
+        f"LightningCLI no longer calls _parse_ckpt_path: DDPAppCLI's override is dead code ({DOC})"
+    )
+
+
+def test_fit_loop_counters_the_sampler_and_the_nan_guard_read(tmp_path: Path) -> None:
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path, enable_progress_bar=False)
+    fit_loop = trainer.fit_loop
+    try:
+        counters = {
+            "fit_loop.epoch_progress.current.processed": fit_loop.epoch_progress.current.processed,
+            "fit_loop.epoch_loop.batch_progress.current.processed": (
+                fit_loop.epoch_loop.batch_progress.current.processed
+            ),
+            "fit_loop.epoch_loop.batch_idx": fit_loop.epoch_loop.batch_idx,
+        }
+    except AttributeError as error:
+        pytest.fail(
+            f"a loop counter moved ({error}): ShardedDataModule._training_position (mid-epoch resume) and "
+            f"NonFiniteGuard's message read them ({DOC})"
+        )
+    for name, value in counters.items():
+        assert isinstance(value, int), f"trainer.{name} is {value!r}, not an int ({DOC})"
+
+
+def test_subprocess_launcher_keeps_its_child_processes_in_procs() -> None:
+    launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
+    assert getattr(launcher, "procs", None) == [], (
+        f"Lightning's _SubprocessScriptLauncher has no `procs` list any more: app.cli cannot find or stop "
+        f"the ranks it started when rank 0 fails ({DOC})"
+    )
+
+
+def test_ddp_strategy_keeps_ddp_arguments_in_ddp_kwargs() -> None:
+    # Read by tests/test_accumulation.py only (the strategy has no public getter for them).
+    assert DDPStrategy(static_graph=True)._ddp_kwargs == {"static_graph": True}, (
+        f"DDPStrategy._ddp_kwargs changed: tests/test_accumulation.py cannot see static_graph ({DOC})"
+    )
+
+
+def test_torch_foreach_norm_is_no_longer_used_but_get_total_norm_is_public() -> None:
+    grads = [torch.ones(3), torch.tensor([float("nan")])]
+    assert not torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True)), DOC
+
+
+def test_torchvision_cifar10_checks_integrity_and_loads_meta_through_the_methods_we_override() -> None:
+    source = inspect.getsource(datasets.CIFAR10.__init__)
+    for name in ("_check_integrity", "_load_meta"):
+        assert callable(getattr(datasets.CIFAR10, name, None)) and f"self.{name}()" in source, (
+            f"torchvision's CIFAR10.__init__ no longer calls {name}: app.data.datasets._CIFAR10's "
+            f"verify_checksums=False no longer works ({DOC})"
+        )
+
+
+def test_lightning_validates_trainer_arguments_in_the_modules_errors_py_recognises() -> None:
+    with pytest.raises(ValueError) as raised:
+        Trainer(accelerator="quantum", logger=False)
+    assert one_line_message(raised.value) is not None, (
+        f"Lightning no longer rejects a bad accelerator name from the module app.errors.LIGHTNING_INPUT_CHECKS "
+        f"names, so `--trainer.accelerator=quantum` now prints a traceback ({DOC}): {raised.value!r}"
+    )
