@@ -23,6 +23,7 @@ def test_readme_documents_the_commands() -> None:
     assert 'ddp-app" fit --config configs/digits.yaml' in quickstart
 
 
+@pytest.mark.quick
 def test_default_job_trains_with_two_processes(tmp_path: Path) -> None:
     result = ddp_app("fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={tmp_path}", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

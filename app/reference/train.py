@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from app.cluster.preflight import detect_launch, resolve_devices
 from app.cluster.slurm_env import master_address_and_port
 from app.cluster.threads import configure_cpu_threads
 from app.reference.config import Job, build_job, load_config, prepare_data
@@ -217,24 +218,21 @@ def spawn_entry(local_rank: int, world_size: int, options: dict[str, Any]) -> No
     train_worker(local_rank, world_size, local_rank, options)
 
 
-def launch(options: dict[str, Any], world_size: int | None) -> str:
+def launch(options: dict[str, Any], devices: int, num_nodes: int) -> str:
     """Start training with whichever launcher started us; returns its name."""
-    env = os.environ
-    if "TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "WORLD_SIZE" in env and "RANK" in env):
-        # torchrun: it set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for us (env://).
-        train_worker(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), options)
-        return "torchrun"
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    # Who started this process, checked against devices x num_nodes: the one answer ddp-app uses too.
+    launched = detect_launch(os.environ, devices, num_nodes)
+    if launched.launcher == "srun":
         # srun: one task per rank; the rendezvous is on the job's first node.
         address, port = master_address_and_port()
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
-        rank, ntasks, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
-        train_worker(rank, ntasks, local_rank, options)
-        return "srun"
-    world_size = world_size or 1
+    if launched.launcher in ("torchrun", "srun"):
+        # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for us (env://).
+        train_worker(launched.global_rank, launched.world_size, launched.local_rank, options)
+        return launched.launcher
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
-    mp.spawn(spawn_entry, args=(world_size, options), nprocs=world_size, join=True)
+    mp.spawn(spawn_entry, args=(launched.world_size, options), nprocs=launched.world_size, join=True)
     return "mp.spawn"
 
 
@@ -251,7 +249,7 @@ def run(
     trainer_config = config.get("trainer") or {}
     if world_size is None:
         devices = trainer_config.get("devices", 1)
-        world_size = int(devices) if str(devices).isdigit() else 1
+        world_size = resolve_devices(devices, trainer_config.get("accelerator", "auto")) or 1
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     options = {
@@ -262,4 +260,4 @@ def run(
         "timeout_s": timeout_s,
         "make_hooks": make_hooks,
     }
-    return launch(options, world_size)
+    return launch(options, world_size, int(trainer_config.get("num_nodes") or 1))

@@ -9,8 +9,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.parity import accumulation_with_tail, compare_states, print_table, state_check
-from tests.helpers.run import run
+from app.parity import (
+    accumulation_with_tail,
+    compare_states,
+    lightning_fit,
+    print_table,
+    reference_fit,
+    state_check,
+    variant_config,
+)
+from app.reference.config import load_config
+from tests.helpers.run import REPO, run
+
+
+@pytest.mark.quick
+@pytest.mark.parity
+@pytest.mark.distributed
+def test_lightning_and_the_reference_train_the_same_weights(tmp_path: Path) -> None:
+    """P1 in small: one epoch of the default job at 2 ranks, both ways, every tensor bit for bit."""
+    config = tmp_path / "config.yaml"
+    variant_config(load_config(REPO / "configs" / "digits.yaml"), "adam", epochs=1, world_size=2, path=config)
+    lightning = lightning_fit(config, tmp_path / "lightning", "ddp-app", world_size=2)
+    reference = reference_fit(config, tmp_path / "reference", "mp.spawn", world_size=2)
+    difference, first = compare_states(reference, lightning, tolerance=0.0)
+    assert not first and difference == 0.0, first
 
 
 @pytest.mark.parity
