@@ -367,11 +367,11 @@ class DDPAppCLI(LightningCLI):
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
-        apply_collective_timeout(config["trainer"], config["collective_timeout_s"])
-        if self.launch is not None and self.launch.launcher == "torchrun" and not self.parse_only:
-            fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
-        if self.parse_only:
+        if self.parse_only:  # the plan follows the config as written (before the changes below)
             raise ConfigParsed(config, self._rank_plan(config["trainer"]), self.launch.num_nodes if self.launch else 1)
+        if self.launch is not None and self.launch.launcher == "torchrun":
+            fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
+        apply_collective_timeout(config["trainer"], config["collective_timeout_s"])
         notice = drop_static_graph_for_accumulation(config["trainer"])
         # Every rank parses the config and makes the same change; one line in the log is enough.
         if notice and is_global_rank_zero(self.launch, os.environ):

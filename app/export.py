@@ -57,7 +57,10 @@ def logged_run_config(ckpt_path: Path) -> Path | None:
 
     ddp-app writes checkpoints to `<root>/checkpoints/` and logs to `<root>/<name>/<version>/`.
     """
-    found = list(ckpt_path.resolve().parent.parent.glob("*/*/config.yaml"))
+    directory = ckpt_path.resolve().parent
+    if directory.name != "checkpoints":  # not a run's checkpoint directory: its parent is no run
+        return None
+    found = list(directory.parent.glob("*/*/config.yaml"))
     return max(found, key=lambda path: path.stat().st_mtime) if found else None
 
 

@@ -59,7 +59,10 @@ def _classes_in(module_name: str) -> dict[str, type]:
         module = importlib.import_module(module_name)
     except Exception:
         return {}
-    return {name: value for name, value in vars(module).items() if inspect.isclass(value) and not name.startswith("_")}
+    # `__all__` too: app.models and app.data import their Lightning classes on first use.
+    names = [*vars(module), *getattr(module, "__all__", [])]
+    classes = {name: getattr(module, name, None) for name in names if not name.startswith("_")}
+    return {name: value for name, value in classes.items() if inspect.isclass(value)}
 
 
 def suggest_class(class_path: str) -> str | None:

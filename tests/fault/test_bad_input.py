@@ -20,7 +20,7 @@ import torch
 
 from tests.helpers.run import clean_env, ddp_app, train
 
-pytestmark = pytest.mark.fault
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]  # a module fixture trains a 2-rank run
 
 TIMEOUT_S = 120
 

@@ -142,6 +142,7 @@ def http_server(tmp_path: Path) -> Iterator[str]:
         server.server_close()
 
 
+@pytest.mark.distributed
 def test_malicious_checkpoint_over_http_is_refused_without_running(tmp_path: Path, http_server: str) -> None:
     """Lightning loads http(s) checkpoints with weights_only=False; we never do."""
     malicious_checkpoint(tmp_path)
@@ -160,6 +161,7 @@ def test_malicious_checkpoint_over_http_is_refused_without_running(tmp_path: Pat
     assert not (tmp_path / "PWNED").exists()
 
 
+@pytest.mark.distributed
 def test_our_own_checkpoints_load_with_weights_only(tmp_path: Path, http_server: str) -> None:
     checkpoint = torch.load(train("configs/toy.yaml", tmp_path, epochs=1), weights_only=True)
     assert {"state_dict", "loops", "optimizer_states", "hyper_parameters", "rng_states_per_rank"} <= checkpoint.keys()
