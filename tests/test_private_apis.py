@@ -7,17 +7,16 @@ upgrade breaks here, loudly, and not as a silent change of behaviour in a long r
 
 from __future__ import annotations
 
+import atexit
 import inspect
 from pathlib import Path
 
 import pytest
 import torch
-from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torchvision import datasets
 
 from app.cluster.preemption import LIGHTNING_PER_STEP_SIGTERM_BROADCAST
@@ -68,11 +67,12 @@ def test_fit_loop_counters_the_sampler_and_the_nan_guard_read(tmp_path: Path) ->
         assert isinstance(value, int), f"trainer.{name} is {value!r}, not an int ({DOC})"
 
 
-def test_subprocess_launcher_keeps_its_child_processes_in_procs() -> None:
-    launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
-    assert getattr(launcher, "procs", None) == [], (
-        f"Lightning's _SubprocessScriptLauncher has no `procs` list any more: app.cli cannot find or stop "
-        f"the ranks it started when rank 0 fails ({DOC})"
+def test_atexit_can_still_run_the_exit_handlers_of_a_forked_rank() -> None:
+    # app/cluster/launch.py calls atexit._run_exitfuncs() before a forked rank's os._exit, so that
+    # the rank's loggers and user code flush (tests/cluster/test_launch.py checks the effect).
+    assert callable(getattr(atexit, "_run_exitfuncs", None)), (
+        "CPython's atexit._run_exitfuncs is gone: forked ranks (app/cluster/launch.py) would exit without "
+        "running their exit handlers; find another way to run them before os._exit"
     )
 
 
