@@ -294,6 +294,7 @@ PREEMPTION_RUN = ("--trainer.max_epochs", "40", "--trainer.enable_progress_bar=f
 
 
 @pytest.mark.fault
+@pytest.mark.distributed  # the uninterrupted comparison run starts 2 ranks outside Slurm
 def test_preemption_requeues_and_resumes_exactly(
     idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, tmp_path: Path
 ) -> None:
