@@ -2,12 +2,15 @@
 
     python -m app.slurm render --config configs/digits.yaml [--nodes 2] [--gpus-per-node 4] [ddp-app overrides]
     python -m app.slurm check slurm/multinode.sbatch --config configs/digits.yaml [--trainer.num_nodes 2 ...]
+    python -m app.slurm submit [--sbatch-option=value ...] slurm/train.sbatch configs/digits.yaml [overrides]
     python -m app.slurm endpoint          # inside a job: "first-node:port", the rendezvous for torchrun
 
 `render` takes nodes, tasks per node and GPUs from the config's trainer.num_nodes and trainer.devices
 (options override both sides at once) and pins them on the ddp-app command line as well, so the
 script and the Trainer cannot disagree. `check` lists every disagreement between a script's
-#SBATCH lines and a config, one per line, and exits 1 if there is any.
+#SBATCH lines and a config, one per line, and exits 1 if there is any. `submit` runs `check` (with
+the sbatch options given), creates the log directory (Slurm does not), makes the config paths
+absolute and submits with --chdir set to the current directory, so it works from any directory.
 
 Stdlib and PyYAML only: it runs on a login node in well under a second.
 """
@@ -15,15 +18,21 @@ Stdlib and PyYAML only: it runs on a login node in well under a second.
 from __future__ import annotations
 
 import argparse
+import getpass
+import logging
+import os
 import re
 import shlex
+import shutil
+import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.cluster.preflight import resolve_devices
 from app.cluster.slurm_env import master_address_and_port
-from app.errors import InvalidConfigError
+from app.errors import InvalidConfigError, UserFacingError
 
 # sbatch's short options, as their long names.
 SHORT_OPTIONS = {
@@ -34,11 +43,16 @@ SHORT_OPTIONS = {
     "-J": "job-name",
     "-t": "time",
     "-o": "output",
+    "-e": "error",
+    "-D": "chdir",
     "-p": "partition",
     "-A": "account",
 }
 
 DEFAULTS = {"cpus_per_task": 4, "time": "01:00:00"}
+
+# Slurm's filename patterns (man sbatch, "filename pattern"), with an optional zero-padding width (%4j).
+FILENAME_PATTERN = re.compile(r"%(\d*)([%AabJjNnstux])")
 
 
 @dataclass(frozen=True)
@@ -55,7 +69,16 @@ def read_trainer_shape(config_path: str | Path, overrides: list[str] | None = No
     them: the CLI's own parser (files, `--trainer.X` overrides, precedence), not a second one."""
     from app.cli import parse_config  # imports Lightning: only when a config is read
 
-    trainer = parse_config(["fit", "--config", str(config_path), *(overrides or [])])["trainer"]
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    seed_log_level = seed_log.level
+    seed_log.setLevel(logging.WARNING)  # parsing seeds, and "Seed set to 42" is noise in a one-line report
+    try:
+        with warnings.catch_warnings():
+            # Lightning warns when sys.argv holds arguments too: here they are this tool's own.
+            warnings.filterwarnings("ignore", "LightningCLI's args parameter", UserWarning)
+            trainer = parse_config(["fit", "--config", str(config_path), *(overrides or [])])["trainer"]
+    finally:
+        seed_log.setLevel(seed_log_level)
     devices = trainer.get("devices", "auto")
     count = resolve_devices(devices, "cpu") if str(devices).strip() not in ("auto", "-1") else None
     accelerator = trainer.get("accelerator") or "auto"
@@ -147,6 +170,26 @@ def render(
     )
 
 
+def parse_options(words: list[str]) -> dict[str, str]:
+    """sbatch options (["--nodes=2", "-J", "x", "--requeue"]) by long name; flags map to ""."""
+    options: dict[str, str] = {}
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word.startswith("--"):
+            name, equals, value = word[2:].partition("=")
+            if not equals and index + 1 < len(words) and not words[index + 1].startswith("-"):
+                value, index = words[index + 1], index + 1
+            options[name] = value
+        elif word[:2] in SHORT_OPTIONS:
+            value = word[2:]
+            if not value and index + 1 < len(words):
+                value, index = words[index + 1], index + 1
+            options[SHORT_OPTIONS[word[:2]]] = value
+        index += 1
+    return options
+
+
 def parse_directives(script_text: str) -> dict[str, str]:
     """The script's #SBATCH options by long name ("nodes": "2"); flags map to ""."""
     options: dict[str, str] = {}
@@ -156,21 +199,7 @@ def parse_directives(script_text: str) -> dict[str, str]:
             if line.strip() and not line.lstrip().startswith("#"):
                 break
             continue
-        words = shlex.split(line[len("#SBATCH") :], comments=True)
-        index = 0
-        while index < len(words):
-            word = words[index]
-            if word.startswith("--"):
-                name, equals, value = word[2:].partition("=")
-                if not equals and index + 1 < len(words) and not words[index + 1].startswith("-"):
-                    value, index = words[index + 1], index + 1
-                options[name] = value
-            elif word[:2] in SHORT_OPTIONS:
-                value = word[2:]
-                if not value and index + 1 < len(words):
-                    value, index = words[index + 1], index + 1
-                options[SHORT_OPTIONS[word[:2]]] = value
-            index += 1
+        options.update(parse_options(shlex.split(line[len("#SBATCH") :], comments=True)))
     return options
 
 
@@ -193,11 +222,20 @@ def gpus_per_node_of(options: dict[str, str], nodes: int, tasks_per_node: int | 
     return None
 
 
-def check(script: str | Path, config: str | Path, overrides: list[str] | None = None) -> list[str]:
-    """Every disagreement between an sbatch script and a config, one sentence each."""
+def check(
+    script: str | Path,
+    config: str | Path,
+    overrides: list[str] | None = None,
+    sbatch_options: list[str] | None = None,
+) -> list[str]:
+    """Every disagreement between an sbatch script (with the sbatch command line's options, which
+    win over its #SBATCH lines) and a config, one sentence each."""
     text = Path(script).read_text()
-    options = parse_directives(text)
+    options = {**parse_directives(text), **parse_options(sbatch_options or [])}
     body = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not any(re.search(r"\bddp-app\b|-m app\s", line) for line in body):
+        # The overrides are for the script's program: reference.sbatch takes `--epochs 2`, not ddp-app's.
+        overrides = []
     # A script may pin trainer.devices/num_nodes on its command line (rendered ones do).
     pinned = [
         f"--trainer.{key}={value}"
@@ -248,6 +286,113 @@ def check(script: str | Path, config: str | Path, overrides: list[str] | None = 
     return problems
 
 
+def expand_filename_pattern(pattern: str, values: dict[str, str]) -> str:
+    """`pattern` with the %-codes that `values` knows replaced ("x": job name, "j": job id, ...)
+    and zero-padded as %4j asks; any other code is left as it is."""
+
+    def replace(match: re.Match[str]) -> str:
+        width, code = match.groups()
+        if code == "%":
+            return "%"
+        if code not in values:
+            return match.group(0)
+        return values[code].zfill(int(width or 0))
+
+    return FILENAME_PATTERN.sub(replace, pattern)
+
+
+def log_paths(options: dict[str, str], script: str | Path, cwd: Path, job_id: str | None = None) -> list[Path]:
+    """The job's --output file (and --error, when it has one of its own) as absolute paths, as sbatch
+    resolves them: relative to --chdir, itself relative to cwd. %x and %u are known before the job
+    is submitted, %j and %A only with job_id; other codes are left for Slurm."""
+    workdir = cwd / options.get("chdir", ".")
+    values = {"x": options.get("job-name") or Path(script).name, "u": getpass.getuser()}
+    if job_id is not None:
+        values.update(j=job_id, A=job_id)
+    default_output = "slurm-%A_%a.out" if "array" in options else "slurm-%j.out"
+    patterns = [options.get("output") or default_output, *([options["error"]] if options.get("error") else [])]
+    return [Path(os.path.normpath(workdir / expand_filename_pattern(pattern, values))) for pattern in patterns]
+
+
+def log_directories(options: dict[str, str], script: str | Path, cwd: Path) -> list[Path]:
+    """The directories the job's output and error files go to, which Slurm does not create."""
+    directories = []
+    for path in log_paths(options, script, cwd):
+        unknown = [code for code in FILENAME_PATTERN.findall(str(path.parent)) if code[1] != "%"]
+        if unknown:
+            codes = ", ".join(f"%{width}{code}" for width, code in unknown)
+            raise InvalidConfigError(
+                f"the log directory {path.parent} contains {codes}, which Slurm knows only once the job runs,"
+                " and Slurm does not create directories. Fix: put those codes in the file name only"
+                " (--output=logs/%x-%j.out)."
+            )
+        directories.append(path.parent)
+    return directories
+
+
+def absolute_config_paths(arguments: list[str], cwd: Path) -> list[str]:
+    """`arguments` with every YAML file they name (`--config x.yaml`, `--data=data.yaml`) made
+    absolute, so the job finds them whatever its working directory."""
+
+    def absolute(value: str) -> str:
+        path = cwd / value
+        return os.path.normpath(path) if value.endswith((".yaml", ".yml")) and path.is_file() else value
+
+    resolved = []
+    for argument in arguments:
+        key, equals, value = argument.partition("=")
+        resolved.append(f"{key}={absolute(value)}" if argument.startswith("-") and equals else absolute(argument))
+    return resolved
+
+
+def split_submit_arguments(words: list[str]) -> tuple[list[str], str, str, list[str]]:
+    """`[SBATCH OPTIONS] SCRIPT CONFIG [OVERRIDES]` into its four parts: the script is the first word
+    that is not an option, so sbatch options must carry their value after `=`."""
+    first = next((index for index, word in enumerate(words) if not word.startswith("-")), len(words))
+    sbatch_options, rest = words[:first], [word for word in words[first:] if word != "--"]
+    if len(rest) < 2:
+        raise UserFacingError(
+            "expected SCRIPT CONFIG after the sbatch options."
+            " Usage: python -m app.slurm submit [--sbatch-option=value ...] SCRIPT CONFIG [ddp-app overrides]"
+        )
+    script, config, *overrides = rest
+    return sbatch_options, script, config, overrides
+
+
+def submit(
+    script: str, config: str, overrides: list[str] | None = None, sbatch_options: list[str] | None = None
+) -> tuple[str, Path]:
+    """`sbatch --chdir=$PWD [SBATCH OPTIONS] SCRIPT CONFIG [OVERRIDES]` once `check` agrees, with the
+    config paths made absolute and the log directory created; returns the job id and its log file."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise UserFacingError("sbatch not found: run this on a Slurm login node (or put Slurm's commands on PATH).")
+    sbatch_options = sbatch_options or []
+    if not Path(script).is_file():
+        hint = " HINT: sbatch options go before the script, as --name=value (--partition=gpu, not -p gpu)."
+        raise UserFacingError(f"no sbatch script {script!r}.{hint if sbatch_options else ''}")
+    if not Path(config).is_file():
+        raise UserFacingError(f"no config file {config!r} (relative paths are relative to {Path.cwd()}).")
+    cwd = Path.cwd()
+    config, *overrides = absolute_config_paths([config, *(overrides or [])], cwd)
+    problems = check(script, config, overrides, sbatch_options)
+    if problems:
+        raise UserFacingError(f"{script} disagrees with {config}, nothing submitted: {' '.join(problems)}")
+    options = {**parse_directives(Path(script).read_text()), **parse_options(sbatch_options)}
+    for directory in log_directories(options, script, cwd):
+        directory.mkdir(parents=True, exist_ok=True)
+    # The scripts run `ddp-app` from PATH: the job (sbatch exports this environment) uses the
+    # environment of this command even when it was not activated.
+    environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    command = [sbatch, "--parsable", f"--chdir={cwd}", *sbatch_options, script, config, *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=120)
+    if result.returncode != 0:
+        raise UserFacingError(f"sbatch refused the job: {' '.join(result.stderr.split())}")
+    sys.stderr.write(result.stderr)
+    job_id = result.stdout.strip().split(";")[0]
+    return job_id, log_paths(options, script, cwd, job_id)[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.slurm", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -266,6 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     check_parser = commands.add_parser("check", help="list every disagreement between a script and a config")
     check_parser.add_argument("script")
     check_parser.add_argument("--config", required=True)
+
+    submit_parser = commands.add_parser(
+        "submit",
+        help="check a script against a config, create its log directory and sbatch it, from any directory",
+        usage="python -m app.slurm submit [--sbatch-option=value ...] SCRIPT CONFIG [ddp-app overrides]",
+    )
+    submit_parser.add_argument("script")
+    submit_parser.add_argument("config")
 
     commands.add_parser("endpoint", help="inside a job: the rendezvous host:port (first node, per-job port)")
 
@@ -299,10 +452,16 @@ def main(argv: list[str] | None = None) -> int:
             if not problems:
                 print(f"{args.script} agrees with {args.config}")
             return 1 if problems else 0
+        if args.command == "submit":
+            words = sys.argv[1:] if argv is None else argv
+            sbatch_options, script, config, overrides = split_submit_arguments(words[words.index("submit") + 1 :])
+            job_id, log = submit(script, config, overrides, sbatch_options)
+            print(f"submitted job {job_id}; log: {log}")
+            return 0
         address, port = master_address_and_port()
         print(f"{address}:{port}")
         return 0
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, UserFacingError) as error:
         detail = f"not inside a Slurm job ({error} is not set)" if isinstance(error, KeyError) else error
         print(f"{prog}: error: {detail}", file=sys.stderr)
         return 2

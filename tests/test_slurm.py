@@ -6,6 +6,8 @@ the command in the failure message and review the diff.
 
 from __future__ import annotations
 
+import getpass
+import os
 import shlex
 import shutil
 import subprocess
@@ -15,7 +17,17 @@ from pathlib import Path
 import pytest
 
 from app.cluster.slurm_env import job_master_port
-from app.slurm import check, main, parse_directives, render
+from app.errors import InvalidConfigError
+from app.slurm import (
+    absolute_config_paths,
+    check,
+    log_directories,
+    log_paths,
+    main,
+    parse_directives,
+    render,
+    split_submit_arguments,
+)
 from tests.helpers.run import REPO
 
 GOLDEN = REPO / "tests" / "golden"
@@ -132,3 +144,100 @@ def test_endpoint_inside_and_outside_a_job(capsys: pytest.CaptureFixture[str], m
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
     assert main(["endpoint"]) == 0
     assert capsys.readouterr().out == f"gpu07:{job_master_port('4242')}\n"
+
+
+# --- submit: the log-path and argument logic, and the whole command against a fake sbatch ----------
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"output": "logs/%x-%j.out", "job-name": "ddp-app"}, ["/work/logs/ddp-app-42.out"]),
+        ({}, ["/work/slurm-42.out"]),  # Slurm's default
+        ({"output": "%x.%5j.out"}, ["/work/train.sbatch.00042.out"]),  # default job name: the script's
+        ({"output": "logs/%u/%N-%j.out", "chdir": "runs"}, [f"/work/runs/logs/{getpass.getuser()}/%N-42.out"]),
+        ({"output": "/scratch/o-%A_%a.out", "error": "e/%j.err", "chdir": "/elsewhere"}, [
+            "/scratch/o-42_%a.out", "/elsewhere/e/42.err",
+        ]),
+        ({"output": "%%x-%j.out"}, ["/work/%x-42.out"]),  # %% is a literal %
+    ],
+)  # fmt: skip
+def test_log_paths_expand_slurm_patterns_relative_to_chdir(options: dict[str, str], expected: list[str]) -> None:
+    assert log_paths(options, "slurm/train.sbatch", Path("/work"), job_id="42") == [Path(path) for path in expected]
+
+
+def test_log_directories_are_known_before_submission_or_refused() -> None:
+    options = {"output": "logs/%x/%j.out", "job-name": "digits", "error": "err/%j.err"}
+    assert log_directories(options, "train.sbatch", Path("/work")) == [Path("/work/logs/digits"), Path("/work/err")]
+    with pytest.raises(InvalidConfigError, match=r"contains %j, which Slurm knows only once the job runs"):
+        log_directories({"output": "logs/%j/out.txt"}, "train.sbatch", Path("/work"))
+
+
+def test_absolute_config_paths_only_touches_yaml_files_that_exist(tmp_path: Path) -> None:
+    (tmp_path / "my.yaml").write_text("trainer: {}\n")
+    arguments = ["my.yaml", "--data=my.yaml", "--config", "my.yaml", "--trainer.max_epochs", "1", "missing.yaml"]
+    mine = str(tmp_path / "my.yaml")
+    assert absolute_config_paths(arguments, tmp_path) == [
+        mine, f"--data={mine}", "--config", mine, "--trainer.max_epochs", "1", "missing.yaml",
+    ]  # fmt: skip
+
+
+def test_split_submit_arguments_at_the_first_word_that_is_no_option() -> None:
+    words = ["--gpus-per-node=0", "-N1", "slurm/train.sbatch", "c.yaml", "--", "--trainer.max_epochs", "1"]
+    assert split_submit_arguments(words) == (
+        ["--gpus-per-node=0", "-N1"], "slurm/train.sbatch", "c.yaml", ["--trainer.max_epochs", "1"],
+    )  # fmt: skip
+
+
+def test_check_lets_sbatch_options_win_over_directives() -> None:
+    script, config = REPO / "slurm" / "multinode.sbatch", REPO / "configs" / "digits.yaml"
+    assert check(script, config) != []
+    assert check(script, config, sbatch_options=["--nodes=1"]) == []
+    # The reference takes its own options, not ddp-app overrides: the script is checked against the config alone.
+    assert check(REPO / "slurm" / "reference.sbatch", config, ["--epochs", "2"]) == []
+
+
+@pytest.fixture
+def fake_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An `sbatch` on PATH that records its arguments and answers like `sbatch --parsable`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/sbatch-args\necho "4242;cluster"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path / "sbatch-args"
+
+
+def test_submit_from_another_directory(
+    fake_sbatch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    submit_dir = tmp_path / "scratch"
+    submit_dir.mkdir()
+    monkeypatch.chdir(submit_dir)
+    config = os.path.relpath(REPO / "configs" / "digits.yaml")
+    script = str(REPO / "slurm" / "train.sbatch")
+    assert main(["submit", "--gpus-per-node=0", script, config, "--trainer.max_epochs", "1"]) == 0
+    assert capsys.readouterr().out == f"submitted job 4242; log: {submit_dir}/logs/ddp-app-4242.out\n"
+    assert (submit_dir / "logs").is_dir()
+    assert fake_sbatch.read_text().split() == [
+        "--parsable", f"--chdir={submit_dir}", "--gpus-per-node=0", script, str(REPO / "configs" / "digits.yaml"),
+        "--trainer.max_epochs", "1",
+    ]  # fmt: skip
+
+
+def test_submit_refuses_in_one_line(
+    fake_sbatch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs" / "digits.yaml")
+    assert main(["submit", str(REPO / "slurm" / "multinode.sbatch"), config]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "multinode.sbatch disagrees with" in line and "--nodes=2 but trainer.num_nodes=1" in line, line
+    assert not fake_sbatch.exists() and not (tmp_path / "logs").exists()
+
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert main(["submit", str(REPO / "slurm" / "train.sbatch"), config]) == 2
+    assert capsys.readouterr().err == (
+        "python -m app.slurm submit: error: sbatch not found: run this on a Slurm login node"
+        " (or put Slurm's commands on PATH).\n"
+    )

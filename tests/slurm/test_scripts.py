@@ -7,6 +7,10 @@ instead of the scripts' hour, and a short run of configs/digits.yaml. Jobs are p
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -141,6 +145,32 @@ def test_reference_sbatch_equals_srun(
     assert compare_states(weights(lightning_run[1]), safe_load(out / "final.pt"), 0.0) == (0.0, "")
 
 
+def test_submit_from_another_directory(slurm_cluster: LocalSlurmCluster, tmp_path: Path) -> None:
+    """`python -m app.slurm submit` from a directory without logs/, with the config given relative to it."""
+    config = os.path.relpath(CONFIG, tmp_path)
+    command = [
+        sys.executable, "-m", "app.slurm", "submit", *CPU_ONLY, str(SLURM / "train.sbatch"), config,
+        "--trainer.max_epochs", "1",
+    ]  # fmt: skip
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=tmp_path, env=slurm_cluster.env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    submitted = re.fullmatch(r"submitted job (\d+); log: (\S+)\n", result.stdout)
+    assert submitted, result.stdout
+    job_id, log = int(submitted[1]), Path(submitted[2])
+    try:
+        state = slurm_cluster.wait_for_state(job_id, FINAL_STATES, timeout=150)
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)], check=False)
+    print(f"{result.stdout.strip()}: {state} after {time.monotonic() - start:.1f} s")
+    assert log == tmp_path / "logs" / f"ddp-app-{job_id}.out" == Path(slurm_cluster.job_info(job_id)["StdOut"])
+    output = log.read_text(errors="replace")
+    assert state == "COMPLETED", output[-3000:]
+    assert f"config {REPO / 'configs' / 'digits.yaml'}" in output  # the script got the absolute path
+    # The job ran in the submit directory: the config's relative default_root_dir is below it.
+    assert (tmp_path / "runs" / "digits" / "checkpoints" / "last.ckpt").is_file()
+
+
 # --- pre-flight: each mistake stops every rank with one line, long before any time limit ---------
 
 NO_SRUN_SCRIPT = f"""#!/bin/bash
@@ -264,6 +294,7 @@ PREEMPTION_RUN = ("--trainer.max_epochs", "40", "--trainer.enable_progress_bar=f
 
 
 @pytest.mark.fault
+@pytest.mark.distributed  # the uninterrupted comparison run starts 2 ranks outside Slurm
 def test_preemption_requeues_and_resumes_exactly(
     idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, tmp_path: Path
 ) -> None:
