@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar, TQDMP
 from app.checkpoints import atomic_torch_save
 from app.errors import NonFiniteLossError
 from app.last_checkpoint import find_last_checkpoint
+from app.user_code import USER_CODE_DIRECTORIES
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -65,6 +66,8 @@ class ExactResume(L.Callback):
         else:
             states = [state]
         checkpoint["rng_states_per_rank"] = states
+        # Where this run imported the user's classes from: `python -m app.export` rebuilds them later.
+        checkpoint["user_code_directories"] = list(USER_CODE_DIRECTORIES)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         states = checkpoint.get("rng_states_per_rank")
