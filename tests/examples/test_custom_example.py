@@ -8,14 +8,17 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.checkpoints import safe_load
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from tests.fault.test_resume import assert_same_weights, group_is_gone, overlay, start_fit, wait_for_step
-from tests.helpers.run import REPO, clean_env, ddp_app, kill_job
+from tests.helpers.isolated import predict_in_isolation
+from tests.helpers.run import REPO, clean_env, ddp_app, kill_job, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.fault]
 
@@ -122,3 +125,28 @@ def test_preemption_saves_at_a_step_boundary_and_resumes_bit_exactly(baseline, t
     resumed = fit(extra, tmp_path / "run", "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_weights(checkpoints / FINAL, tmp_path / "run" / "checkpoints" / FINAL)
+
+
+def test_the_example_exports_to_a_program_that_runs_without_its_code(baseline, tmp_path: Path) -> None:
+    """`python -m app.export --format exported-program`, run from elsewhere: the user's module is found
+    where the run imported it from, and the .pt2 runs where neither it nor `app` can be imported."""
+    _, checkpoints = baseline
+    out = tmp_path / "model.pt2"
+    result = run(
+        [sys.executable, "-m", "app.export", "--ckpt", str(checkpoints / "last.ckpt"), "--out", str(out),
+         "--format", "exported-program", "--config", str(REPO / CONFIG)],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    sys.path.insert(0, str(REPO / "examples" / "custom"))
+    try:
+        from mymodels import MyNet
+    finally:
+        sys.path.remove(str(REPO / "examples" / "custom"))
+    checkpoint = safe_load(checkpoints / "last.ckpt")
+    module = MyNet(**{key: value for key, value in checkpoint["hyper_parameters"].items() if not key.startswith("_")})
+    module.load_state_dict(checkpoint["state_dict"])
+    inputs = torch.randn(5, 16)
+    with torch.no_grad():
+        expected = module.eval()(inputs)
+    assert torch.equal(predict_in_isolation(out, inputs, tmp_path / "isolated"), expected)
