@@ -299,7 +299,9 @@ def variant_config(base: dict[str, Any], optimizer: str, epochs: int, world_size
     return config
 
 
-def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, optimizers: list[str]) -> list[Check]:
+def run_parity(
+    config_path: Path, world_size: int, epochs: int, out_dir: Path, optimizers: list[str]
+) -> tuple[list[Check], dict[str, float]]:
     base = load_config(config_path)
     checks: list[Check] = []
     steps = [
@@ -316,22 +318,32 @@ def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, o
     # the conversion moves every optimizer's state the same way, and Adam has the most of it.
     interop_optimizer = "adam" if "adam" in optimizers else optimizers[0]
     progress = tqdm(total=len(steps) * len(optimizers), desc="parity", unit="step", file=sys.stderr)
+    seconds = dict.fromkeys(steps, 0.0)  # per step, summed over the optimizers: where the time goes
+    clock = time.perf_counter()
+
+    def step_done(step: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[step] += now - clock
+        clock = now
+        progress.update()
+
     for optimizer in optimizers:
         work = out_dir / optimizer
         work.mkdir(parents=True, exist_ok=True)
         variant_path = work / "config.yaml"
         config = variant_config(base, optimizer, epochs, world_size, variant_path)
-        progress.update()
+        step_done("config")
 
         progress.set_postfix_str(f"{optimizer}: lightning fit")
         lightning = lightning_fit(variant_path, work / "lightning", "ddp-app", world_size)
-        progress.update()
+        step_done("lightning fit")
         progress.set_postfix_str(f"{optimizer}: reference")
         reference = reference_fit(variant_path, work / "reference", "mp.spawn", world_size)
         checks.append(
             state_check("P1", optimizer, f"Lightning DDP vs reference DDP, {world_size} ranks", reference, lightning)
         )
-        progress.update()
+        step_done("reference mp.spawn")
 
         progress.set_postfix_str(f"{optimizer}: single process")
         accumulated = single_process_fit(config, world_size, "accumulate")
@@ -355,7 +367,7 @@ def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, o
                 1e-6,
             )
         )
-        progress.update()
+        step_done("P2 single process")
 
         progress.set_postfix_str(f"{optimizer}: evaluation")
         (last,) = (work / "lightning").rglob("last.ckpt")
@@ -383,7 +395,7 @@ def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, o
                     detail,
                 )
             )
-        progress.update()
+        step_done("P3 eval")
 
         if optimizer == interop_optimizer:
             progress.set_postfix_str(f"{optimizer}: reference -> Lightning")
@@ -408,7 +420,7 @@ def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, o
                 {"logits": predictions(plain_net, job.val_dataset)},
             )
         )
-        progress.update()
+        step_done("P4 interop, export")
 
         progress.set_postfix_str(f"{optimizer}: torchrun")
         lightning_torchrun = lightning_fit(variant_path, work / "lightning_torchrun", "torchrun", world_size)
@@ -417,21 +429,21 @@ def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, o
             state_check("P5", optimizer, "ddp-app launcher vs ddp-app under torchrun", lightning, lightning_torchrun)
         )
         checks.append(state_check("P5", optimizer, "reference: mp.spawn vs torchrun", reference, reference_torchrun))
-        progress.update()
+        step_done("P5 torchrun")
 
         progress.set_postfix_str(f"{optimizer}: accumulation")
         batches = batches_per_epoch(job, world_size)
-        steps = accumulation_with_tail(batches)
+        micro_batches = accumulation_with_tail(batches)
         accumulate_path = work / "config_accumulate.yaml"
         accumulate_config = copy.deepcopy(config)
-        accumulate_config["trainer"]["accumulate_grad_batches"] = steps
+        accumulate_config["trainer"]["accumulate_grad_batches"] = micro_batches
         accumulate_path.write_text(yaml.safe_dump(accumulate_config, sort_keys=False))
         lightning_accumulated = lightning_fit(accumulate_path, work / "lightning_accumulate", "ddp-app", world_size)
         reference_accumulated = reference_fit(accumulate_path, work / "reference_accumulate", "mp.spawn", world_size)
         check = state_check(
             "P6",
             optimizer,
-            f"Lightning vs reference, accumulating {steps} of {batches} batches/epoch",
+            f"Lightning vs reference, accumulating {micro_batches} of {batches} batches/epoch",
             reference_accumulated,
             lightning_accumulated,
         )
@@ -439,9 +451,9 @@ def run_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path, o
         if all(torch.equal(lightning[key], lightning_accumulated[key]) for key in lightning):
             check.passed, check.detail = False, "the weights equal the run without accumulation: k had no effect"
         checks.append(check)
-        progress.update()
+        step_done("P6 accumulation")
     progress.close()
-    return checks
+    return checks, {step: round(value, 1) for step, value in seconds.items()}
 
 
 def reference_continued_by_lightning(
@@ -513,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.config.is_file():
         parser.error(f"config {args.config} does not exist")
     started = time.perf_counter()
-    checks = run_parity(args.config, args.world_size, args.epochs, args.out, optimizers)
+    checks, step_seconds = run_parity(args.config, args.world_size, args.epochs, args.out, optimizers)
     print_table(checks)
     json_path = args.json or args.out / "parity.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -522,6 +534,7 @@ def main(argv: list[str] | None = None) -> None:
         "world_size": args.world_size,
         "epochs": args.epochs,
         "seconds": round(time.perf_counter() - started, 1),
+        "step_seconds": step_seconds,
         "passed": all(c.passed for c in checks),
         "checks": [asdict(check) for check in checks],
     }
