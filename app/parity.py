@@ -314,7 +314,7 @@ def run_parity(
         "P5 torchrun",
         "P6 accumulation",
     ]
-    # P4's continuation is two more launches (about 20 s here); it runs for one optimizer, Adam's:
+    # P4's continuation is two more launches (about 15 s here); it runs for one optimizer, Adam's:
     # the conversion moves every optimizer's state the same way, and Adam has the most of it.
     interop_optimizer = "adam" if "adam" in optimizers else optimizers[0]
     progress = tqdm(total=len(steps) * len(optimizers), desc="parity", unit="step", file=sys.stderr)
@@ -470,7 +470,9 @@ def reference_continued_by_lightning(
     shutil.copy(snapshot_path, continued / "snapshot.pt")
     more_epochs = [f"--trainer.max_epochs={epochs + 1}", "--ckpt_path", str(converted)]
     lightning = lightning_fit(config_path, work / "lightning_continued", "ddp-app", world_size, more_epochs)
-    reference = reference_fit(config_path, continued, "mp.spawn", world_size, ["--epochs", str(epochs + 1)])
+    # torchrun, not mp.spawn: it starts the reference in about half the time here, and P5 shows the
+    # launcher does not change a bit.
+    reference = reference_fit(config_path, continued, "torchrun", world_size, ["--epochs", str(epochs + 1)])
     check = state_check(
         "P4",
         optimizer,
