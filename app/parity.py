@@ -415,7 +415,7 @@ def run_parity(
             state_check(
                 "P4",
                 optimizer,
-                "exported model.pt (weights_only) vs Lightning checkpoint: predictions",
+                "exported model.pt (weights_only) vs Lightning ckpt: predictions",
                 {"logits": predictions(lightning_net, job.val_dataset)},
                 {"logits": predictions(plain_net, job.val_dataset)},
             )
@@ -476,7 +476,7 @@ def reference_continued_by_lightning(
     check = state_check(
         "P4",
         optimizer,
-        f"reference epoch-{epochs} snapshot as Lightning .ckpt vs reference, +1 epoch",
+        f"reference snapshot, epoch {epochs} +1: Lightning from .ckpt vs reference",
         reference,
         lightning,
     )
