@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from app.parity import (
     lightning_fit,
     print_table,
     reference_fit,
+    reference_to_lightning_checkpoint,
     state_check,
     variant_config,
 )
@@ -64,6 +66,15 @@ def test_parity_command_passes_on_digits(tmp_path: Path) -> None:
     names = {(check["name"], check["optimizer"]) for check in checks}
     for optimizer in ("sgd", "adam"):
         assert {(name, optimizer) for name in ("P1", "P2a", "P2b", "P3", "P4", "P5", "P6")} <= names
+    interop = [check for check in checks if check["name"] == "P4" and "snapshot" in check["compared"]]
+    assert [check["optimizer"] for check in interop] == ["adam"], interop
+    launchers = [check["compared"] for check in checks if check["name"] == "P5"]
+    assert sorted(launchers) == sorted(
+        2 * ["ddp-app launcher vs ddp-app under torchrun", "reference: mp.spawn vs torchrun"]
+    )
+    # The README states how many checks the command makes on this config.
+    stated = re.search(r"\((\d+) distinct checks", (REPO / "README.md").read_text())
+    assert stated and int(stated.group(1)) == len(checks), (stated, len(checks))
     for check in checks:
         if check["name"] in ("P1", "P2a", "P3", "P4", "P5", "P6"):
             assert check["max_abs_diff"] == 0.0, check
@@ -95,3 +106,37 @@ def test_a_single_bit_counts_as_a_difference() -> None:
     nudged = torch.nextafter(tensor, torch.tensor([2.0]))
     _, detail = compare_states({"w": tensor}, {"w": nudged}, tolerance=0.0)
     assert detail
+
+
+def test_a_reference_snapshot_becomes_a_lightning_checkpoint_with_its_optimizer_state() -> None:
+    from app.models import MLPClassifier
+
+    module = MLPClassifier(in_features=4, hidden=3, num_classes=2)
+    optimizer = torch.optim.Adam(module.net.parameters())
+    module.net(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    snapshot = {
+        "MODEL_STATE": module.net.state_dict(),
+        "OPTIMIZER_STATE": optimizer.state_dict(),
+        "SCHEDULER_STATE": scheduler.state_dict(),
+        "EPOCHS_RUN": 3,
+    }
+    lightning = {
+        "pytorch-lightning_version": "2.6.6",
+        "epoch": 2,
+        "global_step": 60,
+        "loops": {"fit_loop": {}},
+        "state_dict": {"net.fc1.weight": torch.zeros(3, 4)},  # Lightning's own weights: must not leak in
+        "optimizer_states": [{}],
+        "rng_states_per_rank": [{}],
+    }
+    checkpoint = reference_to_lightning_checkpoint(snapshot, module, lightning)
+    assert checkpoint["loops"] is lightning["loops"] and checkpoint["global_step"] == 60
+    assert checkpoint["state_dict"].keys() == module.state_dict().keys()
+    assert torch.equal(checkpoint["state_dict"]["net.fc1.weight"], module.net.fc1.weight)
+    assert checkpoint["optimizer_states"] == [snapshot["OPTIMIZER_STATE"]]
+    assert checkpoint["lr_schedulers"] == [snapshot["SCHEDULER_STATE"]]
+    assert "rng_states_per_rank" not in checkpoint and "callbacks" not in checkpoint
+    with pytest.raises(ValueError, match="same epoch"):
+        reference_to_lightning_checkpoint({**snapshot, "EPOCHS_RUN": 2}, module, lightning)
