@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import random
 import sys
 import tempfile
 import warnings
@@ -50,7 +51,7 @@ from app.checkpoints import (
     summarize_checkpoint,
 )
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, INTERRUPTED_EXIT_CODE
-from app.cluster.launch import RankPlan, rank_plan, run_local_ranks
+from app.cluster.launch import RankPlan, rank_plan, run_local_ranks, with_ckpt_path_last, worth_a_restart
 from app.cluster.preemption import Stopped
 from app.cluster.preflight import (
     Launch,
@@ -147,6 +148,8 @@ def check_config(config: Any) -> None:
     lr = (optimizer or {}).get("init_args", {}).get("lr") if optimizer else None
     if isinstance(lr, (int, float)) and lr <= 0:
         raise UserFacingError(f"optimizer.init_args.lr must be > 0, got {lr}. Fix: a positive learning rate.")
+    if (config.get("restarts") or 0) < 0:
+        raise UserFacingError(f"restarts must be >= 0, got {config['restarts']}. Fix: 0 (no restarts) or a count.")
     devices = trainer.get("devices")
     if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
         devices = int(devices)
@@ -322,6 +325,14 @@ class DDPAppCLI(LightningCLI):
             type=float,
             default=DEFAULT_COLLECTIVE_TIMEOUT_S,
             help="How long a collective (or the rendezvous) may wait for a peer before every rank fails.",
+        )
+        parser.add_argument(
+            "--restarts",
+            type=int,
+            default=0,
+            help="When a rank fails for a reason other than bad input (killed, lost, crashed), stop the others and "
+            "start every local rank again from last.ckpt, up to this many times (a plain launch; under torchrun use "
+            "--max-restarts).",
         )
         # A group of its own (not trainer.callbacks): ddp-app always keeps last.ckpt fresh, and the
         # interval is one key to set: `last_checkpoint.every_n_seconds`.
@@ -504,7 +515,7 @@ def main(args: list[str] | None = None) -> None:
     try:
         DDPAppCLI(args=args, parse_only=True)
     except ConfigParsed as checked:
-        plan, num_nodes = checked.plan, checked.num_nodes
+        plan, num_nodes, restarts = checked.plan, checked.num_nodes, checked.config["restarts"]
     except KeyboardInterrupt:
         print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT_CODE) from None
@@ -519,7 +530,20 @@ def main(args: list[str] | None = None) -> None:
     if plan.notice:
         print(plan.notice, flush=True)
     rank_args = args + list(plan.extra_args)
-    raise SystemExit(run_local_ranks(plan.processes, lambda: run(rank_args), os.environ, num_nodes))
+    # One seed for every round: a restart must shuffle the data as the first round did.
+    os.environ.setdefault("PL_GLOBAL_SEED", str(random.randint(0, 2**31 - 1)))
+    code = run_local_ranks(plan.processes, lambda: run(rank_args), os.environ, num_nodes)
+    for restart in range(1, restarts + 1):
+        if not worth_a_restart(code):
+            break
+        print(
+            f"ddp-app: restart {restart} of {restarts} after exit code {code}: every rank starts again from last.ckpt",
+            file=sys.stderr,
+            flush=True,
+        )
+        resume_args = with_ckpt_path_last(rank_args)
+        code = run_local_ranks(plan.processes, lambda: run(resume_args), os.environ, num_nodes)  # noqa: B023
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
+from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
 
 # Sent to the parent by a scheduler or a user; SIGINT is forwarded by its own handler (once).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -118,6 +118,27 @@ def rank_plan(strategy: Any, processes_per_node: int, on_cpu: bool, devices: Any
         notes.append(f"trainer.devices={devices!r} on CPU: {processes_per_node} process(es)")
     notice = f"ddp-app: {'; '.join(notes)}." if notes else ""
     return RankPlan(processes_per_node, tuple(extra), notice)
+
+
+def with_ckpt_path_last(args: list[str]) -> list[str]:
+    """A ddp-app command line (without the program) with `--ckpt_path last` in place of any ckpt_path."""
+    kept: list[str] = []
+    skip_value = False
+    for arg in args:
+        if skip_value:
+            skip_value = False
+        elif arg == "--ckpt_path":
+            skip_value = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    return [*kept, "--ckpt_path", "last"]
+
+
+def worth_a_restart(exit_code: int) -> bool:
+    """A failure that running again may not repeat (a rank killed, a node lost, a crash), as opposed
+    to success, a deliberate stop, or a deterministic one that exits 2 (bad input, a non-finite
+    loss, a checkpoint that does not load)."""
+    return exit_code not in (0, BAD_INPUT_EXIT_CODE, *STOP_EXIT_CODES)
 
 
 def describe_exit(returncode: int) -> str:

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from app.cluster.launch import with_ckpt_path_last
 from app.cluster.preflight import INTERACTIVE_JOB_NAMES
 from app.errors import UserFacingError
 
@@ -100,18 +101,7 @@ def stop_message(signum: int, step: int, epoch: int, path: str, is_global_zero: 
 def resume_command(argv: list[str]) -> str:
     """This command line with `--ckpt_path last` in place of any ckpt_path it had."""
     program = "ddp-app" if os.path.basename(argv[0]).startswith(("ddp-app", "__main__")) else argv[0]
-    kept: list[str] = []
-    skip_value = False
-    for arg in argv[1:]:
-        if skip_value:
-            skip_value = False
-            continue
-        if arg == "--ckpt_path":
-            skip_value = True
-            continue
-        if not arg.startswith("--ckpt_path="):
-            kept.append(arg)
-    return shlex.join([program, *kept, "--ckpt_path", "last"])
+    return shlex.join([program, *with_ckpt_path_last(argv[1:])])
 
 
 def requeue_slurm_job() -> str:

@@ -5,7 +5,6 @@ Exact evaluation at 1, 2 and 3 ranks, exact mid-epoch resume, one last.ckpt, pre
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import sys
@@ -16,9 +15,9 @@ import torch
 
 from app.checkpoints import safe_load
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
-from tests.fault.test_resume import assert_same_weights, group_is_gone, overlay, start_fit, wait_for_step
+from tests.fault.test_resume import assert_same_weights, overlay, stop_with_signal
 from tests.helpers.isolated import predict_in_isolation
-from tests.helpers.run import REPO, clean_env, ddp_app, kill_job, run
+from tests.helpers.run import REPO, clean_env, ddp_app, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.fault]
 
@@ -107,18 +106,8 @@ def test_resume_is_bit_exact(baseline, checkpoint: str, tmp_path: Path) -> None:
 
 def test_preemption_saves_at_a_step_boundary_and_resumes_bit_exactly(baseline, tmp_path: Path) -> None:
     extra, checkpoints = baseline
-    process = start_fit(CONFIG, extra, tmp_path / "run")
-    try:
-        wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 60, process)
-        os.killpg(process.pid, signal.SIGUSR1)  # as SLURM sends it to the batch step
-        process.wait(timeout=60)
-        assert process.returncode == PREEMPTED_EXIT_CODE
-        assert group_is_gone(process, 10)
-    finally:
-        if process.poll() is None:
-            kill_job(process.pid)
-            process.wait()
-    log = (tmp_path / "run.log").read_text()
+    code, log = stop_with_signal(CONFIG, extra, tmp_path / "run", signal.SIGUSR1, at_step=60)
+    assert code == PREEMPTED_EXIT_CODE, log[-3000:]
     step = int(re.search(r"preempted at global step (\d+)", log).group(1))
     assert step < EPOCHS * 16, "training ended before the signal"
     assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step

@@ -14,7 +14,7 @@ import pytest
 
 from app.checkpoints import CheckpointError, safe_load
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
-from tests.fault.test_resume import fit, resume_and_compare, start_fit, wait_for_step
+from tests.fault.test_resume import fit, resume_and_compare, start_fit, stop_with_signal, wait_for_step
 from tests.helpers.run import kill_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -88,16 +88,9 @@ def test_ctrl_c_to_the_process_group_saves_at_one_step_exits_130_and_resumes_bit
 ) -> None:
     overlay, expected = uninterrupted
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    process = start_fit("configs/digits.yaml", overlay, tmp_path / "run")
-    try:
-        wait_for_step(last, 200, process)
-        os.killpg(process.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
-        process.wait(timeout=60)
-    finally:
-        kill_job(process.pid)
-        process.wait()
-    log = (tmp_path / "run.log").read_text()
-    assert process.returncode == INTERRUPTED_EXIT_CODE, log[-3000:]
+    # To the process group: what a terminal does on Ctrl-C.
+    code, log = stop_with_signal("configs/digits.yaml", overlay, tmp_path / "run", signal.SIGINT, at_step=200)
+    assert code == INTERRUPTED_EXIT_CODE, log[-3000:]
     step, line = interrupt_line(log)
     assert safe_load(last)["global_step"] == step
     assert f"Resume with: ddp-app fit --config configs/digits.yaml --config {overlay}" in line
@@ -109,16 +102,10 @@ def test_ctrl_c_to_the_process_group_saves_at_one_step_exits_130_and_resumes_bit
 def test_sigint_to_the_launcher_alone_stops_like_ctrl_c(uninterrupted, tmp_path: Path) -> None:
     overlay, _ = uninterrupted
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    process = start_fit("configs/digits.yaml", overlay, tmp_path / "run")
-    try:
-        wait_for_step(last, 100, process)
-        os.kill(process.pid, signal.SIGINT)
-        process.wait(timeout=60)
-    finally:
-        kill_job(process.pid)
-        process.wait()
-    log = (tmp_path / "run.log").read_text()
-    assert process.returncode == INTERRUPTED_EXIT_CODE, log[-3000:]
+    code, log = stop_with_signal(
+        "configs/digits.yaml", overlay, tmp_path / "run", signal.SIGINT, at_step=100, to_group=False
+    )
+    assert code == INTERRUPTED_EXIT_CODE, log[-3000:]
     step, _ = interrupt_line(log)
     assert safe_load(last)["global_step"] == step
 

@@ -1,4 +1,5 @@
-"""torchrun --max-restarts brings a job back from a rank killed with kill -9, bit-exactly."""
+"""torchrun --max-restarts, and ddp-app --restarts, bring a job back from a rank killed with kill -9,
+bit-exactly; a deterministic failure is not retried."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.fault.test_last_checkpoint import uninterrupted  # noqa: F401 (the shared baseline run)
-from tests.fault.test_resume import assert_same_weights, wait_for_step
-from tests.helpers.run import BIN, REPO, clean_env, kill_job, rank_pids
+from tests.fault.test_resume import assert_same_weights, start_fit, wait_for_step
+from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, rank_pids
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -40,3 +41,33 @@ def test_torchrun_restarts_the_group_after_kill_9_and_ends_bit_exact(uninterrupt
     assert "--ckpt_path last: none yet, starting fresh" in output  # the first round
     assert f"--ckpt_path last: resuming from {last}" in output, output[-4000:]  # the restarted round
     assert_same_weights(expected, last)
+
+
+def test_the_launcher_restarts_every_rank_from_last_after_kill_9(uninterrupted, tmp_path: Path) -> None:  # noqa: F811
+    overlay, expected = uninterrupted
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    process = start_fit("configs/digits.yaml", overlay, tmp_path / "run", "--restarts=1")
+    try:
+        wait_for_step(last, 200, process)
+        os.kill(rank_pids(process.pid)[1], signal.SIGKILL)
+        process.wait(timeout=240)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    output = (tmp_path / "run.log").read_text()
+    assert process.returncode == 0, output[-4000:]
+    assert "ddp-app: rank 1 (pid" in output and "was killed by SIGKILL" in output  # the failure is named
+    assert "ddp-app: restart 1 of 1 after exit code 137: every rank starts again from last.ckpt" in output
+    assert f"--ckpt_path last: resuming from {last}" in output, output[-4000:]
+    assert_same_weights(expected, last)
+
+
+def test_a_deterministic_failure_is_not_restarted(tmp_path: Path) -> None:
+    # A diverging loss exits 2 on every attempt: running it again would only repeat it.
+    result = ddp_app(
+        "fit", "--config", "configs/digits.yaml", "--restarts=2", "--optimizer=torch.optim.SGD",
+        "--optimizer.init_args.lr=1e30", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "diverged" in result.stderr and "restart" not in result.stderr

@@ -162,6 +162,26 @@ def group_is_gone(process: subprocess.Popen[str], timeout: float) -> bool:
     return False
 
 
+def stop_with_signal(
+    config: str, extra: Path, root: Path, signum: int, at_step: int, to_group: bool = True
+) -> tuple[int, str]:
+    """Start `fit`, send `signum` once last.ckpt holds `at_step` (to the job's process group, as a
+    terminal or SLURM does, or to the launcher's pid alone), wait; returns (exit code, log)."""
+    process = start_fit(config, extra, root)
+    try:
+        wait_for_step(root / "checkpoints" / "last.ckpt", at_step, process)
+        if to_group:
+            os.killpg(process.pid, signum)
+        else:
+            os.kill(process.pid, signum)
+        process.wait(timeout=60)
+        assert group_is_gone(process, 10)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    return process.returncode, (root.parent / f"{root.name}.log").read_text()
+
+
 @pytest.fixture(scope="module")
 def long_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """20 epochs (400 steps), last.ckpt every 3 steps: long enough to interrupt mid-run."""
@@ -188,18 +208,8 @@ def test_kill_9_of_the_whole_job_then_resume_last_is_bit_exact(long_uninterrupte
 
 def test_sigusr1_preemption_saves_at_a_step_boundary_and_resumes_exactly(long_uninterrupted, tmp_path: Path) -> None:
     extra, expected = long_uninterrupted
-    process = start_fit("configs/digits.yaml", extra, tmp_path / "run")
-    try:
-        wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 60, process)
-        os.killpg(process.pid, signal.SIGUSR1)  # as SLURM sends it to the batch step
-        process.wait(timeout=60)
-        assert process.returncode == PREEMPTED_EXIT_CODE
-        assert group_is_gone(process, 10)
-    finally:
-        if process.poll() is None:
-            kill_job(process.pid)
-            process.wait()
-    log = (tmp_path / "run.log").read_text()
+    code, log = stop_with_signal("configs/digits.yaml", extra, tmp_path / "run", signal.SIGUSR1, at_step=60)
+    assert code == PREEMPTED_EXIT_CODE, log[-3000:]
     assert "preempted at global step" in log, log[-3000:]
     step = int(re.search(r"preempted at global step (\d+)", log).group(1))
     assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step
