@@ -252,6 +252,9 @@ def eval_worker(config: str, ckpt: str, devices: int, out: str) -> None:
     tested = cli.trainer.test(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt, verbose=False)
     if cli.trainer.global_rank == 0:
         Path(out).write_text(json.dumps({**validated[0], **tested[0]}))
+    # Lightning leaves the process group up; a gloo thread alive at interpreter exit can abort it.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def plain_accuracy(net: torch.nn.Module, dataset, batch_size: int = 256) -> float:

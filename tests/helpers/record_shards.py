@@ -70,6 +70,10 @@ def main() -> None:
     trainer.fit(model, datamodule=IndexedDigits(batch_size=16, shuffle=shuffle, seed=7))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(model.seen))
+    # As the DDP tutorials do: Lightning leaves the process group up, and a gloo thread still running
+    # at interpreter exit was seen to abort the process ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
