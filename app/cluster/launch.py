@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
+from app.errors import UserFacingError
 
 # Sent to the parent by a scheduler or a user; SIGINT is forwarded by its own handler (once).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -161,7 +162,10 @@ def free_port() -> int:
 def rank_environments(nprocs: int, env: Mapping[str, str], num_nodes: int = 1) -> list[dict[str, str]]:
     """The variables a launcher gives the `nprocs` local ranks of this node (NODE_RANK from `env`)."""
     if num_nodes > 1 and not env.get("MASTER_PORT"):
-        raise ValueError("a multi-node plain launch needs MASTER_ADDR and MASTER_PORT set on every node")
+        raise UserFacingError(
+            "a multi-node plain launch needs MASTER_ADDR and MASTER_PORT set on every node. Fix: set both "
+            "(the same on every node), or use srun or torchrun."
+        )
     shared = {
         "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
         "MASTER_PORT": env.get("MASTER_PORT") or str(free_port()),

@@ -17,6 +17,17 @@ from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, rank_pids
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
 
+def kill_rank_1_and_wait(process: subprocess.Popen, last: Path) -> None:
+    """Once last.ckpt holds step 200, kill -9 rank 1; wait for the job (and its restarts) to end."""
+    try:
+        wait_for_step(last, 200, process)
+        os.kill(rank_pids(process.pid)[1], signal.SIGKILL)
+        process.wait(timeout=240)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+
+
 def test_torchrun_restarts_the_group_after_kill_9_and_ends_bit_exact(uninterrupted, tmp_path: Path) -> None:  # noqa: F811
     overlay, expected = uninterrupted
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
@@ -29,13 +40,7 @@ def test_torchrun_restarts_the_group_after_kill_9_and_ends_bit_exact(uninterrupt
         process = subprocess.Popen(
             command, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    try:
-        wait_for_step(last, 200, process)
-        os.kill(rank_pids(process.pid)[1], signal.SIGKILL)
-        process.wait(timeout=240)
-    finally:
-        kill_job(process.pid)
-        process.wait()
+    kill_rank_1_and_wait(process, last)
     output = (tmp_path / "torchrun.log").read_text()
     assert process.returncode == 0, output[-4000:]
     assert "--ckpt_path last: none yet, starting fresh" in output  # the first round
@@ -47,13 +52,7 @@ def test_the_launcher_restarts_every_rank_from_last_after_kill_9(uninterrupted, 
     overlay, expected = uninterrupted
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     process = start_fit("configs/digits.yaml", overlay, tmp_path / "run", "--restarts=1")
-    try:
-        wait_for_step(last, 200, process)
-        os.kill(rank_pids(process.pid)[1], signal.SIGKILL)
-        process.wait(timeout=240)
-    finally:
-        kill_job(process.pid)
-        process.wait()
+    kill_rank_1_and_wait(process, last)
     output = (tmp_path / "run.log").read_text()
     assert process.returncode == 0, output[-4000:]
     assert "ddp-app: rank 1 (pid" in output and "was killed by SIGKILL" in output  # the failure is named
