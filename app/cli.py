@@ -50,9 +50,10 @@ from app.checkpoints import (
     safe_load,
     summarize_checkpoint,
 )
-from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, INTERRUPTED_EXIT_CODE
+from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE
+from app.cluster.hangs import HangReport, keep_hang_records
 from app.cluster.launch import RankPlan, rank_plan, run_local_ranks, with_ckpt_path_last, worth_a_restart
-from app.cluster.preemption import Stopped
+from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped, keep_lightning_off_stop_signals
 from app.cluster.preflight import (
     Launch,
     already_launched,
@@ -63,9 +64,11 @@ from app.cluster.preflight import (
     preflight,
     visible_gpus,
 )
+from app.cluster.requeue import forbid_requeue
 from app.cluster.threads import configure_cpu_threads
+from app.compression import GradientCompression
 from app.data.sharding import shard_all_loaders
-from app.errors import UserFacingError, summarize_parser_error, user_message
+from app.errors import UserFacingError, is_peer_lost, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
 from app.models.sync_check import warn_on_per_rank_means
 from app.user_code import add_user_code_directories
@@ -162,6 +165,7 @@ def check_config(config: Any) -> None:
             f"trainer.accelerator={accelerator} but this machine has no usable GPU (torch.cuda.device_count() "
             "is 0). Fix: --trainer.accelerator=cpu (or auto), or run on a GPU node."
         )
+    check_compression_fits(config)
     on_cpu = not on_gpu(trainer)
     precision = str(trainer.get("precision"))
     if on_cpu and precision in ("16", "16-mixed", "16-true", "half"):
@@ -178,6 +182,19 @@ def check_config(config: Any) -> None:
         )
     if os.environ.get("LOCAL_RANK", "0") == "0":
         check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
+
+
+def check_compression_fits(config: Any) -> None:
+    """gradient_compression and a strategy's own communication hook would both register on the same
+    DDP model, which PyTorch allows once (Lightning registers its own on CUDA only)."""
+    method = (config.get("gradient_compression") or {}).get("method", "none")
+    init_args = getattr(config["trainer"].get("strategy"), "init_args", None) or {}
+    if method != "none" and init_args.get("ddp_comm_hook") is not None:
+        raise UserFacingError(
+            f"gradient_compression.method={method} and trainer.strategy.init_args.ddp_comm_hook are both set: DDP "
+            "takes one communication hook. Fix: keep gradient_compression (it also works on CPU and is checkpointed) "
+            "and remove ddp_comm_hook, or set gradient_compression.method=none."
+        )
 
 
 def drop_static_graph_for_accumulation(trainer_config: Any) -> str | None:
@@ -305,7 +322,7 @@ class DDPAppCLI(LightningCLI):
         kwargs.setdefault(
             "trainer_defaults",
             {
-                "callbacks": [ExactResume(), NonFiniteGuard()],
+                "callbacks": [ExactResume(), NonFiniteGuard(), HangReport()],
                 # Defaults, so a config's own `profiler:` or `plugins:` replaces them.
                 "profiler": {"class_path": "app.cli.NoProfiler"},
                 "plugins": [{"class_path": "app.cli.SafeCheckpointIO"}],
@@ -337,6 +354,8 @@ class DDPAppCLI(LightningCLI):
         # A group of its own (not trainer.callbacks): ddp-app always keeps last.ckpt fresh, and the
         # interval is one key to set: `last_checkpoint.every_n_seconds`.
         parser.add_class_arguments(LastCheckpoint, "last_checkpoint")
+        # Top-level too: one key for the all-reduce's compression, applied on CPU and GPU alike.
+        parser.add_class_arguments(GradientCompression, "gradient_compression")
 
     def _subcommand_config(self, config: Any) -> Any:
         return config[self.subcommand] if self.subcommand else config
@@ -421,11 +440,18 @@ class DDPAppCLI(LightningCLI):
             # SIGUSR1 handler, which saves inside the signal handler (Lightning #21406).
             plugins.append(SLURMEnvironment(auto_requeue=False))
         kwargs["plugins"] = plugins
+        callbacks = config["trainer"].get("callbacks") or []
+        callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), config["gradient_compression"]]
         if config["trainer"].get("enable_checkpointing") is not False:
-            callbacks = config["trainer"].get("callbacks") or []
-            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-            kwargs["callbacks"] = [*callbacks, config["last_checkpoint"]]
+            callbacks.append(config["last_checkpoint"])
+        kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
+        keep_lightning_off_stop_signals(trainer)
+        # Only fit's LastCheckpoint acts on stop signals recorded since `run` started (no subcommand:
+        # `run=False`, the caller may fit); otherwise a stop signal ends this process, as by default.
+        has_last_checkpoint = any(isinstance(callback, LastCheckpoint) for callback in trainer.callbacks)
+        if self.subcommand not in (None, "fit") or not has_last_checkpoint:
+            STOP_SIGNAL_FLAG.release()
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if self.launch is not None and self.launch.global_rank == 0 and environment is not None:
             print(describe_launch(self.launch, environment), flush=True)
@@ -485,7 +511,16 @@ def parse_config(args: list[str]) -> Any:
 
 
 def run(args: list[str]) -> int:
-    """Run the CLI in this process (a rank, or a run without DDP); returns the exit code."""
+    """Run the CLI in this process (a rank, or a run without DDP); returns the exit code.
+
+    A preemption signal (SIGUSR1, SIGTERM) is recorded from the start: during `fit`'s setup it
+    stops every rank together when training starts (`LastCheckpoint.on_train_start`), instead of
+    killing one rank while the others wait for it. The handlers stay until the process exits: a
+    signal after training (in the teardown or the exit handlers) is recorded and ignored, as the
+    work is saved; a rank killed then would turn a finished job into a failed one.
+    """
+    keep_hang_records(os.environ)
+    STOP_SIGNAL_FLAG.install(PREEMPTION_SIGNALS)
     try:
         DDPAppCLI(args=args)
     except Stopped as stopped:
@@ -496,16 +531,41 @@ def run(args: list[str]) -> int:
         print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     except Exception as error:
-        message = user_message(error)
-        if message is None:
+        hang = getattr(error, "ddp_app_hang_report", None)  # set by HangReport; the traceback is in its directory
+        if hang is not None:
+            print(hang, file=sys.stderr, flush=True)
+            return HANG_EXIT_CODE
+        code = report_user_error(error)
+        if code is None:
             raise
-        print(f"ddp-app: error: {message}", file=sys.stderr)
-        return BAD_INPUT_EXIT_CODE
+        return code
     return 0
+
+
+def report_user_error(error: Exception) -> int | None:
+    """Print the one line for an error the user can act on and return the exit code; None for a bug
+    (the caller re-raises it, traceback and all)."""
+    message = user_message(error)
+    if message is None:
+        return None
+    print(f"ddp-app: error: {message}", file=sys.stderr)
+    # Another rank's failure, not this rank's input: running again may work (a restart or requeue).
+    return PEER_LOST_EXIT_CODE if is_peer_lost(error) else BAD_INPUT_EXIT_CODE
 
 
 def main(args: list[str] | None = None) -> None:
     """`ddp-app`: check the config once here, then fork the local ranks (app/cluster/launch.py)."""
+    try:
+        launch_and_run(args)
+    except SystemExit as exit_request:
+        # Every way out of ddp-app (a rank under srun, the launcher, a parser error) passes here.
+        if exit_request.code == BAD_INPUT_EXIT_CODE:  # a requeued Slurm job would fail the same way
+            forbid_requeue()
+        raise
+
+
+def launch_and_run(args: list[str] | None) -> NoReturn:
+    """Run this rank (torchrun, srun), or parse and check the config, fork the ranks and supervise them."""
     configure_cpu_threads()
     args = list(sys.argv[1:] if args is None else args)
     # The ranks get the command line as a list (with the launcher's additions); that is deliberate.
@@ -520,11 +580,10 @@ def main(args: list[str] | None = None) -> None:
         print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT_CODE) from None
     except Exception as error:
-        message = user_message(error)
-        if message is None:
+        code = report_user_error(error)
+        if code is None:
             raise
-        print(f"ddp-app: error: {message}", file=sys.stderr)
-        raise SystemExit(BAD_INPUT_EXIT_CODE) from None
+        raise SystemExit(code) from None
     if not plan.processes:
         raise SystemExit(run(args))
     if plan.notice:

@@ -96,6 +96,7 @@ def _class_path_error(path: str | None, message: str) -> str | None:
 
 # What gloo (and NCCL's TCP store) report when a peer process disappears mid-collective.
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
+LOST_ANOTHER_RANK = "lost the connection to another rank"
 
 
 def _this_rank() -> str:
@@ -160,7 +161,7 @@ def one_line_message(error: BaseException) -> str | None:
         return f"the checkpoint does not fit this model: {first} Fix: use the config it was trained with."
     if any(sign in text for sign in PEER_LOST):
         return (
-            f"{_this_rank()}: lost the connection to another rank, which died or was killed "
+            f"{_this_rank()}: {LOST_ANOTHER_RANK}, which died or was killed "
             f"({_gloo_reason(text)}); this rank stops too. The failed rank's own output says why."
         )
     if "EADDRINUSE" in text or "address already in use" in text.lower():
@@ -188,6 +189,13 @@ def one_line_message(error: BaseException) -> str | None:
 
 
 PARSER = ("jsonargparse/", "argparse.py")
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    """Whether this rank stops only because another one died: one line, but not bad input, so it
+    exits with its own code and a restart or requeue is worth it."""
+    message = one_line_message(error)
+    return message is not None and LOST_ANOTHER_RANK in message
 
 
 def _root_cause(error: BaseException) -> BaseException:

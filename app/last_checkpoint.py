@@ -9,7 +9,9 @@ selection is untouched), into the directory of the first one that keeps a last c
 
 - at the end of every training epoch (after validation, so the best-k state is current);
 - every `every_n_seconds` of training (and every `every_n_steps` steps, if set) within an epoch;
-- at the step where a preemption signal or Ctrl-C arrived, and then training stops.
+- at the step where a preemption signal or Ctrl-C arrived, and then training stops (a preemption
+  during setup, recorded since the rank started, stops training before its first step: nothing new
+  to save).
 
 A crash can therefore lose at most the work since the later of the last epoch end and the last
 interval. Saves happen only at optimizer-step boundaries (never between accumulated micro-batches,
@@ -31,8 +33,9 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
 from app.cluster.preemption import (
     LIGHTNING_PER_STEP_SIGTERM_BROADCAST,
+    STOP_SIGNAL_FLAG,
+    STOP_SIGNALS,
     Stopped,
-    StopSignalFlag,
     steps_between_checks,
     stop_message,
 )
@@ -87,7 +90,8 @@ class LastCheckpoint(Checkpoint):
         self.check_interval_s = check_interval_s
         self.dirpath: str | None = None
         self.last_model_path = ""
-        self._signals = StopSignalFlag()
+        self._signals = STOP_SIGNAL_FLAG
+        self._taken_signals: tuple[int, ...] = ()  # those the flag handles since on_train_start, not before
         self._group: Any = None
         self._steps_until_check = 1
         self._steps_since_check = 0
@@ -102,7 +106,8 @@ class LastCheckpoint(Checkpoint):
             self.dirpath = str(checkpoint_directory(trainer))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._signals.install()
+        # `app.cli.run` recorded SIGUSR1 and SIGTERM since the rank started; Ctrl-C is recorded from here on.
+        self._taken_signals = self._signals.install(STOP_SIGNALS)
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -114,6 +119,11 @@ class LastCheckpoint(Checkpoint):
         # A resumed run starts from a checkpoint of this very step: nothing new to save yet.
         self._saved_step = self._step_at_previous_batch = trainer.global_step
         self._pending = (0, False)
+        # A signal during setup (data, rendezvous, sanity check) stops every rank here, together,
+        # with nothing new to save: last.ckpt, if any, is the state training would start from.
+        signum, _ = self._agree()
+        if signum:
+            self._stop(trainer, signum, saved=False)
 
     def _agree(self) -> tuple[int, bool]:
         """(stop signal any rank got or 0, whether any rank's save interval is due); the same on all
@@ -163,16 +173,16 @@ class LastCheckpoint(Checkpoint):
             self._stop(trainer, signum)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._signals.restore()
+        # A stop signal from here on is recorded and left alone: training is over and last.ckpt saved.
+        self._signals.restore(self._taken_signals)
         if trainer.global_step != self._saved_step:  # stopped mid-epoch by max_steps or max_time
             self._save(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # Keep the flag-only handlers while a stopped job exits: Lightning's SIGTERM handler broadcasts
-        # to the other ranks, which may be gone already (after a requeue SLURM sends SIGTERM to every
-        # task). Lightning puts the handlers from before `fit` back in its teardown.
+        # Keep the flag-only handlers while a stopped job exits: after a requeue SLURM sends SIGTERM to
+        # every task, which must not end a rank midway (under `app.cli.run` they stay until the exit).
         if not isinstance(exception, Stopped):
-            self._signals.restore()
+            self._signals.restore(self._taken_signals)
 
     def _save(self, trainer: L.Trainer) -> None:
         path = Path(self.dirpath or checkpoint_directory(trainer)) / LAST_NAME
@@ -181,8 +191,8 @@ class LastCheckpoint(Checkpoint):
         self._saved_step = trainer.global_step
         self._last_save = time.monotonic()
 
-    def _stop(self, trainer: L.Trainer, signum: int) -> None:
-        message, exit_code = stop_message(
-            signum, trainer.global_step, trainer.current_epoch, self.last_model_path, trainer.is_global_zero
-        )
+    def _stop(self, trainer: L.Trainer, signum: int, saved: bool = True) -> None:
+        path = self.last_model_path if saved else None
+        step, epoch = trainer.global_step, trainer.current_epoch
+        message, exit_code = stop_message(signum, step, epoch, path, trainer.is_global_zero)
         raise Stopped(message, exit_code, trainer.is_global_zero)

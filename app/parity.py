@@ -18,6 +18,9 @@ for Adam, that they agree:
       mp.spawn == the reference under torchrun (P1 compares the two trainers; P5 only launchers).
   P6  gradient accumulation: Lightning DDP with trainer.accumulate_grad_batches=k == the reference
       with the same k, bit for bit; k leaves the epoch a short last group, which steps too.
+  P7  gradient compression: Lightning DDP with gradient_compression.method fp16, bf16 and powersgd
+      == the reference registering the same PyTorch hook, bit for bit (for the interop optimizer,
+      as P4: six launches), and each differs from P1's uncompressed weights (the hook ran).
 
 Prints a table, writes it as JSON, exits 1 if any check fails.
 """
@@ -296,8 +299,10 @@ def variant_config(base: dict[str, Any], optimizer: str, epochs: int, world_size
     config["optimizer"] = current if current.get("class_path") == wanted["class_path"] else wanted
     trainer = config.setdefault("trainer", {})
     trainer.update(max_epochs=epochs, devices=world_size, enable_progress_bar=False, accelerator="cpu")
-    # P1-P5 step after every batch (P2's single process does); P6 adds accumulation on its own.
+    # P1-P5 step after every batch (P2's single process does); P6 adds accumulation on its own,
+    # P7 compression (P2's single process has no all-reduce to compress).
     trainer.pop("accumulate_grad_batches", None)
+    config.pop("gradient_compression", None)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return config
 
@@ -316,6 +321,7 @@ def run_parity(
         "P4 interop, export",
         "P5 torchrun",
         "P6 accumulation",
+        "P7 compression",
     ]
     # P4's continuation is two more launches (about 15 s here); it runs for one optimizer, Adam's:
     # the conversion moves every optimizer's state the same way, and Adam has the most of it.
@@ -455,8 +461,39 @@ def run_parity(
             check.passed, check.detail = False, "the weights equal the run without accumulation: k had no effect"
         checks.append(check)
         step_done("P6 accumulation")
+
+        if optimizer == interop_optimizer:
+            for method in COMPRESSION_CHECKED:
+                progress.set_postfix_str(f"{optimizer}: compression {method}")
+                checks.append(compression_check(config, method, work, optimizer, world_size, lightning))
+        step_done("P7 compression")
     progress.close()
     return checks, {step: round(value, 1) for step, value in seconds.items()}
+
+
+# P7's settings: PowerSGD compresses from step 5 on at rank 2 (digits' 256x64 and 10x256 matrices
+# are both compressed), so most of a short run's steps go through it.
+COMPRESSION_CHECKED = {
+    "fp16": {"method": "fp16"},
+    "bf16": {"method": "bf16"},
+    "powersgd": {"method": "powersgd", "powersgd_rank": 2, "start_iter": 5},
+}
+
+
+def compression_check(
+    config: dict[str, Any], method: str, work: Path, optimizer: str, world_size: int, uncompressed: dict
+) -> Check:
+    """P7: Lightning and the reference with the same communication hook end with the same weights."""
+    compressed_config = copy.deepcopy(config)
+    compressed_config["gradient_compression"] = COMPRESSION_CHECKED[method]
+    path = work / f"config_{method}.yaml"
+    path.write_text(yaml.safe_dump(compressed_config, sort_keys=False))
+    lightning = lightning_fit(path, work / f"lightning_{method}", "ddp-app", world_size)
+    reference = reference_fit(path, work / f"reference_{method}", "mp.spawn", world_size)
+    check = state_check("P7", optimizer, f"Lightning vs reference, gradient_compression {method}", reference, lightning)
+    if all(torch.equal(uncompressed[key], lightning[key]) for key in uncompressed):
+        check.passed, check.detail = False, f"the weights equal the uncompressed run's: {method} had no effect"
+    return check
 
 
 def reference_continued_by_lightning(

@@ -4,6 +4,7 @@
     python -m app.slurm check slurm/multinode.sbatch --config configs/digits.yaml [--trainer.num_nodes 2 ...]
     python -m app.slurm submit [--sbatch-option=value ...] slurm/train.sbatch configs/digits.yaml [overrides]
     python -m app.slurm endpoint          # inside a job: "first-node:port", the rendezvous for torchrun
+    python -m app.slurm requeue-on-failure EXIT_CODE   # in a batch script, after its srun step
 
 `render` takes nodes, tasks per node and GPUs from the config's trainer.num_nodes and trainer.devices
 (options override both sides at once) and pins them on the ddp-app command line as well, so the
@@ -11,6 +12,8 @@ script and the Trainer cannot disagree. `check` lists every disagreement between
 #SBATCH lines and a config, one per line, and exits 1 if there is any. `submit` runs `check` (with
 the sbatch options given), creates the log directory (Slurm does not), makes the config paths
 absolute and submits with --chdir set to the current directory, so it works from any directory.
+`requeue-on-failure` requeues the job after a step that failed for a reason other than bad input,
+within a budget, and prints one line saying what it did and why (app/cluster/requeue.py).
 
 Stdlib and PyYAML only: it runs on a login node in well under a second.
 """
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.cluster.preflight import resolve_devices
+from app.cluster.requeue import requeue_after_failed_step
 from app.cluster.slurm_env import master_address_and_port
 from app.errors import InvalidConfigError, UserFacingError
 
@@ -50,6 +54,12 @@ SHORT_OPTIONS = {
 }
 
 DEFAULTS = {"cpus_per_task": 4, "time": "01:00:00"}
+
+# The lines above the srun of train.sbatch, multinode.sbatch and rendered scripts (app/cluster/requeue.py).
+REQUEUE_ON_FAILURE_COMMENT = (
+    "# A step that fails for a reason other than bad input (a rank killed, a node lost) requeues the",
+    "# job, at most DDP_APP_MAX_REQUEUES times (default 3); bad input (exit 2) never does (docs/slurm.md).",
+)
 
 # Slurm's filename patterns (man sbatch, "filename pattern"), with an optional zero-padding width (%4j).
 FILENAME_PATTERN = re.compile(r"%(\d*)([%AabJjNnstux])")
@@ -143,7 +153,7 @@ def render(
         f"--config {shlex.quote(config)}",
         f"--trainer.devices={devices} --trainer.num_nodes={num_nodes}",
         *([shlex.join(overrides)] if overrides else []),
-        '"${resume[@]}" "$@"',
+        '"${resume[@]}" "$@" || status=$?',
     ]
     where = "CPU-only, " if not gpus_per_node else ""
     return "\n".join(
@@ -159,12 +169,17 @@ def render(
             "# Since Slurm 22.05 srun no longer inherits --cpus-per-task from sbatch.",
             'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"',
             "",
-            "# A requeued job (preemption, or SIGUSR1 before the time limit) resumes from its last checkpoint.",
+            "# A requeued job (preempted, or its step failed: see below) resumes from its last checkpoint.",
             "resume=()",
             'if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]]; then',
             "    resume=(--ckpt_path last)",
             "fi",
+            "",
+            *REQUEUE_ON_FAILURE_COMMENT,
+            "status=0",
             " \\\n    ".join(command),
+            'python -m app.slurm requeue-on-failure "$status"',
+            'exit "$status"',
             "",
         ]
     )
@@ -421,11 +436,17 @@ def main(argv: list[str] | None = None) -> int:
     submit_parser.add_argument("config")
 
     commands.add_parser("endpoint", help="inside a job: the rendezvous host:port (first node, per-job port)")
+    requeue_parser = commands.add_parser(
+        "requeue-on-failure",
+        help="in a batch script, after its srun step: requeue the job if the step failed for a reason other than"
+        " bad input, at most DDP_APP_MAX_REQUEUES times (default 3)",
+    )
+    requeue_parser.add_argument("exit_code", type=int, help="the srun step's exit code")
 
     # Anything else is a ddp-app override (`--trainer.num_nodes 2`), for the script or for the check.
     args, overrides = parser.parse_known_args(argv)
     overrides = [arg for arg in overrides if arg != "--"]
-    if args.command == "endpoint" and overrides:
+    if args.command in ("endpoint", "requeue-on-failure") and overrides:
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     prog = f"python -m app.slurm {args.command}"
     try:
@@ -457,6 +478,11 @@ def main(argv: list[str] | None = None) -> int:
             sbatch_options, script, config, overrides = split_submit_arguments(words[words.index("submit") + 1 :])
             job_id, log = submit(script, config, overrides, sbatch_options)
             print(f"submitted job {job_id}; log: {log}")
+            return 0
+        if args.command == "requeue-on-failure":
+            line = requeue_after_failed_step(args.exit_code)
+            if line:
+                print(line, flush=True)
             return 0
         address, port = master_address_and_port()
         print(f"{address}:{port}")

@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
+from app.bench.network_report import markdown_tables
 from tests.fault.test_bad_input import CASES
 from tests.fault.test_rank_failure import BOUND_S
+from tests.fault.test_signal_storm import FAULT_TIER_SEEDS, SEEDS
 from tests.helpers.run import REPO
 
 README = REPO / "README.md"
@@ -171,11 +173,86 @@ def test_prose_quotes_the_json() -> None:
     assert not missing, "\n".join(missing)
 
 
+def test_slow_networks_section_quotes_the_network_bench() -> None:
+    """performance.md's "Slow networks": the tables as `markdown_tables` renders the JSON, and the prose."""
+    report = bench("bench_network")
+    text = PERFORMANCE.read_text()
+    missing = [line for line in markdown_tables(report).splitlines() if line not in text]
+    assert not missing, "\n".join(missing)
+    slow, unlimited = report["links"]["100mbit"], report["links"]["unlimited"]
+    none, powersgd = slow["settings"]["none@25MB"], slow["settings"]["powersgd@25MB"]
+    targets = {name: target["value"] for name, target in report["targets"].items()}
+    one_rank = [entry["one_rank"]["step_ms"] for entry in report["links"].values()]
+    megabytes = {name: figures["bytes_per_step"]["median"] / 1e6 for name, figures in slow["settings"].items()}
+    chosen = {name: entry["settings"]["auto@25MB"]["chosen"] for name, entry in report["links"].items()}
+    spread_ratio = max(
+        figures["step_ms"]["max"] / figures["step_ms"]["min"]
+        for entry in report["links"].values()
+        for figures in entry["settings"].values()
+    )
+    at_1gbit = report["links"]["1gbit"]["settings"]
+    fragments = [
+        f"`docs/bench_network.json`: {report['bench_seconds']:.0f} s for the whole run",
+        f"(load average {report['loadavg_before'][0]:.1f} at the start, {report['loadavg_after'][0]:.1f} at the end)",
+        f"spread by up to {(spread_ratio - 1) * 100:.0f}% (max / min {spread_ratio:.2f}; the 1-rank step alone: "
+        f"{min(s['min'] for s in one_rank):.1f} to {max(s['max'] for s in one_rank):.1f} ms)",
+        f"met**, x{targets['powersgd_bytes_reduction_over_none_at_100mbit']:.2f} "
+        f"({megabytes['powersgd@25MB']:.3f} vs {megabytes['none@25MB']:.3f} MB per rank and step)",
+        "**PowerSGD >= 4x faster per step than no hook: met**, "
+        f"x{targets['powersgd_speedup_over_none_at_100mbit']:.2f} "
+        f"(the median of the paired ratios): {powersgd['step_ms']['median']:.1f} against "
+        f"{none['step_ms']['median']:.1f} ms",
+        f"({megabytes['none@25MB']:.3f} MB at 100 Mbit/s take at least "
+        f"{none['bytes_per_step']['median'] * 8 / 100e6 * 1e3:.0f} ms); PowerSGD's "
+        f"{megabytes['powersgd@25MB']:.3f} MB take {powersgd['bytes_per_step']['median'] * 8 / 100e6 * 1e3:.0f} ms",
+        f"**PowerSGD scaling efficiency >= 0.7 at 100 Mbit/s: not met here, by a little** "
+        f"({targets['powersgd_scaling_efficiency_at_100mbit']:.2f})",
+        f"2-rank step of {powersgd['step_ms']['median']:.1f} ms against the 1-rank step's "
+        f"{slow['one_rank']['step_ms']['median']:.1f} ms",
+        f"({unlimited['settings']['powersgd@25MB']['step_ms']['median']:.1f} ms on the unlimited link)",
+        f"met at {sum(target['met'] for name, target in report['targets'].items() if name.startswith('auto'))} "
+        "of 3 links here",
+        f"{targets['auto_over_best_at_100mbit']:.2f} at 100 Mbit/s, where it chose powersgd in all "
+        f"{chosen['100mbit']['powersgd']} repeats, the same hook as the best setting",
+        f"({slow['auto_over_best']['min']:.2f} to {slow['auto_over_best']['max']:.2f} between repeats); "
+        f"{targets['auto_over_best_at_1gbit']:.2f} at 1 Gbit/s (powersgd twice, bf16 once; best: "
+        f"{report['links']['1gbit']['best'].partition('@')[0]}); {targets['auto_over_best_at_unlimited']:.2f} at the "
+        f"unlimited link, where the best was {unlimited['best'].partition('@')[0]}",
+        f"it chose bf16 all {chosen['unlimited']['bf16']} times",
+        f"({megabytes['none@25MB']:.3f} MB for 4.80 MB of gradients)",
+        f"({at_1gbit['none@25MB']['bytes_per_step']['median'] / 1e6:.3f} MB at 1 Gbit/s)",
+        f"halve the bytes ({megabytes['bf16@25MB']:.3f} vs {megabytes['none@25MB']:.3f} MB here) for one rounding "
+        f"per value: x{slow['settings']['bf16@25MB']['speedup_over_none']['median']:.2f} and "
+        f"x{slow['settings']['fp16@25MB']['speedup_over_none']['median']:.2f} at 100 Mbit/s",
+        f"different rooms): {targets['powersgd_bytes_reduction_over_none_at_100mbit']:.0f}x fewer bytes here",
+        f"{at_1gbit['powersgd@1MB']['step_ms']['median']:.1f} ms at `bucket_cap_mb=1` against "
+        f"{at_1gbit['powersgd@25MB']['step_ms']['median']:.1f} at 25 MB (1 Gbit/s)",
+        f"6 timed; {slow['settings']['auto@25MB']['probe_steps']['median']:.0f} steps here with the switch)",
+        f"(the same arithmetic: {at_1gbit['none@25MB']['step_ms']['median']:.1f} and "
+        f"{at_1gbit['none@100MB']['step_ms']['median']:.1f} ms without a hook at 1 Gbit/s are noise apart)",
+        f"{at_1gbit['none@1MB']['step_ms']['median']:.1f} ms instead of "
+        f"{at_1gbit['none@25MB']['step_ms']['median']:.1f} "
+        f"without a hook, {at_1gbit['bf16@1MB']['step_ms']['median']:.1f} instead of "
+        f"{at_1gbit['bf16@25MB']['step_ms']['median']:.1f} with bf16",
+    ]
+    # The prose names auto's choices and which settings were fastest in words.
+    assert chosen["1gbit"] == {"powersgd": 2, "bf16": 1} and chosen["unlimited"] == {"bf16": 3}
+    assert slow["best"] == report["links"]["1gbit"]["best"] == "powersgd@25MB"
+    flat = " ".join(text.split())
+    missing = [fragment for fragment in fragments if " ".join(fragment.split()) not in flat]
+    assert not missing, "\n".join(missing)
+
+
 def test_readme_quotes_the_error_bench_worst_ratio() -> None:
     """`python -m app.bench.errors`: time to a config error / time to `import lightning`, worst case."""
     worst = max(case["ratio"] for case in bench("bench_errors")["cases"].values())
     assert math.isfinite(worst)
     assert f"({worst:.2f}x measured here, `python -m app.bench.errors`" in " ".join(README.read_text().split())
+
+
+def test_readme_counts_the_signal_storm_seeds() -> None:
+    text = " ".join(README.read_text().split())
+    assert f"{len(SEEDS)} seeds ({len(FAULT_TIER_SEEDS)} in the `fault` tier, the rest `slow`)" in text
 
 
 def test_readme_counts_the_bad_input_cases() -> None:
@@ -205,3 +282,58 @@ def test_slurm_doc_counts_the_slurm_tests() -> None:
 def test_readme_states_the_rank_failure_bound() -> None:
     text = " ".join(README.read_text().split())
     assert f"within the {BOUND_S} s that `tests/fault/test_rank_failure.py` allows" in text
+
+
+RECOVERY_PATHS = {
+    "ddp-app": "`ddp-app fit ... --restarts 1` (the launcher, one node)",
+    "torchrun": "`torchrun --standalone --nproc_per_node=2 --max-restarts=1`",
+    "slurm": "Slurm requeue (`multinode.sbatch`, 2 nodes x 1 rank)",
+    "slurm-torchrun": "`torchrun.sbatch` (2 nodes x 1 rank, `--max-restarts`)",
+}
+
+
+def recovery_table() -> list[str]:
+    """The table of `python -m app.bench.recovery`'s figures (docs/recovery.json) that README.md and
+    docs/slurm.md quote, row by row."""
+    figures = bench("recovery")
+    (interval,) = {figures[path]["checkpoint_interval_steps"] for path in RECOVERY_PATHS}
+    rows = [
+        f"| how the ranks come back | recovery: kill to the next training step | steps redone (interval: {interval}) |",
+        "|---|---|---|",
+    ]
+    for path, label in RECOVERY_PATHS.items():
+        seconds, redone = figures[path]["recovery_s"], figures[path]["steps_redone"]
+        rows.append(
+            f"| {label} | {seconds['median']:.1f} s ({seconds['min']:.1f} to {seconds['max']:.1f}) "
+            f"| {redone['median']:g} ({redone['min']:g} to {redone['max']:g}) |"
+        )
+    return rows
+
+
+def test_docs_quote_the_recovery_figures() -> None:
+    figures = bench("recovery")
+    loads = [load for path in RECOVERY_PATHS for load in figures[path]["loadavg_before_after"]]
+    (repeats,) = {len(figures[path]["runs"]) for path in RECOVERY_PATHS}
+    slurm_doc = " ".join((REPO / "docs" / "slurm.md").read_text().split())
+    assert f"Median (min to max) of {repeats} runs each" in slurm_doc
+    assert f"(load average {min(loads):.1f} to {max(loads):.1f})" in slurm_doc
+    for path in (README, REPO / "docs" / "slurm.md"):
+        lines = [line.strip() for line in path.read_text().splitlines()]
+        for row in recovery_table():
+            assert row in lines, f"{path.name}: {row}"
+
+
+def test_readme_compression_accuracy_is_the_json() -> None:
+    """README's accuracy-cost table, cell by cell, from docs/compression_accuracy.json."""
+    report = json.loads((REPO / "docs" / "compression_accuracy.json").read_text())
+    readme = README.read_text()
+    for workload, label in (
+        ("digits MLP", "digits MLP, 15 epochs"),
+        ("digits CNN 28x28", "CNN on digits 28x28, 8 epochs"),
+    ):
+        cells = [
+            f"{value:.4f}" if setting == "none" else f"{value:.4f} ({report['points_vs_none'][workload][setting]:+.2f})"
+            for setting, value in report["val_acc"][workload].items()
+        ]
+        assert f"| {label} | {' | '.join(cells)} |" in readme, workload
+    assert report["epochs"]["digits CNN 28x28"] == 8 and report["epochs"]["digits MLP"] == 15

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +11,8 @@ import lightning as L
 import pytest
 
 from app.cli import DDPAppCLI
-from app.cluster.preemption import resume_command
+from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
+from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped, resume_command
 from app.last_checkpoint import LastCheckpoint
 from tests.helpers.run import REPO
 
@@ -87,3 +90,33 @@ def test_a_bad_interval_is_one_line_naming_the_key() -> None:
 def test_the_resume_command_replaces_any_ckpt_path_with_last() -> None:
     argv = ["/venv/bin/ddp-app", "fit", "--config", "a b.yaml", "--ckpt_path", "x.ckpt", "--ckpt_path=y"]
     assert resume_command(argv) == "ddp-app fit --config 'a b.yaml' --ckpt_path last"
+
+
+class SigtermInSanityCheck(L.Callback):
+    """A preemption that arrives while the sanity check runs (after Lightning's Trainer set up its run)."""
+
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_preemption_during_the_sanity_check_stops_when_training_starts_with_nothing_saved(tmp_path: Path) -> None:
+    """Lightning's own SIGTERM handler ended this fit with SystemExit(0) untrained (and, with 2 ranks and
+    the signal on one, hung in a broadcast inside the handler); ddp-app's flag stops it with exit 3."""
+    STOP_SIGNAL_FLAG.install(PREEMPTION_SIGNALS)  # what app.cli.run does as a rank starts
+    try:
+        cli = DDPAppCLI(
+            args=[
+                "--config", DIGITS, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1",
+                "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+            ],
+            run=False,
+        )  # fmt: skip
+        cli.trainer.callbacks.append(SigtermInSanityCheck())
+        with pytest.raises(Stopped) as stopped:
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    finally:
+        STOP_SIGNAL_FLAG.restore()
+    assert stopped.value.exit_code == PREEMPTED_EXIT_CODE
+    assert str(stopped.value).startswith("preempted before training started (SIGTERM): nothing new to save.")
+    assert cli.trainer.global_step == 0
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,11 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
 from torchvision import datasets
 
-from app.cluster.preemption import LIGHTNING_PER_STEP_SIGTERM_BROADCAST
+from app.cluster.preemption import (
+    LIGHTNING_PER_STEP_SIGTERM_BROADCAST,
+    LIGHTNING_SIGNAL_HANDLER_INSTALL,
+    keep_lightning_off_stop_signals,
+)
 from app.errors import one_line_message
 
 DOC = "see docs/private_apis.md"
@@ -35,6 +44,19 @@ def test_training_epoch_loop_broadcasts_sigterm_through_the_method_last_checkpoi
         f"_TrainingEpochLoop.advance no longer calls {LIGHTNING_PER_STEP_SIGTERM_BROADCAST}: replacing it "
         f"does not remove the per-step collective any more ({DOC})"
     )
+
+
+def test_trainer_installs_its_signal_handlers_through_the_method_ddp_app_replaces() -> None:
+    call = f"self._signal_connector.{LIGHTNING_SIGNAL_HANDLER_INSTALL}()"
+    assert call in inspect.getsource(Trainer._run), (
+        f"Trainer._run no longer calls {call}: keep_lightning_off_stop_signals may no longer keep Lightning's "
+        f"SIGTERM handler (a broadcast inside the handler, which hangs a rank) away from a fit ({DOC})"
+    )
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    keep_lightning_off_stop_signals(trainer)
+    before = signal.getsignal(signal.SIGTERM)
+    trainer._signal_connector.register_signal_handlers()  # what Trainer._run calls
+    assert signal.getsignal(signal.SIGTERM) is before, f"Lightning installed its SIGTERM handler anyway ({DOC})"
 
 
 def test_lightning_cli_still_parses_the_checkpoint_path_in_the_method_we_override() -> None:
@@ -104,3 +126,48 @@ def test_lightning_validates_trainer_arguments_in_the_modules_errors_py_recognis
         f"Lightning no longer rejects a bad accelerator name from the module app.errors.LIGHTNING_INPUT_CHECKS "
         f"names, so `--trainer.accelerator=quantum` now prints a traceback ({DOC}): {raised.value!r}"
     )
+
+
+# Run in a fresh process: the flight recorder reads TORCH_FR_BUFFER_SIZE once, when the first process
+# group of the process is made (an earlier test's group would have left it at 0 entries).
+DEBUG_ENDPOINT_PROBE = """
+import datetime, json, os, sys, tempfile
+import torch, torch.distributed as dist
+from app.cluster import hangs
+server, port = hangs.start_debug_endpoint("127.0.0.1")
+assert server is not None and port > 0, "no endpoint"
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+dist.all_reduce(torch.ones(3))
+me = hangs.RankAddress(0, "here", os.getpid(), "127.0.0.1", port)
+answer = hangs.ask_rank(me, 10)
+recorder = answer.collectives
+print(json.dumps({
+    "problem": answer.problem,
+    "stacks": answer.stacks,
+    "ping": hangs.ask(me, "ping", 10)[0],
+    "waited": hangs.ask(me, hangs.WAITED_HANDLER, 10)[0],
+    "last_entered": hangs.last_entered(recorder, "0"),
+    "last": str(hangs.waited_collective(recorder)),
+    "sizes": hangs.waited_collective(recorder).sizes,
+}))
+dist.destroy_process_group()
+server.shutdown()
+"""
+
+
+def test_torch_debug_endpoint_answers_stacks_and_flight_recorder_as_the_hang_report_reads_them() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", DEBUG_ENDPOINT_PROBE], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TORCH_FR_BUFFER_SIZE": "100"}, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    what = (
+        "torch._C._distributed_c10d._WorkerServer, _register_handler, its dump_traceback / fr_trace_json / ping "
+        "handlers or the flight recorder's JSON (pg_status, entries) changed: app.cluster.hangs no longer names "
+        f"the rank a hang waits for ({DOC})"
+    )
+    assert result.returncode == 0, f"{what}\n{result.stderr[-3000:]}"
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["problem"] == "" and 'File "<string>"' in found["stacks"], (what, found)
+    assert found["ping"] == "pong" and json.loads(found["waited"]) == {"frames": []}, (what, found)
+    assert (found["last_entered"], found["last"], found["sizes"]) == (1, "all_reduce #1", "float[3]"), (what, found)

@@ -40,14 +40,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
+from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
 from app.errors import UserFacingError
 
 # Sent to the parent by a scheduler or a user; SIGINT is forwarded by its own handler (once).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# `ddp-app: error: ...`, `ddp-app fit: error: ...` and `ddp-app: interrupted ...`: one-line reports
-# that every rank makes alike, printed once.
-REPORT_LINE = re.compile(rb"^[\w.\- ]+: (error: |interrupted )")
+LAUNCHER_SIGNALS = (*FORWARDED_SIGNALS, signal.SIGINT)  # the ones the launcher handles
+# `ddp-app: error: ...`, `ddp-app fit: error: ...`, `ddp-app: interrupted ...` and `ddp-app: hang: ...`:
+# one-line reports, held back and printed last (once; rank 0's if it made one).
+REPORT_LINE = re.compile(rb"^[\w.\- ]+: (error: |interrupted |hang: )")
+HANG_LINE = re.compile(rb"^ddp-app: hang: ")
 # How long ranks that stop on purpose get to finish (the others are saving or exiting) before they are killed.
 STOP_GRACE_S = 60.0
 # Strategy names whose own launcher starts processes from inside `fit` (multiprocessing); ddp-app
@@ -214,8 +216,9 @@ def _rank_main(run_rank: Callable[[], int], rank_env: dict[str, str], parent: in
         os.close(stderr_fd)
         # sys.stderr may be something other than fd 2 (pytest's capture, a notebook): the pipe it is.
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 (lives as long as the rank)
-        for signum in (*FORWARDED_SIGNALS, signal.SIGINT):
+        for signum in LAUNCHER_SIGNALS:
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, LAUNCHER_SIGNALS)  # blocked by the parent while it forks
         os.environ.update(rank_env)
         code = run_rank()
     except SystemExit as error:
@@ -272,7 +275,14 @@ def _start_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, str
 
 def run_local_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, str], num_nodes: int = 1) -> int:
     """Fork `nprocs` ranks that each call `run_rank()`, wait for all of them; returns the exit code to use."""
-    started = _start_ranks(nprocs, run_rank, env, num_nodes)
+    # A signal that comes while the ranks are forked waits until the handlers below forward it: by
+    # default it would kill this process (and so, through PR_SET_PDEATHSIG, the ranks just started).
+    signal.pthread_sigmask(signal.SIG_BLOCK, LAUNCHER_SIGNALS)
+    try:
+        started = _start_ranks(nprocs, run_rank, env, num_nodes)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, LAUNCHER_SIGNALS)
+        raise
     ranks = [rank for rank, _ in started]
     held: list[list[bytes]] = [[] for _ in ranks]
     readers = [
@@ -308,6 +318,7 @@ def run_local_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, 
 
     previous = {signum: signal.signal(signum, forward_signal) for signum in FORWARDED_SIGNALS}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_interrupt)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, LAUNCHER_SIGNALS)
     first_failure: _Rank | None = None
     stop_deadline = float("inf")
     try:
@@ -333,8 +344,10 @@ def run_local_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, 
             signal.signal(signum, handler)
     for reader in readers:
         reader.join(timeout=5)
-    # Rank 0's report if it made one, else the others' (it may have been killed before its own).
-    reports = held[0] or [line for lines in held[1:] for line in lines]
+    # A hang report explains the others' "lost the connection" errors: the first rank's that made one.
+    # Else rank 0's report if it made one, else the others' (it may have been killed before its own).
+    hangs = [line for lines in held for line in lines if HANG_LINE.match(line)]
+    reports = hangs[:1] or held[0] or [line for lines in held[1:] for line in lines]
     for line in dict.fromkeys(reports):  # the same report from several ranks, once
         sys.stderr.buffer.write(line)
     sys.stderr.buffer.flush()
@@ -344,6 +357,8 @@ def run_local_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, 
         return INTERRUPTED_EXIT_CODE
     if first_failure is None:
         return 0
+    if hangs:
+        return HANG_EXIT_CODE
     code = first_failure.returncode
     assert code is not None
     if code in STOP_EXIT_CODES:  # rank 0 printed where it saved and how to resume

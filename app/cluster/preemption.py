@@ -14,14 +14,13 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import subprocess
 import sys
 from types import FrameType
 from typing import Any
 
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from app.cluster.launch import with_ckpt_path_last
-from app.cluster.preflight import INTERACTIVE_JOB_NAMES
+from app.cluster.requeue import requeue_slurm_job
 from app.errors import UserFacingError
 
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -31,6 +30,8 @@ STOP_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)
 # (`_TrainingEpochLoop._broadcast_sigterm_tensor`: a collective and an `.item()` per step, with no
 # switch to turn it off). `LastCheckpoint` owns SIGTERM during training, so that flag is never set.
 LIGHTNING_PER_STEP_SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+# Lightning 2.6's method that installs its signal handlers; `keep_lightning_off_stop_signals` replaces it.
+LIGHTNING_SIGNAL_HANDLER_INSTALL = "register_signal_handlers"
 # An upper bound for the interval between checks, in case the steps slow down much after one.
 MAX_STEPS_BETWEEN_CHECKS = 10_000
 
@@ -59,7 +60,12 @@ def abort_now(signum: int, frame: FrameType | None) -> None:
 
 
 class StopSignalFlag:
-    """Records the first stop signal; installed for the duration of training only."""
+    """Records the first stop signal a process gets; `STOP_SIGNAL_FLAG` is the one of this process.
+
+    `app.cli.run` installs it for SIGUSR1 and SIGTERM as a rank starts, so that a preemption during
+    setup (imports, data, rendezvous, sanity check) is recorded instead of killing the rank, and
+    `LastCheckpoint` adds SIGINT when training starts (before that, Ctrl-C raises at once).
+    """
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -71,28 +77,63 @@ class StopSignalFlag:
         if self.received is None or signum != signal.SIGINT:  # a preemption outranks Ctrl-C: it requeues
             self.received = signum
 
-    def install(self) -> None:
-        self.received = None
-        for signum in STOP_SIGNALS:
+    def install(self, signums: tuple[int, ...] = STOP_SIGNALS) -> tuple[int, ...]:
+        """Handle `signums` with the flag; returns those it was not handling yet (give them back with
+        `restore`). The first install after a full restore starts a fresh record."""
+        if not self._previous:
+            self.received = None
+        taken = tuple(signum for signum in signums if signum not in self._previous)
+        for signum in taken:
             self._previous[signum] = signal.signal(signum, self._on_signal)
+        return taken
 
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+    def restore(self, signums: tuple[int, ...] | None = None) -> None:
+        """Give `signums` (default: all) back to the handlers they had before `install`."""
+        for signum in list(self._previous) if signums is None else signums:
+            if signum in self._previous:
+                signal.signal(signum, self._previous.pop(signum))
+
+    def release(self) -> None:
+        """For a run that will never act on the flag (not `fit`, or no last.ckpt to save): restore the
+        handlers, and deliver a signal recorded meanwhile to them, as if the flag had never been there."""
+        received = self.received
+        self.restore()
+        self.received = None
+        if received is not None:
+            signal.raise_signal(received)
 
 
-def stop_message(signum: int, step: int, epoch: int, path: str, is_global_zero: bool) -> tuple[str, int]:
-    """The one line printed after stopping on `signum`, and the exit code; rank 0 requeues under SLURM."""
+STOP_SIGNAL_FLAG = StopSignalFlag()  # signal handlers belong to the process: one flag per process
+
+
+def keep_lightning_off_stop_signals(trainer: Any) -> None:
+    """Lightning installs no signal handler for this Trainer; ddp-app's flag-only ones stay in place.
+
+    Lightning 2.6 installs a SIGTERM handler at the start of every Trainer run
+    (`_SignalConnector.register_signal_handlers`) that calls `dist.broadcast` inside the handler: only
+    the rank that got the signal enters that collective, so it hangs until the collective timeout
+    (a SIGTERM to rank 0 during the sanity check hung a 2-rank fit); then Lightning ends the loops
+    with `SIGTERMException`, a `SystemExit` with code 0: a preempted fit exited 0, untrained.
+    Private (docs/private_apis.md); tests/test_private_apis.py fails if a Lightning upgrade changes it.
+    """
+    setattr(trainer._signal_connector, LIGHTNING_SIGNAL_HANDLER_INSTALL, lambda: None)
+
+
+def stop_message(signum: int, step: int, epoch: int, path: str | None, is_global_zero: bool) -> tuple[str, int]:
+    """The one line printed after stopping on `signum`, and the exit code; rank 0 requeues under SLURM.
+    `path` is where last.ckpt was saved; None when training had not started (nothing new to save)."""
     resume = resume_command(sys.argv)
+    if path is None:
+        when, details, saved = "before training started", [], "nothing new to save"
+    else:
+        when, details, saved = f"at global step {step}", [f"epoch {epoch}"], f"saved {path}"
     if signum == signal.SIGINT:
-        return (
-            f"interrupted (Ctrl-C) at global step {step} (epoch {epoch}): saved {path}. Resume with: {resume}",
-            INTERRUPTED_EXIT_CODE,
-        )
+        when += f" ({details[0]})" if details else ""
+        return f"interrupted (Ctrl-C) {when}: {saved}. Resume with: {resume}", INTERRUPTED_EXIT_CODE
     requeued = requeue_slurm_job() if is_global_zero else ""
+    when += f" ({', '.join([*details, signal.Signals(signum).name])})"
     return (
-        f"preempted at global step {step} (epoch {epoch}, {signal.Signals(signum).name}): saved {path}{requeued}. "
+        f"preempted {when}: {saved}{requeued}. "
         f"Resume with --ckpt_path last (the sbatch scripts in slurm/ do): {resume}",
         PREEMPTED_EXIT_CODE,
     )
@@ -102,19 +143,3 @@ def resume_command(argv: list[str]) -> str:
     """This command line with `--ckpt_path last` in place of any ckpt_path it had."""
     program = "ddp-app" if os.path.basename(argv[0]).startswith(("ddp-app", "__main__")) else argv[0]
     return shlex.join([program, *with_ckpt_path_last(argv[1:])])
-
-
-def requeue_slurm_job() -> str:
-    """Ask SLURM to requeue this batch job; returns a note for the message ('' outside SLURM)."""
-    job_id = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    if not job_id or os.environ.get("SLURM_JOB_NAME") in INTERACTIVE_JOB_NAMES:  # nothing to requeue
-        return ""
-    if os.environ.get("SLURM_ARRAY_TASK_ID"):
-        job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    try:
-        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return f"; requeue of job {job_id} failed ({error})"
-    if result.returncode != 0:
-        return f"; requeue of job {job_id} failed ({result.stderr.strip()})"
-    return f"; requeued SLURM job {job_id}"

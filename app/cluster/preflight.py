@@ -251,27 +251,51 @@ def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) 
     and keeps it across restarts, while `init_process_group` files gloo's keys under the fixed
     prefix "default_pg": after `--max-restarts` restarted the group, its ranks read the dead
     round's addresses and fail in connectFullMesh ("Connection refused") or wait. So global rank 0
-    takes a free port, publishes it in the agent's store under this round's own key, and every
-    rank meets there; MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE are changed for this process only.
+    takes a free port and publishes it in the agent's store with a fresh random tag, and every rank
+    meets there; MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE are changed for this process only.
+
+    The round cannot be named by TORCHELASTIC_RESTART_COUNT: with several agents (nodes) it counts
+    each agent's own failures, so after one node's rank died it is 1 there and 0 on the others
+    (measured with torch 2.14 on the two-node Slurm cluster: the ranks waited on different keys
+    until the timeout). Every rank instead remembers, in the store, the tag it met under, and waits
+    for a tag it has not met under yet: rank 0 of the new round has written it.
     """
     if not is_torchrun(env) or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
     import datetime
+    import secrets
     import socket
+    import time
 
     from torch.distributed import TCPStore
 
     agent_store = TCPStore(
         env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
     )
-    key = f"ddp-app/{env.get('TORCHELASTIC_RUN_ID', '')}/round-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/port"
-    if env.get("RANK", "0") == "0":
+    prefix = f"ddp-app/{env.get('TORCHELASTIC_RUN_ID', '')}"
+    rank = env.get("RANK", "0")
+    if rank == "0":
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        agent_store.set(key, str(port))
+        tag = secrets.token_hex(8)
+        agent_store.set(f"{prefix}/store", f"{tag} {port}")
     else:
-        port = int(agent_store.get(key))  # waits for rank 0, up to timeout_s
+        met_under = f"{prefix}/rank-{rank}/met-under"
+        previous = agent_store.get(met_under).decode() if agent_store.check([met_under]) else None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            tag, port_text = agent_store.get(f"{prefix}/store").decode().split()  # waits for a first rank 0
+            if tag != previous:
+                break
+            if time.monotonic() > deadline:
+                raise PreflightError(
+                    f"rank {rank}: global rank 0 published no rendezvous for this round within {timeout_s:.0f} s"
+                    " (collective_timeout_s). Fix: check that rank 0 runs; its own output says why not."
+                )
+            time.sleep(0.05)  # the previous round's: rank 0 of this one has not started yet
+        agent_store.set(met_under, tag)
+        port = int(port_text)
     env["MASTER_PORT"] = str(port)
     env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
 

@@ -69,6 +69,23 @@ def ddp_arguments(trainer_config: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+COMPRESSION_METHODS = ("none", "fp16", "bf16", "powersgd")
+
+
+def compression_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The config's `gradient_compression:` (method none when absent), with ddp-app's defaults."""
+    settings = {"method": "none", "powersgd_rank": 4, "start_iter": 10, "warm_start": True, "error_feedback": True}
+    settings.update(
+        {key: value for key, value in (config.get("gradient_compression") or {}).items() if key in settings}
+    )
+    if settings["method"] not in COMPRESSION_METHODS:
+        raise ValueError(
+            f"the reference trainer runs gradient_compression.method {', '.join(COMPRESSION_METHODS)}, not "
+            f"{settings['method']!r}: auto picks from step times measured inside ddp-app. Fix: name a method."
+        )
+    return settings
+
+
 def precision_of(trainer_config: dict[str, Any]) -> str:
     precision = str(trainer_config.get("precision", "32-true"))
     if precision not in PRECISIONS:
@@ -99,6 +116,7 @@ class Job:
     deterministic: bool | str  # trainer.deterministic: True, "warn" or False/None
     accumulation_steps: int  # trainer.accumulate_grad_batches
     ddp_kwargs: dict[str, Any]
+    compression: dict[str, Any]  # gradient_compression: method, powersgd_rank, start_iter, ...
     config: dict[str, Any]
 
     def optimizer(self, params) -> torch.optim.Optimizer:
@@ -150,6 +168,7 @@ def build_job(config: dict[str, Any]) -> Job:
         deterministic=(config.get("trainer") or {}).get("deterministic") or False,
         accumulation_steps=accumulation_steps_of(config.get("trainer") or {}),
         ddp_kwargs=ddp_arguments(config.get("trainer") or {}),
+        compression=compression_of(config),
         config=config,
     )
 

@@ -23,6 +23,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -69,6 +71,34 @@ def cleanup() -> None:
     dist.destroy_process_group()
 
 
+def register_compression(model: DDP, compression: dict[str, Any]) -> None:
+    """gradient_compression: PyTorch's DDP communication hooks, registered as its docs show."""
+    method = compression["method"]
+    if method == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method == "bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif method == "powersgd":
+        state = powerSGD.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=compression["powersgd_rank"],
+            start_powerSGD_iter=compression["start_iter"],
+            use_error_feedback=compression["error_feedback"],
+            warm_start=compression["warm_start"],
+        )
+        on_gloo = dist.get_backend() == "gloo"
+
+        def powersgd_hook(state: powerSGD.PowerSGDState, bucket):  # noqa: ANN202 (DDP checks annotations)
+            future = powerSGD.powerSGD_hook(state, bucket)
+            if on_gloo:
+                # gloo runs the hook's callbacks on its 2 worker threads, where they wait for the next
+                # all-reduce: with several buckets in flight that deadlocks (see app/compression.py).
+                future.wait()
+            return future
+
+        model.register_comm_hook(state, powersgd_hook)
+
+
 class Trainer:
     """The tutorial's Trainer: DDP-wrapped model, sharded loader, rank-0 snapshots."""
 
@@ -111,6 +141,7 @@ class Trainer:
         # One device per process: device_ids=[local index]; on CPU, DDP takes no device_ids.
         # ddp_kwargs: bucket_cap_mb, gradient_as_bucket_view, ... from the config's DDPStrategy.
         self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **job.ddp_kwargs)
+        register_compression(self.model, job.compression)
         self.optimizer = job.optimizer(self.model.parameters())
         self.scheduler = job.scheduler(self.optimizer)
         self.epochs_run = 0

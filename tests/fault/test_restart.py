@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from app.bench.recovery import KILL_AT_STEP, clock_arguments, kill_rank
+from app.bench.recovery import wait_for_step as wait_for_clock_step
+from app.cluster.launch import free_port
 from tests.fault.test_last_checkpoint import uninterrupted  # noqa: F401 (the shared baseline run)
 from tests.fault.test_resume import assert_same_weights, start_fit, wait_for_step
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, rank_pids
@@ -45,6 +48,43 @@ def test_torchrun_restarts_the_group_after_kill_9_and_ends_bit_exact(uninterrupt
     assert process.returncode == 0, output[-4000:]
     assert "--ckpt_path last: none yet, starting fresh" in output  # the first round
     assert f"--ckpt_path last: resuming from {last}" in output, output[-4000:]  # the restarted round
+    assert_same_weights(expected, last)
+
+
+def test_torchrun_with_two_agents_restarts_after_kill_9_and_ends_bit_exact(uninterrupted, tmp_path: Path) -> None:  # noqa: F811
+    """Two agents, one rank each, meeting at a c10d rendezvous as on two nodes (torchrun.sbatch): the
+    agent whose rank died counts a restart, the other does not, and the ranks still meet."""
+    overlay, expected = uninterrupted
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    clock = tmp_path / "clock.txt"
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [
+        str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-agents", "-m", "app", "fit", "--config", "configs/digits.yaml",
+        "--config", str(overlay), f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.devices=1",
+        "--trainer.num_nodes=2", "--ckpt_path", "last", *clock_arguments(clock),
+    ]  # fmt: skip
+    env = clean_env()  # one JOB_TAG for both agents: kill_job ends both
+    agents = []
+    for node in range(2):
+        with open(tmp_path / f"agent{node}.log", "w") as log:
+            agents.append(
+                subprocess.Popen(
+                    command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+    try:
+        wait_for_clock_step(clock, KILL_AT_STEP, lambda: all(agent.poll() is None for agent in agents))
+        kill_rank(clock, 1)
+        for agent in agents:
+            agent.wait(timeout=240)
+    finally:
+        for agent in agents:
+            kill_job(agent.pid)
+            agent.wait()
+    output = "".join((tmp_path / f"agent{node}.log").read_text() for node in range(2))
+    assert [agent.returncode for agent in agents] == [0, 0], output[-4000:]
+    assert f"--ckpt_path last: resuming from {last}" in output, output[-4000:]
     assert_same_weights(expected, last)
 
 

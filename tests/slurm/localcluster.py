@@ -705,3 +705,24 @@ PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
         survivors = _kill_and_wait(_pids_in_netns(node.netns_path))
         if survivors:
             raise SlurmClusterError(f"processes in {node.netns} survived SIGKILL: {survivors}")
+
+
+def main(argv: list[str]) -> int:
+    """`python tests/slurm/localcluster.py -- COMMAND [ARGS...]`: start the cluster (as root), run
+    COMMAND with the cluster's environment (SLURM_CONF, this Python's bin first on PATH), stop it.
+    For measurements that need a cluster outside the tests (`python -m app.bench.recovery --paths slurm`)."""
+    import tempfile
+
+    command = argv[1:] if argv[:1] == ["--"] else argv
+    if not command:
+        print("usage: python tests/slurm/localcluster.py -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    with (
+        tempfile.TemporaryDirectory(prefix="slurm-localcluster-") as workdir,
+        LocalSlurmCluster(Path(workdir)) as cluster,
+    ):
+        return subprocess.run(command, env=cluster.env, check=False).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

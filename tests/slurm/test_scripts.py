@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from localcluster import LocalSlurmCluster
 
+from app.bench.recovery import CPU_ONLY_SBATCH, measure_slurm
 from app.checkpoints import net_state_dict, safe_load
 from app.cluster.slurm_env import job_master_port
 from app.parity import compare_states
@@ -120,6 +121,36 @@ def test_multinode_sbatch_two_nodes_one_task_each(
     )
     # Two ranks on two nodes compute what two ranks on one node compute.
     assert compare_states(weights(lightning_run[1]), weights(root), 0.0) == (0.0, "")
+
+
+@pytest.mark.distributed  # the comparison run starts 2 ranks outside Slurm
+def test_multinode_sbatch_with_powersgd_equals_one_node(
+    slurm_cluster: LocalSlurmCluster, workdir: Path, lightning_run: tuple[Job, Path], tmp_path: Path
+) -> None:
+    """gradient_compression across two nodes: the hook runs on both, and computes what it computes on one."""
+    compression = ("--gradient_compression.method=powersgd", "--gradient_compression.start_iter=2")
+    root = workdir / "multinode-powersgd"
+    args = (CONFIG, *SHORT_RUN, *compression, "--trainer.devices=1", "--trainer.num_nodes=2")
+    job = submit(
+        slurm_cluster,
+        workdir,
+        SLURM / "multinode.sbatch",
+        *CPU_ONLY,
+        "--ntasks-per-node=1",
+        args=(*args, f"--trainer.default_root_dir={root}"),
+    )
+    assert job.state == "COMPLETED", job.output[-3000:]
+    assert slurm_cluster.job_info(job.job_id)["NodeList"] == "node[1-2]"
+    (last,) = root.rglob("last.ckpt")
+    saved = safe_load(last)["gradient_compression"]
+    assert saved["method"] == "powersgd" and len(saved["per_rank"]) == 2
+    assert all(state["powersgd"]["iter"] > 2 for state in saved["per_rank"])  # past start_iter: compressing
+    one_node = tmp_path / "one-node"
+    result = ddp_app("fit", "--config", CONFIG, *SHORT_RUN, *compression, f"--trainer.default_root_dir={one_node}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert compare_states(weights(one_node), weights(root), 0.0) == (0.0, "")
+    # ... and PowerSGD trained something else than the uncompressed all-reduce.
+    assert compare_states(weights(lightning_run[1]), weights(root), 0.0)[0] > 0
 
 
 def test_torchrun_sbatch_equals_srun(
@@ -240,6 +271,11 @@ def test_preflight_stops_batch_job(
         job = submit(slurm_cluster, workdir, SLURM / script, *CPU_ONLY, *options, args=(CONFIG, *args), timeout=90)
     print(f"pre-flight {script or 'no srun'}: failed in {job.seconds:.1f} s")
     assert_stopped_by_preflight(job.state, job.output, job.seconds, message.format(job_id=job.job_id))
+    # Bad input is never requeued: the ranks turned the job's requeue flag off before they exited.
+    info = slurm_cluster.job_info(job.job_id)
+    assert (info["Requeue"], info["Restarts"]) == ("0", "0"), info
+    if script is not None:  # the repo's scripts say why they did not requeue
+        assert "; not requeued: " in job.output, job.output[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -288,18 +324,28 @@ def test_preflight_stops_interactive_command(
     assert_stopped_by_preflight(result.returncode, result.stdout + result.stderr, seconds, message)
 
 
-# --- preemption: scancel --signal=USR1 -> checkpoint at a step boundary, requeue, resume, COMPLETED ----
+# --- a job stopped mid-run comes back by itself, from last.ckpt, bit-exact --------------------------
 
-PREEMPTION_RUN = ("--trainer.max_epochs", "40", "--trainer.enable_progress_bar=false")
+LONG_RUN = ("--trainer.max_epochs", "40", "--trainer.enable_progress_bar=false")
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """LONG_RUN at 2 ranks outside Slurm, never interrupted: what the interrupted jobs must end with."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    result = ddp_app("fit", "--config", CONFIG, *LONG_RUN, f"--trainer.default_root_dir={root}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return weights(root)
+
+
+# scancel --signal=USR1 -> checkpoint at a step boundary, requeue, resume, COMPLETED.
 @pytest.mark.fault
 @pytest.mark.distributed  # the uninterrupted comparison run starts 2 ranks outside Slurm
 def test_preemption_requeues_and_resumes_exactly(
-    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, tmp_path: Path
+    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, uninterrupted: dict
 ) -> None:
     root = workdir / "preempted"
-    args = (CONFIG, *PREEMPTION_RUN, f"--trainer.default_root_dir={root}")
+    args = (CONFIG, *LONG_RUN, f"--trainer.default_root_dir={root}")
     submitted = slurm_cluster.run(
         ["sbatch", "--parsable", f"--chdir={workdir}", *CPU_ONLY, str(SLURM / "train.sbatch"), *args], timeout=30
     )
@@ -323,7 +369,26 @@ def test_preemption_requeues_and_resumes_exactly(
     assert "Restored all states from the checkpoint" in output, output[-4000:]
 
     # The preempted-and-resumed job ends where an uninterrupted run of the same config ends.
-    uninterrupted = tmp_path / "uninterrupted"
-    result = ddp_app("fit", "--config", CONFIG, *PREEMPTION_RUN, f"--trainer.default_root_dir={uninterrupted}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert compare_states(weights(uninterrupted), weights(root), 0.0) == (0.0, "")
+    assert compare_states(uninterrupted, weights(root), 0.0) == (0.0, "")
+
+
+@pytest.mark.fault
+@pytest.mark.distributed
+def test_a_rank_killed_on_the_second_node_requeues_the_job_which_ends_bit_exact(
+    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, uninterrupted: dict
+) -> None:
+    """multinode.sbatch, one rank per node; kill -9 of the rank on node2 mid-run: the batch script
+    requeues the job, which resumes from last.ckpt and completes with the uninterrupted weights."""
+    job = measure_slurm(workdir / "killed", slurm_cluster.env, LONG_RUN, CPU_ONLY_SBATCH)
+    output = job.log.read_text(errors="replace")
+    assert job.state == "COMPLETED", output[-4000:]
+    assert job.restarts == 1, output[-4000:]
+    assert (workdir / "killed" / "clock.txt.rank1").read_text().split()[1] == "node2"  # the victim's host
+    requeued = re.search(r"SLURM_RESTART_COUNT=0; requeued job (\d+), requeue 1 of 3", output)
+    assert requeued and requeued[1] == str(job.job_id), output[-4000:]
+    assert f"job {job.job_id} (restart 1)" in output
+    assert "--ckpt_path last: resuming from" in output, output[-4000:]
+    assert compare_states(uninterrupted, weights(workdir / "killed" / "run"), 0.0) == (0.0, "")
+    # Lost work: at most one checkpoint interval (last.ckpt is written at every epoch end).
+    print(f"Slurm requeue after kill -9 on node2: {job.recovery}")
+    assert 0 <= job.recovery.steps_redone <= job.recovery.checkpoint_interval_steps, job.recovery

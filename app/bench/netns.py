@@ -1,0 +1,201 @@
+"""Two "nodes" on one machine: two network namespaces joined by one veth pair, rate-limited with tc.
+
+`python -m app.bench.network` runs one rank in each namespace, so every byte DDP exchanges crosses
+the veth link, where `tc qdisc ... tbf` caps the rate (netem, which would also add latency, is not
+available on these machines). Why this shape and not the Slurm test cluster's (tests/slurm/):
+
+* No bridge and no address in the root namespace: the pair connects the two namespaces directly,
+  so nothing the bench does is visible to, or routable from, the machine's own interfaces.
+* Fixed names (`nbn-rank0`, `nbn-rank1`; `nbv-rank0`, `nbv-rank1`) and a lock file: one bench per
+  machine (two would also spoil each other's timings), and a crashed run's leftovers are found by
+  their exact names and removed at the next start, which holds the lock, so they are not in use.
+* Everything is removed by exact name: processes still inside our namespaces are killed by PID
+  (found through /proc/PID/ns/net), then the namespaces are deleted, which destroys the veth pair.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+NAMESPACES = ("nbn-rank0", "nbn-rank1")
+INTERFACES = ("nbv-rank0", "nbv-rank1")  # interface r lives in namespace r; they are each other's peer
+# Addresses exist only inside the two namespaces (a /30 on the pair), so they cannot clash with a route
+# of the machine's.
+ADDRESSES = ("10.79.0.1", "10.79.0.2")
+PREFIX_LEN = 30
+LOCK_FILE = Path("/run/ddp-app-bench-network.lock")
+# A queue of 50 ms at the configured rate, as a switch port's buffer; with a much shorter one TCP
+# loses packets at every burst and retransmits, which the byte counters would count as traffic.
+TBF_LATENCY = "50ms"
+
+
+class NetworkSetupError(RuntimeError):
+    """A namespace, link or qdisc command failed; the message carries the command's own error."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link speed to measure: a tbf rate in Mbit/s, or None for the unlimited veth."""
+
+    name: str  # as given on the command line: "100mbit", "1gbit", "unlimited"
+    rate_mbit: float | None
+
+    @property
+    def label(self) -> str:
+        if self.rate_mbit is None:
+            return "unlimited"
+        if self.rate_mbit >= 1000:
+            return f"{self.rate_mbit / 1000:g} Gbit/s"
+        return f"{self.rate_mbit:g} Mbit/s"
+
+
+def parse_link(text: str) -> Link:
+    """'100mbit', '1gbit', '2.5gbit' or 'unlimited' (tc's own spelling of rates)."""
+    name = text.strip().lower()
+    if name == "unlimited":
+        return Link(name, None)
+    for unit, factor in (("gbit", 1000.0), ("mbit", 1.0)):
+        if name.endswith(unit):
+            try:
+                rate = float(name[: -len(unit)]) * factor
+            except ValueError:
+                break
+            if rate > 0:
+                return Link(name, rate)
+    raise ValueError(f"invalid link {text!r}: expected a rate such as 100mbit or 1gbit, or unlimited")
+
+
+def run_tool(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ip/tc; a failure raises NetworkSetupError with the tool's stderr."""
+    process = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    if check and process.returncode != 0:
+        raise NetworkSetupError(f"`{' '.join(args)}` failed: {(process.stderr or process.stdout).strip()}")
+    return process
+
+
+def acquire_lock() -> int:
+    """One bench per machine (fixed names); returns the descriptor that holds the lock until closed."""
+    descriptor = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise NetworkSetupError(
+            f"another `python -m app.bench.network` is running on this machine (lock {LOCK_FILE} is held). "
+            "Fix: wait for it to finish."
+        ) from None
+    return descriptor
+
+
+def namespace_inode(name: str) -> int | None:
+    try:
+        return os.stat(f"/run/netns/{name}").st_ino
+    except OSError:
+        return None
+
+
+def pids_in_namespace(name: str) -> list[int]:
+    """Processes whose network namespace is ours (a rank, or anything it started)."""
+    inode = namespace_inode(name)
+    if inode is None:
+        return []
+    target, pids = f"net:[{inode}]", []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/ns/net") == target:
+                    pids.append(int(entry))
+    return pids
+
+
+def kill_and_wait(pids: Sequence[int], timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL each PID and wait until /proc says it is gone or a zombie; returns survivors."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline, alive = time.monotonic() + timeout_s, list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        if alive:
+            time.sleep(0.05)
+    return alive
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] not in ("Z", "X")
+
+
+def remove_pair() -> None:
+    """Remove our namespaces (and so the veth pair) by exact name, after killing what runs inside."""
+    errors = []
+    for name in NAMESPACES:
+        if namespace_inode(name) is None:
+            continue
+        survivors = kill_and_wait(pids_in_namespace(name))
+        if survivors:
+            errors.append(f"processes {survivors} in {name} survived SIGKILL")
+        if (deleted := run_tool(["ip", "netns", "delete", name], check=False)).returncode != 0:
+            errors.append(deleted.stderr.strip())
+    # The pair is created inside the namespaces; an interface of ours in the root namespace can only be
+    # a leftover of an interrupted `ip link add`.
+    for name in INTERFACES:
+        if Path(f"/sys/class/net/{name}").exists():
+            run_tool(["ip", "link", "delete", name], check=False)
+    if errors:
+        raise NetworkSetupError("could not remove the bench's namespaces: " + "; ".join(errors))
+
+
+def create_pair() -> None:
+    """nbn-rank0 <-> nbn-rank1 over nbv-rank0/nbv-rank1, addresses 10.79.0.1 and .2, links up."""
+    for name in NAMESPACES:
+        run_tool(["ip", "netns", "add", name])
+    (namespace0, namespace1), (interface0, interface1) = NAMESPACES, INTERFACES
+    veth_peer = ["type", "veth", "peer", "name", interface1, "netns", namespace1]
+    run_tool(["ip", "link", "add", interface0, "netns", namespace0, *veth_peer])
+    for namespace, interface, address in zip(NAMESPACES, INTERFACES, ADDRESSES, strict=True):
+        run_tool(["ip", "-n", namespace, "addr", "add", f"{address}/{PREFIX_LEN}", "dev", interface])
+        run_tool(["ip", "-n", namespace, "link", "set", interface, "up"])
+        run_tool(["ip", "-n", namespace, "link", "set", "lo", "up"])
+
+
+def tbf_burst_bytes(rate_mbit: float) -> int:
+    """The bucket: 1 ms at the rate, and at least one 64 KiB GSO packet (tbf would split larger ones)."""
+    return max(64 * 1024, int(rate_mbit * 1e6 / 8 / 1000))
+
+
+def set_rate(interface: str, link: Link, limited: bool) -> bool:
+    """Cap `interface`'s egress at the link's rate (from inside its namespace); returns whether a tbf is on.
+
+    Each rank caps its own side, so both directions of the link run at the rate. `limited` says
+    whether a tbf is installed now: unlimited removes it, which restores the veth's default qdisc.
+    """
+    if link.rate_mbit is None:
+        if limited:
+            run_tool(["tc", "qdisc", "del", "dev", interface, "root"])
+        return False
+    burst = tbf_burst_bytes(link.rate_mbit)
+    rate = f"{link.rate_mbit * 1000:.0f}kbit"
+    tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", TBF_LATENCY]
+    run_tool(["tc", "qdisc", "replace", "dev", interface, "root", *tbf])
+    return True
+
+
+def tx_bytes(interface: str) -> int:
+    """Bytes `interface` has sent, from /proc/self/net/dev, which lists the caller's namespace."""
+    for line in Path("/proc/self/net/dev").read_text().splitlines()[2:]:
+        name, _, counters = line.partition(":")
+        if name.strip() == interface:
+            return int(counters.split()[8])  # receive: 8 fields, then transmit bytes
+    raise NetworkSetupError(f"interface {interface} not found in /proc/self/net/dev (wrong network namespace?)")

@@ -1,0 +1,364 @@
+"""`python -m app.bench.network --config configs/bench_cnn.yaml [--json F] [--plot F]` (as root)
+
+DDP on a slow network: two ranks, each in its own network namespace (a "node"), joined by one
+veth link that tc's token bucket filter caps at 100 Mbit/s, 1 Gbit/s or leaves unlimited. For
+each link and each gradient-compression setting (no hook, fp16, bf16, PowerSGD, auto), and at one
+link (1 Gbit/s) for each DDP bucket size (1, 25, 100 MB), it reports:
+
+  step time        a training step on the config's network and batches (forward, backward with the
+                   gradient exchange, optimizer step), the slower rank's mean over the timed steps,
+                   after auto's probe steps and warm-up steps; median [min, max] over repeats;
+  samples/s        2 x per-rank batch / step time;
+  scaling eff.     2-rank samples/s / (2 x 1-rank samples/s), i.e. 1-rank step / 2-rank step, each
+                   repeat paired with the 1-rank baseline measured right before or after it;
+  bytes per step   what each rank's interface sent during the timed steps (its kernel counters),
+                   per step: gradients plus TCP/IP headers and retransmissions;
+  auto             the method it chose per repeat, and its step time over the best setting's.
+
+Settings alternate within a repeat, in the opposite order every other repeat, so a machine that
+slows down over minutes does not always penalise the same setting. The ranks start once and run
+the whole schedule (see app/bench/network_worker.py); the namespaces are created, and removed in
+a `finally` (also after Ctrl-C or SIGTERM), by exact name (app/bench/netns.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from app.bench.netns import (
+    ADDRESSES,
+    INTERFACES,
+    NAMESPACES,
+    TBF_LATENCY,
+    Link,
+    NetworkSetupError,
+    acquire_lock,
+    create_pair,
+    parse_link,
+    remove_pair,
+    tbf_burst_bytes,
+)
+from app.bench.network_report import build_report, format_table, plot
+from app.cluster.launch import env_without_launcher
+from app.compression import METHODS
+
+PROG = "python -m app.bench.network"
+DDP_DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb default
+MASTER_PORT = 29500  # inside rank 0's namespace, where nothing else listens
+
+
+def comma_list(text: str) -> list[str]:
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return items
+
+
+def link_type(text: str) -> Link:
+    try:
+        return parse_link(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def link_list(text: str) -> list[Link]:
+    links = [link_type(part) for part in comma_list(text)]
+    if len({link.rate_mbit for link in links}) != len(links):
+        raise argparse.ArgumentTypeError(f"a link speed is listed twice in {text!r}")
+    return links
+
+
+def method_list(text: str) -> list[str]:
+    methods = comma_list(text)
+    unknown = [method for method in methods if method not in METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown method {unknown[0]!r}: expected some of {', '.join(METHODS)}")
+    return list(dict.fromkeys(methods))
+
+
+def bucket_list(text: str) -> list[float]:
+    try:
+        buckets = [float(part) for part in comma_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bucket sizes in MB such as 1,25,100; got {text!r}") from None
+    if any(bucket <= 0 for bucket in buckets):
+        raise argparse.ArgumentTypeError(f"bucket sizes must be > 0 MB, got {text!r}")
+    return sorted(set(buckets))
+
+
+def default_bucket_mb(config: dict[str, Any]) -> float:
+    """The config's `trainer.strategy.init_args.bucket_cap_mb`, else DDP's default."""
+    strategy = (config.get("trainer") or {}).get("strategy")
+    init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    return float(init_args.get("bucket_cap_mb") or DDP_DEFAULT_BUCKET_MB)
+
+
+def build_schedule(
+    links: list[Link],
+    methods: list[str],
+    buckets: list[float],
+    bucket_link: Link,
+    default_bucket: float,
+    repeats: int,
+) -> list[dict[str, Any]]:
+    """Every measurement in the order the ranks run them.
+
+    Within a repeat each link gets the 1-rank baseline and every (method, bucket) setting in turn;
+    odd repeats run the links and the settings in reverse order. Buckets other than the default are
+    swept at `bucket_link` only.
+    """
+    schedule = []
+    for repeat in range(repeats):
+        for link in links if repeat % 2 == 0 else links[::-1]:
+            swept = link.rate_mbit == bucket_link.rate_mbit
+            sweep = sorted({*buckets, default_bucket}) if swept else [default_bucket]
+            settings = [("none", default_bucket, 1)] + [(m, b, 2) for b in sweep for m in methods]
+            for method, bucket, world_size in settings if repeat % 2 == 0 else settings[::-1]:
+                schedule.append(
+                    {
+                        "index": len(schedule),
+                        "repeat": repeat,
+                        "link": {"name": link.name, "rate_mbit": link.rate_mbit},
+                        "method": method,
+                        "bucket_cap_mb": bucket,
+                        "world_size": world_size,
+                    }
+                )
+    return schedule
+
+
+def refuse(message: str) -> None:
+    """Bad input or an unusable machine: one line, exit code 2."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_ranks(plan_path: Path, out: Path, timeout_s: float) -> None:
+    """Start one rank per namespace and wait for both; a failed rank takes the other down at once."""
+    env = env_without_launcher(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    processes: list[subprocess.Popen[bytes]] = []
+    logs = [out / f"rank{rank}.log" for rank in range(len(NAMESPACES))]
+    try:
+        for rank, (namespace, interface) in enumerate(zip(NAMESPACES, INTERFACES, strict=True)):
+            command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "app.bench.network_worker"]
+            command += ["--plan", str(plan_path), "--rank", str(rank)]
+            # Rank 0 prints the progress lines to our stdout; each rank's errors also go to its log.
+            with logs[rank].open("wb") as log:
+                processes.append(
+                    subprocess.Popen(
+                        command,
+                        env={**env, "GLOO_SOCKET_IFNAME": interface},  # gloo's address: the bench link
+                        stdout=None if rank == 0 else log,
+                        stderr=log,
+                        start_new_session=True,  # Ctrl-C reaches us; we stop the ranks
+                    )
+                )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [process.poll() for process in processes]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                details = "\n".join(f"--- rank {rank} ({logs[rank]}):\n{_tail(logs[rank])}" for rank in failed)
+                raise RuntimeError(f"{PROG}: rank {failed[0]} exited with code {codes[failed[0]]}\n{details}")
+            if all(code == 0 for code in codes):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{PROG}: the ranks did not finish within --timeout {timeout_s:g} s")
+            time.sleep(0.2)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def run_bench(args: argparse.Namespace, config: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    default_bucket = default_bucket_mb(config)
+    schedule = build_schedule(args.links, args.methods, args.buckets, args.bucket_link, default_bucket, args.repeats)
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True)
+    records = args.out / "records.jsonl"
+    compression = {
+        "powersgd_rank": args.powersgd_rank,
+        "start_iter": args.powersgd_start_iter,
+        "warm_start": True,
+        "error_feedback": True,
+    }
+    plan = {
+        "config": config,
+        "master_addr": ADDRESSES[0],
+        "master_port": MASTER_PORT,
+        "interfaces": list(INTERFACES),
+        "collective_timeout_s": args.collective_timeout,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "repeats": args.repeats,
+        "compression": compression,
+        "schedule": schedule,
+        "records": str(records.resolve()),
+    }
+    plan_path = args.out / "plan.json"
+    plan_path.write_text(json.dumps(plan, indent=1))
+    loadavg_before, started = os.getloadavg(), time.perf_counter()
+    print(f"{PROG}: {len(schedule)} measurements, ranks in {' and '.join(NAMESPACES)}", flush=True)
+    lock = acquire_lock()
+    try:
+        remove_pair()  # a crashed run's leftovers: we hold the lock, so nothing uses them
+        create_pair()
+        run_ranks(plan_path, args.out, args.timeout)
+    finally:
+        try:
+            remove_pair()
+        finally:
+            os.close(lock)
+    context = {
+        "config": str(args.config),
+        "per_rank_batch_size": batch_size,
+        "world_size": 2,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "default_bucket_cap_mb": default_bucket,
+        # The key in "links" where the buckets were swept, if that link was measured.
+        "bucket_link": next((link.name for link in args.links if link.rate_mbit == args.bucket_link.rate_mbit), None),
+        "compression": compression,
+        "tbf": {
+            "burst_bytes": {link.name: tbf_burst_bytes(link.rate_mbit) for link in args.links if link.rate_mbit},
+            "latency": TBF_LATENCY,
+        },
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": loadavg_before,
+        "loadavg_after": os.getloadavg(),
+        "bench_seconds": round(time.perf_counter() - started, 1),
+        "command": " ".join([PROG, *sys.argv[1:]]),
+    }
+    records_list = [json.loads(line) for line in records.read_text().splitlines()]
+    return build_report(records_list, args.links, context)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, type=Path, help="the YAML that ddp-app takes")
+    parser.add_argument(
+        "--links",
+        type=link_list,
+        default=link_list("100mbit,1gbit,unlimited"),
+        help="link speeds, tc spelling (default: 100mbit,1gbit,unlimited)",
+    )
+    parser.add_argument(
+        "--methods",
+        type=method_list,
+        default=list(METHODS),
+        help=f"gradient compression settings (default: {','.join(METHODS)})",
+    )
+    parser.add_argument(
+        "--buckets",
+        type=bucket_list,
+        default=[1.0, 25.0, 100.0],
+        help="DDP bucket_cap_mb values swept at --bucket-link (default: 1,25,100)",
+    )
+    parser.add_argument(
+        "--bucket-link",
+        type=link_type,
+        default=parse_link("1gbit"),
+        help="the link (one of --links) where the buckets are swept (default: 1gbit)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over every setting (default: 3)")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per measurement (default: 15)")
+    parser.add_argument("--warmup-steps", type=int, default=4, help="untimed steps first (default: 4)")
+    parser.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's matrix rank (default: 4)")
+    parser.add_argument(
+        "--powersgd-start-iter",
+        type=int,
+        default=2,
+        help="steps of plain all-reduce before PowerSGD compresses (default: 2)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_network"), help="plan, records, rank logs")
+    parser.add_argument("--json", type=Path, default=None, help="default: <out>/bench_network.json")
+    parser.add_argument("--plot", type=Path, default=None, help="a PNG: step time vs link speed per setting")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed for the whole run")
+    parser.add_argument(
+        "--collective-timeout", type=float, default=300.0, help="gloo's timeout: a rank whose peer died stops within it"
+    )
+    args = parser.parse_args(argv)
+    if not args.config.is_file():
+        parser.error(f"config {args.config} does not exist. Fix: pass one of the files in configs/.")
+    for name in ("repeats", "steps", "powersgd_rank"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if args.powersgd_start_iter < 2:
+        # As app.compression.check_settings: DDP rebuilds its buckets after the first step.
+        parser.error(f"--powersgd-start-iter must be >= 2, got {args.powersgd_start_iter}")
+    if "powersgd" in args.methods and args.warmup_steps <= args.powersgd_start_iter:
+        parser.error(
+            f"--warmup-steps {args.warmup_steps} <= --powersgd-start-iter {args.powersgd_start_iter}: PowerSGD's "
+            "uncompressed first steps would be timed. Fix: raise --warmup-steps."
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        refuse("needs root (it creates network namespaces and sets tc qdiscs). Fix: run it as root, e.g. with sudo.")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            refuse(f"`{tool}` not found. Fix: install iproute2.")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as error:
+            refuse(f"--plot needs matplotlib ({error}). Fix: pip install -e '.[plot]', or drop --plot.")
+    from app.reference.config import build_job, load_config  # imports torch: after the cheap checks
+
+    try:
+        config = load_config(args.config)
+        batch_size = build_job(config).batch_size
+    except (ValueError, KeyError) as error:
+        refuse(f"{args.config}: {error}")
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # so that the `finally` removes the namespaces
+    try:
+        report = run_bench(args, config, batch_size)
+    except NetworkSetupError as error:
+        refuse(str(error))
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; the ranks are stopped and the namespaces removed.", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(format_table(report))
+    json_path = args.json or args.out / "bench_network.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+    print(f"\n{report['bench_seconds']} s; JSON: {json_path}" + (f"; plot: {args.plot}" if args.plot else ""))
+
+
+if __name__ == "__main__":
+    main()

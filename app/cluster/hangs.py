@@ -1,0 +1,444 @@
+"""A hang names its culprit: the rank that did not arrive, its host, and the collective the others wait in.
+
+A rank that stops (SIGSTOP, a dead NFS read in its data loader, a lost link) or that calls
+collectives in another order than its peers leaves the others waiting in a collective until
+`collective_timeout_s`. PyTorch then raises "Timed out waiting ..." on the waiting ranks and says
+nothing about who is missing. Here, every rank:
+
+- keeps PyTorch's flight recorder on (`TORCH_FR_BUFFER_SIZE`): the last collectives of each process
+  group, with sequence numbers, and per group the last one enqueued and the last one completed;
+- runs PyTorch's per-rank debug endpoint (`_WorkerServer`, the worker half of
+  `torch.distributed.debug.start_debug_server`) in a C++ thread, which answers `dump_traceback`
+  (every thread's Python stack, via faulthandler) and `fr_trace_json` (the flight recorder) even
+  while the rank's own Python code is blocked, in a collective or anywhere else;
+- tells every other rank, once at setup, its host, pid and that endpoint's address (one
+  `all_gather_object`: nothing has to be read from rank 0's store later, and rank 0 may be the
+  one that is stopped).
+
+A rank whose collective times out (`HangReport.on_exception`) asks every other rank for its stack
+and its flight recorder (in parallel, `ASK_TIMEOUT_S` each), compares their sequence numbers with
+its own pending collective, writes `<default_root_dir>/hang-<time>-rank<R>/` and ends with one
+line naming the culprit(s). A rank that does not answer is stopped or holds the GIL; one that
+cannot even be connected to is on a host this one cannot reach.
+
+What works where is in docs/hangs.md (the flight recorder has no start/end times on gloo, only
+"retired"; on NCCL the watchdog, not the waiting call, sees a timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import faulthandler
+import http.client
+import json
+import os
+import re
+import socket
+import sysconfig
+import time
+import traceback
+from collections.abc import MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from app.errors import PEER_LOST
+
+# Collectives the flight recorder keeps per process (a ring buffer; a few hundred bytes each).
+FLIGHT_RECORDER_ENTRIES = 2000
+# How long a waiting rank waits for each other rank's answer: a stopped rank never answers.
+ASK_TIMEOUT_S = 10.0
+# PyTorch's debug endpoint handlers (torch/csrc/distributed/c10d/control_plane/Handlers.cpp).
+STACKS_HANDLER = "dump_traceback"
+COLLECTIVES_HANDLER = "fr_trace_json"
+# This project's files that every rank's stack passes through on its way into Lightning: never the place.
+PLUMBING = ("app/cli.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app")
+# Ours, on the same endpoint: where this rank's own collective timed out (its main thread has left
+# that place to write its report by the time another rank asks).
+WAITED_HANDLER = "ddp_app_waited"
+# {"frames": [[filename, line, function], ...]} of this process's timed-out wait, innermost last.
+_waited: dict[str, list[list[Any]]] = {"frames": []}
+# What a collective timeout says: gloo "Timed out waiting 15000ms for recv operation", NCCL's
+# watchdog "Watchdog caught collective operation timeout", the store "Socket Timeout".
+TIMEOUT_MESSAGE = re.compile(r"timed out|timeout", re.IGNORECASE)
+STDLIB_DIRECTORIES = tuple({str(Path(sysconfig.get_paths()[name]).resolve()) for name in ("stdlib", "platstdlib")})
+
+
+def keep_hang_records(env: MutableMapping[str, str]) -> None:
+    """In a rank, before its process group exists: flight recorder on, and faulthandler, which
+    prints every thread's Python stack to stderr if the process dies of SIGSEGV or SIGABRT (gloo
+    aborts on a collective whose sizes differ between ranks)."""
+    env.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+    faulthandler.enable(all_threads=True)
+
+
+@dataclass(frozen=True)
+class RankAddress:
+    """Who a rank is and where its debug endpoint listens (port 0: it has none)."""
+
+    rank: int
+    host: str
+    pid: int
+    ip: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} (host {self.host}, pid {self.pid})"
+
+
+@dataclass(frozen=True)
+class Frame:
+    filename: str
+    lineno: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One flight-recorder entry: `op` #`seq` on process group `group`."""
+
+    group: str
+    seq: int
+    op: str
+    sizes: str = ""
+    created_ns: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.op} #{self.seq}"
+
+
+@dataclass
+class Answer:
+    """What one rank said: its stacks, flight recorder and timed-out wait, or why it said nothing."""
+
+    address: RankAddress
+    stacks: str | None = None
+    collectives: dict[str, Any] | None = None
+    waited: list[Frame] | None = None  # where its own collective timed out or failed, if it did
+    problem: str = ""  # "" (answered), "unreachable", "gone", "silent"
+
+
+def address_towards(master_addr: str) -> str:
+    """The local IP address this host uses to reach `master_addr`: the one peers can reach us on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((master_addr, 9))  # UDP: no packet is sent, only a route chosen
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _serve_waited(request: Any, response: Any) -> None:
+    response.set_content(json.dumps(_waited), "application/json")
+    response.set_status(200)
+
+
+def start_debug_endpoint(ip: str) -> tuple[Any, int]:
+    """PyTorch's per-rank debug endpoint on `ip` (only that interface), any free port; (None, 0) if it fails."""
+    try:
+        # Private: docs/private_apis.md, guarded in tests/test_private_apis.py.
+        from torch._C._distributed_c10d import _get_handler_names, _register_handler, _WorkerServer
+
+        if WAITED_HANDLER not in _get_handler_names():  # once per process: registering twice raises
+            _register_handler(WAITED_HANDLER, _serve_waited)
+        server = _WorkerServer(ip, 0)
+    except Exception:  # no diagnosis is no reason to stop training: the report says the endpoint is missing
+        return None, 0
+    return server, int(server.port)
+
+
+def ask(address: RankAddress, handler: str, timeout_s: float) -> tuple[str | None, str]:
+    """(body, "") from a rank's debug endpoint, or (None, "unreachable", "gone" or "silent")."""
+    if not address.port:
+        return None, "silent"
+    connection = http.client.HTTPConnection(address.ip, address.port, timeout=timeout_s)
+    try:
+        try:
+            connection.connect()
+        except ConnectionRefusedError:  # its host answers, nothing listens there any more
+            return None, "gone"
+        except OSError:  # no route, or no SYN-ACK in time: its host is not reachable
+            return None, "unreachable"
+        try:
+            connection.request("POST", f"/handler/{handler}")
+            response = connection.getresponse()
+            body = response.read().decode(errors="replace")
+        except OSError:  # connected (the kernel accepts for a stopped process) but no answer
+            return None, "silent"
+        return (body, "") if response.status == 200 else (None, "silent")
+    finally:
+        connection.close()
+
+
+def ask_rank(address: RankAddress, timeout_s: float) -> Answer:
+    stacks, problem = ask(address, STACKS_HANDLER, timeout_s)
+    if stacks is None:
+        return Answer(address, problem=problem)
+    body, _ = ask(address, COLLECTIVES_HANDLER, timeout_s)
+    collectives = None
+    with contextlib.suppress(TypeError, ValueError):
+        collectives = json.loads(body)  # type: ignore[arg-type]
+    body, _ = ask(address, WAITED_HANDLER, timeout_s)
+    waited = None
+    with contextlib.suppress(TypeError, ValueError, KeyError):
+        waited = [Frame(str(file), int(line), str(name)) for file, line, name in json.loads(body or "")["frames"]]
+    return Answer(address, stacks, collectives, waited or None)
+
+
+def pending_collective(recorder: dict[str, Any] | None) -> Collective | None:
+    """The oldest collective this rank entered and has not completed, or None."""
+    pending: list[Collective] = []
+    for group_id, status in ((recorder or {}).get("pg_status") or {}).items():
+        completed = int(status.get("last_completed_collective", -1))
+        if int(status.get("last_enqueued_collective", -1)) > completed:
+            entry = entry_of(recorder or {}, group_id, completed + 1)
+            pending.append(entry or Collective(group_id, completed + 1, "?"))
+    return min(pending, key=lambda collective: collective.created_ns, default=None)
+
+
+def waited_collective(recorder: dict[str, Any] | None) -> Collective:
+    """The collective a rank whose wait timed out was in: the oldest pending one, else the last it
+    entered (gloo marks a barrier completed as soon as it is enqueued, so a timed-out barrier shows none)."""
+    pending = pending_collective(recorder)
+    if pending is not None:
+        return pending
+    entries = (recorder or {}).get("entries") or []
+    if not entries:
+        return Collective("?", -1, "a collective")
+    last = max(entries, key=lambda entry: entry.get("time_created_ns") or 0)
+    found = entry_of(recorder or {}, str(last["process_group"][0]), int(last["collective_seq_id"]))
+    return found or Collective("?", -1, "a collective")
+
+
+def last_entered(recorder: dict[str, Any] | None, group: str) -> int:
+    """The sequence number of the last collective this rank entered on `group` (-1: none recorded)."""
+    status = ((recorder or {}).get("pg_status") or {}).get(group) or {}
+    return int(status.get("last_enqueued_collective", -1))
+
+
+def entry_of(recorder: dict[str, Any], group: str, seq: int) -> Collective | None:
+    for entry in recorder.get("entries") or []:
+        if str(entry.get("process_group", [""])[0]) == group and entry.get("collective_seq_id") == seq:
+            op = str(entry.get("profiling_name", "?")).split(":")[-1]
+            shapes = zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False)
+            sizes = " ".join(f"{dtype.lower()}{size}" for size, dtype in shapes)
+            return Collective(group, seq, op, sizes, int(entry.get("time_created_ns") or 0))
+    return None
+
+
+def main_thread_frames(stacks: str) -> list[Frame]:
+    """The main thread's frames, innermost last, from a faulthandler dump (the thread whose
+    outermost frame is a `<module>`: the program's entry point)."""
+    threads: list[list[Frame]] = []
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks):
+        frames = [
+            Frame(match[0], int(match[1]), match[2])
+            for match in re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
+        ]
+        threads.append(frames[::-1])
+    for frames in threads:
+        if frames and frames[0].name == "<module>":
+            return frames
+    return max(threads, key=len, default=[])
+
+
+def is_library(filename: str) -> bool:
+    """Python's own or an installed package's file (frozen modules, `<string>` too), not user code."""
+    if filename.startswith("<") or "/site-packages/" in filename or "/dist-packages/" in filename:
+        return True
+    return str(Path(filename).resolve()).startswith(STDLIB_DIRECTORIES)
+
+
+def call_site(frames: list[Frame]) -> str:
+    """Where a stack stands, in words: DDP's gradient all-reduce, else the innermost frame of the
+    user's (or this project's) code, else the innermost frame outside torch (Lightning's, torchmetrics')."""
+    if any(frame.name in ("backward", "_engine_run_backward") and is_library(frame.filename) for frame in frames):
+        return "DDP gradient all-reduce in loss.backward()"
+    for frame in reversed(frames):
+        if not is_library(frame.filename) and not frame.filename.endswith(PLUMBING):
+            return f"{frame.name} at {short_path(frame.filename)}:{frame.lineno}"
+    outside_torch = [frame for frame in frames if "/torch/" not in frame.filename] or frames
+    if not outside_torch:
+        return "an unknown place"
+    frame = outside_torch[-1]
+    return f"{frame.name} at {short_path(frame.filename)}:{frame.lineno}"
+
+
+def short_path(filename: str) -> str:
+    """`lightning/pytorch/...py` for an installed package's file; relative to here for a file below here."""
+    if "site-packages/" in filename:
+        return filename.rsplit("site-packages/", 1)[1]
+    relative = os.path.relpath(filename)
+    return filename if relative.startswith("..") else relative
+
+
+def where_it_is(answer: Answer, waiting: Collective, this_host: str) -> str | None:
+    """Why `answer`'s rank is not in `waiting` with the others, or None if it is."""
+    if answer.problem == "unreachable":
+        return f"its host {answer.address.host} is unreachable from {this_host}"
+    if answer.problem == "gone":
+        return "its process has ended"
+    if answer.problem:
+        return "it does not answer (stopped, e.g. by SIGSTOP, or stuck in native code holding the GIL)"
+    # A rank whose own wait timed out has left that place to write its report: it says where it was.
+    frames = answer.waited or main_thread_frames(answer.stacks or "")
+    place = f" ({call_site(frames)}{', where its own wait failed' if answer.waited else ''})"
+    if answer.collectives is None:
+        return f"its collectives are unknown{place}"
+    if last_entered(answer.collectives, waiting.group) < waiting.seq:
+        elsewhere = pending_collective(answer.collectives)
+        if elsewhere is not None:
+            return f"it waits in {elsewhere} on group {elsewhere.group}{place}"
+        return f"it is not in a collective{place}"
+    same = entry_of(answer.collectives, waiting.group, waiting.seq)
+    if same is not None and (same.op, same.sizes) != (waiting.op, waiting.sizes):
+        return f"it called {same} [{same.sizes}] instead{place}"
+    return None
+
+
+def describe_hang(
+    reporter: RankAddress,
+    waiting: Collective,
+    context: str,
+    waited_s: float,
+    answers: list[Answer],
+    directory: str,
+) -> str:
+    """The one line: who did not arrive, where it is, and the collective the others wait in."""
+    reasons = {answer.address: where_it_is(answer, waiting, reporter.host) for answer in answers}
+    culprits = [(address, reason) for address, reason in reasons.items() if reason]
+    waiting_ranks = [str(reporter)] + [f"rank {address.rank}" for address, reason in reasons.items() if not reason]
+    what = f"{waiting} [{waiting.sizes}] ({context})" if waiting.sizes else f"{waiting} ({context})"
+    waited = f"{', '.join(waiting_ranks)} waited {waited_s:.0f} s"
+    if not culprits:
+        story = f"every rank arrived at {what}, yet it did not complete ({waited}): the network between them stalled"
+    elif reporter.rank != 0 and all(answer.problem == "unreachable" for answer in answers):
+        # Rank 0 hosts the rendezvous; any other rank that reaches no one is the one cut off.
+        story = (
+            f"no other rank is reachable from {reporter} ({', '.join(str(address) for address, _ in culprits)}): "
+            f"this host may have lost its network; it waited {waited_s:.0f} s in {what}"
+        )
+    else:
+        story = "; ".join(f"{address} did not arrive at {what}: {reason}" for address, reason in culprits)
+        story += f"; {waited}"
+    return f"ddp-app: hang: {story}. Stacks and last collectives: {directory}"
+
+
+def exception_frames(exception: BaseException) -> list[Frame]:
+    return [
+        Frame(frame.filename, frame.lineno or 0, frame.name) for frame in traceback.extract_tb(exception.__traceback__)
+    ]
+
+
+def is_peer_lost(exception: BaseException) -> bool:
+    return isinstance(exception, RuntimeError) and any(sign in str(exception) for sign in PEER_LOST)
+
+
+def is_collective_timeout(exception: BaseException) -> bool:
+    """A collective (or the store) gave up waiting: gloo and NCCL raise RuntimeError subclasses."""
+    return isinstance(exception, RuntimeError) and bool(TIMEOUT_MESSAGE.search(str(exception)))
+
+
+class HangReport(Callback):
+    """Runs PyTorch's debug endpoint on every rank, and turns a collective timeout into the one line
+    that names the rank that did not arrive (see the module docstring). Added by `ddp-app` to every
+    multi-process run."""
+
+    def __init__(self, ask_timeout_s: float = ASK_TIMEOUT_S) -> None:
+        self.ask_timeout_s = ask_timeout_s
+        self.peers: list[RankAddress] = []
+        self._server: Any = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.peers or trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        ip = address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        self._server, port = start_debug_endpoint(ip)
+        mine = RankAddress(trainer.global_rank, socket.gethostname(), os.getpid(), ip, port)
+        everyone: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(everyone, mine)
+        self.peers = everyone
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._stop_server()
+
+    def _stop_server(self) -> None:
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                self._server.shutdown()
+            self._server = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not self.peers:
+            return
+        lost, timed_out = is_peer_lost(exception), is_collective_timeout(exception)
+        if lost or timed_out:  # where this rank's wait ended, for a peer that asks
+            _waited["frames"] = [[frame.filename, frame.lineno, frame.name] for frame in exception_frames(exception)]
+        if lost:
+            self._let_reporting_peers_finish(trainer.global_rank)
+        if not timed_out:
+            return
+        line = self.report(trainer, exception)
+        # Read by `app.cli.run`, which prints it instead of the timeout's traceback (that is in the directory).
+        # The endpoint stays up until the process ends: a peer that timed out too may still ask.
+        exception.ddp_app_hang_report = line  # type: ignore[attr-defined]
+
+    def _let_reporting_peers_finish(self, rank: int) -> None:
+        """A peer closed its connections: it died, or its own collective timed out and it is asking
+        everyone for their stacks. Stay (for a launcher that kills every rank when one exits) until
+        no peer answers a ping, at most twice the time one report takes."""
+        others = [peer for peer in self.peers if peer.rank != rank]
+        deadline = time.monotonic() + 2 * self.ask_timeout_s
+        while time.monotonic() < deadline and any(ask(peer, "ping", 1.0)[0] == "pong" for peer in others):
+            time.sleep(0.2)
+
+    def report(self, trainer: L.Trainer, exception: BaseException) -> str:
+        """Ask every rank, write the directory, return the line."""
+        me = self.peers[trainer.global_rank]
+        timed_out_ns = time.time_ns()
+        with ThreadPoolExecutor(max_workers=len(self.peers)) as pool:
+            answers = list(pool.map(lambda address: ask_rank(address, self.ask_timeout_s), self.peers))
+        own = answers[me.rank]
+        waiting = waited_collective(own.collectives)
+        stage = trainer.state.stage.value if trainer.state.stage is not None else "run"
+        context = f"{call_site(exception_frames(exception))}, {stage} step {trainer.global_step}"
+        waited_s = (timed_out_ns - waiting.created_ns) / 1e9 if waiting.created_ns else float("nan")
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        directory = Path(trainer.default_root_dir) / f"hang-{stamp}-rank{me.rank}"
+        others = [answer for answer in answers if answer.address.rank != me.rank]
+        line = describe_hang(me, waiting, context, waited_s, others, f"{directory}/")
+        write_hang_directory(directory, line, answers, me.rank, exception)
+        return line
+
+
+def write_hang_directory(
+    directory: Path, line: str, answers: list[Answer], reporter: int, exception: BaseException
+) -> None:
+    """summary.txt, and rank<R>-stacks.txt and rank<R>-collectives.json of every rank that answered."""
+    with contextlib.suppress(OSError):  # the line is printed even where the directory cannot be written
+        directory.mkdir(parents=True, exist_ok=True)
+        summary = [line, ""]
+        for answer in answers:
+            state = answer.problem or "answered"
+            summary.append(f"{answer.address} at {answer.address.ip}:{answer.address.port}: {state}")
+            if answer.stacks is not None:
+                stacks = answer.stacks
+                # A rank whose own collective timed out is writing its report now: where it waited comes first.
+                if answer.address.rank == reporter:
+                    waited = "".join(traceback.format_exception(exception))
+                    stacks = f"Where it waited (the timeout's traceback):\n{waited}\nEvery thread now:\n{stacks}"
+                elif answer.waited:
+                    waited = "".join(f'  File "{f.filename}", line {f.lineno} in {f.name}\n' for f in answer.waited)
+                    stacks = f"Where it waited (its own collective timed out):\n{waited}\nEvery thread now:\n{stacks}"
+                (directory / f"rank{answer.address.rank}-stacks.txt").write_text(stacks)
+            if answer.collectives is not None:
+                (directory / f"rank{answer.address.rank}-collectives.json").write_text(
+                    json.dumps(answer.collectives, indent=1)
+                )
+        (directory / "summary.txt").write_text("\n".join(summary) + "\n")

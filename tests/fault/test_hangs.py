@@ -1,0 +1,262 @@
+"""A hang names its culprit: one rank stops, skips a collective, makes one the others do not, or
+gets stuck in its data loader; every process ends within `collective_timeout_s` + 60 s, the last
+line names that rank, its host and the collective the others waited in, and `hang-*/` under the
+run holds every live rank's Python stack and last collectives (app/cluster/hangs.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from app.cluster.exit_codes import HANG_EXIT_CODE
+from tests.helpers.run import BIN, REPO, clean_env, kill_job, live_job_processes, rank_pids
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+TIMEOUT_S = 15
+BOUND_S = TIMEOUT_S + 60
+FIT = ("fit", "--config", "configs/digits.yaml", "--trainer.max_epochs=500", "--trainer.enable_progress_bar=false")
+# How each hang is made (SIGSTOP: by the test), what the last line must say besides naming rank 1
+# with its host and pid, and what rank 1's live stack in the hang directory shows (None: stopped).
+# In a two-rank mismatch (skip, extra) either rank may time out first and report; both lines name
+# both ranks and both collectives.
+INJECTIONS = {
+    "sigstop": ((), ["did not arrive at all_reduce #", "it does not answer (stopped"], None),
+    "skip": (
+        ("--trainer.callbacks+=tests.helpers.hangs.InjectHang", "--trainer.callbacks.kind=skip"),
+        ["barrier #", "all_reduce #", "instead", "on_train_batch_end at tests/helpers/hangs.py:"],
+        "",
+    ),
+    "extra": (
+        ("--trainer.callbacks+=tests.helpers.hangs.InjectHang", "--trainer.callbacks.kind=extra"),
+        ["all_reduce #", "barrier #", "instead", "on_validation_epoch_end at tests/helpers/hangs.py:"],
+        "",
+    ),
+    "loader": (
+        ("--data=tests.helpers.hangs.StuckDigits",),
+        ["did not arrive at all_reduce #", "it is not in a collective (__getitem__ at tests/helpers/hangs.py:"],
+        "in __getitem__",
+    ),
+}
+
+
+def start_job(root: Path, log_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [str(BIN / "ddp-app"), *args],
+            cwd=REPO,
+            env=env or clean_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_for(condition, job: subprocess.Popen, log_path: Path, seconds: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert job.poll() is None, f"the job ended before {what}:\n{log_path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {seconds} s:\n{log_path.read_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def wait_until_gone(job: subprocess.Popen, since: float, bound_s: float) -> float:
+    """Seconds from `since` until every process of the job is gone (at most `bound_s`)."""
+    while live_job_processes(job.pid) and time.monotonic() - since < bound_s:
+        job.poll()
+        time.sleep(0.2)
+    assert not live_job_processes(job.pid), f"processes still alive {bound_s} s after the hang began"
+    job.wait()
+    return time.monotonic() - since
+
+
+def check_hang_directory(last_line: str, root: Path, live_ranks: dict[int, str]) -> Path:
+    """The directory the last line names, under the run: summary.txt and, for each live rank, its
+    stacks (showing the given text) and its last collectives. (In a mismatch both ranks may
+    report, each into a directory of its own.)"""
+    directory = Path(last_line.rsplit("Stacks and last collectives: ", 1)[1].rstrip("/"))
+    assert directory.parent == root and directory.name.startswith("hang-"), last_line
+    assert (directory / "summary.txt").read_text().startswith(last_line)
+    for rank, shows in live_ranks.items():
+        stacks = (directory / f"rank{rank}-stacks.txt").read_text()
+        assert 'File "' in stacks, stacks[:2000]
+        assert shows in stacks, stacks[-3000:]
+        collectives = json.loads((directory / f"rank{rank}-collectives.json").read_text())
+        assert collectives["entries"], collectives
+    return directory
+
+
+@pytest.mark.parametrize("kind", list(INJECTIONS))
+def test_a_hung_rank_is_named(kind: str, tmp_path: Path) -> None:
+    overrides, said, rank1_shows = INJECTIONS[kind]
+    root, marker, log_path = tmp_path / "run", tmp_path / "marker", tmp_path / "job.log"
+    marker_args = (f"--trainer.callbacks.marker_dir={marker}",) if "InjectHang" in str(overrides) else ()
+    if kind == "loader":
+        marker_args = (f"--data.init_args.marker_dir={marker}",)
+    job = start_job(
+        root, log_path, *FIT, f"--trainer.default_root_dir={root}", f"--collective_timeout_s={TIMEOUT_S}",
+        *overrides, *marker_args,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: (root / "checkpoints" / "last.ckpt").exists(), job, log_path, 120, "training")
+        ranks = rank_pids(job.pid)
+        if kind == "sigstop":
+            os.kill(ranks[1], signal.SIGSTOP)
+        else:
+            wait_for(lambda: (marker / "injected").exists(), job, log_path, 120, f"{kind} injection")
+        began = time.monotonic()
+        elapsed = wait_until_gone(job, began, BOUND_S)
+    finally:
+        kill_job(job.pid)
+        job.wait()
+    output = log_path.read_text()
+    last_line = output.strip().splitlines()[-1]
+    print(f"{kind}: every process gone {elapsed:.1f} s after the hang began; last line:\n{last_line}")
+    assert job.returncode == HANG_EXIT_CODE, output[-3000:]
+    assert last_line.startswith("ddp-app: hang: "), output[-3000:]
+    assert f"rank 1 (host {socket.gethostname()}, pid {ranks[1]})" in last_line, last_line
+    if kind in ("sigstop", "loader"):  # rank 0 is the only one waiting: it reports
+        assert last_line.startswith(f"ddp-app: hang: rank 1 (host {socket.gethostname()}, pid {ranks[1]})")
+    for text in said:
+        assert text in last_line, (text, last_line)
+    assert f"Stacks and last collectives: {root}/hang-" in last_line
+    check_hang_directory(last_line, root, {0: "", 1: rank1_shows} if rank1_shows is not None else {0: ""})
+
+
+def test_under_torchrun_the_ranks_name_the_culprit_themselves(tmp_path: Path) -> None:
+    """No ddp-app launcher: the ranks are torchrun's, the report comes from inside them. torchrun's own
+    failure summary follows it, so the hang line is the last line ddp-app wrote."""
+    root, log_path = tmp_path / "run", tmp_path / "torchrun.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(
+            [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "app", *FIT,
+             f"--trainer.default_root_dir={root}", f"--collective_timeout_s={TIMEOUT_S}"],
+            cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: (root / "checkpoints" / "last.ckpt").exists(), job, log_path, 120, "training")
+        ranks = rank_pids(job.pid)
+        os.kill(ranks[1], signal.SIGSTOP)
+        elapsed = wait_until_gone(job, time.monotonic(), BOUND_S)
+    finally:
+        kill_job(job.pid)
+        job.wait()
+    ours = [line for line in log_path.read_text().splitlines() if line.startswith("ddp-app: ")]
+    print(f"torchrun: every process gone {elapsed:.1f} s after SIGSTOP; last ddp-app line:\n{ours[-1]}")
+    assert job.returncode != 0
+    rank1 = f"rank 1 (host {socket.gethostname()}, pid {ranks[1]})"
+    assert ours[-1].startswith(f"ddp-app: hang: {rank1} did not arrive at all_reduce #"), ours[-1]
+    check_hang_directory(ours[-1], root, {0: ""})
+
+
+def test_acceptance_rank_0_stopped_with_a_60_s_timeout(tmp_path: Path) -> None:
+    """The issue's check, as a user runs it: `--collective_timeout_s 60`, `kill -STOP` of rank 0 (which
+    also hosts the rendezvous store), and the job ends within 120 s with a last line naming rank 0."""
+    root, log_path = tmp_path / "run", tmp_path / "job.log"
+    job = start_job(root, log_path, *FIT, f"--trainer.default_root_dir={root}", "--collective_timeout_s", "60")
+    try:
+        wait_for(lambda: (root / "checkpoints" / "last.ckpt").exists(), job, log_path, 120, "training")
+        ranks = rank_pids(job.pid)
+        os.kill(ranks[0], signal.SIGSTOP)
+        elapsed = wait_until_gone(job, time.monotonic(), 120)
+    finally:
+        kill_job(job.pid)
+        job.wait()
+    last_line = log_path.read_text().strip().splitlines()[-1]
+    print(f"acceptance: every process gone {elapsed:.1f} s after SIGSTOP of rank 0; last line:\n{last_line}")
+    assert job.returncode == HANG_EXIT_CODE
+    rank0 = f"rank 0 (host {socket.gethostname()}, pid {ranks[0]})"
+    assert last_line.startswith(f"ddp-app: hang: {rank0} did not arrive at "), last_line
+    assert "it does not answer (stopped" in last_line
+    check_hang_directory(last_line, root, {1: ""})
+
+
+# --- two hosts: network namespaces hgt-node1 and hgt-node2 joined by one veth pair (hgv-1, hgv-2) ---
+
+NODES = {"hgt-node1": ("hgv-1", "10.79.14.1"), "hgt-node2": ("hgv-2", "10.79.14.2")}
+
+
+def ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, f"ip {' '.join(args)}: {result.stderr}"
+
+
+def remove_namespaces() -> None:
+    """Deleting a namespace deletes the veth end inside it, and so the pair."""
+    for name in NODES:
+        if Path("/run/netns", name).exists():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+
+
+def make_namespaces() -> None:
+    remove_namespaces()  # a crashed run's leftovers carry these exact names
+    ip("link", "add", "hgv-1", "type", "veth", "peer", "name", "hgv-2")
+    for name, (link, address) in NODES.items():
+        ip("netns", "add", name)
+        ip("link", "set", link, "netns", name)
+        ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
+        ip("-n", name, "link", "set", link, "up")
+        ip("-n", name, "link", "set", "lo", "up")
+
+
+@pytest.fixture
+def two_hosts() -> object:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    try:
+        make_namespaces()
+        yield
+    finally:
+        remove_namespaces()
+
+
+def test_a_host_whose_link_goes_down_is_named(two_hosts: object, tmp_path: Path) -> None:
+    """Node 2's link is taken down mid-run: rank 0 on node 1 names rank 1 and its host; rank 1 on
+    node 2 says it reaches no one. Both hosts' processes end within the bound."""
+    root = tmp_path / "run"
+    port = str(29000 + os.getpid() % 1000)
+    jobs: dict[str, subprocess.Popen] = {}
+    logs = {name: tmp_path / f"{name}.log" for name in NODES}
+    try:
+        for node_rank, (name, (link, _)) in enumerate(NODES.items()):
+            env = clean_env(
+                MASTER_ADDR=NODES["hgt-node1"][1], MASTER_PORT=port, NODE_RANK=str(node_rank), GLOO_SOCKET_IFNAME=link
+            )
+            command = " ".join([
+                f"hostname {name} && exec", str(BIN / "ddp-app"), *FIT, "--trainer.devices=1", "--trainer.num_nodes=2",
+                f"--trainer.default_root_dir={root}", f"--collective_timeout_s={TIMEOUT_S}",
+            ])  # fmt: skip
+            with open(logs[name], "w") as log:
+                jobs[name] = subprocess.Popen(
+                    ["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c", command],
+                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+        node1, node2 = jobs["hgt-node1"], jobs["hgt-node2"]
+        wait_for(lambda: (root / "checkpoints" / "last.ckpt").exists(), node1, logs["hgt-node1"], 120, "training")
+        rank1 = rank_pids(node2.pid)[0]  # local rank 0 of node 2
+        ip("-n", "hgt-node2", "link", "set", "hgv-2", "down")
+        began = time.monotonic()
+        elapsed = max(wait_until_gone(job, began, BOUND_S) for job in jobs.values())
+    finally:
+        for job in jobs.values():
+            kill_job(job.pid)
+            job.wait()
+    lines = {name: log.read_text().strip().splitlines()[-1] for name, log in logs.items()}
+    print(f"link down: every process on both hosts gone {elapsed:.1f} s later; last lines:", *lines.values(), sep="\n")
+    assert node1.returncode == HANG_EXIT_CODE, logs["hgt-node1"].read_text()[-3000:]
+    assert lines["hgt-node1"].startswith(
+        f"ddp-app: hang: rank 1 (host hgt-node2, pid {rank1}) did not arrive at all_reduce #"
+    ), lines["hgt-node1"]
+    assert "its host hgt-node2 is unreachable from hgt-node1" in lines["hgt-node1"]
+    check_hang_directory(lines["hgt-node1"], root, {0: ""})
+    assert node2.returncode == HANG_EXIT_CODE, logs["hgt-node2"].read_text()[-3000:]
+    assert lines["hgt-node2"].startswith(
+        f"ddp-app: hang: no other rank is reachable from rank 1 (host hgt-node2, pid {rank1})"
+    ), lines["hgt-node2"]
