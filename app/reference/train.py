@@ -240,6 +240,11 @@ def train_worker(rank: int, world_size: int, local_rank: int, options: dict[str,
         trainer.train(options["max_epochs"])
         if hooks is not None:
             hooks.finish(device)
+        # gloo runs a communication hook's callbacks (PowerSGD's) on its worker threads, and they
+        # hold the process group. Waiting here lets those threads release them while this thread
+        # still holds the group; if a gloo thread drops the last reference, the group's destructor
+        # joins that thread itself and the process aborts at exit ("Resource deadlock avoided").
+        dist.barrier()
     finally:
         cleanup()
 

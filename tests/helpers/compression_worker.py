@@ -64,6 +64,9 @@ def worker(rank: int, cap_before: float, cap_after: float, out: str) -> None:
         equal = all(torch.equal(a, b) for a, b in zip(uninterrupted, net.parameters(), strict=True))
         result = {"equal": equal, "iter": resumed_hook.powersgd.iter, "saved_errors": len(state["powersgd"]["error"])}
         torch.save(result, Path(out) / f"rank{rank}.pt")
+        # While this thread still holds the group, let gloo's threads drop PowerSGD's callbacks (see
+        # app/reference/train.py, train_worker): dropped last on a gloo thread, it aborts the process.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
