@@ -21,7 +21,7 @@ import pytest
 from app.bench.network_report import markdown_tables
 from tests.fault.test_bad_input import CASES
 from tests.fault.test_rank_failure import BOUND_S
-from tests.fault.test_signal_storm import FAULT_TIER_SEEDS, SEEDS
+from tests.fault.test_signal_storm import DEFAULT_RUN_SEEDS, SEEDS
 from tests.helpers.run import REPO
 
 README = REPO / "README.md"
@@ -252,7 +252,7 @@ def test_readme_quotes_the_error_bench_worst_ratio() -> None:
 
 def test_readme_counts_the_signal_storm_seeds() -> None:
     text = " ".join(README.read_text().split())
-    assert f"{len(SEEDS)} seeds ({len(FAULT_TIER_SEEDS)} in the `fault` tier, the rest `slow`)" in text
+    assert f"{len(SEEDS)} seeds ({len(DEFAULT_RUN_SEEDS)} in the default run, all with `-m fault`)" in text
 
 
 def test_readme_counts_the_bad_input_cases() -> None:

@@ -104,6 +104,28 @@ def test_resume_is_bit_exact(baseline, checkpoint: str, tmp_path: Path) -> None:
     assert_same_weights(checkpoints / FINAL, tmp_path / "checkpoints" / FINAL)
 
 
+def test_powersgd_state_follows_the_users_parameter_names_and_resumes_bit_exact(tmp_path: Path) -> None:
+    """gradient_compression on a module whose parameters are its own attributes (`hidden.*`, `output.*`,
+    beside torchmetrics' states): PowerSGD's per-rank state is saved under those names and a resume
+    from the middle of an epoch ends with the weights of the run that was never interrupted."""
+    powersgd = ("--gradient_compression.method=powersgd", "--gradient_compression.powersgd_rank=2",
+                "--gradient_compression.start_iter=3")  # fmt: skip
+    extra = overlay(tmp_path, epochs=4, every=5)
+    first = fit(extra, tmp_path / "run", *powersgd)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    state = safe_load(checkpoints / "step-step=25.ckpt")["gradient_compression"]  # epoch 1, batch 9 of 16
+    ranks = [rank["powersgd"] for rank in state["per_rank"]]
+    assert len(ranks) == 2 and ranks[0]["iter"] == ranks[1]["iter"] == 25
+    # hidden.weight (64 x 16) is compressed at rank 2: its warm-start Q and error feedback are kept.
+    assert "hidden.weight" in ranks[0]["q"] and "hidden.weight" in ranks[0]["error"], ranks[0]["q"].keys()
+    resumed = fit(extra, tmp_path / "resumed", *powersgd, f"--ckpt_path={checkpoints / 'step-step=25.ckpt'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "fresh state" not in resumed.stderr
+    final = "epoch-epoch=3.ckpt"
+    assert_same_weights(checkpoints / final, tmp_path / "resumed" / "checkpoints" / final)
+
+
 def test_preemption_saves_at_a_step_boundary_and_resumes_bit_exactly(baseline, tmp_path: Path) -> None:
     extra, checkpoints = baseline
     code, log = stop_with_signal(CONFIG, extra, tmp_path / "run", signal.SIGUSR1, at_step=60)
