@@ -251,7 +251,8 @@ def test_slow_networks_section_quotes_the_slower_vm_run() -> None:
     fragments = [
         f"(`docs/bench_network_slow_vm.json`: {report['bench_seconds']:.0f} s; load average "
         f"{report['loadavg_before'][0]:.1f} at the start; the 1-rank step "
-        f"{slow['one_rank']['step_ms']['median']:.1f} ms at 100 Mbit/s, against {first['links']['100mbit']['one_rank']['step_ms']['median']:.1f} ms above)",
+        f"{slow['one_rank']['step_ms']['median']:.1f} ms at 100 Mbit/s, against "
+        f"{first['links']['100mbit']['one_rank']['step_ms']['median']:.1f} ms above)",
         f"PowerSGD x{targets['powersgd_speedup_over_none_at_100mbit']:.2f} faster than no hook at 100 Mbit/s "
         f"({slow['settings']['powersgd@25MB']['step_ms']['median']:.1f} against "
         f"{slow['settings']['none@25MB']['step_ms']['median']:.1f} ms; the 4x target is not met there)",
