@@ -52,7 +52,15 @@ from app.checkpoints import (
 )
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE
 from app.cluster.hangs import HangReport, keep_hang_records
-from app.cluster.launch import RankPlan, rank_plan, run_local_ranks, with_ckpt_path_last, worth_a_restart
+from app.cluster.launch import (
+    RankPlan,
+    end_rank,
+    exit_code_of,
+    rank_plan,
+    run_local_ranks,
+    with_ckpt_path_last,
+    worth_a_restart,
+)
 from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped, keep_lightning_off_stop_signals
 from app.cluster.preflight import (
     Launch,
@@ -561,6 +569,8 @@ def main(args: list[str] | None = None) -> None:
         # Every way out of ddp-app (a rank under srun, the launcher, a parser error) passes here.
         if exit_request.code == BAD_INPUT_EXIT_CODE:  # a requeued Slurm job would fail the same way
             forbid_requeue()
+        if already_launched(os.environ):  # a rank of torchrun or srun ends as the launcher's ranks do
+            end_rank(exit_code_of(exit_request))
         raise
 
 

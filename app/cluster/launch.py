@@ -38,7 +38,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
 from app.errors import UserFacingError
@@ -197,13 +197,29 @@ def _become_rank_process(parent: int, local_rank: int) -> None:
         os._exit(1)
 
 
-def _exit_code(error: SystemExit) -> int:
+def exit_code_of(error: SystemExit) -> int:
+    """The process exit code a `SystemExit` stands for (a message: printed, and 1)."""
     if error.code is None:
         return 0
     if isinstance(error.code, int):
         return error.code
     print(error.code, file=sys.stderr)
     return 1
+
+
+def end_rank(code: int) -> NoReturn:
+    """End a rank's process, whoever started it (this launcher, torchrun, srun): the exit handlers it
+    registered (loggers, user code) run as at a normal exit, then os._exit, without the interpreter's
+    teardown. Lightning leaves the process group up, and in that teardown a gloo worker thread can
+    drop the group's last reference (a communication hook's callback holds one): the group's
+    destructor then joins that thread from itself and the process aborts ("terminate called ...")
+    after its work is done and saved, which a launcher counts as a failure."""
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()  # private API: guarded in tests/cluster/test_launch.py
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _rank_main(run_rank: Callable[[], int], rank_env: dict[str, str], parent: int, stderr_fd: int) -> None:
@@ -222,18 +238,11 @@ def _rank_main(run_rank: Callable[[], int], rank_env: dict[str, str], parent: in
         os.environ.update(rank_env)
         code = run_rank()
     except SystemExit as error:
-        code = _exit_code(error)
+        code = exit_code_of(error)
     except BaseException:
         traceback.print_exc()
     finally:
-        # The exit handlers a rank registered (loggers, user code) run as at a normal exit; then
-        # os._exit, because returning would run the parent's code (its callers, a test runner).
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()  # private API: guarded in tests/cluster/test_launch.py
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        end_rank(code)  # never return: that would run the parent's code (its callers, a test runner)
 
 
 def _forward_stderr(fd: int, held: list[bytes]) -> None:

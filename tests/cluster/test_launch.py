@@ -12,7 +12,7 @@ import pytest
 
 from app.cli import ConfigParsed, DDPAppCLI
 from app.cluster.launch import RankPlan, rank_environments, rank_process_name, run_local_ranks
-from tests.helpers.run import REPO
+from tests.helpers.run import REPO, clean_env, run
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
 
@@ -130,6 +130,34 @@ def write_at_exit() -> int:
 
     atexit.register(lambda: Path(os.environ["MARKER_DIR"], os.environ["LOCAL_RANK"]).write_text("done"))
     return 0
+
+
+# A rank started by torchrun (LOCAL_RANK set) with a config that does not exist: ddp-app's exit code,
+# its exit handlers, and no interpreter teardown (a module global's finalizer never runs).
+TORCHRUN_RANK_EXIT = """
+import atexit, os, sys
+from pathlib import Path
+marker = Path(sys.argv[1])
+atexit.register(lambda: (marker / "atexit").write_text("ran"))
+class Finalized:
+    def __del__(self):
+        (marker / "teardown").write_text("ran")
+kept = Finalized()
+from app.cli import main
+sys.argv = ["ddp-app", "fit", "--config", str(marker / "missing.yaml")]
+main()
+"""
+
+
+def test_a_rank_of_torchrun_or_srun_ends_like_a_forked_rank(tmp_path: Path) -> None:
+    """`end_rank` for every rank: exit handlers run, then os._exit. With the interpreter's teardown a
+    gloo thread can drop the process group's last reference and abort a finished job."""
+    env = clean_env(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    result = run([sys.executable, "-c", TORCHRUN_RANK_EXIT, str(tmp_path)], env=env, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "missing.yaml" in result.stderr
+    assert (tmp_path / "atexit").exists(), "the rank's exit handlers did not run"
+    assert not (tmp_path / "teardown").exists(), "the interpreter was torn down"
 
 
 def test_a_rank_runs_its_exit_handlers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
