@@ -133,6 +133,7 @@ def test_a_hung_rank_is_named(kind: str, tmp_path: Path) -> None:
     check_hang_directory(last_line, root, {0: "", 1: rank1_shows} if rank1_shows is not None else {0: ""})
 
 
+@pytest.mark.slow  # about 70 s: torchrun's agent waits 30 s for the stopped rank before it kills it
 def test_under_torchrun_the_ranks_name_the_culprit_themselves(tmp_path: Path) -> None:
     """No ddp-app launcher: the ranks are torchrun's, the report comes from inside them. torchrun's own
     failure summary follows it, so the hang line is the last line ddp-app wrote."""

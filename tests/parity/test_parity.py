@@ -13,10 +13,12 @@ import torch
 from app.parity import (
     accumulation_with_tail,
     compare_states,
+    compression_check,
     lightning_fit,
     print_table,
     reference_fit,
     reference_to_lightning_checkpoint,
+    single_process_fit,
     state_check,
     variant_config,
 )
@@ -24,17 +26,41 @@ from app.reference.config import load_config
 from tests.helpers.run import REPO, run
 
 
+@pytest.fixture(scope="module")
+def adam_one_epoch(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, dict[str, torch.Tensor]]:
+    """One epoch of the default job at 2 ranks with Adam, trained by ddp-app: (config, its file, weights)."""
+    work = tmp_path_factory.mktemp("adam_one_epoch")
+    path = work / "config.yaml"
+    config = variant_config(load_config(REPO / "configs" / "digits.yaml"), "adam", epochs=1, world_size=2, path=path)
+    return config, path, lightning_fit(path, work / "lightning", "ddp-app", world_size=2)
+
+
 @pytest.mark.quick
 @pytest.mark.parity
 @pytest.mark.distributed
-def test_lightning_and_the_reference_train_the_same_weights(tmp_path: Path) -> None:
-    """P1 in small: one epoch of the default job at 2 ranks, both ways, every tensor bit for bit."""
-    config = tmp_path / "config.yaml"
-    variant_config(load_config(REPO / "configs" / "digits.yaml"), "adam", epochs=1, world_size=2, path=config)
-    lightning = lightning_fit(config, tmp_path / "lightning", "ddp-app", world_size=2)
-    reference = reference_fit(config, tmp_path / "reference", "mp.spawn", world_size=2)
+def test_lightning_and_the_reference_train_the_same_weights(adam_one_epoch, tmp_path: Path) -> None:
+    """P1 and P2 in small: Lightning and the reference, every tensor bit for bit, and one process that
+    accumulates the two ranks' micro-batches (bit for bit) or takes them as one batch (to float32
+    summation order)."""
+    config, path, lightning = adam_one_epoch
+    reference = reference_fit(path, tmp_path / "reference", "mp.spawn", world_size=2)
     difference, first = compare_states(reference, lightning, tolerance=0.0)
     assert not first and difference == 0.0, first
+    difference, first = compare_states(lightning, single_process_fit(config, 2, "accumulate"), tolerance=0.0)
+    assert not first and difference == 0.0, first
+    difference, first = compare_states(lightning, single_process_fit(config, 2, "global-batch"), tolerance=1e-6)
+    assert not first, first
+
+
+@pytest.mark.parity
+@pytest.mark.distributed
+def test_lightning_and_the_reference_with_powersgd_train_the_same_weights(adam_one_epoch, tmp_path: Path) -> None:
+    """P7 in small, for the hook with state (fp16 and bf16 are stateless PyTorch hooks; the full
+    command checks all three): Lightning's registration of PowerSGD equals the reference's, and its
+    weights differ from the uncompressed run's (the hook ran)."""
+    config, _, uncompressed = adam_one_epoch
+    check = compression_check(config, "powersgd", tmp_path, "adam", 2, uncompressed)
+    assert check.passed and check.max_abs_diff == 0.0, check
 
 
 def run_parity_command(tmp_path: Path, *options: str) -> dict:
@@ -70,9 +96,10 @@ def assert_every_kind_of_check(checks: list[dict], optimizer: str) -> None:
 
 @pytest.mark.parity
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_parity_command_passes_every_kind_of_check_with_adam(tmp_path: Path) -> None:
     """Adam, 2 epochs: every row, the interop (P4) and compression (P7) rows included, in half the
-    launches of the full command below."""
+    launches of the full command below (the default run has P1, P2 and PowerSGD's P7 above)."""
     report = run_parity_command(tmp_path, "--optimizers", "adam", "--epochs", "2")
     assert_every_kind_of_check(report["checks"], "adam")
 
