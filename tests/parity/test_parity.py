@@ -97,16 +97,6 @@ def assert_every_kind_of_check(checks: list[dict], optimizer: str) -> None:
 @pytest.mark.parity
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_parity_command_passes_every_kind_of_check_with_adam(tmp_path: Path) -> None:
-    """Adam, 2 epochs: every row, the interop (P4) and compression (P7) rows included, in half the
-    launches of the full command below (the default run has P1, P2 and PowerSGD's P7 above)."""
-    report = run_parity_command(tmp_path, "--optimizers", "adam", "--epochs", "2")
-    assert_every_kind_of_check(report["checks"], "adam")
-
-
-@pytest.mark.parity
-@pytest.mark.distributed
-@pytest.mark.slow
 def test_parity_command_passes_on_digits(tmp_path: Path) -> None:
     """The command as the README gives it: SGD and Adam, 3 epochs."""
     checks = run_parity_command(tmp_path)["checks"]
