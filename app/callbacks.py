@@ -1,85 +1,20 @@
-"""Callbacks every `ddp-app` run gets: exact resume of random state, a guard against NaN/Inf, the
-writer of `ddp-app predict`'s output, and the progress display (a bar on a terminal, lines in a log)."""
+"""Callbacks every `ddp-app` run gets: a guard against NaN/Inf, the writer of `ddp-app predict`'s
+output, and the progress display (a bar on a terminal, lines in a log). Exact resume: `app.resume`."""
 
 from __future__ import annotations
 
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar, TQDMProgressBar
 
 from app.checkpoints import atomic_torch_save
 from app.errors import NonFiniteLossError
 from app.last_checkpoint import find_last_checkpoint
-from app.user_code import USER_CODE_DIRECTORIES
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """This process's random generators, in types that `torch.load(weights_only=True)` accepts."""
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class ExactResume(L.Callback):
-    """Stores every rank's RNG state in the checkpoint and restores it right before the first
-    training step after a resume.
-
-    Lightning saves the loop counters, optimizer and schedulers but no random state, so dropout
-    masks (and anything else drawn during training) would differ after a restart. The state is
-    restored at the first `on_train_batch_start`, not at load time, because creating the
-    DataLoader iterator in between draws a seed from the global generator. The sampler position
-    comes back through `app.data.samplers.ResumableDistributedSampler`.
-    """
-
-    def __init__(self) -> None:
-        self._pending: dict[str, Any] | None = None
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        # Lightning builds the checkpoint on every rank (rank 0 writes it), so a collective is safe here.
-        state = capture_rng_state()
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            states: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(states, state)
-        else:
-            states = [state]
-        checkpoint["rng_states_per_rank"] = states
-        # Where this run imported the user's classes from: `python -m app.export` rebuilds them later.
-        checkpoint["user_code_directories"] = list(USER_CODE_DIRECTORIES)
-
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        states = checkpoint.get("rng_states_per_rank")
-        if states and len(states) == trainer.world_size:
-            self._pending = states[trainer.global_rank]
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self._pending is not None:
-            restore_rng_state(self._pending)
-            self._pending = None
 
 
 class NonFiniteGuard(L.Callback):

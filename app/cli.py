@@ -38,7 +38,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import app.data
 import app.models.lightning  # noqa: F401  (registers the LightningModules for short `class_path` names)
-from app.callbacks import ExactResume, LogLineProgressBar, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
+from app.callbacks import LogLineProgressBar, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
 from app.checkpoints import (
     CheckpointSummary,
     as_checkpoint_error,
@@ -79,6 +79,7 @@ from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, is_peer_lost, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
 from app.models.sync_check import warn_on_per_rank_means
+from app.resume import ExactResume
 from app.user_code import add_user_code_directories
 
 app.data.import_all()  # registers the DataModules for short `class_path` names
@@ -330,7 +331,7 @@ class DDPAppCLI(LightningCLI):
         kwargs.setdefault(
             "trainer_defaults",
             {
-                "callbacks": [ExactResume(), NonFiniteGuard(), HangReport()],
+                "callbacks": [NonFiniteGuard(), HangReport()],
                 # Defaults, so a config's own `profiler:` or `plugins:` replaces them.
                 "profiler": {"class_path": "app.cli.NoProfiler"},
                 "plugins": [{"class_path": "app.cli.SafeCheckpointIO"}],
@@ -364,6 +365,8 @@ class DDPAppCLI(LightningCLI):
         parser.add_class_arguments(LastCheckpoint, "last_checkpoint")
         # Top-level too: one key for the all-reduce's compression, applied on CPU and GPU alike.
         parser.add_class_arguments(GradientCompression, "gradient_compression")
+        # And for exact resume: `exact_resume.per_sample_seeding` (every run has the callback).
+        parser.add_class_arguments(ExactResume, "exact_resume")
 
     def _subcommand_config(self, config: Any) -> Any:
         return config[self.subcommand] if self.subcommand else config
@@ -449,7 +452,11 @@ class DDPAppCLI(LightningCLI):
             plugins.append(SLURMEnvironment(auto_requeue=False))
         kwargs["plugins"] = plugins
         callbacks = config["trainer"].get("callbacks") or []
-        callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), config["gradient_compression"]]
+        callbacks = [
+            config["exact_resume"],
+            *(callbacks if isinstance(callbacks, list) else [callbacks]),
+            config["gradient_compression"],
+        ]
         if config["trainer"].get("enable_checkpointing") is not False:
             callbacks.append(config["last_checkpoint"])
         kwargs["callbacks"] = callbacks

@@ -100,6 +100,7 @@ class LastCheckpoint(Checkpoint):
         self._saved_step = -1
         self._step_at_previous_batch = -1
         self._pending: tuple[int, bool] = (0, False)  # (stop signal, interval save due) agreed, not yet done
+        self._stop_due = 0  # a stop signal whose save is done: training stops at the next hook
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.dirpath is None:
@@ -119,6 +120,7 @@ class LastCheckpoint(Checkpoint):
         # A resumed run starts from a checkpoint of this very step: nothing new to save yet.
         self._saved_step = self._step_at_previous_batch = trainer.global_step
         self._pending = (0, False)
+        self._stop_due = 0
         # A signal during setup (data, rendezvous, sanity check) stops every rank here, together,
         # with nothing new to save: last.ckpt, if any, is the state training would start from.
         signum, _ = self._agree()
@@ -160,9 +162,23 @@ class LastCheckpoint(Checkpoint):
             self._pending = (0, False)
             self._save(trainer)
         if signum:
-            self._stop(trainer, signum)
+            # Stop at the next hook, after Lightning has logged this step's metrics (it does so after
+            # on_train_batch_end): the logs then hold every step the checkpoint holds.
+            self._stop_due = signum
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._stop_due:
+            self._stop(trainer, self._stop_due)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stop_due and not trainer.sanity_checking:
+            self._stop(trainer, self._stop_due)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stop_due:
+            self._stop(trainer, self._stop_due)
         signum, _ = self._agree()  # all ranks are here together: a good moment to compare signals
         signum = max(signum, self._pending[0])
         self._pending = (0, False)
@@ -173,6 +189,8 @@ class LastCheckpoint(Checkpoint):
             self._stop(trainer, signum)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stop_due:  # the signal came at the run's last step: saved, and nothing left to stop
+            self._stop(trainer, self._stop_due)
         # A stop signal from here on is recorded and left alone: training is over and last.ckpt saved.
         self._signals.restore(self._taken_signals)
         if trainer.global_step != self._saved_step:  # stopped mid-epoch by max_steps or max_time

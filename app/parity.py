@@ -153,8 +153,8 @@ def reference_to_lightning_checkpoint(
     it, and whose `configure_optimizers` builds the optimizer and scheduler the reference built.
 
     The reference keeps no loop counters, and Lightning's (which epoch comes next, the global step,
-    what set_epoch the sampler gets) are Lightning's private format. They, and nothing else, come
-    from `lightning_checkpoint`: a checkpoint Lightning wrote for the same config at the end of the
+    what set_epoch the sampler gets) are Lightning's private format. They and ddp-app's data position
+    (`ddp_app_data_position`), and nothing else, come from `lightning_checkpoint`: a checkpoint Lightning wrote for the same config at the end of the
     same epoch (P1's last.ckpt). Its weights, optimizer, scheduler, callback and RNG states are left
     out, so whatever the continued run starts from is the reference's. Neither side restores RNG
     state (the reference saves none): bit-for-bit continuation needs a model without dropout.
@@ -171,7 +171,11 @@ def reference_to_lightning_checkpoint(
         raise ValueError(f"the reference's weights do not fit {type(module).__name__}: first mismatch {missing[0]}")
     scheduler_state = snapshot.get("SCHEDULER_STATE") or {}
     return {
-        **{key: lightning_checkpoint[key] for key in ("pytorch-lightning_version", "epoch", "global_step", "loops")},
+        **{
+            key: lightning_checkpoint[key]
+            for key in ("pytorch-lightning_version", "epoch", "global_step", "loops", "ddp_app_data_position")
+            if key in lightning_checkpoint
+        },
         "state_dict": state_dict,
         # Optimizer state is keyed by parameter index. The module holds nothing but `net` (checked
         # above), so its parameters are the network's in the same order: the indices carry over.

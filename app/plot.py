@@ -66,13 +66,18 @@ def read_metrics(path: Path) -> Series:
 def join_versions(versions: list[Series]) -> Series:
     """One series from the versions of a resumed run, in step order, later versions winning overlaps.
 
-    `versions` are in version order (the order ties on the first step are broken in).
+    `versions` are in version order (the order ties on the first step are broken in). A version that
+    starts where the series so far starts (or earlier) is a new run into the same directory and
+    replaces it. Otherwise it continues it: its values replace the earlier ones name by name at the
+    steps it logged, and values it did not log again stay. That keeps a step whose training row was
+    logged before a checkpoint and whose validation row after the resume (both at one logger step).
     """
     joined: Series = {}
     for version in sorted((version for version in versions if version), key=min):
-        start = min(version)
-        joined = {step: values for step, values in joined.items() if step < start}
-        joined.update(version)
+        if joined and min(version) <= min(joined):
+            joined = {}
+        for step, values in version.items():
+            joined.setdefault(step, {}).update(values)
     return dict(sorted(joined.items()))
 
 

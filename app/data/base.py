@@ -7,7 +7,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from app.data.datasets import DataNotFoundError, LoaderSettings
-from app.data.samplers import UnpaddedDistributedSampler, train_sampler, training_position
+from app.data.samplers import UnpaddedDistributedSampler, train_sampler
+from app.data.seeding import PerSampleSeeded
+from app.resume import per_sample_seeding, sampler_position
 
 __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 
@@ -15,8 +17,8 @@ __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 class ResumableDataLoader(DataLoader):
     """A DataLoader that tells Lightning it can resume mid-epoch.
 
-    Its position needs no state of its own: `ResumableDistributedSampler` derives it from the
-    Trainer's restored loop counters. Implementing `state_dict` / `load_state_dict` is how Lightning
+    Its position needs no state of its own: `ResumableDistributedSampler` asks the data position
+    that `app.resume.ExactResume` keeps in every checkpoint. Implementing `state_dict` / `load_state_dict` is how Lightning
     recognises a resumable loader (otherwise it warns that a mid-epoch resume is unreliable).
     """
 
@@ -103,21 +105,26 @@ class ShardedDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers and self.num_workers > 0,
         )
 
-    def _training_position(self) -> tuple[int, int]:
-        return training_position(self.trainer)
-
     def train_dataloader(self) -> DataLoader:
         world_size, rank = self._world()
-        position = self._training_position if self.trainer is not None else None
+        trainer = self.trainer
+        position = None
+        dataset = self.train_dataset
+        seeded = False
+        if trainer is not None:
+            position = lambda: sampler_position(trainer)  # noqa: E731
+            seeded = per_sample_seeding(trainer)
+            if seeded:
+                dataset = PerSampleSeeded(dataset, self.seed)
         sampler = train_sampler(
-            self.train_dataset, world_size, rank, self.shuffle, self.seed, self.batch_size, position
+            self.train_dataset, world_size, rank, self.shuffle, self.seed, self.batch_size, position, keyed=seeded
         )
         # A generator of its own: each epoch's iterator draws a seed from it, not from the global
         # generator, whose state the checkpoint holds. Otherwise that draw falls after an epoch-end
         # checkpoint in an uninterrupted run but before the RNG restore in a resumed one, and
-        # dropout masks differ. (Worker processes' own random streams are not checkpointed.)
+        # dropout masks differ. (Worker processes' streams do not matter: samples are seeded one by one.)
         generator = torch.Generator().manual_seed(self.seed)
-        return self._loader(self.train_dataset, sampler, ResumableDataLoader, generator)
+        return self._loader(dataset, sampler, ResumableDataLoader, generator)
 
     def val_dataloader(self) -> DataLoader:
         world_size, rank = self._world()

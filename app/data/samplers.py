@@ -13,6 +13,7 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler
 
+from app.data.seeding import SampleKey
 from app.errors import InvalidConfigError
 
 
@@ -43,20 +44,9 @@ class UnpaddedDistributedSampler(DistributedSampler):
         return self.num_samples
 
 
-# (epoch, batches of that epoch already trained) at the moment an epoch's iteration starts.
+# (epoch, batches of that epoch already trained) at the moment an epoch's iteration starts:
+# `app.resume.sampler_position`, the position the application owns (never Lightning's loop counters).
 TrainingPosition = Callable[[], tuple[int, int]]
-
-
-def training_position(trainer: Any) -> tuple[int, int]:
-    """(epoch, batches already trained in it), read from a Lightning Trainer's restored loop state.
-
-    Lightning calls `set_epoch` with the same epoch number. The batch count is read when the
-    epoch's iteration starts: 0 for a fresh epoch, k when resuming after the k-th step of it.
-    `processed` (not `completed`) counts a batch whose step is in a checkpoint written from
-    `on_train_batch_end`, before Lightning marks that batch completed.
-    """
-    fit_loop = trainer.fit_loop
-    return fit_loop.epoch_progress.current.processed, fit_loop.epoch_loop.batch_progress.current.processed
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -67,6 +57,7 @@ class ResumableDistributedSampler(DistributedSampler):
     uninterrupted run would see next. `len()` stays the full shard length, because Lightning
     counts the skipped batches as already fetched (it resumes its batch counter, see
     `_TrainingEpochLoop.on_run_start`). Without `position` it is a plain `DistributedSampler`.
+    With `keyed`, it yields `SampleKey(epoch, index)` for `app.resume.PerSampleSeeded` datasets.
     """
 
     def __init__(
@@ -78,18 +69,22 @@ class ResumableDistributedSampler(DistributedSampler):
         seed: int,
         batch_size: int,
         position: TrainingPosition | None = None,
+        keyed: bool = False,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.batch_size = batch_size
         self.position = position
+        self.keyed = keyed
 
-    def __iter__(self) -> Iterator[int]:
-        if self.position is None:
-            return super().__iter__()
-        epoch, batches_done = self.position()
-        self.set_epoch(epoch)
-        indices = list(super().__iter__())
-        return iter(indices[batches_done * self.batch_size :])
+    def __iter__(self) -> Iterator[Any]:
+        skip = 0
+        if self.position is not None:
+            epoch, skip = self.position()
+            self.set_epoch(epoch)
+        indices = list(super().__iter__())[skip * self.batch_size :]
+        if self.keyed:
+            return iter([SampleKey(self.epoch, index) for index in indices])
+        return iter(indices)
 
 
 def train_sampler(
@@ -100,10 +95,11 @@ def train_sampler(
     seed: int,
     batch_size: int = 1,
     position: TrainingPosition | None = None,
+    keyed: bool = False,
 ) -> DistributedSampler:
     """The training sampler: the same for Lightning and the reference trainer, also at world size 1.
 
     Using a `DistributedSampler` even with one process keeps the sample order a function of
     (seed, epoch, world size) only, which is what makes the parity checks possible.
     """
-    return ResumableDistributedSampler(dataset, num_replicas, rank, shuffle, seed, batch_size, position)
+    return ResumableDistributedSampler(dataset, num_replicas, rank, shuffle, seed, batch_size, position, keyed)

@@ -7,7 +7,8 @@ run's DataModule (and LightningModule) so that each plain loader they return is 
 public attributes, with
 
 - training: `ResumableDistributedSampler` (shuffled with `seed_everything`'s seed as Lightning's
-  would be, positioned from the Trainer's restored loop counters), in a `ResumableDataLoader`;
+  would be, positioned by the data position `app.resume.ExactResume` owns), in a
+  `ResumableDataLoader`, over the dataset wrapped in `PerSampleSeeded` (per-sample randomness);
 - validation, test, predict: `UnpaddedDistributedSampler` (each sample on exactly one rank).
 
 Left as returned (Lightning's own handling then applies): loaders whose sampler is already a
@@ -36,7 +37,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from app.data.base import ResumableDataLoader
-from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler, training_position
+from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
+from app.data.seeding import PerSampleSeeded
+from app.resume import per_sample_seeding, sampler_position
 
 # The methods Lightning calls for loaders, and whether they train.
 LOADER_METHODS = {
@@ -73,12 +76,16 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         return loader
     world_size, rank = trainer.world_size, trainer.global_rank
     generator = loader.generator
+    dataset = loader.dataset
     if training:
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         # A generator of its own: creating the epoch's iterator draws a seed from it, not from the
         # global generator. Otherwise that draw falls between an epoch-end checkpoint and the next
         # step in an uninterrupted run but before the RNG restore in a resumed one (dropout differs).
         generator = generator or torch.Generator().manual_seed(seed)
+        seeded = per_sample_seeding(trainer)
+        if seeded:
+            dataset = PerSampleSeeded(dataset, seed)
         sampler = ResumableDistributedSampler(
             loader.dataset,
             world_size,
@@ -86,14 +93,15 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
             shuffle=type(loader.sampler) is RandomSampler,
             seed=seed,  # the seed Lightning's own sampler would use: seed_everything's
             batch_size=loader.batch_size,
-            position=lambda: training_position(trainer),
+            position=lambda: sampler_position(trainer),
+            keyed=seeded,
         )
         loader_class: type[DataLoader] = ResumableDataLoader
     else:
         sampler = UnpaddedDistributedSampler(loader.dataset, world_size, rank)
         loader_class = DataLoader
     return loader_class(
-        loader.dataset,
+        dataset,
         batch_size=loader.batch_size,
         sampler=sampler,
         num_workers=loader.num_workers,

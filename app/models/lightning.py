@@ -81,6 +81,15 @@ class ClassifierModule(L.LightningModule):
         self._train_correct = torch.zeros((), dtype=torch.long, device=self.device)
         self._train_seen = torch.zeros((), dtype=torch.long, device=self.device)
 
+    def per_rank_state(self) -> dict[str, torch.Tensor]:
+        """This rank's training counts of the running epoch: `ExactResume` keeps them in checkpoints
+        (per rank), so an epoch resumed in its middle reports the accuracy of all its batches."""
+        return {"train_correct": self._train_correct.cpu(), "train_seen": self._train_seen.cpu()}
+
+    def load_per_rank_state(self, state: dict[str, torch.Tensor]) -> None:
+        self._train_correct = state["train_correct"].to(self.device)
+        self._train_seen = state["train_seen"].to(self.device)
+
     def on_train_epoch_end(self) -> None:
         # Every rank trains on the same number of samples (the DistributedSampler pads the training
         # set), so the mean over ranks of each rank's accuracy is the accuracy over all samples.

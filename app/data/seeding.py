@@ -1,0 +1,89 @@
+"""Per-sample randomness: a sample's loading sees random generators seeded from (seed, epoch, index).
+
+A random augmentation drawn from a stream depends on which worker, which rank and which process
+happened to load the sample; after a resume, or with another `num_workers`, it is a different one.
+Seeded from the sample's identity it is the same everywhere (JAX's explicit keys make the same
+point). No Lightning here: the reference trainer can use it too.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's finaliser: neighbouring inputs give unrelated 64-bit outputs."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's loading in one epoch: a function of (seed, epoch, index) only."""
+    return _mix64(_mix64(_mix64(seed & _MASK64) ^ epoch) ^ index)
+
+
+@dataclass(frozen=True)
+class SampleKey:
+    """What the training sampler yields when samples are seeded: the index and the epoch it is drawn in."""
+
+    epoch: int
+    index: int
+
+
+class PerSampleSeeded(Dataset):
+    """A map-style dataset whose every `__getitem__` sees random generators seeded from (seed, epoch, index).
+
+    torch's CPU generator, NumPy's global generator and Python's `random` are seeded right before the
+    wrapped dataset loads a sample, so augmentation drawn from them (torchvision transforms use
+    torch's) no longer depends on the worker, the rank, `num_workers`, `persistent_workers` or a
+    resume. In the main process (`num_workers: 0`) the generators are put back afterwards, once per
+    batch, so the training step's own random stream (dropout) is untouched. A generator the dataset
+    keeps privately (`numpy.random.default_rng()` at import) is not reached: `ddp-app resume-check`
+    names that case. Other attributes are the wrapped dataset's.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def _load(self, key: SampleKey | int) -> Any:
+        if not isinstance(key, SampleKey):
+            return self.dataset[key]
+        seed = sample_seed(self.seed, key.epoch, key.index)
+        torch.default_generator.manual_seed(seed)
+        np.random.seed(seed & 0xFFFFFFFF)
+        random.seed(seed)
+        return self.dataset[key.index]
+
+    def __getitem__(self, key: SampleKey | int) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: Sequence[SampleKey | int]) -> list[Any]:
+        if get_worker_info() is not None:  # a worker process: its generators serve nobody else
+            return [self._load(key) for key in keys]
+        saved = (torch.default_generator.get_state(), np.random.get_state(), random.getstate())
+        try:
+            return [self._load(key) for key in keys]
+        finally:
+            torch.default_generator.set_state(saved[0])
+            np.random.set_state(saved[1])
+            random.setstate(saved[2])

@@ -1,0 +1,439 @@
+"""Exact resume: the application owns the position in the data, and every random draw is reproducible.
+
+"Stops for any reason, continues as if it never stopped" rests on three records in every checkpoint:
+
+1. **The data position** (`DataPosition`, key `ddp_app_data_position`): the epoch, how many of its
+   batches were consumed by completed optimizer steps, whether the epoch's end (validation,
+   epoch-end callbacks) has run, and the run's shape at save time (world size, per-rank batch,
+   accumulation, batches per epoch, shuffling seed). It is counted by `ExactResume` itself, never
+   re-derived from Lightning's loop counters, whose meaning changes with how a run stopped: after a
+   `max_steps` or `max_time` stop Lightning runs the epoch-end hooks of an unfinished epoch and counts
+   it as done, and a save on an epoch's last batch resumes in the next epoch without its validation.
+2. **Lightning's loop state, made to agree with the position.** On load, `canonical_fit_loop_state`
+   rewrites the checkpoint's `loops.fit_loop` counters into one of three forms whose resume Lightning
+   2.6 gets right (checked hook by hook in tests/test_resume_position.py): the start of an epoch, the
+   middle of one after k batches, or "all batches trained, validation and epoch end still to run".
+   The sampler then skips exactly the consumed batches (`ResumableDistributedSampler` asks
+   `ExactResume.sampler_position`).
+3. **Every rank's random state** (torch, CUDA, NumPy, Python), restored right before the first thing
+   the resumed run does: dropout masks and anything else drawn in the training step match.
+
+Randomness inside data loading is not a stream at all: `app.data.seeding.PerSampleSeeded` seeds torch, NumPy and
+Python's `random` from (seed, epoch, sample index) around each `__getitem__` of a training set, so a
+sample's augmentation is the same whichever worker, rank or resumed process loads it.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from app.errors import UserFacingError
+from app.user_code import USER_CODE_DIRECTORIES
+
+POSITION_KEY = "ddp_app_data_position"
+RNG_KEY = "rng_states_per_rank"
+
+
+class ResumeError(UserFacingError):
+    """A checkpoint whose position cannot be continued exactly by this run; one line says why."""
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a training run stands in its data, as written into every checkpoint.
+
+    `batches_done` counts this epoch's (micro-)batches whose optimizer step completed: a save never
+    falls between accumulated micro-batches. `epoch_end_done` is true once the epoch's last batch,
+    its validation and its epoch-end callbacks have run: the run then continues with epoch + 1.
+    """
+
+    epoch: int
+    batches_done: int
+    epoch_end_done: bool
+    batches_per_epoch: int
+    global_step: int
+    seed: int
+    world_size: int
+    per_rank_batch_size: int | None
+    accumulate_grad_batches: int
+
+    @property
+    def global_batch_size(self) -> int | None:
+        if self.per_rank_batch_size is None:
+            return None
+        return self.per_rank_batch_size * self.world_size * self.accumulate_grad_batches
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch whose batches come next."""
+        return self.epoch + 1 if self.epoch_end_done else self.epoch
+
+    @property
+    def batches_to_skip(self) -> int:
+        """Batches of `next_epoch` already trained."""
+        return 0 if self.epoch_end_done else self.batches_done
+
+    def describe(self) -> str:
+        if self.epoch_end_done:
+            return f"the start of epoch {self.epoch + 1}"
+        if self.batches_done == 0:
+            return f"the start of epoch {self.epoch}"
+        if self.batches_done >= self.batches_per_epoch:
+            return f"the end of epoch {self.epoch} (its validation and epoch end still to run)"
+        return f"epoch {self.epoch} after {self.batches_done} of {self.batches_per_epoch} batches"
+
+    def to_checkpoint(self) -> dict[str, Any]:
+        return {**asdict(self), "global_batch_size": self.global_batch_size}
+
+    @classmethod
+    def from_checkpoint(cls, record: dict[str, Any]) -> DataPosition:
+        fields = {name: record[name] for name in cls.__dataclass_fields__}
+        return cls(**fields)
+
+
+def _counters(ready: int, started: int, processed: int, completed: int) -> dict[str, int]:
+    return {"ready": ready, "started": started, "processed": processed, "completed": completed}
+
+
+def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, validates: bool) -> dict[str, Any]:
+    """Lightning's `fit_loop` state dict with its progress counters set from `position`.
+
+    Private layout (docs/private_apis.md; tests/test_private_apis.py and
+    tests/test_resume_position.py fail if Lightning changes it): the counters live under
+    `epoch_progress`, `epoch_loop.batch_progress`, `epoch_loop.val_loop.batch_progress` and
+    `epoch_loop.state_dict._batches_that_stepped` (the logger's step). The three forms are the ones
+    Lightning writes itself at the matching moments and resumes correctly:
+
+    - epoch start (E >= 1): as saved in `on_train_epoch_end` of epoch E - 1;
+    - mid-epoch after k batches: as saved in `on_train_batch_end` of batch k;
+    - all batches trained, validation and epoch end pending: the epoch loop "restarted on its last
+      batch" with the validation loop "restarted mid-evaluation" at its first batch, so that
+      validation runs in full and the epoch-end hooks follow. (Lightning's own form for a save on
+      the last batch skips both and starts the next epoch.)
+
+    `validates`: whether validation runs after this epoch (it advances the logger's step by one).
+    Optimizer and scheduler progress are left as saved: their totals are the global step.
+    """
+    state = copy.deepcopy(fit_loop)
+    batches = state["epoch_loop.batch_progress"]
+    validation = state["epoch_loop.val_loop.batch_progress"]
+    epochs = state["epoch_progress"]
+    loop_state = state.setdefault("epoch_loop.state_dict", {})
+    per_epoch = position.batches_per_epoch
+    validation["total"] = _counters(0, 0, 0, 0)
+    validation["current"] = _counters(0, 0, 0, 0)
+    validation["is_last_batch"] = False
+    epoch, done = position.next_epoch, position.batches_to_skip
+    if done == 0:
+        if epoch < 1:
+            raise ResumeError("this checkpoint was written before the first training step: there is nothing to resume.")
+        trained = epoch * per_epoch
+        epochs["total"], epochs["current"] = (
+            _counters(epoch, epoch, epoch, epoch - 1),
+            _counters(epoch, epoch, epoch, epoch - 1),
+        )
+        batches["total"] = _counters(trained, trained, trained, trained)
+        batches["current"] = _counters(per_epoch, per_epoch, per_epoch, per_epoch)
+        batches["is_last_batch"] = True
+        loop_state["_batches_that_stepped"] = position.global_step
+        return state
+    trained = epoch * per_epoch + done
+    epochs["total"], epochs["current"] = (
+        _counters(epoch + 1, epoch + 1, epoch, epoch),
+        _counters(epoch + 1, epoch + 1, epoch, epoch),
+    )
+    if done < per_epoch:
+        batches["total"] = _counters(trained, trained, trained, trained - 1)
+        batches["current"] = _counters(done, done, done, done - 1)
+        batches["is_last_batch"] = False
+        loop_state["_batches_that_stepped"] = position.global_step - 1
+        return state
+    batches["total"] = _counters(trained, trained, trained, trained)
+    batches["current"] = _counters(per_epoch, per_epoch, per_epoch, per_epoch)
+    batches["is_last_batch"] = True
+    validation["total"] = _counters(1, 1, 0, 0)  # "restarted mid-evaluation", before its first batch
+    loop_state["_batches_that_stepped"] = position.global_step - 1 if validates else position.global_step
+    return state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's random generators, in types that `torch.load(weights_only=True)` accepts."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def per_rank_module_state(pl_module: L.LightningModule) -> dict[str, Any]:
+    """What a rank accumulates during an epoch outside the state_dict: every torchmetrics metric's
+    state, and what the module returns from `per_rank_state()` if it has one (our classifiers' training
+    accuracy counts). Resumed mid-epoch, the epoch's metrics then cover the whole epoch."""
+    from torchmetrics import Metric
+
+    metrics = {
+        name: {key: copy.deepcopy(value) for key, value in module.metric_state.items()}
+        | {"_update_count": module._update_count}
+        for name, module in pl_module.named_modules()
+        if isinstance(module, Metric)
+    }
+    own = pl_module.per_rank_state() if hasattr(pl_module, "per_rank_state") else {}
+    return {"metrics": metrics, "own": own}
+
+
+def load_per_rank_module_state(pl_module: L.LightningModule, state: dict[str, Any]) -> None:
+    modules = dict(pl_module.named_modules())
+    for name, values in state.get("metrics", {}).items():
+        metric = modules.get(name)
+        if metric is None:
+            continue
+        for key, value in values.items():
+            if key == "_update_count":
+                metric._update_count = value
+            elif isinstance(value, list):
+                setattr(metric, key, [item.to(pl_module.device) for item in value])
+            else:
+                setattr(metric, key, value.to(pl_module.device))
+    if state.get("own") and hasattr(pl_module, "load_per_rank_state"):
+        pl_module.load_per_rank_state(state["own"])
+
+
+def _training_batch_size(trainer: L.Trainer) -> int | None:
+    loader = trainer.train_dataloader
+    return getattr(loader, "batch_size", None) if loader is not None else None
+
+
+def _run_seed(trainer: L.Trainer) -> int:
+    sampler = getattr(trainer.train_dataloader, "sampler", None)
+    return int(getattr(sampler, "seed", 0) or 0)
+
+
+def validates_after_epoch(trainer: L.Trainer, epoch: int) -> bool:
+    """Whether the fit loop validates at the end of `epoch` (Lightning's `_should_check_val_epoch`)."""
+    every = trainer.check_val_every_n_epoch
+    return bool(trainer.enable_validation) and (every is None or (epoch + 1) % every == 0)
+
+
+class ExactResume(L.Callback):
+    """Owns the data position and the random state that exact resume needs; see the module docstring.
+
+    Counting costs one integer compare per step. The position is checked against Lightning's own
+    epoch at every epoch start and after a resume; a disagreement is a bug, reported with a traceback.
+    Configured under the top-level `exact_resume:` key of a `ddp-app` config.
+
+    Args:
+        per_sample_seeding: seed torch, NumPy and Python's `random` from (seed, epoch, sample index)
+            around each `__getitem__` of a map-style training set (`app.data.seeding`). Off, random
+            augmentation in the dataset depends on the worker that loads a sample, and a resume
+            continues with the right samples but different random draws.
+    """
+
+    def __init__(self, per_sample_seeding: bool = True) -> None:
+        self.per_sample_seeding = per_sample_seeding
+        self._reset()
+
+    def _reset(self) -> None:
+        self.epoch = 0
+        self.batches_seen = 0  # this epoch's batches through on_train_batch_end
+        self.batches_done = 0  # of those, the ones whose optimizer step completed
+        self.epoch_end_done = False
+        self._skip = 0  # batches of `epoch` the next iterator skips (a mid-epoch resume)
+        self._step_seen = -1
+        self._flush_due = False
+        self._pending_rng: dict[str, Any] | None = None
+        self._resumed_from: DataPosition | None = None
+
+    # ----- the position, as the training sampler asks for it -----
+
+    def sampler_position(self) -> tuple[int, int]:
+        """(epoch, batches to skip) for the training iterator that is being created now."""
+        # Not consumed here: an iterator may be created and never read (a resume that only has the
+        # epoch's validation left), or created twice. The skip ends with the resumed epoch.
+        return (self.epoch + 1, 0) if self.epoch_end_done else (self.epoch, self._skip)
+
+    def position(self, trainer: L.Trainer) -> DataPosition:
+        return DataPosition(
+            epoch=self.epoch,
+            batches_done=self.batches_done,
+            epoch_end_done=self.epoch_end_done,
+            batches_per_epoch=int(trainer.num_training_batches),
+            global_step=trainer.global_step,
+            seed=_run_seed(trainer),
+            world_size=trainer.world_size,
+            per_rank_batch_size=_training_batch_size(trainer),
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+        )
+
+    # ----- counting -----
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._reset()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step_seen = trainer.global_step
+        resumed = self._resumed_from
+        if resumed is None:
+            return
+        if self._pending_rng is not None and "module" in self._pending_rng:
+            load_per_rank_module_state(pl_module, self._pending_rng.pop("module"))
+        self._check_resume_fits(trainer, resumed)
+        if trainer.current_epoch != resumed.next_epoch:
+            raise AssertionError(
+                f"ddp-app bug: Lightning restored epoch {trainer.current_epoch}, the data position says "
+                f"{resumed.next_epoch} ({resumed.describe()})"
+            )
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Only for an epoch that starts from its first batch (Lightning does not call it when resuming mid-epoch).
+        if self.epoch_end_done:
+            self.epoch, self.epoch_end_done = self.epoch + 1, False
+        self.batches_seen = self.batches_done = self._skip = 0
+        if trainer.current_epoch != self.epoch:
+            raise AssertionError(
+                f"ddp-app bug: epoch {trainer.current_epoch} started, the data position says {self.epoch}"
+            )
+
+    @staticmethod
+    def _flush_logs(trainer: L.Trainer) -> None:
+        for logger in trainer.loggers:
+            logger.save()
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._flush_due:
+            self._flush_due = False
+            self._flush_logs(trainer)
+        if self._pending_rng is not None:
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._flush_due:
+            self._flush_due = False
+            self._flush_logs(trainer)
+        # A resume at "validation pending" runs validation before any training batch.
+        if self._pending_rng is not None and not trainer.sanity_checking:
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.batches_seen += 1
+        if trainer.global_step != self._step_seen:  # an optimizer step completed with this batch
+            self._step_seen = trainer.global_step
+            self.batches_done = self.batches_seen
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning also ends an unfinished epoch this way when max_steps, max_time or should_stop
+        # stops the run: that epoch is not done, and a continued run picks it up where it stopped.
+        if self.batches_done >= trainer.num_training_batches:
+            self.epoch_end_done = True
+            self._skip = 0
+
+    # ----- checkpoints -----
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint[POSITION_KEY] = self.position(trainer).to_checkpoint()
+        # What the checkpoint holds is in the logs too: CSVLogger buffers rows (100 steps by default),
+        # and a kill -9 after this save would lose rows that a resume does not log again.
+        # The row of the step being saved is logged right after on_train_batch_end: flushed at the next hook.
+        self._flush_logs(trainer)
+        self._flush_due = True
+        # Lightning builds the checkpoint on every rank (rank 0 writes it), so a collective is safe here.
+        state = {**capture_rng_state(), "module": per_rank_module_state(pl_module)}
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            states: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(states, state)
+        else:
+            states = [state]
+        checkpoint[RNG_KEY] = states
+        # Where this run imported the user's classes from: `python -m app.export` rebuilds them later.
+        checkpoint["user_code_directories"] = list(USER_CODE_DIRECTORIES)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if trainer.state.fn != "fit":
+            return
+        record = checkpoint.get(POSITION_KEY)
+        if record is None:
+            raise ResumeError(
+                "this checkpoint has no data position (it was written by plain Lightning or an older ddp-app), so "
+                "where to continue in the data is unknown. Fix: resume from a checkpoint written by this ddp-app, "
+                "or load only its weights (python -m app.export) and start a new run."
+            )
+        position = DataPosition.from_checkpoint(record)
+        loops = checkpoint.get("loops") or {}
+        if "fit_loop" in loops:
+            loops["fit_loop"] = canonical_fit_loop_state(
+                loops["fit_loop"], position, validates_after_epoch(trainer, position.epoch)
+            )
+        self.epoch, self.epoch_end_done = position.epoch, position.epoch_end_done
+        self.batches_seen = self.batches_done = position.batches_done
+        self._skip = position.batches_to_skip
+        self._resumed_from = position
+        states = checkpoint.get(RNG_KEY)
+        if states and len(states) == trainer.world_size:
+            self._pending_rng = states[trainer.global_rank]
+
+    def _check_resume_fits(self, trainer: L.Trainer, saved: DataPosition) -> None:
+        """The data and the run's shape must be those the position was counted in."""
+        now = self.position(trainer)
+        changed = [
+            f"{name} {getattr(saved, name)} -> {getattr(now, name)}"
+            for name in ("world_size", "per_rank_batch_size", "accumulate_grad_batches", "batches_per_epoch", "seed")
+            if getattr(saved, name) != getattr(now, name)
+        ]
+        if changed:
+            raise ResumeError(
+                f"this run cannot continue the checkpoint's position ({saved.describe()}) exactly: "
+                f"{', '.join(changed)} since it was written. Fix: resume with the devices, num_nodes, batch size, "
+                "accumulate_grad_batches, data and seed it was trained with."
+            )
+
+
+def exact_resume_of(trainer: L.Trainer) -> ExactResume | None:
+    for callback in getattr(trainer, "callbacks", ()):
+        if isinstance(callback, ExactResume):
+            return callback
+    return None
+
+
+def per_sample_seeding(trainer: L.Trainer) -> bool:
+    """Whether this Trainer's training sets are seeded per sample (`exact_resume.per_sample_seeding`)."""
+    keeper = exact_resume_of(trainer)
+    return keeper is not None and keeper.per_sample_seeding
+
+
+def sampler_position(trainer: L.Trainer) -> tuple[int, int]:
+    """(epoch, batches to skip) for a training iterator of this Trainer.
+
+    From `ExactResume` (every `ddp-app` run has it); a Trainer without it starts each epoch from its
+    first batch at Lightning's epoch.
+    """
+    keeper = exact_resume_of(trainer)
+    if keeper is None:
+        return trainer.current_epoch, 0
+    return keeper.sampler_position()
