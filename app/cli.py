@@ -80,6 +80,7 @@ from app.errors import UserFacingError, is_peer_lost, summarize_parser_error, us
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
 from app.models.sync_check import warn_on_per_rank_means
 from app.resume import ExactResume
+from app.trainer_check import LEFT_OUT, check_trainer_arguments
 from app.user_code import add_user_code_directories
 
 app.data.import_all()  # registers the DataModules for short `class_path` names
@@ -409,7 +410,9 @@ class DDPAppCLI(LightningCLI):
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
         if self.parse_only:  # the plan follows the config as written (before the changes below)
-            raise ConfigParsed(config, self._rank_plan(config["trainer"]), self.launch.num_nodes if self.launch else 1)
+            plan = self._rank_plan(config["trainer"])
+            self._check_trainer_arguments(config["trainer"], plan)
+            raise ConfigParsed(config, plan, self.launch.num_nodes if self.launch else 1)
         if self.launch is not None and self.launch.launcher == "torchrun":
             fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
         apply_collective_timeout(config["trainer"], config["collective_timeout_s"])
@@ -417,6 +420,23 @@ class DDPAppCLI(LightningCLI):
         # Every rank parses the config and makes the same change; one line in the log is enough.
         if notice and is_global_rank_zero(self.launch, os.environ):
             print(notice, flush=True)
+
+    def _check_trainer_arguments(self, trainer_config: Any, plan: RankPlan) -> None:
+        """Build the Trainer here, once, as the ranks will (app/trainer_check.py): an argument Lightning
+        refuses stops the launch in one line before any rank starts."""
+
+        def instantiate() -> dict[str, Any]:
+            config = self.config.clone()
+            section = self._subcommand_config(config)
+            section["model"] = section["data"] = None  # only the trainer section's classes are built
+            for key, value in LEFT_OUT.items():
+                section["trainer"][key] = value
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # jsonargparse's deprecation notice; LightningCLI calls it too
+                return dict(self._subcommand_config(self.parser.instantiate_classes(config))["trainer"])
+
+        overrides = {"devices": plan.devices} if plan.devices is not None else None
+        check_trainer_arguments(instantiate, trainer_config, overrides, self.trainer_class)
 
     def _rank_plan(self, trainer_config: Any) -> RankPlan:
         """The local ranks a plain launch forks; none under torchrun or srun, or for unknown devices."""

@@ -43,8 +43,16 @@ def summarize_parser_error(message: str) -> str:
         return f"invalid value {wrong_type.group(2).strip()!r} for {path}: expected {wrong_type.group(1)}."
     given = re.search(r"Given value: (.*)", message)
     expected = [name for name in re.findall(r"Expected a <class '([^']+)'>", message) if name != "NoneType"]
-    if path and given and expected and "Namespace(" not in given.group(1):
+    # A choice among fixed values (`precision: 17`): list them, with any plain type the key also takes.
+    choices = [
+        choice.strip()
+        for listed in re.findall(r"Expected a typing\.Literal\[(.*)\]", message)
+        for choice in listed.split(",")
+    ]
+    if path and given and (expected or choices) and "Namespace(" not in given.group(1):
         wanted = " or ".join(dict.fromkeys(expected))
+        if choices:
+            wanted = f"one of {', '.join(dict.fromkeys(choices))}" + (f", or {wanted}" if wanted else "")
         return f"invalid value {given.group(1).strip()!r} for {path}: expected {wanted}."
     class_path_error = _class_path_error(path, message)
     if class_path_error:

@@ -84,6 +84,7 @@ class RankPlan:
     processes: int
     extra_args: tuple[str, ...] = ()  # appended to the ranks' command line (they win over the rest)
     notice: str = ""
+    devices: int | None = None  # the trainer.devices the ranks get instead of the config's, if any
 
 
 def _strategy_name(strategy: Any) -> str | None:
@@ -108,6 +109,7 @@ def rank_plan(strategy: Any, processes_per_node: int, on_cpu: bool, devices: Any
         return RankPlan(0)
     extra: list[str] = []
     notes: list[str] = []
+    replaced_devices = None
     if name in SPAWNING_STRATEGIES:
         extra.append(f"--trainer.strategy={SPAWNING_STRATEGIES[name]}")
         notes.append(f"strategy {name} runs as {SPAWNING_STRATEGIES[name]}: ddp-app starts the processes itself")
@@ -118,9 +120,10 @@ def rank_plan(strategy: Any, processes_per_node: int, on_cpu: bool, devices: Any
         # Lightning's CPUAccelerator takes only a positive count; a GPU config's [0, 1], "0,1", -1
         # or "auto" on a CPU machine means that many CPU processes.
         extra.append(f"--trainer.devices={processes_per_node}")
+        replaced_devices = processes_per_node
         notes.append(f"trainer.devices={devices!r} on CPU: {processes_per_node} process(es)")
     notice = f"ddp-app: {'; '.join(notes)}." if notes else ""
-    return RankPlan(processes_per_node, tuple(extra), notice)
+    return RankPlan(processes_per_node, tuple(extra), notice, replaced_devices)
 
 
 def with_ckpt_path_last(args: list[str]) -> list[str]:

@@ -161,7 +161,29 @@ CASES: dict[str, Case] = {
             "RANK": "1",
         },
     ),
-    "unknown_accelerator": Case(["--trainer.accelerator=quantum"], "quantum"),
+    "unknown_accelerator": Case(["--trainer.accelerator=quantum"], "invalid value 'quantum' for trainer.accelerator"),
+    # Refused by Lightning while the launcher builds the Trainer (app/trainer_check.py), before any rank starts.
+    "devices_not_a_number": Case(["--trainer.devices=two"], "invalid value 'two' for trainer.devices"),
+    "devices_a_fraction": Case(["--trainer.devices=0.5"], "invalid value '0.5' for trainer.devices"),
+    "unknown_strategy": Case(["--trainer.strategy=nonsense"], "invalid value 'nonsense' for trainer.strategy"),
+    "unknown_precision": Case(["--trainer.precision=17"], "invalid value '17' for trainer.precision"),
+    "num_nodes_zero": Case(["--trainer.num_nodes=0"], "invalid value 0 for trainer.num_nodes"),
+    "limit_train_batches_negative": Case(
+        ["--trainer.limit_train_batches=-1"], "invalid value -1.0 for trainer.limit_train_batches"
+    ),
+    # Taken by Lightning's Trainer, then a ZeroDivisionError in every rank or silently ignored.
+    "accumulate_grad_batches_zero": Case(
+        ["--trainer.accumulate_grad_batches=0"], "invalid value 0 for trainer.accumulate_grad_batches"
+    ),
+    "gradient_clip_val_negative": Case(
+        ["--trainer.gradient_clip_val=-1"], "invalid value -1.0 for trainer.gradient_clip_val"
+    ),
+    "val_check_interval_zero": Case(
+        ["--trainer.val_check_interval=0"], "invalid value 0 for trainer.val_check_interval"
+    ),
+    "log_every_n_steps_negative": Case(
+        ["--trainer.log_every_n_steps=-1"], "invalid value -1 for trainer.log_every_n_steps"
+    ),
     "gpu_on_a_machine_without_one": Case(["--trainer.accelerator=gpu"], "no usable GPU"),
     "precision_the_device_cannot_run": Case(["--trainer.precision=16-mixed", "--trainer.accelerator=cpu"], "precision"),
     "validation_set_smaller_than_ranks": Case(
