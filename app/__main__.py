@@ -4,6 +4,12 @@ from __future__ import annotations
 
 
 def main() -> None:
+    import sys
+
+    if sys.argv[1:2] == ["resume-check"]:  # not a LightningCLI subcommand: it runs ddp-app fit itself
+        from app.resume_check import main as resume_check
+
+        raise SystemExit(resume_check(sys.argv[2:]))
     from app.cli import main as cli_main
 
     cli_main()

@@ -63,19 +63,29 @@ def read_metrics(path: Path) -> Series:
     return series
 
 
-def join_versions(versions: list[Series]) -> Series:
-    """One series from the versions of a resumed run, in step order, later versions winning overlaps.
+RESUME_MARKER = "resumed.json"  # written by app.resume.ExactResume into a resumed run's log version
 
-    `versions` are in version order (the order ties on the first step are broken in). A version that
-    starts where the series so far starts (or earlier) is a new run into the same directory and
-    replaces it. Otherwise it continues it: its values replace the earlier ones name by name at the
-    steps it logged, and values it did not log again stay. That keeps a step whose training row was
-    logged before a checkpoint and whose validation row after the resume (both at one logger step).
+
+def is_resumed(metrics_path: Path) -> bool:
+    return (metrics_path.parent / RESUME_MARKER).is_file()
+
+
+def join_versions(versions: list[Series], resumed: list[bool] | None = None) -> Series:
+    """One series from the versions of a run, in step order, later versions winning overlaps.
+
+    `versions` are in version order (the order ties on the first step are broken in). A resumed
+    version (`resumed`, from the marker ddp-app writes) continues the series: its values replace the
+    earlier ones name by name at the steps it logged, and values it did not log again stay (a step
+    whose training row was logged before the checkpoint and whose validation row after the resume).
+    Any other version replaces everything from its first step on (a new run into the same directory).
     """
+    flags = resumed or [False] * len(versions)
     joined: Series = {}
-    for version in sorted((version for version in versions if version), key=min):
-        if joined and min(version) <= min(joined):
-            joined = {}
+    ordered = sorted(((v, r) for v, r in zip(versions, flags, strict=True) if v), key=lambda item: min(item[0]))
+    for version, continues in ordered:
+        if not continues:
+            start = min(version)
+            joined = {step: values for step, values in joined.items() if step < start}
         for step, values in version.items():
             joined.setdefault(step, {}).update(values)
     return dict(sorted(joined.items()))
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         files = metrics_files(args.run_dir)
         versions = [read_metrics(path) for path in files]
-        series = join_versions(versions)
+        series = join_versions(versions, [is_resumed(path) for path in files])
         if not series:
             raise PlotError(
                 f"the {METRICS_FILE} files under {args.run_dir} hold no values yet. Fix: plot after a logged step."

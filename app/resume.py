@@ -26,8 +26,10 @@ sample's augmentation is the same whichever worker, rank or resumed process load
 from __future__ import annotations
 
 import copy
+import json
 import random
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from app.errors import UserFacingError
+from app.plot import RESUME_MARKER
 from app.user_code import USER_CODE_DIRECTORIES
 
 POSITION_KEY = "ddp_app_data_position"
@@ -299,6 +302,13 @@ class ExactResume(L.Callback):
         if self._pending_rng is not None and "module" in self._pending_rng:
             load_per_rank_module_state(pl_module, self._pending_rng.pop("module"))
         self._check_resume_fits(trainer, resumed)
+        # Tells `python -m app.plot` that this log version continues the previous one (app/plot.py).
+        # (trainer.log_dir broadcasts: a collective that only rank 0 would enter.)
+        log_dir = getattr(trainer.loggers[0], "log_dir", None) if trainer.loggers else None
+        if trainer.is_global_zero and log_dir is not None:
+            marker = Path(log_dir) / RESUME_MARKER
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps(resumed.to_checkpoint()))
         if trainer.current_epoch != resumed.next_epoch:
             raise AssertionError(
                 f"ddp-app bug: Lightning restored epoch {trainer.current_epoch}, the data position says "

@@ -17,12 +17,14 @@ The same runner drives the stop matrix in tests/fault/test_resume_matrix.py.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ import lightning as L
 import torch
 
 from app.checkpoints import safe_load
-from app.plot import join_versions, metrics_files, read_metrics
+from app.plot import is_resumed, join_versions, metrics_files, read_metrics
 
 POSITION_KEY = "ddp_app_data_position"
 
@@ -192,13 +194,14 @@ def max_abs_diff(first: Any, second: Any) -> float:
     if isinstance(first, (list, tuple)) and isinstance(second, (list, tuple)):
         if len(first) != len(second):
             return math.inf
-        return max((max_abs_diff(a, b) for a, b in zip(first, second)), default=0.0)
+        return max((max_abs_diff(a, b) for a, b in zip(first, second, strict=False)), default=0.0)
     return 0.0 if first == second else math.inf
 
 
 def joined_metrics(root: Path) -> dict[int, dict[str, float]]:
     try:
-        return join_versions([read_metrics(path) for path in metrics_files(root)])
+        files = metrics_files(root)
+        return join_versions([read_metrics(path) for path in files], [is_resumed(path) for path in files])
     except Exception:  # noqa: BLE001 (a run without CSV logs: nothing to compare)
         return {}
 
@@ -315,3 +318,127 @@ class Runner:
                 case, -1, math.inf, math.inf, False, f"the resumed run failed with exit code {code} (see {log})"
             )
         return compare(expected, root, case, extra_steps)
+
+
+# The moments `ddp-app resume-check` tries by default: where resumes went wrong before.
+CHECK_CASES = (
+    Case("kill-rank1", "mid-epoch", epoch=1),
+    Case("sigterm", "last-batch", epoch=0),
+    Case("kill-rank1", "validation", epoch=0),
+    Case("max_steps", continues="more-epochs", epoch=1),
+)
+
+
+def likely_cause(base_args: list[str]) -> str:
+    """The most likely reason a resume differs, from checks that need no training run."""
+    from app.cli import parse_config  # the CLI's own parser, files and precedence
+    from app.data.seeding import PerSampleSeeded, SampleKey
+    from app.data.sharding import is_plain_loader
+
+    config = parse_config(["fit", *base_args])
+    data = config.get("data")
+    module_path, _, name = data["class_path"].rpartition(".")
+    import importlib
+
+    datamodule = getattr(importlib.import_module(module_path), name)(**(data.get("init_args") or {}))
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return "the training data is an IterableDataset: its stream restarts on resume (use a StatefulDataLoader)"
+    if not is_plain_loader(loader) and not isinstance(
+        getattr(loader, "sampler", None), torch.utils.data.DistributedSampler
+    ):
+        return "the training loader has a sampler of its own, which ddp-app cannot position mid-epoch"
+    seeded = PerSampleSeeded(dataset.dataset if isinstance(dataset, PerSampleSeeded) else dataset, seed=0)
+    first, second = seeded[SampleKey(0, 0)], seeded[SampleKey(0, 0)]
+    if max_abs_diff(_as_tensors(first), _as_tensors(second)) != 0:
+        return (
+            "randomness drawn outside the seeded paths: the training set returns different data for the same "
+            "(seed, epoch, index), so it draws from a generator of its own (numpy.random.default_rng(), a "
+            "torch.Generator or random.Random it keeps). Fix: draw from torch, numpy.random or random"
+        )
+    return (
+        "state outside the checkpoint: a callback or the module keeps values across steps that are not in "
+        "state_dict (or randomness drawn in a callback or collate_fn)"
+    )
+
+
+def _as_tensors(sample: Any) -> Any:
+    if isinstance(sample, (list, tuple)):
+        return [_as_tensors(item) for item in sample]
+    if isinstance(sample, dict):
+        return {key: _as_tensors(value) for key, value in sample.items()}
+    return torch.as_tensor(sample)
+
+
+def format_table(outcomes: list[Outcome]) -> str:
+    rows = [("moment", "steps", "weights", "optimizer", "metrics", "result")]
+    for outcome in outcomes:
+        rows.append(
+            (
+                outcome.case.describe(),
+                str(outcome.steps),
+                f"{outcome.weights_diff:.3g}",
+                f"{outcome.optimizer_diff:.3g}",
+                "same" if outcome.metrics_same else "differ",
+                "EXACT" if outcome.exact else "DIFFERS",
+            )
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ddp-app resume-check",
+        description="Run your config shortened, uninterrupted and stopped-and-resumed at several moments; "
+        "compare weights, optimizer state and logged metrics. Exit 0 only if all are EXACT.",
+    )
+    parser.add_argument("--epochs", type=int, default=2, help="epochs of the shortened run (default 2)")
+    parser.add_argument("--limit-batches", type=int, default=10, help="training batches per epoch (default 10)")
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary directory)")
+    known, config_args = parser.parse_known_args(argv)
+    if "--config" not in " ".join(config_args):
+        parser.error("give the run's --config (and any overrides), as for ddp-app fit")
+    base = [*config_args, f"--trainer.limit_train_batches={known.limit_batches}", "--trainer.limit_val_batches=4"]
+    with tempfile.TemporaryDirectory(prefix="resume-check-") as temporary:
+        workdir = known.workdir or Path(temporary)
+        workdir.mkdir(parents=True, exist_ok=True)
+        runner = Runner(base, workdir, epochs=known.epochs)
+        outcomes = []
+        for case in CHECK_CASES:
+            print(f"ddp-app resume-check: {case.describe()} ...", flush=True)
+            outcomes.append(runner.run(case))
+    print(format_table(outcomes))
+    different = [outcome for outcome in outcomes if not outcome.exact]
+    cause = likely_cause(config_args) if different else ""
+    for outcome in different:
+        if outcome.detail:
+            print(f"  {outcome.case.describe()}: {outcome.detail}")
+    if cause:
+        print(f"most likely cause: {cause}")
+    if known.json:
+        known.json.write_text(
+            json.dumps(
+                {
+                    "exact": not different,
+                    "cause": cause or None,
+                    "cases": [
+                        {
+                            "moment": outcome.case.describe(),
+                            "steps": outcome.steps,
+                            "weights_max_abs_diff": outcome.weights_diff,
+                            "optimizer_max_abs_diff": outcome.optimizer_diff,
+                            "metrics_same": outcome.metrics_same,
+                            "result": "EXACT" if outcome.exact else "DIFFERS",
+                            "detail": outcome.detail,
+                        }
+                        for outcome in outcomes
+                    ],
+                },
+                indent=2,
+            )
+        )
+    return 0 if not different else 1
