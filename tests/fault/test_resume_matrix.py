@@ -1,0 +1,139 @@
+"""The stop matrix: resume equals the uninterrupted run from any stop, for any user code.
+
+Cases are generated, not written down: every pair of values across (how it stops, how it
+continues, where it stops, the user code) appears in at least one case (greedy pairwise cover,
+`pairwise_cases`), and each case is compared with one cached uninterrupted run of its user-code
+variant on weights, optimizer and scheduler state, global step, epoch and the joined metric
+history (`app.resume_check.compare`). The default run takes `DEFAULT_SUBSET` (every value of every
+dimension at least once); `-m slow` runs the whole cover and writes its table to docs/resume.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from app.resume_check import CONTINUES, MOMENTS, STOPS, Case, Outcome, Runner, format_table
+from tests.helpers.run import REPO
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+CONFIG = ["--config", "tests/helpers/augmenting.yaml"]
+USER_CKPT = {
+    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+    "init_args": {"every_n_train_steps": 7, "save_top_k": -1, "filename": "step-{step}"},
+}
+VARIANTS = {
+    "workers0": [],
+    "workers2": ["--data.init_args.num_workers=2"],
+    "persistent": ["--data.init_args.num_workers=2", "--data.init_args.persistent_workers=true"],
+    "user-ckpt": ["--trainer.callbacks+=" + json.dumps(USER_CKPT)],
+    "accumulate3": ["--trainer.accumulate_grad_batches=3"],
+    "powersgd": ["--gradient_compression.method=powersgd", "--gradient_compression.start_iter=2"],
+    "step-lr": ["--model.init_args.step_scheduler=true"],
+    "two-val": ["--data.init_args.two_val_loaders=true"],
+}
+BUDGETS = ("max_steps", "max_time")
+
+
+def valid(stop: str, moment: str, continues: str, variant: str) -> bool:
+    if stop in BUDGETS:  # a budget stops mid-epoch and must grow to continue
+        return moment == "mid-epoch" and continues != "same"
+    if moment == "micro-batch":
+        return variant == "accumulate3"
+    return True
+
+
+def pairwise_cases() -> list[Case]:
+    """A greedy cover of every valid pair of values across the four dimensions."""
+    dimensions = [list(STOPS), list(MOMENTS), list(CONTINUES), list(VARIANTS)]
+    candidates = [combo for combo in itertools.product(*dimensions) if valid(*combo)]
+
+    def pairs(combo: tuple[str, ...]) -> set[tuple[int, str, int, str]]:
+        return {(i, combo[i], j, combo[j]) for i, j in itertools.combinations(range(4), 2)}
+
+    uncovered = set().union(*(pairs(combo) for combo in candidates))
+    chosen = []
+    while uncovered:
+        best = max(candidates, key=lambda combo: len(pairs(combo) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    # Stop in epoch 0 at its end (the last batch, validation, the epoch-end save), else in epoch 1.
+    return [
+        Case(stop, moment, continues, variant, epoch=0 if moment in ("last-batch", "validation") else 1)
+        for stop, moment, continues, variant in chosen
+    ]
+
+
+DEFAULT_SUBSET = [
+    Case("kill-rank1", "mid-epoch", "same", "workers2"),
+    Case("kill-rank0", "validation", "same", "workers0", epoch=0),
+    Case("sigterm", "last-batch", "more-epochs", "user-ckpt", epoch=0),
+    Case("ctrl-c", "after-epoch-save", "more-steps", "persistent", epoch=0),
+    Case("kill-rank1", "micro-batch", "same", "accumulate3"),
+    Case("max_steps", "mid-epoch", "more-steps", "powersgd"),
+    Case("max_time", "mid-epoch", "more-epochs", "step-lr"),
+    Case("kill-rank1", "checkpoint-write", "same", "two-val"),
+    Case("kill-rank0", "first-step", "same", "workers0"),
+]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
+    return Runner(CONFIG, tmp_path_factory.mktemp("matrix"), epochs=3, variants=VARIANTS)
+
+
+def check(runner: Runner, case: Case) -> Outcome:
+    outcome = runner.run(case)
+    assert outcome.exact, f"{case.describe()} [{case.variant}]: {outcome.detail or outcome}"
+    return outcome
+
+
+def test_the_default_subset_covers_every_value_of_every_dimension() -> None:
+    for index, values in enumerate((STOPS, MOMENTS, CONTINUES, VARIANTS)):
+        used = {(case.stop, case.moment, case.continues, case.variant)[index] for case in DEFAULT_SUBSET}
+        assert used == set(values), f"values missing from the default subset: {set(values) - used}"
+
+
+def test_the_generated_cover_has_every_valid_pair() -> None:
+    cases = pairwise_cases()
+    covered = {
+        (i, combo[i], j, combo[j])
+        for combo in ((c.stop, c.moment, c.continues, c.variant) for c in cases)
+        for i, j in itertools.combinations(range(4), 2)
+    }
+    dimensions = [list(STOPS), list(MOMENTS), list(CONTINUES), list(VARIANTS)]
+    for combo in itertools.product(*dimensions):
+        if valid(*combo):
+            assert {(i, combo[i], j, combo[j]) for i, j in itertools.combinations(range(4), 2)} <= covered
+
+
+@pytest.mark.parametrize("case", DEFAULT_SUBSET, ids=lambda case: case.name)
+def test_resume_is_exact(runner: Runner, case: Case) -> None:
+    check(runner, case)
+
+
+@pytest.mark.slow
+def test_the_whole_pairwise_matrix_is_exact_and_written_to_the_docs(runner: Runner) -> None:
+    outcomes = [runner.run(case) for case in pairwise_cases()]
+    table = format_table(outcomes)
+    docs = REPO / "docs" / "resume.md"
+    text = docs.read_text()
+    begin, end = "<!-- matrix begin -->", "<!-- matrix end -->"
+    rows = "\n".join(f"    {line}" for line in table.splitlines())
+    variants = "\n".join(f"    {outcome.case.variant:<12} {outcome.case.describe()}" for outcome in outcomes)
+    docs.write_text(
+        text.split(begin)[0] + f"{begin}\n{rows}\n\n  user code per row:\n\n{variants}\n{end}" + text.split(end)[1]
+    )
+    different = [outcome for outcome in outcomes if not outcome.exact]
+    assert not different, "\n".join(f"{o.case.name}: {o.detail}" for o in different)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", list(MOMENTS.keys() - {"micro-batch"}))
+def test_every_stop_moment_on_the_default_config(tmp_path: Path, moment: str) -> None:
+    runner = Runner(["--config", "configs/digits.yaml"], tmp_path, epochs=3)
+    check(runner, Case("kill-rank1", moment, epoch=0 if moment in ("last-batch", "validation") else 1))
