@@ -18,6 +18,8 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 _MASK64 = (1 << 64) - 1
+# The epoch evaluation samples are seeded with: no training epoch has it.
+EVALUATION_EPOCH = 1 << 40
 
 
 def _mix64(value: int) -> int:
@@ -66,13 +68,13 @@ class PerSampleSeeded(Dataset):
         return getattr(self.dataset, name)
 
     def _load(self, key: SampleKey | int) -> Any:
-        if not isinstance(key, SampleKey):
-            return self.dataset[key]
-        seed = sample_seed(self.seed, key.epoch, key.index)
+        # A plain index comes from an evaluation sampler: the same draws in every evaluation.
+        epoch, index = (key.epoch, key.index) if isinstance(key, SampleKey) else (EVALUATION_EPOCH, key)
+        seed = sample_seed(self.seed, epoch, index)
         torch.default_generator.manual_seed(seed)
         np.random.seed(seed & 0xFFFFFFFF)
         random.seed(seed)
-        return self.dataset[key.index]
+        return self.dataset[index]
 
     def __getitem__(self, key: SampleKey | int) -> Any:
         return self.__getitems__([key])[0]

@@ -100,6 +100,8 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
     else:
         sampler = UnpaddedDistributedSampler(loader.dataset, world_size, rank)
         loader_class = DataLoader
+        if per_sample_seeding(trainer):  # evaluation draws nothing from the training run's stream
+            dataset = PerSampleSeeded(dataset, int(os.environ.get("PL_GLOBAL_SEED", 0)))
     return loader_class(
         dataset,
         batch_size=loader.batch_size,
