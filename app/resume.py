@@ -301,6 +301,10 @@ class ExactResume(L.Callback):
             return
         if self._pending_rng is not None and "module" in self._pending_rng:
             load_per_rank_module_state(pl_module, self._pending_rng.pop("module"))
+        if self._pending_rng is not None and resumed.batches_to_skip >= resumed.batches_per_epoch:
+            # Validation comes first, and creating its loader's iterator draws from the global generator.
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None
         self._check_resume_fits(trainer, resumed)
         # Tells `python -m app.plot` that this log version continues the previous one (app/plot.py).
         # (trainer.log_dir broadcasts: a collective that only rank 0 would enter.)
