@@ -34,8 +34,7 @@ import torch
 
 from app.checkpoints import safe_load
 from app.plot import is_resumed, join_versions, metrics_files, read_metrics
-
-POSITION_KEY = "ddp_app_data_position"
+from app.resume import POSITION_KEY
 
 # How a run stops; the first four are done by StopAt inside a rank, the budgets by the command line.
 STOPS = {
@@ -251,11 +250,11 @@ class Runner:
     variants: dict[str, list[str]] = field(default_factory=lambda: {"default": []})
     _baselines: dict[str, Path] = field(default_factory=dict)
 
-    def _args(self, case: Case, root: Path) -> list[str]:
+    def _args(self, variant: str, root: Path) -> list[str]:
         return [
             "fit",
             *self.base_args,
-            *self.variants[case.variant],
+            *self.variants[variant],
             f"--trainer.default_root_dir={root}",
             "--trainer.enable_progress_bar=false",
             # Stop signals are compared at every step, so a SIGTERM stops at the step it arrives in.
@@ -286,7 +285,7 @@ class Runner:
         total = steps * self.epochs
         root = self.workdir / case.name.replace("/", "_").replace("@", "_").replace("->", "_")
         log = self.workdir / f"{root.name}.log"
-        first = self._args(case, root)
+        first = self._args(case.variant, root)
         stop_step = case.epoch * steps + max(1, steps // 2)
         budget_epochs = self.epochs - 1 if case.continues == "more-epochs" else self.epochs
         first.append(f"--trainer.max_epochs={budget_epochs}")
@@ -311,7 +310,7 @@ class Runner:
         if case.stop == "max_time":
             reached = safe_load(root / "checkpoints" / "last.ckpt")["global_step"]
             extra_steps = {reached - 1, reached}
-        resumed = self._args(case, root) + [f"--trainer.max_epochs={self.epochs}", "--ckpt_path=last"]
+        resumed = self._args(case.variant, root) + [f"--trainer.max_epochs={self.epochs}", "--ckpt_path=last"]
         code = run_ddp_app(resumed, log, self.timeout)
         if code != 0:
             return Outcome(

@@ -48,7 +48,8 @@ def measure(name: str, dataset: Dataset, batch_size: int, repeats: int) -> dict[
         "added_ms_per_batch": added * batch_size * 1e3,
     }
     print(
-        f"{name}: +{result['added_us_per_sample']:.1f} us per sample, +{result['added_ms_per_batch']:.3f} ms per batch of {batch_size}"
+        f"{name}: +{result['added_us_per_sample']:.1f} us per sample, "
+        f"+{result['added_ms_per_batch']:.3f} ms per batch of {batch_size}"
     )
     return result
 

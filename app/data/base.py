@@ -18,8 +18,8 @@ class ResumableDataLoader(DataLoader):
     """A DataLoader that tells Lightning it can resume mid-epoch.
 
     Its position needs no state of its own: `ResumableDistributedSampler` asks the data position
-    that `app.resume.ExactResume` keeps in every checkpoint. Implementing `state_dict` / `load_state_dict` is how Lightning
-    recognises a resumable loader (otherwise it warns that a mid-epoch resume is unreliable).
+    that `app.resume.ExactResume` keeps in every checkpoint. Implementing `state_dict` /
+    `load_state_dict` is how Lightning recognises a resumable loader (otherwise it warns that a mid-epoch resume is unreliable).
     """
 
     def state_dict(self) -> dict[str, int]:
