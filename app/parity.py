@@ -155,7 +155,8 @@ def reference_to_lightning_checkpoint(
     The reference keeps no loop counters, and Lightning's (which epoch comes next, the global step,
     what set_epoch the sampler gets) are Lightning's private format. They and ddp-app's data position
     (`ddp_app_data_position`), and nothing else, come from `lightning_checkpoint`: a checkpoint
-    Lightning wrote for the same config at the end of the same epoch (P1's last.ckpt). Its weights, optimizer, scheduler, callback and RNG states are left
+    Lightning wrote for the same config at the end of the same epoch (P1's last.ckpt).
+    Its weights, optimizer, scheduler, callback and RNG states are left
     out, so whatever the continued run starts from is the reference's. Neither side restores RNG
     state (the reference saves none): bit-for-bit continuation needs a model without dropout.
     """

@@ -264,12 +264,10 @@ class Runner:
     def baseline(self, variant: str) -> Path:
         if variant not in self._baselines:
             root = self.workdir / f"uninterrupted-{variant}"
-            code = run_ddp_app([*self._args(Case("max_steps", variant=variant), root), f"--trainer.max_epochs={self.epochs}"],
-                               self.workdir / f"uninterrupted-{variant}.log", self.timeout)  # fmt: skip
+            log = self.workdir / f"uninterrupted-{variant}.log"
+            code = run_ddp_app([*self._args(variant, root), f"--trainer.max_epochs={self.epochs}"], log, self.timeout)
             if code != 0:
-                raise RuntimeError(
-                    f"the uninterrupted run failed (exit {code}); see {self.workdir}/uninterrupted-{variant}.log"
-                )
+                raise RuntimeError(f"the uninterrupted run failed (exit {code}); see {log}")
             self._baselines[variant] = root
         return self._baselines[variant]
 

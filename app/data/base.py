@@ -19,7 +19,8 @@ class ResumableDataLoader(DataLoader):
 
     Its position needs no state of its own: `ResumableDistributedSampler` asks the data position
     that `app.resume.ExactResume` keeps in every checkpoint. Implementing `state_dict` /
-    `load_state_dict` is how Lightning recognises a resumable loader (otherwise it warns that a mid-epoch resume is unreliable).
+    `load_state_dict` is how Lightning recognises a resumable loader (otherwise it warns that a
+    mid-epoch resume is unreliable).
     """
 
     def state_dict(self) -> dict[str, int]:
