@@ -12,6 +12,7 @@ Lightning's side, `SafeCheckpointIO`, is in `app.cli`.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import io
 import os
@@ -45,14 +46,30 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
+        if _disk_full_in(error) and not (isinstance(error, OSError) and error.filename):
+            # torch.save's zip writer reports a full disk as "unexpected pos" while closing, with
+            # the OSError(ENOSPC) only in the context: raise the cause the user can act on, with the path.
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
         raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)  # make the rename itself durable
     finally:
         os.close(directory)
+
+
+def _disk_full_in(error: BaseException) -> bool:
+    """Whether an `OSError(ENOSPC)` is in `error`'s cause/context chain."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import functools
+import io
+import os
 import http.server
 import random
 import signal
@@ -23,6 +26,7 @@ from app.checkpoints import (
     CheckpointError,
     CheckpointSummary,
     atomic_torch_save,
+    atomic_write,
     check_model_class,
     check_overrides,
     check_state_fits,
@@ -111,6 +115,35 @@ def test_lightning_run_killed_during_saves_keeps_a_loadable_last_ckpt(tmp_path: 
         assert checkpoint["global_step"] > 0
     leftovers = [path.name for path in last.parent.iterdir() if path.name.endswith(".tmp")]
     assert len(leftovers) <= 1, leftovers  # at most the one being written at the last kill
+
+
+class _FullDisk(io.RawIOBase):
+    """A file that takes `room` bytes and then fails as a full disk does (OSError ENOSPC)."""
+
+    def __init__(self, file: Any, room: int) -> None:
+        self.file, self.room = file, room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        size = len(memoryview(data))
+        if size > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= size
+        return self.file.write(data)
+
+
+def test_a_full_disk_inside_torch_save_is_reported_as_a_full_disk_with_the_path(tmp_path: Path) -> None:
+    """torch.save's zip writer turns ENOSPC into "unexpected pos" on close; the path and cause survive."""
+    target = tmp_path / "last.ckpt"
+    target.write_bytes(b"previous")
+    big = {"w": torch.randn(100_000)}
+    with pytest.raises(OSError) as error:
+        atomic_write(target, lambda file: torch.save(big, _FullDisk(file, 50_000)))
+    assert error.value.errno == errno.ENOSPC and error.value.filename == str(target)
+    assert target.read_bytes() == b"previous"
+    assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
 
 
 def test_truncated_checkpoint_error_names_the_file(tmp_path: Path) -> None:
