@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import errno
 import functools
+import http.server
 import io
 import os
-import http.server
 import random
 import signal
 import subprocess
