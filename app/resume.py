@@ -11,10 +11,11 @@
    it as done, and a save on an epoch's last batch resumes in the next epoch without its validation.
 2. **Lightning's loop state, made to agree with the position.** On load, `canonical_fit_loop_state`
    rewrites the checkpoint's `loops.fit_loop` counters into one of three forms whose resume Lightning
-   2.6 gets right (checked hook by hook in tests/test_resume_position.py): the start of an epoch, the
-   middle of one after k batches, or "all batches trained, validation and epoch end still to run".
-   The sampler then skips exactly the consumed batches (`ResumableDistributedSampler` asks
-   `ExactResume.sampler_position`).
+   2.6 gets right (guarded in tests/test_private_apis.py, every stop moment in
+   tests/fault/test_resume_matrix.py): the start of an epoch, the middle of one after k batches,
+   or "all batches trained, validation and epoch end still to run". The sampler then skips exactly
+   the consumed batches (`ResumableDistributedSampler` asks `ExactResume.sampler_position`); a
+   stateful stream loads its state (app/data/streams.py).
 3. **Every rank's random state** (torch, CUDA, NumPy, Python), restored right before the first thing
    the resumed run does: dropout masks and anything else drawn in the training step match.
 
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +64,7 @@ class DataPosition:
     epoch: int
     batches_done: int
     epoch_end_done: bool
-    batches_per_epoch: int
+    batches_per_epoch: int | None  # None: a stream without length, before its end was seen
     global_step: int
     seed: int
     world_size: int
@@ -89,9 +92,10 @@ class DataPosition:
             return f"the start of epoch {self.epoch + 1}"
         if self.batches_done == 0:
             return f"the start of epoch {self.epoch}"
-        if self.batches_done >= self.batches_per_epoch:
+        if self.batches_per_epoch is not None and self.batches_done >= self.batches_per_epoch:
             return f"the end of epoch {self.epoch} (its validation and epoch end still to run)"
-        return f"epoch {self.epoch} after {self.batches_done} of {self.batches_per_epoch} batches"
+        of = self.batches_per_epoch if self.batches_per_epoch is not None else "?"
+        return f"epoch {self.epoch} after {self.batches_done} of {of} batches"
 
     def to_checkpoint(self) -> dict[str, Any]:
         return {**asdict(self), "global_batch_size": self.global_batch_size}
@@ -109,8 +113,8 @@ def _counters(ready: int, started: int, processed: int, completed: int) -> dict[
 def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, validates: bool) -> dict[str, Any]:
     """Lightning's `fit_loop` state dict with its progress counters set from `position`.
 
-    Private layout (docs/private_apis.md; tests/test_private_apis.py and
-    tests/test_resume_position.py fail if Lightning changes it): the counters live under
+    Private layout (docs/private_apis.md; tests/test_private_apis.py fails in seconds if Lightning
+    changes it): the counters live under
     `epoch_progress`, `epoch_loop.batch_progress`, `epoch_loop.val_loop.batch_progress` and
     `epoch_loop.state_dict._batches_that_stepped` (the logger's step). The three forms are the ones
     Lightning writes itself at the matching moments and resumes correctly:
@@ -130,7 +134,8 @@ def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, v
     validation = state["epoch_loop.val_loop.batch_progress"]
     epochs = state["epoch_progress"]
     loop_state = state.setdefault("epoch_loop.state_dict", {})
-    per_epoch = position.batches_per_epoch
+    # A stream without length (unknown until its end is seen) is mid-epoch until then.
+    per_epoch = position.batches_per_epoch if position.batches_per_epoch is not None else math.inf
     validation["total"] = _counters(0, 0, 0, 0)
     validation["current"] = _counters(0, 0, 0, 0)
     validation["is_last_batch"] = False
@@ -138,6 +143,7 @@ def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, v
     if done == 0:
         if epoch < 1:
             raise ResumeError("this checkpoint was written before the first training step: there is nothing to resume.")
+        per_epoch = per_epoch if math.isfinite(per_epoch) else 0
         trained = epoch * per_epoch
         epochs["total"], epochs["current"] = (
             _counters(epoch, epoch, epoch, epoch - 1),
@@ -254,6 +260,10 @@ class ExactResume(L.Callback):
 
     def __init__(self, per_sample_seeding: bool = True) -> None:
         self.per_sample_seeding = per_sample_seeding
+        # Set by app.data.sharding when it builds the training loaders: the stateful streams it
+        # positions (app.data.streams), and one line for each training loader it cannot position.
+        self.streams: list[Any] = []
+        self.notices: list[str] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -265,7 +275,10 @@ class ExactResume(L.Callback):
         self._step_seen = -1
         self._flush_due = False
         self._pending_rng: dict[str, Any] | None = None
+        self._pending_streams: list[Any] = []
         self._resumed_from: DataPosition | None = None
+        self._last_batch_seen = False  # the epoch's last batch went through on_train_batch_end
+        self._noticed = False
 
     # ----- the position, as the training sampler asks for it -----
 
@@ -275,12 +288,34 @@ class ExactResume(L.Callback):
         # epoch's validation left), or created twice. The skip ends with the resumed epoch.
         return (self.epoch + 1, 0) if self.epoch_end_done else (self.epoch, self._skip)
 
+    def stream_start(self, index: int) -> tuple[int, int, Any, bool]:
+        """(epoch, batches to skip, state to load or None, whether the epoch's batches are all trained)
+        for the training stream `index` starting now (app.data.streams)."""
+        epoch, skip = self.sampler_position()
+        state = None
+        if index < len(self._pending_streams):
+            state, self._pending_streams[index] = self._pending_streams[index], None
+        resumed = self._resumed_from
+        trained = (
+            skip > 0
+            and resumed is not None
+            and resumed.batches_per_epoch is not None
+            and skip >= resumed.batches_per_epoch
+        )
+        return epoch, skip, state, trained
+
+    def _epoch_length(self, trainer: L.Trainer) -> int | None:
+        """Batches in this epoch: Lightning's count, or for a stream without length, what it yielded once it ran out."""
+        if math.isfinite(trainer.num_training_batches):
+            return int(trainer.num_training_batches)
+        return self.batches_seen if self._last_batch_seen else None
+
     def position(self, trainer: L.Trainer) -> DataPosition:
         return DataPosition(
             epoch=self.epoch,
             batches_done=self.batches_done,
             epoch_end_done=self.epoch_end_done,
-            batches_per_epoch=int(trainer.num_training_batches),
+            batches_per_epoch=self._epoch_length(trainer),
             global_step=trainer.global_step,
             seed=_run_seed(trainer),
             world_size=trainer.world_size,
@@ -296,12 +331,16 @@ class ExactResume(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._step_seen = trainer.global_step
+        if trainer.is_global_zero and not self._noticed:
+            self._noticed = True
+            for line in dict.fromkeys(self.notices):
+                print(f"ddp-app: {line}", file=sys.stderr, flush=True)
         resumed = self._resumed_from
         if resumed is None:
             return
         if self._pending_rng is not None and "module" in self._pending_rng:
             load_per_rank_module_state(pl_module, self._pending_rng.pop("module"))
-        if self._pending_rng is not None and resumed.batches_to_skip >= resumed.batches_per_epoch:
+        if self._pending_rng is not None and resumed.batches_to_skip >= (resumed.batches_per_epoch or math.inf):
             # Validation comes first, and creating its loader's iterator draws from the global generator.
             restore_rng_state(self._pending_rng)
             self._pending_rng = None
@@ -324,6 +363,7 @@ class ExactResume(L.Callback):
         if self.epoch_end_done:
             self.epoch, self.epoch_end_done = self.epoch + 1, False
         self.batches_seen = self.batches_done = self._skip = 0
+        self._last_batch_seen = False
         if trainer.current_epoch != self.epoch:
             raise AssertionError(
                 f"ddp-app bug: epoch {trainer.current_epoch} started, the data position says {self.epoch}"
@@ -357,6 +397,10 @@ class ExactResume(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.batches_seen += 1
+        if not math.isfinite(trainer.num_training_batches):
+            # A stream without length: only Lightning's fetcher knows that this batch was its last
+            # (private, guarded in tests/test_private_apis.py).
+            self._last_batch_seen = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         if trainer.global_step != self._step_seen:  # an optimizer step completed with this batch
             self._step_seen = trainer.global_step
             self.batches_done = self.batches_seen
@@ -364,9 +408,15 @@ class ExactResume(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Lightning also ends an unfinished epoch this way when max_steps, max_time or should_stop
         # stops the run: that epoch is not done, and a continued run picks it up where it stopped.
-        if self.batches_done >= trainer.num_training_batches:
+        # Any other early end is the data's (a stream shorter than its len()): the epoch is done.
+        length = self._epoch_length(trainer)
+        complete = length is not None and self.batches_done >= length
+        budget_stop = trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step
+        if complete or not budget_stop:
             self.epoch_end_done = True
             self._skip = 0
+            for stream in self.streams:
+                stream.record_epoch_end()
 
     # ----- checkpoints -----
 
@@ -379,6 +429,8 @@ class ExactResume(L.Callback):
         self._flush_due = True
         # Lightning builds the checkpoint on every rank (rank 0 writes it), so a collective is safe here.
         state = {**capture_rng_state(), "module": per_rank_module_state(pl_module)}
+        if self.streams:  # each rank's stream is its own shard: its state is saved per rank
+            state["streams"] = [stream.state_at(self.batches_done, self.epoch_end_done) for stream in self.streams]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             states: list[Any] = [None] * trainer.world_size
             dist.all_gather_object(states, state)
@@ -407,10 +459,14 @@ class ExactResume(L.Callback):
         self.epoch, self.epoch_end_done = position.epoch, position.epoch_end_done
         self.batches_seen = self.batches_done = position.batches_done
         self._skip = position.batches_to_skip
+        self._last_batch_seen = position.batches_per_epoch is not None and position.batches_done >= (
+            position.batches_per_epoch
+        )
         self._resumed_from = position
         states = checkpoint.get(RNG_KEY)
         if states and len(states) == trainer.world_size:
             self._pending_rng = states[trainer.global_rank]
+            self._pending_streams = list(self._pending_rng.pop("streams", []))
 
     def _check_resume_fits(self, trainer: L.Trainer, saved: DataPosition) -> None:
         """The data and the run's shape must be those the position was counted in."""
@@ -419,6 +475,7 @@ class ExactResume(L.Callback):
             f"{name} {getattr(saved, name)} -> {getattr(now, name)}"
             for name in ("world_size", "per_rank_batch_size", "accumulate_grad_batches", "batches_per_epoch", "seed")
             if getattr(saved, name) != getattr(now, name)
+            and not (name == "batches_per_epoch" and None in (saved.batches_per_epoch, now.batches_per_epoch))
         ]
         if changed:
             raise ResumeError(

@@ -15,13 +15,15 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
 from torchvision import datasets
 
 from app.cluster.preemption import (
@@ -30,6 +32,7 @@ from app.cluster.preemption import (
     keep_lightning_off_stop_signals,
 )
 from app.errors import one_line_message
+from app.resume import POSITION_KEY, DataPosition, ExactResume, canonical_fit_loop_state
 
 DOC = "see docs/private_apis.md"
 
@@ -69,24 +72,107 @@ def test_lightning_cli_still_parses_the_checkpoint_path_in_the_method_we_overrid
     )
 
 
-def test_fit_loop_counters_the_sampler_and_the_nan_guard_read(tmp_path: Path) -> None:
+def test_the_batch_index_the_nan_guard_names(tmp_path: Path) -> None:
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path, enable_progress_bar=False)
-    fit_loop = trainer.fit_loop
     try:
-        counters = {
-            "fit_loop.epoch_progress.current.processed": fit_loop.epoch_progress.current.processed,
-            "fit_loop.epoch_loop.batch_progress.current.processed": (
-                fit_loop.epoch_loop.batch_progress.current.processed
-            ),
-            "fit_loop.epoch_loop.batch_idx": fit_loop.epoch_loop.batch_idx,
-        }
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
     except AttributeError as error:
-        pytest.fail(
-            f"a loop counter moved ({error}): ShardedDataModule._training_position (mid-epoch resume) and "
-            f"NonFiniteGuard's message read them ({DOC})"
-        )
-    for name, value in counters.items():
-        assert isinstance(value, int), f"trainer.{name} is {value!r}, not an int ({DOC})"
+        pytest.fail(f"trainer.fit_loop.epoch_loop.batch_idx moved ({error}): NonFiniteGuard's message reads it ({DOC})")
+    assert isinstance(batch_idx, int), f"trainer.fit_loop.epoch_loop.batch_idx is {batch_idx!r}, not an int ({DOC})"
+
+
+class _Counted(LightningModule):
+    """6 training batches and 2 validation batches per epoch; records what each epoch ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.trained: dict[int, int] = {}
+        self.validated: dict[int, int] = {}
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.trained[self.current_epoch] = self.trained.get(self.current_epoch, 0) + 1
+        self.log("loss", self.layer(batch[0]).pow(2).mean())
+        return self.layer(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated[self.current_epoch] = self.validated.get(self.current_epoch, 0) + 1
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(24, 2)), batch_size=4)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
+
+
+class _SaveThroughLightning(Callback):
+    """Saves with Lightning's own hooks at the moments whose fit_loop forms canonical_fit_loop_state writes."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_batch_end(self, trainer: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.current_epoch == 1 and batch_idx == 2:
+            trainer.save_checkpoint(self.directory / "mid-epoch.ckpt")
+        if trainer.current_epoch == 0 and batch_idx == trainer.num_training_batches - 1:
+            trainer.save_checkpoint(self.directory / "last-batch.ckpt")
+
+    def on_train_epoch_end(self, trainer: Trainer, module: Any) -> None:
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.directory / "epoch-end.ckpt")
+
+
+def _fit(tmp_path: Path, module: LightningModule, callbacks: list[Callback], ckpt_path: Path | None = None) -> None:
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, callbacks=callbacks,
+    )  # fmt: skip
+    trainer.fit(module, ckpt_path=ckpt_path)
+
+
+def _counters_of(fit_loop: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "epoch_progress": fit_loop["epoch_progress"],
+        "epoch_loop.batch_progress": fit_loop["epoch_loop.batch_progress"],
+        "_batches_that_stepped": fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"],
+    }
+
+
+def test_the_fit_loop_forms_canonical_fit_loop_state_writes_are_lightnings_own(tmp_path: Path) -> None:
+    """app/resume.py rewrites the loaded fit_loop counters into forms Lightning writes itself: after a
+    change of layout or meaning in Lightning, the forms and these saves differ here, in seconds."""
+    _fit(tmp_path, _Counted(), [ExactResume(per_sample_seeding=False), _SaveThroughLightning(tmp_path)])
+    for name in ("epoch-end", "mid-epoch"):
+        checkpoint = torch.load(tmp_path / f"{name}.ckpt", weights_only=True)
+        saved = checkpoint["loops"]["fit_loop"]
+        try:
+            position = DataPosition.from_checkpoint(checkpoint[POSITION_KEY])
+            rewritten = canonical_fit_loop_state(saved, position, validates=True)
+            assert _counters_of(rewritten) == _counters_of(saved), name
+        except (KeyError, AssertionError) as error:
+            pytest.fail(
+                f"Lightning's fit_loop state saved at the {name} no longer has the form "
+                f"app/resume.py canonical_fit_loop_state writes ({error!r}); resumes would continue "
+                f"at the wrong place ({DOC})"
+            )
+
+
+def test_a_resume_from_the_last_batch_runs_that_epochs_validation_then_the_next_epoch(tmp_path: Path) -> None:
+    """The third form (all batches trained, validation pending) is ours: Lightning must resume it as
+    "restarted mid-evaluation", run the epoch's validation once and then the whole next epoch."""
+    _fit(tmp_path, _Counted(), [ExactResume(per_sample_seeding=False), _SaveThroughLightning(tmp_path)])
+    resumed = _Counted()
+    _fit(tmp_path / "resumed", resumed, [ExactResume(per_sample_seeding=False)], tmp_path / "last-batch.ckpt")
+    assert (resumed.trained, resumed.validated) == ({1: 6}, {0: 2, 1: 2}), (
+        f"resumed from a save on epoch 0's last batch, Lightning trained {resumed.trained} and validated "
+        f"{resumed.validated} batches per epoch; app/resume.py canonical_fit_loop_state's pending-validation "
+        f"form no longer resumes as it should ({DOC})"
+    )
+    assert resumed.trainer.global_step == 12
 
 
 def test_atexit_can_still_run_the_exit_handlers_of_a_forked_rank() -> None:

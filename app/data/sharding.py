@@ -11,10 +11,15 @@ public attributes, with
   `ResumableDataLoader`, over the dataset wrapped in `PerSampleSeeded` (per-sample randomness);
 - validation, test, predict: `UnpaddedDistributedSampler` (each sample on exactly one rank).
 
+A training `DataLoader` over an `IterableDataset` with `state_dict`/`load_state_dict` and
+`num_workers: 0` is rebuilt over `PositionedStream` (app/data/streams.py), whose state is saved per rank.
+
 Left as returned (Lightning's own handling then applies): loaders whose sampler is already a
 `DistributedSampler` (our `ShardedDataModule`'s, or the user's own sharding), a sampler or batch
 sampler the user set (`DataLoader(sampler=...)`: Lightning wraps it in its `DistributedSamplerWrapper`),
-DataLoader subclasses, iterable datasets and anything that is not a DataLoader.
+DataLoader subclasses, other iterable datasets and anything that is not a DataLoader. A training
+loader among these that has no `state_dict` of its own gets one line at fit start: a resume
+mid-epoch restarts its data at the epoch's start.
 
 Why wrap the methods rather than set `use_distributed_sampler=False` or add a Callback: Lightning
 has no public hook that may replace a loader (its own replacement is the private
@@ -39,7 +44,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from app.data.base import ResumableDataLoader
 from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
 from app.data.seeding import PerSampleSeeded
-from app.resume import per_sample_seeding, sampler_position
+from app.data.streams import PositionedStream, has_state_methods, is_stateful_stream
+from app.resume import exact_resume_of, per_sample_seeding, sampler_position
 
 # The methods Lightning calls for loaders, and whether they train.
 LOADER_METHODS = {
@@ -73,7 +79,7 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
     if isinstance(loader, dict):
         return {key: reshard(item, trainer, training) for key, item in loader.items()}
     if not is_plain_loader(loader):
-        return loader
+        return _positioned_stream(loader, trainer) if training else loader
     world_size, rank = trainer.world_size, trainer.global_rank
     generator = loader.generator
     dataset = loader.dataset
@@ -122,9 +128,64 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
     )
 
 
+def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
+    """A training loader we do not rebuild: a stateful stream gets positioned, anything else a notice."""
+    keeper = exact_resume_of(trainer)
+    if keeper is None:
+        return loader
+    dataset = getattr(loader, "dataset", None)
+    name = type(dataset).__name__
+    if type(loader) is DataLoader and is_stateful_stream(dataset) and loader.num_workers == 0:
+        stream = PositionedStream(
+            dataset,
+            loader.batch_size or 1,
+            start=functools.partial(keeper.stream_start, len(keeper.streams)),
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)) if keeper.per_sample_seeding else None,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            keep=trainer.accumulate_grad_batches + 8,
+        )
+        keeper.streams.append(stream)
+        return ResumableDataLoader(
+            stream,
+            batch_size=loader.batch_size,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            drop_last=loader.drop_last,
+            timeout=loader.timeout,
+            pin_memory_device=loader.pin_memory_device,
+        )
+    if is_stateful_stream(dataset):
+        keeper.notices.append(
+            f"the training stream {name} runs in {loader.num_workers} loader workers, where its state cannot be "
+            "read: a run resumed mid-epoch restarts the stream at the epoch's start. With num_workers: 0 ddp-app "
+            "saves its state_dict per rank and resumes it exactly."
+        )
+    elif isinstance(dataset, IterableDataset):
+        keeper.notices.append(
+            f"the training stream {name} has no state_dict/load_state_dict: a run resumed mid-epoch restarts it at "
+            "the epoch's start (its first samples are seen twice). Fix: implement both (ddp-app saves them per "
+            "rank, num_workers: 0), or resume only from epoch-end checkpoints."
+        )
+    elif not has_state_methods(loader) and not isinstance(
+        getattr(loader, "sampler", None), ResumableDistributedSampler
+    ):
+        keeper.notices.append(
+            f"the training loader ({type(loader).__name__} with {type(getattr(loader, 'sampler', None)).__name__}) "
+            "is not one ddp-app can position: a run resumed mid-epoch restarts its data at the epoch's first "
+            "batch. Fix: a plain DataLoader(shuffle=...) without a sampler, or a loader with "
+            "state_dict/load_state_dict."
+        )
+    return loader
+
+
 def _resharding(method: Callable[[], Any], run: dict[str, Any], training: bool) -> Callable[[], Any]:
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        keeper = exact_resume_of(run["trainer"])
+        if training and keeper is not None:  # the loaders built now replace the previous ones
+            keeper.streams.clear()
+            keeper.notices.clear()
         return reshard(method(*args, **kwargs), run["trainer"], training)
 
     setattr(wrapper, WRAPPED, run)
