@@ -328,6 +328,8 @@ CHECK_CASES = (
 
 def likely_cause(base_args: list[str]) -> str:
     """The most likely reason a resume differs, from checks that need no training run."""
+    import importlib
+
     from app.cli import parse_config  # the CLI's own parser, files and precedence
     from app.data.seeding import PerSampleSeeded, SampleKey
     from app.data.sharding import is_plain_loader
@@ -335,14 +337,17 @@ def likely_cause(base_args: list[str]) -> str:
     config = parse_config(["fit", *base_args])
     data = config.get("data")
     module_path, _, name = data["class_path"].rpartition(".")
-    import importlib
-
     datamodule = getattr(importlib.import_module(module_path), name)(**(data.get("init_args") or {}))
     datamodule.setup("fit")
     loader = datamodule.train_dataloader()
     dataset = getattr(loader, "dataset", None)
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        return "the training data is an IterableDataset: its stream restarts on resume (use a StatefulDataLoader)"
+        if loader.num_workers > 0:
+            return "the training stream is read in loader workers, where ddp-app cannot record its position"
+        return (
+            "the training data is an IterableDataset whose state_dict/load_state_dict (if any) does not describe "
+            "the samples already yielded: a resume cannot continue its stream exactly"
+        )
     if not is_plain_loader(loader) and not isinstance(
         getattr(loader, "sampler", None), torch.utils.data.DistributedSampler
     ):
