@@ -116,7 +116,13 @@ class SafeCheckpointIO(TorchCheckpointIO):
         atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        return safe_load(path, map_location=map_location if map_location is not None else "cpu")
+        checkpoint = safe_load(path, map_location=map_location if map_location is not None else "cpu")
+        # Lightning calls the callbacks' on_load_checkpoint only if the checkpoint has a "callbacks"
+        # entry (`call._call_callbacks_on_load_checkpoint`); a converted one (app.parity) may not, and
+        # ExactResume must see every checkpoint a run resumes from, or it counts from epoch 0.
+        if isinstance(checkpoint, dict):
+            checkpoint.setdefault("callbacks", {})
+        return checkpoint
 
 
 NO_PROFILING = contextlib.nullcontext()

@@ -21,6 +21,9 @@ for Adam, that they agree:
   P7  gradient compression: Lightning DDP with gradient_compression.method fp16, bf16 and powersgd
       == the reference registering the same PyTorch hook, bit for bit (for the interop optimizer,
       as P4: six launches), and each differs from P1's uncompressed weights (the hook ran).
+  P8  elastic resume: Lightning stopped mid-epoch at N ranks and resumed on N + 1 (the global batch
+      split unevenly, each rank's loss weighted) vs the reference's uninterrupted N-rank run, within
+      1e-5 of the largest weight (fp32 summation order; for the interop optimizer: two launches).
 
 Prints a table, writes it as JSON, exits 1 if any check fails.
 """
@@ -98,6 +101,8 @@ def python_env() -> dict[str, str]:
     """The child processes' environment: no launcher variables inherited from the caller."""
     env = env_without_launcher(os.environ)
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    # P8 resumes on one rank more than the run started with, which may exceed the cores here.
+    env["DDP_APP_ALLOW_OVERSUBSCRIBE"] = "1"
     return env
 
 
@@ -416,6 +421,8 @@ def run_parity(
             checks.append(
                 reference_continued_by_lightning(variant_path, work, optimizer, world_size, epochs, config, last)
             )
+            progress.set_postfix_str(f"{optimizer}: elastic resume")
+            checks.append(elastic_check(variant_path, work, optimizer, world_size, job, reference))
         progress.set_postfix_str(f"{optimizer}: export")
         exported = work / "model.pt"
         run_command(
@@ -529,6 +536,33 @@ def reference_continued_by_lightning(
     if all(torch.equal(value, lightning[key]) for key, value in snapshot["MODEL_STATE"].items()):
         check.passed, check.detail = False, "the continued weights equal the snapshot's: nothing was trained"
     return check
+
+
+# P8's tolerance: relative to the largest weight. Per-rank batches of different sizes sum the
+# gradient in another order than the uninterrupted run, so equality holds up to fp32 rounding.
+ELASTIC_TOLERANCE = 1e-5
+
+
+def elastic_check(config_path: Path, work: Path, optimizer: str, world_size: int, job: Job, reference: dict) -> Check:
+    """P8: Lightning stopped mid-epoch at `world_size` ranks and resumed on `world_size + 1` vs the
+    reference's uninterrupted `world_size`-rank run (same global batch, same sample order)."""
+    config = load_config(config_path)
+    total = batches_per_epoch(job, world_size) * int(config["trainer"]["max_epochs"])
+    root = work / "lightning_elastic"
+    lightning_fit(config_path, root, "ddp-app", world_size, [f"--trainer.max_steps={total // 2 + 1}"])
+    resumed = world_size + 1
+    lightning = lightning_fit(
+        config_path, root, "ddp-app", resumed, [f"--trainer.devices={resumed}", "--ckpt_path=last"]
+    )
+    scale = max(float(tensor.abs().max()) for tensor in reference.values() if tensor.is_floating_point())
+    return state_check(
+        "P8",
+        optimizer,
+        f"reference {world_size} ranks vs Lightning stopped at {world_size}, resumed on {resumed}",
+        reference,
+        lightning,
+        ELASTIC_TOLERANCE * scale,
+    )
 
 
 def print_table(checks: list[Check]) -> None:

@@ -27,10 +27,12 @@ sample's augmentation is the same whichever worker, rank or resumed process load
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import random
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from app.data.samplers import ElasticLayout
 from app.errors import UserFacingError
 from app.plot import RESUME_MARKER
 from app.user_code import USER_CODE_DIRECTORIES
@@ -68,14 +71,23 @@ class DataPosition:
     global_step: int
     seed: int
     world_size: int
-    per_rank_batch_size: int | None
+    per_rank_batch_size: int | None  # the configured one (the loader's, unless resumed elastically)
     accumulate_grad_batches: int
+    # The run's sample order: the world size and per-rank batch it started with (kept by elastic resumes).
+    order_world_size: int | None = None
+    order_batch_size: int | None = None
+
+    @property
+    def order(self) -> tuple[int, int | None]:
+        """(world size, per-rank batch) whose order and global batch this run follows."""
+        return (self.order_world_size or self.world_size, self.order_batch_size or self.per_rank_batch_size)
 
     @property
     def global_batch_size(self) -> int | None:
-        if self.per_rank_batch_size is None:
+        world_size, batch_size = self.order
+        if batch_size is None:
             return None
-        return self.per_rank_batch_size * self.world_size * self.accumulate_grad_batches
+        return batch_size * world_size * self.accumulate_grad_batches
 
     @property
     def next_epoch(self) -> int:
@@ -102,7 +114,7 @@ class DataPosition:
 
     @classmethod
     def from_checkpoint(cls, record: dict[str, Any]) -> DataPosition:
-        fields = {name: record[name] for name in cls.__dataclass_fields__}
+        fields = {name: record[name] for name in cls.__dataclass_fields__ if name in record}
         return cls(**fields)
 
 
@@ -256,14 +268,19 @@ class ExactResume(L.Callback):
             around each `__getitem__` of a map-style training set (`app.data.seeding`). Off, random
             augmentation in the dataset depends on the worker that loads a sample, and a resume
             continues with the right samples but different random draws.
+        elastic: a run may continue on another number of ranks (devices x num_nodes) with the
+            same global batch and sample order (`app.data.samplers.ElasticLayout`); false refuses.
     """
 
-    def __init__(self, per_sample_seeding: bool = True) -> None:
+    def __init__(self, per_sample_seeding: bool = True, elastic: bool = True) -> None:
         self.per_sample_seeding = per_sample_seeding
+        self.elastic = elastic
         # Set by app.data.sharding when it builds the training loaders: the stateful streams it
         # positions (app.data.streams), and one line for each training loader it cannot position.
         self.streams: list[Any] = []
         self.notices: list[str] = []
+        # The per-rank batch size the user's training loader asked for (set where loaders are built).
+        self.configured_batch_size: int | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -279,6 +296,9 @@ class ExactResume(L.Callback):
         self._resumed_from: DataPosition | None = None
         self._last_batch_seen = False  # the epoch's last batch went through on_train_batch_end
         self._noticed = False
+        self._order: tuple[int, int | None] | None = None  # a resumed run's sample order
+        self.layout: ElasticLayout | None = None  # set when it continues on another number of ranks
+        self._unweighted_step: Any = None
 
     # ----- the position, as the training sampler asks for it -----
 
@@ -311,6 +331,10 @@ class ExactResume(L.Callback):
         return self.batches_seen if self._last_batch_seen else None
 
     def position(self, trainer: L.Trainer) -> DataPosition:
+        configured = self.configured_batch_size
+        if configured is None:  # a loader ddp-app did not build
+            configured = _training_batch_size(trainer)
+        order_world_size, order_batch_size = self._order or (trainer.world_size, configured)
         return DataPosition(
             epoch=self.epoch,
             batches_done=self.batches_done,
@@ -319,8 +343,10 @@ class ExactResume(L.Callback):
             global_step=trainer.global_step,
             seed=_run_seed(trainer),
             world_size=trainer.world_size,
-            per_rank_batch_size=_training_batch_size(trainer),
+            per_rank_batch_size=configured,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
+            order_world_size=order_world_size,
+            order_batch_size=order_batch_size,
         )
 
     # ----- counting -----
@@ -345,6 +371,11 @@ class ExactResume(L.Callback):
             restore_rng_state(self._pending_rng)
             self._pending_rng = None
         self._check_resume_fits(trainer, resumed)
+        if self.layout is not None:
+            self._check_elastic(trainer, pl_module, resumed)
+            self._weigh_losses(trainer, pl_module)
+        if trainer.world_size != resumed.world_size and trainer.is_global_zero:
+            print(f"ddp-app: {self._elastic_summary(trainer, resumed)}", file=sys.stderr, flush=True)
         # Tells `python -m app.plot` that this log version continues the previous one (app/plot.py).
         # (trainer.log_dir broadcasts: a collective that only rank 0 would enter.)
         log_dir = getattr(trainer.loggers[0], "log_dir", None) if trainer.loggers else None
@@ -463,25 +494,122 @@ class ExactResume(L.Callback):
             position.batches_per_epoch
         )
         self._resumed_from = position
+        self._order = position.order
+        self.layout = self._elastic_layout(trainer, position) if trainer.world_size != position.order[0] else None
         states = checkpoint.get(RNG_KEY)
+        # Per-rank states belong to the ranks that saved them: on another number of ranks, random
+        # draws in the step (dropout) and per-rank metric accumulators start afresh (docs/resume.md).
         if states and len(states) == trainer.world_size:
             self._pending_rng = states[trainer.global_rank]
             self._pending_streams = list(self._pending_rng.pop("streams", []))
 
+    def _elastic_layout(self, trainer: L.Trainer, saved: DataPosition) -> ElasticLayout:
+        """How a run that started on another number of ranks continues on this one (app.data.samplers)."""
+        order_world_size, order_batch_size = saved.order
+        if not self.elastic:
+            raise ResumeError(
+                f"this checkpoint was written by a {saved.world_size}-rank run and this run has {trainer.world_size} "
+                "ranks, and exact_resume.elastic is false. Fix: resume with the devices and num_nodes it was "
+                "trained with, or set exact_resume.elastic: true."
+            )
+        if order_batch_size is None:
+            raise ResumeError(
+                f"this checkpoint was written by a {saved.world_size}-rank run whose training loader has no batch "
+                f"size, so its global batch cannot be split over {trainer.world_size} ranks. Fix: resume with "
+                f"{saved.world_size} ranks (devices x num_nodes)."
+            )
+        layout = ElasticLayout(order_world_size, order_batch_size, trainer.world_size)
+        if layout.micro_batch < trainer.world_size:
+            raise ResumeError(
+                f"the global batch of this run ({layout.micro_batch} samples per micro-step: batch_size "
+                f"{order_batch_size} x {order_world_size} ranks) cannot be split over {trainer.world_size} ranks. "
+                f"Fix: resume on at most {layout.micro_batch} ranks (devices x num_nodes), or start a new run "
+                "with the batch size you want."
+            )
+        return layout
+
+    def _elastic_summary(self, trainer: L.Trainer, saved: DataPosition) -> str:
+        order_world_size, order_batch_size = saved.order
+        layout = self.layout or ElasticLayout(order_world_size, order_batch_size or 0, trainer.world_size)
+        split = "+".join(str(size) for size in layout.per_rank_sizes())
+        steps = saved.accumulate_grad_batches
+        accumulation = f", {steps} micro-steps each" if steps > 1 else ""
+        return (
+            f"resuming a {saved.world_size}-rank run on {trainer.world_size} ranks: global batch "
+            f"{saved.global_batch_size} kept ({split} per micro-step{accumulation}), sample order kept"
+        )
+
+    def _weigh_losses(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Scale this rank's loss where the global micro-batch is split unevenly (ElasticLayout.weight).
+
+        DDP averages the ranks' gradients; with per-rank batches of different sizes the average of
+        per-rank means is not the mean over the global batch unless each rank's loss (a mean over its
+        batch, as Lightning's losses are) is weighted by ranks x its samples / global samples.
+        """
+        layout, rank = self.layout, trainer.global_rank
+        assert layout is not None
+        length = len(trainer.train_dataloader.sampler.dataset)
+        weights = [layout.weight(length, block, rank) for block in range(layout.blocks(length))]
+        if all(weight == 1.0 for weight in weights):
+            return
+        original = pl_module.training_step
+
+        @functools.wraps(original)
+        def weighted_training_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+            output = original(batch, batch_idx, *args, **kwargs)
+            weight = weights[batch_idx]
+            if weight == 1.0 or output is None:
+                return output
+            if isinstance(output, torch.Tensor):
+                return output * weight
+            if isinstance(output, Mapping) and "loss" in output:
+                return {**output, "loss": output["loss"] * weight}
+            return output
+
+        pl_module.training_step = weighted_training_step  # on the instance: DDP's wrapper calls it there
+        self._unweighted_step = pl_module
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._unweighted_step is not None:
+            vars(self._unweighted_step).pop("training_step", None)
+            self._unweighted_step = None
+
+    def _check_elastic(self, trainer: L.Trainer, pl_module: L.LightningModule, saved: DataPosition) -> None:
+        """A resume on another number of ranks: every piece that splits the global batch must be ours."""
+        layout = self.layout
+        assert layout is not None
+        sampler = getattr(trainer.train_dataloader, "sampler", None)
+        if self.streams or getattr(sampler, "layout", None) != layout:
+            raise ResumeError(
+                f"this checkpoint was written by a {saved.world_size}-rank run and this run has {trainer.world_size} "
+                "ranks, but its training loader is not one ddp-app builds (a stream, a sampler or loader class of "
+                "its own), so its global batch and sample order cannot be kept. Fix: resume with "
+                f"{saved.world_size} ranks, or use a plain DataLoader(shuffle=...) over a map-style dataset."
+            )
+        if not pl_module.automatic_optimization:
+            raise ResumeError(
+                f"a resume on {trainer.world_size} instead of {saved.world_size} ranks splits the global batch "
+                "unevenly and weights each rank's loss, which needs automatic optimization. Fix: resume with "
+                f"{saved.world_size} ranks."
+            )
+
     def _check_resume_fits(self, trainer: L.Trainer, saved: DataPosition) -> None:
         """The data and the run's shape must be those the position was counted in."""
         now = self.position(trainer)
+        saved_batch, now_batch = saved.order[1], now.per_rank_batch_size
         changed = [
             f"{name} {getattr(saved, name)} -> {getattr(now, name)}"
-            for name in ("world_size", "per_rank_batch_size", "accumulate_grad_batches", "batches_per_epoch", "seed")
+            for name in ("accumulate_grad_batches", "batches_per_epoch", "seed")
             if getattr(saved, name) != getattr(now, name)
             and not (name == "batches_per_epoch" and None in (saved.batches_per_epoch, now.batches_per_epoch))
         ]
+        if saved_batch != now_batch:
+            changed.insert(0, f"per-rank batch_size {saved_batch} -> {now_batch}")
         if changed:
             raise ResumeError(
                 f"this run cannot continue the checkpoint's position ({saved.describe()}) exactly: "
-                f"{', '.join(changed)} since it was written. Fix: resume with the devices, num_nodes, batch size, "
-                "accumulate_grad_batches, data and seed it was trained with."
+                f"{', '.join(changed)} since it was written. Fix: resume with the batch size, "
+                "accumulate_grad_batches, data and seed it was trained with (another number of ranks is fine)."
             )
 
 
@@ -496,6 +624,18 @@ def per_sample_seeding(trainer: L.Trainer) -> bool:
     """Whether this Trainer's training sets are seeded per sample (`exact_resume.per_sample_seeding`)."""
     keeper = exact_resume_of(trainer)
     return keeper is not None and keeper.per_sample_seeding
+
+
+def elastic_layout(trainer: L.Trainer, configured_batch_size: int | None) -> ElasticLayout | None:
+    """The layout a training loader of this Trainer splits its batches by (None: the run's own world size).
+
+    Called where ddp-app builds the training loader; it also records the batch size the user asked for.
+    """
+    keeper = exact_resume_of(trainer)
+    if keeper is None:
+        return None
+    keeper.configured_batch_size = configured_batch_size
+    return keeper.layout
 
 
 def sampler_position(trainer: L.Trainer) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision import datasets
 
+from app.cli import SafeCheckpointIO
 from app.cluster.preemption import (
     LIGHTNING_PER_STEP_SIGTERM_BROADCAST,
     LIGHTNING_SIGNAL_HANDLER_INSTALL,
@@ -135,6 +136,7 @@ def _fit(tmp_path: Path, module: LightningModule, callbacks: list[Callback], ckp
     trainer = Trainer(
         accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, callbacks=callbacks,
+        plugins=[SafeCheckpointIO()],
     )  # fmt: skip
     trainer.fit(module, ckpt_path=ckpt_path)
 
@@ -178,6 +180,17 @@ def test_a_resume_from_the_last_batch_runs_that_epochs_validation_then_the_next_
         f"form no longer resumes as it should ({DOC})"
     )
     assert resumed.trainer.global_step == 12
+
+
+def test_a_checkpoint_without_callback_states_still_reaches_exact_resume(tmp_path: Path) -> None:
+    """Lightning skips every callback's on_load_checkpoint when "callbacks" is missing; SafeCheckpointIO adds it."""
+    _fit(tmp_path, _Counted(), [ExactResume(per_sample_seeding=False), _SaveThroughLightning(tmp_path)])
+    checkpoint = torch.load(tmp_path / "epoch-end.ckpt", weights_only=True)
+    del checkpoint["callbacks"]
+    torch.save(checkpoint, tmp_path / "converted.ckpt")
+    resumed = _Counted()
+    _fit(tmp_path / "resumed", resumed, [ExactResume(per_sample_seeding=False)], tmp_path / "converted.ckpt")
+    assert resumed.trained == {1: 6}, f"resumed from a checkpoint without callback states: trained {resumed.trained}"
 
 
 def test_atexit_can_still_run_the_exit_handlers_of_a_forked_rank() -> None:

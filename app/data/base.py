@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 from app.data.datasets import DataNotFoundError, LoaderSettings
 from app.data.samplers import UnpaddedDistributedSampler, train_sampler
 from app.data.seeding import PerSampleSeeded
-from app.resume import per_sample_seeding, sampler_position
+from app.resume import elastic_layout, per_sample_seeding, sampler_position
 
 __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 
@@ -93,12 +93,13 @@ class ShardedDataModule(L.LightningDataModule):
         sampler: torch.utils.data.Sampler,
         loader_class: type[DataLoader] = DataLoader,
         generator: torch.Generator | None = None,
+        batch_size: int | None = None,
     ) -> DataLoader:
         if dataset is None:
             raise RuntimeError("setup() must run before a dataloader is requested.")
         return loader_class(
             dataset,
-            batch_size=self.batch_size,
+            batch_size=batch_size or self.batch_size,
             sampler=sampler,
             generator=generator,
             num_workers=self.num_workers,
@@ -112,20 +113,23 @@ class ShardedDataModule(L.LightningDataModule):
         position = None
         dataset = self.train_dataset
         seeded = False
+        layout = None
         if trainer is not None:
             position = lambda: sampler_position(trainer)  # noqa: E731
             seeded = per_sample_seeding(trainer)
             if seeded:
                 dataset = PerSampleSeeded(dataset, self.seed)
+            layout = elastic_layout(trainer, self.batch_size)  # another number of ranks than the run started on
+        batch_size = layout.rank_batch_size(rank) if layout is not None else self.batch_size
         sampler = train_sampler(
-            self.train_dataset, world_size, rank, self.shuffle, self.seed, self.batch_size, position, keyed=seeded
+            self.train_dataset, world_size, rank, self.shuffle, self.seed, batch_size, position, seeded, layout
         )
         # A generator of its own: each epoch's iterator draws a seed from it, not from the global
         # generator, whose state the checkpoint holds. Otherwise that draw falls after an epoch-end
         # checkpoint in an uninterrupted run but before the RNG restore in a resumed one, and
         # dropout masks differ. (Worker processes' streams do not matter: samples are seeded one by one.)
         generator = torch.Generator().manual_seed(self.seed)
-        return self._loader(dataset, sampler, ResumableDataLoader, generator)
+        return self._loader(dataset, sampler, ResumableDataLoader, generator, batch_size)
 
     def val_dataloader(self) -> DataLoader:
         world_size, rank = self._world()

@@ -45,7 +45,7 @@ from app.data.base import ResumableDataLoader
 from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
 from app.data.seeding import PerSampleSeeded
 from app.data.streams import PositionedStream, has_state_methods, is_stateful_stream
-from app.resume import exact_resume_of, per_sample_seeding, sampler_position
+from app.resume import elastic_layout, exact_resume_of, per_sample_seeding, sampler_position
 
 # The methods Lightning calls for loaders, and whether they train.
 LOADER_METHODS = {
@@ -92,6 +92,8 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         seeded = per_sample_seeding(trainer)
         if seeded:
             dataset = PerSampleSeeded(dataset, seed)
+        layout = elastic_layout(trainer, loader.batch_size)
+        batch_size = layout.rank_batch_size(rank) if layout is not None else loader.batch_size
         sampler = ResumableDistributedSampler(
             loader.dataset,
             world_size,
@@ -101,16 +103,18 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
             batch_size=loader.batch_size,
             position=lambda: sampler_position(trainer),
             keyed=seeded,
+            layout=layout,
         )
         loader_class: type[DataLoader] = ResumableDataLoader
     else:
+        batch_size = loader.batch_size
         sampler = UnpaddedDistributedSampler(loader.dataset, world_size, rank)
         loader_class = DataLoader
         if per_sample_seeding(trainer):  # evaluation draws nothing from the training run's stream
             dataset = PerSampleSeeded(dataset, int(os.environ.get("PL_GLOBAL_SEED", 0)))
     return loader_class(
         dataset,
-        batch_size=loader.batch_size,
+        batch_size=batch_size,
         sampler=sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
@@ -186,6 +190,7 @@ def _resharding(method: Callable[[], Any], run: dict[str, Any], training: bool) 
         if training and keeper is not None:  # the loaders built now replace the previous ones
             keeper.streams.clear()
             keeper.notices.clear()
+            keeper.configured_batch_size = None
         return reshard(method(*args, **kwargs), run["trainer"], training)
 
     setattr(wrapper, WRAPPED, run)

@@ -133,8 +133,8 @@ class MLPClassifier(ClassifierModule):
 class CNNClassifier(ClassifierModule):
     """The classic two-convolution MNIST network, on 1x28x28 inputs."""
 
-    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
-        super().__init__(cnn_classifier_parts(in_channels, num_classes), num_classes)
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, dropout: bool = True) -> None:
+        super().__init__(cnn_classifier_parts(in_channels, num_classes, dropout), num_classes)
         self.save_hyperparameters()
 
 

@@ -63,12 +63,14 @@ class SimpleNet(nn.Module):
 class ConvNet(nn.Module):
     """The classic two-convolution MNIST network (pytorch/examples mnist/main.py)."""
 
-    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, dropout: bool = True) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, 32, 3, 1)
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
+        # Off (Identity, no random draw) where runs must be compared number by number across world
+        # sizes: dropout masks come from each rank's generator (docs/resume.md, elastic resume).
+        self.dropout1 = nn.Dropout(0.25) if dropout else nn.Identity()
+        self.dropout2 = nn.Dropout(0.5) if dropout else nn.Identity()
         self.fc1 = nn.Linear(9216, 128)
         self.fc2 = nn.Linear(128, num_classes)
 
@@ -110,8 +112,8 @@ def mlp_classifier_parts(in_features: int = 64, hidden: int = 256, num_classes: 
     return TrainingParts(SimpleNet(in_features, hidden, num_classes), nn.CrossEntropyLoss())
 
 
-def cnn_classifier_parts(in_channels: int = 1, num_classes: int = 10) -> TrainingParts:
-    return TrainingParts(ConvNet(in_channels, num_classes), nn.CrossEntropyLoss())
+def cnn_classifier_parts(in_channels: int = 1, num_classes: int = 10, dropout: bool = True) -> TrainingParts:
+    return TrainingParts(ConvNet(in_channels, num_classes, dropout), nn.CrossEntropyLoss())
 
 
 def resnet_classifier_parts(num_classes: int = 10, channels_last: bool = False) -> TrainingParts:

@@ -1,0 +1,107 @@
+"""Elastic resume: a run stopped mid-epoch continues on another number of ranks with the same global
+batch, the same sample order and the same optimizer steps per epoch, and ends within float rounding
+of the uninterrupted run (models without BatchNorm or dropout: docs/resume.md says why)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.checkpoints import safe_load
+from app.resume import POSITION_KEY
+from tests.helpers.run import clean_env, ddp_app
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+TOLERANCE = 1e-5  # relative max |diff| of the weights, fp32
+DIGITS = ["--config", "configs/digits.yaml", "--trainer.max_epochs=2"]  # 20 steps per epoch at 2 x 32
+CNN = [
+    "--config",
+    "configs/bench_cnn.yaml",
+    "--trainer.max_epochs=2",
+    "--model.init_args.dropout=false",
+    "--data.init_args.train_size=640",
+    "--data.init_args.eval_size=64",
+    "--data.init_args.batch_size=16",
+]  # fmt: skip  (20 steps per epoch at 2 x 16)
+QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+def env() -> dict[str, str]:
+    return clean_env(DDP_APP_ALLOW_OVERSUBSCRIBE="1")  # 3 and 4 ranks on a 2-core machine
+
+
+def fit(root: Path, args: list[str], *extra: str) -> str:
+    result = ddp_app("fit", *args, *QUIET, f"--trainer.default_root_dir={root}", *extra, timeout=600, env=env())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stderr
+
+
+def relative_difference(expected: dict, actual: dict) -> float:
+    return max(
+        float((expected[name].double() - actual[name].double()).abs().max() / expected[name].double().abs().max())
+        for name in expected
+        if expected[name].is_floating_point()
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    roots = {}
+    for name, args, devices in (("digits", DIGITS, 2), ("cnn", CNN, 2), ("digits-1", DIGITS, 1)):
+        root = tmp_path_factory.mktemp(f"uninterrupted-{name}")
+        fit(root, args, f"--trainer.devices={devices}")
+        roots[name] = root
+    return roots
+
+
+def stopped(root: Path, args: list[str], devices: int) -> None:
+    """Stopped by a max_steps budget in the middle of epoch 1 (step 30 of 40)."""
+    fit(root, args, f"--trainer.devices={devices}", "--trainer.max_steps=30")
+
+
+@pytest.mark.parametrize(
+    "workload, started, resumed",
+    [("digits", 2, 1), ("digits", 2, 3), ("digits", 2, 4), ("digits-1", 1, 2), ("cnn", 2, 3), ("cnn", 2, 1)],
+)
+def test_a_run_resumed_on_another_number_of_ranks_matches_the_uninterrupted_run(
+    uninterrupted: dict[str, Path], tmp_path: Path, workload: str, started: int, resumed: int
+) -> None:
+    args = CNN if workload == "cnn" else DIGITS
+    stopped(tmp_path, args, started)
+    stderr = fit(tmp_path, args, f"--trainer.devices={resumed}", "--ckpt_path=last")
+    expected = safe_load(uninterrupted[workload] / "checkpoints" / "last.ckpt")
+    actual = safe_load(tmp_path / "checkpoints" / "last.ckpt")
+    assert actual["global_step"] == expected["global_step"]
+    assert actual[POSITION_KEY]["batches_per_epoch"] == expected[POSITION_KEY]["batches_per_epoch"]
+    assert actual[POSITION_KEY]["global_batch_size"] == expected[POSITION_KEY]["global_batch_size"]
+    assert relative_difference(expected["state_dict"], actual["state_dict"]) <= TOLERANCE
+    global_batch = expected[POSITION_KEY]["global_batch_size"]
+    line = f"ddp-app: resuming a {started}-rank run on {resumed} ranks: global batch {global_batch} kept ("
+    assert line in stderr and "sample order kept" in stderr, stderr[-3000:]
+
+
+def test_a_global_batch_too_small_for_the_ranks_is_one_line(tmp_path: Path) -> None:
+    args = [*DIGITS, "--data.init_args.batch_size=1"]
+    fit(tmp_path, args, "--trainer.devices=2", "--trainer.max_steps=3")
+    result = ddp_app("fit", *args, *QUIET, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=3",
+                     "--ckpt_path=last", timeout=300, env=env())  # fmt: skip
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "cannot be split over 3 ranks" in result.stderr and "Fix: resume on at most 2 ranks" in result.stderr
+
+
+def test_elastic_false_refuses_another_number_of_ranks(tmp_path: Path) -> None:
+    stopped(tmp_path, DIGITS, 2)
+    result = ddp_app("fit", *DIGITS, *QUIET, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1",
+                     "--exact_resume.elastic=false", "--ckpt_path=last", timeout=300, env=env())  # fmt: skip
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "exact_resume.elastic is false" in result.stderr
+
+
+def test_a_changed_per_rank_batch_is_refused_with_the_fix(tmp_path: Path) -> None:
+    stopped(tmp_path, DIGITS, 2)
+    result = ddp_app("fit", *DIGITS, *QUIET, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1",
+                     "--data.init_args.batch_size=64", "--ckpt_path=last", timeout=300, env=env())  # fmt: skip
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "per-rank batch_size 32 -> 64" in result.stderr
