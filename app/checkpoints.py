@@ -72,6 +72,24 @@ def _disk_full_in(error: BaseException) -> bool:
     return False
 
 
+def gather_per_rank(state: Any) -> list[Any]:
+    """Every rank's `state`, in rank order, on global rank 0 (the rank that writes checkpoints); [] elsewhere.
+
+    A collective: call it where every rank builds the checkpoint (Lightning's save hooks). Gathering
+    to rank 0 only, not to all, keeps each other rank's memory at its own state: an all-gather of
+    PowerSGD's error feedback would hold world size x parameters on every rank at each save.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [state]
+    world_size = torch.distributed.get_world_size()
+    if world_size == 1:
+        return [state]
+    rank = torch.distributed.get_rank()
+    states: list[Any] | None = [None] * world_size if rank == 0 else None
+    torch.distributed.gather_object(state, states, dst=0)
+    return states if states is not None else []
+
+
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
     atomic_write(path, lambda file: torch.save(obj, file))
 

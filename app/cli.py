@@ -421,6 +421,15 @@ class DDPAppCLI(LightningCLI):
             raise ConfigParsed(config, plan, self.launch.num_nodes if self.launch else 1)
         if self.launch is not None and self.launch.launcher == "torchrun":
             fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
+            configured = int(config["trainer"].get("num_nodes") or 1)
+            if self.launch.num_nodes != configured:
+                config["trainer"]["num_nodes"] = self.launch.num_nodes
+                if is_global_rank_zero(self.launch, os.environ):
+                    print(
+                        f"ddp-app: torchrun started {self.launch.num_nodes} node(s) in this round; trainer.num_nodes "
+                        f"{configured} -> {self.launch.num_nodes} (torchrun decides the nodes).",
+                        flush=True,
+                    )
         apply_collective_timeout(config["trainer"], config["collective_timeout_s"])
         notice = drop_static_graph_for_accumulation(config["trainer"])
         # Every rank parses the config and makes the same change; one line in the log is enough.

@@ -43,6 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
+from app.checkpoints import gather_per_rank
 from app.errors import InvalidConfigError
 
 METHODS = ("none", "fp16", "bf16", "powersgd", "auto")
@@ -441,13 +442,8 @@ class GradientCompression(L.Callback):
         if self.hook is None:
             return
         # Every rank builds the checkpoint (rank 0 writes it), so a collective is safe here; the
-        # error feedback differs per rank, so every rank's state is kept.
-        state = self.hook.state_dict()
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            states: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(states, state)
-        else:
-            states = [state]
+        # error feedback differs per rank, so every rank's state is kept (gathered on rank 0 only).
+        states = gather_per_rank(self.hook.state_dict())
         checkpoint[CHECKPOINT_KEY] = {"method": self.method, "per_rank": states}
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:

@@ -40,9 +40,9 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from app.data.samplers import ElasticLayout
+from app.checkpoints import gather_per_rank
+from app.elastic import ElasticLayout
 from app.errors import UserFacingError
 from app.plot import RESUME_MARKER
 from app.user_code import USER_CODE_DIRECTORIES
@@ -462,11 +462,7 @@ class ExactResume(L.Callback):
         state = {**capture_rng_state(), "module": per_rank_module_state(pl_module)}
         if self.streams:  # each rank's stream is its own shard: its state is saved per rank
             state["streams"] = [stream.state_at(self.batches_done, self.epoch_end_done) for stream in self.streams]
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            states: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(states, state)
-        else:
-            states = [state]
+        states = gather_per_rank(state)  # on rank 0, the one that writes the checkpoint
         checkpoint[RNG_KEY] = states
         # Where this run imported the user's classes from: `python -m app.export` rebuilds them later.
         checkpoint["user_code_directories"] = list(USER_CODE_DIRECTORIES)

@@ -136,12 +136,11 @@ def _torchrun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> La
             f"torchrun started {per_node} processes per node (--nproc-per-node={per_node}) but trainer.devices="
             f"{devices}. HINT: torchrun --nproc-per-node={devices} ..., or --trainer.devices {per_node}."
         )
-    if world_size != devices * num_nodes:
-        nodes = world_size // max(per_node, 1)
-        raise PreflightError(
-            f"torchrun started {nodes} node(s) (--nnodes={nodes}) but trainer.num_nodes={num_nodes}."
-            f" HINT: torchrun --nnodes={num_nodes} ..., or --trainer.num_nodes {nodes}."
-        )
+    # The nodes of this round are torchrun's to decide: with --nnodes=MIN:MAX (elastic) a restart round
+    # may have more or fewer than trainer.num_nodes says. Nothing can hang on it (every rank reads
+    # WORLD_SIZE from torchrun), so the Trainer follows torchrun (app.cli says so in one line) and the
+    # run continues elastically (docs/resume.md).
+    nodes = world_size // max(per_node, 1)
     return Launch(
         "torchrun",
         world_size,
@@ -149,7 +148,7 @@ def _torchrun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> La
         int(env.get("LOCAL_RANK", "0")),
         int(env.get("GROUP_RANK", "0")),
         devices,
-        num_nodes,
+        nodes,
     )
 
 

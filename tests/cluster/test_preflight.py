@@ -248,8 +248,9 @@ def test_multi_node_without_a_launcher() -> None:
 def test_torchrun_shape_differs_from_the_trainer() -> None:
     with pytest.raises(PreflightError, match=r"torchrun started 2 processes per node .* trainer.devices=4"):
         detect_launch(TORCHRUN, devices=4, num_nodes=1)
-    with pytest.raises(PreflightError, match=r"torchrun started 2 node\(s\) .* trainer.num_nodes=1"):
-        detect_launch(TORCHRUN, devices=2, num_nodes=1)
+    # The nodes are torchrun's (--nnodes=MIN:MAX rounds differ): the launch carries its count, and
+    # the CLI sets trainer.num_nodes from it (tests/fault/test_elastic_resume.py runs such a round).
+    assert detect_launch(TORCHRUN, devices=2, num_nodes=1).num_nodes == 2
     with lightning_sees(TORCHRUN), pytest.raises(ValueError, match="does not match the world size"):
         TorchElasticEnvironment().validate_settings(num_devices=2, num_nodes=1)
 

@@ -4,13 +4,22 @@ of the uninterrupted run (models without BatchNorm or dropout: docs/resume.md sa
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from app.bench.recovery import clock_arguments, kill_rank
+from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.checkpoints import safe_load
+from app.cluster.launch import free_port
 from app.resume import POSITION_KEY
-from tests.helpers.run import clean_env, ddp_app
+from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -105,3 +114,54 @@ def test_a_changed_per_rank_batch_is_refused_with_the_fix(tmp_path: Path) -> Non
                      "--data.init_args.batch_size=64", "--ckpt_path=last", timeout=300, env=env())  # fmt: skip
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "per-rank batch_size 32 -> 64" in result.stderr
+
+
+def wait_for_port(endpoint: str, process: subprocess.Popen, timeout: float = 60) -> None:
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the rendezvous at {endpoint} did not open")
+
+
+def test_a_torchrun_elastic_round_with_fewer_workers_continues_the_run(
+    uninterrupted: dict[str, Path], tmp_path: Path
+) -> None:
+    """torchrun --nnodes=1:2 with two agents (one rank each, as on two nodes); one agent dies with its
+    rank mid-epoch, the other's restart round has one worker, which resumes the 2-rank run elastically."""
+    clock = tmp_path / "clock.txt"
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [
+        str(BIN / "torchrun"), "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic", "--rdzv-conf=last_call_timeout=5",
+        "-m", "app", "fit", *DIGITS, *QUIET, f"--trainer.default_root_dir={tmp_path / 'run'}",
+        "--trainer.devices=1", "--trainer.num_nodes=2", "--last_checkpoint.every_n_steps=5", "--ckpt_path", "last",
+        *clock_arguments(clock),
+    ]  # fmt: skip
+    environment = env()  # one JOB_TAG for both agents: kill_job ends both
+    agents = []
+    try:
+        for node in range(2):  # agent 0 first: it hosts the rendezvous store, and it is the one that survives
+            with open(tmp_path / f"agent{node}.log", "w") as log:
+                agents.append(subprocess.Popen(command, cwd=REPO, env=environment, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+            if node == 0:
+                wait_for_port(endpoint, agents[0])
+        wait_for_clock_step(clock, 25, lambda: all(agent.poll() is None for agent in agents))
+        os.killpg(agents[1].pid, signal.SIGKILL)  # the node is gone: its agent, then its rank (own session)
+        kill_rank(clock, 1)
+        agents[0].wait(timeout=300)
+    finally:
+        for agent in agents:
+            kill_job(agent.pid)
+            agent.wait()
+    output = (tmp_path / "agent0.log").read_text()
+    assert agents[0].returncode == 0, output[-4000:]
+    assert "torchrun started 1 node(s) in this round; trainer.num_nodes 2 -> 1" in output, output[-4000:]
+    assert "ddp-app: resuming a 2-rank run on 1 ranks: global batch 64 kept (64 per micro-step)" in output
+    expected = safe_load(uninterrupted["digits"] / "checkpoints" / "last.ckpt")
+    actual = safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert actual["global_step"] == expected["global_step"]
+    assert relative_difference(expected["state_dict"], actual["state_dict"]) <= TOLERANCE
