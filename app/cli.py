@@ -421,20 +421,28 @@ class DDPAppCLI(LightningCLI):
             raise ConfigParsed(config, plan, self.launch.num_nodes if self.launch else 1)
         if self.launch is not None and self.launch.launcher == "torchrun":
             fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
-            configured = int(config["trainer"].get("num_nodes") or 1)
-            if self.launch.num_nodes != configured:
-                config["trainer"]["num_nodes"] = self.launch.num_nodes
-                if is_global_rank_zero(self.launch, os.environ):
-                    print(
-                        f"ddp-app: torchrun started {self.launch.num_nodes} node(s) in this round; trainer.num_nodes "
-                        f"{configured} -> {self.launch.num_nodes} (torchrun decides the nodes).",
-                        flush=True,
-                    )
+        self._follow_the_launchers_nodes(config["trainer"])
         apply_collective_timeout(config["trainer"], config["collective_timeout_s"])
         notice = drop_static_graph_for_accumulation(config["trainer"])
         # Every rank parses the config and makes the same change; one line in the log is enough.
         if notice and is_global_rank_zero(self.launch, os.environ):
             print(notice, flush=True)
+
+    def _follow_the_launchers_nodes(self, trainer_config: Any) -> None:
+        """A torchrun round (--nnodes=MIN:MAX) or a requeued Slurm job may run on another number of
+        nodes than trainer.num_nodes says (app.cluster.preflight accepted it): the Trainer follows."""
+        launch = self.launch
+        configured = int(trainer_config.get("num_nodes") or 1)
+        if launch is None or launch.num_nodes == configured:
+            return
+        trainer_config["num_nodes"] = launch.num_nodes
+        if is_global_rank_zero(launch, os.environ):
+            who = "torchrun started" if launch.launcher == "torchrun" else "the requeued job runs on"
+            print(
+                f"ddp-app: {who} {launch.num_nodes} node(s); trainer.num_nodes {configured} -> {launch.num_nodes} "
+                f"({launch.launcher} decides the nodes).",
+                flush=True,
+            )
 
     def _check_trainer_arguments(self, trainer_config: Any, plan: RankPlan) -> None:
         """Build the Trainer here, once, as the ranks will (app/trainer_check.py): an argument Lightning

@@ -173,6 +173,11 @@ def _srun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch
             f" and Lightning starts the {devices} processes itself)."
         )
     nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1")
+    if nodes != num_nodes and int(env.get("SLURM_RESTART_COUNT") or 0) > 0:
+        # A requeued job that the scheduler started on another number of nodes: the config was
+        # accepted on the first start, so the allocation decides now and the run continues elastically
+        # (app.cli says so in one line; docs/resume.md). A first start still has to match.
+        num_nodes = nodes
     if nodes != num_nodes:
         raise PreflightError(
             f"the job step runs on {nodes} node(s) (--nodes={nodes}) but trainer.num_nodes={num_nodes}."

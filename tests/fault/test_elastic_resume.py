@@ -159,7 +159,7 @@ def test_a_torchrun_elastic_round_with_fewer_workers_continues_the_run(
             agent.wait()
     output = (tmp_path / "agent0.log").read_text()
     assert agents[0].returncode == 0, output[-4000:]
-    assert "torchrun started 1 node(s) in this round; trainer.num_nodes 2 -> 1" in output, output[-4000:]
+    assert "ddp-app: torchrun started 1 node(s); trainer.num_nodes 2 -> 1" in output, output[-4000:]
     assert "ddp-app: resuming a 2-rank run on 1 ranks: global batch 64 kept (64 per micro-step)" in output
     expected = safe_load(uninterrupted["digits"] / "checkpoints" / "last.ckpt")
     actual = safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")

@@ -392,3 +392,45 @@ def test_a_rank_killed_on_the_second_node_requeues_the_job_which_ends_bit_exact(
     # Lost work: at most one checkpoint interval (last.ckpt is written at every epoch end).
     print(f"Slurm requeue after kill -9 on node2: {job.recovery}")
     assert 0 <= job.recovery.steps_redone <= job.recovery.checkpoint_interval_steps, job.recovery
+
+
+@pytest.mark.fault
+@pytest.mark.distributed
+def test_a_two_node_job_requeued_onto_one_node_continues_elastically(
+    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, uninterrupted: dict
+) -> None:
+    """multinode.sbatch on 2 nodes x 1 task, requeued (held, as after a preemption) and shrunk to one
+    node by the scheduler: the job continues on 1 rank with the global batch and sample order kept,
+    and ends within 1e-5 (relative) of the uninterrupted 2-rank run."""
+    root = workdir / "elastic"
+    args = (CONFIG, *LONG_RUN, "--trainer.devices=1", "--trainer.num_nodes=2", f"--trainer.default_root_dir={root}")
+    submitted = slurm_cluster.run(
+        ["sbatch", "--parsable", f"--chdir={workdir}", *CPU_ONLY, "--ntasks-per-node=1",
+         str(SLURM / "multinode.sbatch"), *args], timeout=30,
+    )  # fmt: skip
+    job_id = int(submitted.stdout.strip().split(";")[0])
+    try:
+        deadline = time.monotonic() + 120
+        while not (root / "checkpoints" / "last.ckpt").exists():  # the first epoch is saved
+            assert time.monotonic() < deadline, "training did not start within 120 s"
+            time.sleep(0.1)
+        slurm_cluster.run(["scontrol", "requeuehold", str(job_id)])
+        slurm_cluster.wait_for_state(job_id, ("PENDING",), timeout=120)
+        # One task per node: the task count shrinks with the nodes.
+        for change in ("NumNodes=1", "NumTasks=1"):
+            slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", change])
+        slurm_cluster.run(["scontrol", "release", str(job_id)])
+        state = slurm_cluster.wait_for_state(job_id, FINAL_STATES, timeout=400)
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)], check=False)
+    info = slurm_cluster.job_info(job_id)
+    output = Path(info["StdOut"]).read_text(errors="replace")
+    assert state == "COMPLETED", output[-4000:]
+    assert info["Restarts"] == "1", {key: info.get(key) for key in ("NumNodes", "NodeList", "Restarts", "NumTasks")}
+    assert info["NumNodes"] == "1", {key: info.get(key) for key in ("NumNodes", "NodeList", "Restarts", "NumTasks")}
+    assert "ddp-app: the requeued job runs on 1 node(s); trainer.num_nodes 2 -> 1" in output, output[-4000:]
+    assert "ddp-app: resuming a 2-rank run on 1 ranks: global batch 64 kept (64 per micro-step)" in output
+    actual = weights(root)
+    scale = max(float(tensor.abs().max()) for tensor in uninterrupted.values() if tensor.is_floating_point())
+    difference, _ = compare_states(uninterrupted, actual, 1e-5 * scale)
+    assert difference <= 1e-5 * scale, (difference, scale)
