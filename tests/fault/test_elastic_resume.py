@@ -58,7 +58,7 @@ def relative_difference(expected: dict, actual: dict) -> float:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     roots = {}
-    for name, args, devices in (("digits", DIGITS, 2), ("cnn", CNN, 2), ("digits-1", DIGITS, 1)):
+    for name, args, devices in (("digits", DIGITS, 2), ("cnn", CNN, 2), ("digits-1", DIGITS, 1), ("cnn-1", CNN, 1)):
         root = tmp_path_factory.mktemp(f"uninterrupted-{name}")
         fit(root, args, f"--trainer.devices={devices}")
         roots[name] = root
@@ -72,12 +72,21 @@ def stopped(root: Path, args: list[str], devices: int) -> None:
 
 @pytest.mark.parametrize(
     "workload, started, resumed",
-    [("digits", 2, 1), ("digits", 2, 3), ("digits", 2, 4), ("digits-1", 1, 2), ("cnn", 2, 3), ("cnn", 2, 1)],
+    [
+        ("digits", 2, 1),
+        ("digits", 2, 3),
+        ("digits", 2, 4),
+        ("digits-1", 1, 2),
+        ("cnn", 2, 1),
+        ("cnn", 2, 3),
+        ("cnn", 2, 4),
+        ("cnn-1", 1, 2),
+    ],  # fmt: skip
 )
 def test_a_run_resumed_on_another_number_of_ranks_matches_the_uninterrupted_run(
     uninterrupted: dict[str, Path], tmp_path: Path, workload: str, started: int, resumed: int
 ) -> None:
-    args = CNN if workload == "cnn" else DIGITS
+    args = CNN if workload.startswith("cnn") else DIGITS
     stopped(tmp_path, args, started)
     stderr = fit(tmp_path, args, f"--trainer.devices={resumed}", "--ckpt_path=last")
     expected = safe_load(uninterrupted[workload] / "checkpoints" / "last.ckpt")
@@ -91,29 +100,29 @@ def test_a_run_resumed_on_another_number_of_ranks_matches_the_uninterrupted_run(
     assert line in stderr and "sample order kept" in stderr, stderr[-3000:]
 
 
+def refused_resume(tmp_path: Path, args: list[str], devices: int, *extra: str) -> str:
+    """`--ckpt_path last` on `devices` ranks must stop in one line (no traceback); its stderr."""
+    result = ddp_app("fit", *args, *QUIET, f"--trainer.default_root_dir={tmp_path}", f"--trainer.devices={devices}",
+                     *extra, "--ckpt_path=last", timeout=300, env=env())  # fmt: skip
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stderr
+
+
 def test_a_global_batch_too_small_for_the_ranks_is_one_line(tmp_path: Path) -> None:
     args = [*DIGITS, "--data.init_args.batch_size=1"]
     fit(tmp_path, args, "--trainer.devices=2", "--trainer.max_steps=3")
-    result = ddp_app("fit", *args, *QUIET, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=3",
-                     "--ckpt_path=last", timeout=300, env=env())  # fmt: skip
-    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert "cannot be split over 3 ranks" in result.stderr and "Fix: resume on at most 2 ranks" in result.stderr
+    stderr = refused_resume(tmp_path, args, 3)
+    assert "cannot be split over 3 ranks" in stderr and "Fix: resume on at most 2 ranks" in stderr
 
 
 def test_elastic_false_refuses_another_number_of_ranks(tmp_path: Path) -> None:
     stopped(tmp_path, DIGITS, 2)
-    result = ddp_app("fit", *DIGITS, *QUIET, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1",
-                     "--exact_resume.elastic=false", "--ckpt_path=last", timeout=300, env=env())  # fmt: skip
-    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert "exact_resume.elastic is false" in result.stderr
+    assert "exact_resume.elastic is false" in refused_resume(tmp_path, DIGITS, 1, "--exact_resume.elastic=false")
 
 
 def test_a_changed_per_rank_batch_is_refused_with_the_fix(tmp_path: Path) -> None:
     stopped(tmp_path, DIGITS, 2)
-    result = ddp_app("fit", *DIGITS, *QUIET, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1",
-                     "--data.init_args.batch_size=64", "--ckpt_path=last", timeout=300, env=env())  # fmt: skip
-    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert "per-rank batch_size 32 -> 64" in result.stderr
+    assert "per-rank batch_size 32 -> 64" in refused_resume(tmp_path, DIGITS, 1, "--data.init_args.batch_size=64")
 
 
 def wait_for_port(endpoint: str, process: subprocess.Popen, timeout: float = 60) -> None:
