@@ -12,13 +12,15 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ElasticLayout:
-    """The sample order of a run that started on `order_world_size` ranks with per-rank batch
-    `order_batch_size`, split over the `world_size` ranks it continues on (elastic resume).
+    """The sample order of a run that started on `order_world_size` ranks, cut into global
+    micro-batches of `micro_batch` samples and split over the `world_size` ranks it continues on
+    (elastic resume).
 
     The order is the one the run started with: each epoch's permutation from (seed, epoch), padded
     as `DistributedSampler` pads it for `order_world_size`, cut into global micro-batches of
-    `order_world_size x order_batch_size` consecutive samples (exactly what the starting run's
-    ranks read together at each micro-step). Each global micro-batch is split over the current
+    `micro_batch` consecutive samples: the starting run's per-rank batch x its world size (exactly
+    what its ranks read together at each micro-step), or the global micro-batch a resume accepted
+    knowingly (`exact_resume.global_batch_size`). Each global micro-batch is split over the current
     ranks with stride `world_size` (rank r takes its samples r, r + W, ...), so per-rank batches may
     differ by one sample: `weight` scales each rank's loss so that the all-reduced gradient is the
     mean over the global micro-batch, as in the starting run. A rank left without a sample (the
@@ -26,12 +28,8 @@ class ElasticLayout:
     """
 
     order_world_size: int
-    order_batch_size: int
+    micro_batch: int
     world_size: int
-
-    @property
-    def micro_batch(self) -> int:
-        return self.order_world_size * self.order_batch_size
 
     def rank_batch_size(self, rank: int) -> int:
         return len(range(rank, self.micro_batch, self.world_size))

@@ -27,6 +27,7 @@ sample's augmentation is the same whichever worker, rank or resumed process load
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -76,6 +77,9 @@ class DataPosition:
     # The run's sample order: the world size and per-rank batch it started with (kept by elastic resumes).
     order_world_size: int | None = None
     order_batch_size: int | None = None
+    # The global micro-batch, where a resume accepted a new one (exact_resume.global_batch_size).
+    order_micro_batch: int | None = None
+    dataset_length: int | None = None  # the training set's, where ddp-app built its loader
 
     @property
     def order(self) -> tuple[int, int | None]:
@@ -83,11 +87,17 @@ class DataPosition:
         return (self.order_world_size or self.world_size, self.order_batch_size or self.per_rank_batch_size)
 
     @property
-    def global_batch_size(self) -> int | None:
+    def micro_batch(self) -> int | None:
+        """Samples of one micro-step over all ranks."""
+        if self.order_micro_batch is not None:
+            return self.order_micro_batch
         world_size, batch_size = self.order
-        if batch_size is None:
-            return None
-        return batch_size * world_size * self.accumulate_grad_batches
+        return None if batch_size is None else world_size * batch_size
+
+    @property
+    def global_batch_size(self) -> int | None:
+        micro_batch = self.micro_batch
+        return None if micro_batch is None else micro_batch * self.accumulate_grad_batches
 
     @property
     def next_epoch(self) -> int:
@@ -269,18 +279,32 @@ class ExactResume(L.Callback):
             augmentation in the dataset depends on the worker that loads a sample, and a resume
             continues with the right samples but different random draws.
         elastic: a run may continue on another number of ranks (devices x num_nodes) with the
-            same global batch and sample order (`app.data.samplers.ElasticLayout`); false refuses.
+            same global batch and sample order (`app.elastic.ElasticLayout`); false refuses.
+        global_batch_size: on a resume, continue with this global batch instead of the checkpoint's,
+            knowingly: the sample order is kept and the epoch continues at the sample it stopped at
+            (rounded down to a whole new batch), but steps per epoch, and so step-based schedules,
+            change from there. Unset (the default) keeps the checkpoint's.
     """
 
-    def __init__(self, per_sample_seeding: bool = True, elastic: bool = True) -> None:
+    def __init__(
+        self, per_sample_seeding: bool = True, elastic: bool = True, global_batch_size: int | None = None
+    ) -> None:
+        if global_batch_size is not None and global_batch_size < 1:
+            raise ResumeError(
+                f"exact_resume.global_batch_size={global_batch_size}: it must be at least 1. Fix: leave it unset "
+                "to keep the checkpoint's global batch."
+            )
         self.per_sample_seeding = per_sample_seeding
         self.elastic = elastic
+        self.global_batch_size = global_batch_size
         # Set by app.data.sharding when it builds the training loaders: the stateful streams it
         # positions (app.data.streams), and one line for each training loader it cannot position.
         self.streams: list[Any] = []
         self.notices: list[str] = []
-        # The per-rank batch size the user's training loader asked for (set where loaders are built).
+        # The per-rank batch size the user's training loader asked for, and its dataset's length (set
+        # where ddp-app builds the training loader).
         self.configured_batch_size: int | None = None
+        self.dataset_length: int | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -297,6 +321,8 @@ class ExactResume(L.Callback):
         self._last_batch_seen = False  # the epoch's last batch went through on_train_batch_end
         self._noticed = False
         self._order: tuple[int, int | None] | None = None  # a resumed run's sample order
+        self._micro_batch: int | None = None  # and its global micro-batch, where a resume set a new one
+        self._rebatched_from: DataPosition | None = None
         self.layout: ElasticLayout | None = None  # set when it continues on another number of ranks
         self._unweighted_step: Any = None
 
@@ -347,6 +373,8 @@ class ExactResume(L.Callback):
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             order_world_size=order_world_size,
             order_batch_size=order_batch_size,
+            order_micro_batch=self._micro_batch,
+            dataset_length=self.dataset_length,
         )
 
     # ----- counting -----
@@ -374,7 +402,7 @@ class ExactResume(L.Callback):
         if self.layout is not None:
             self._check_elastic(trainer, pl_module, resumed)
             self._weigh_losses(trainer, pl_module)
-        if trainer.world_size != resumed.world_size and trainer.is_global_zero:
+        if (trainer.world_size != resumed.world_size or self._rebatched_from is not None) and trainer.is_global_zero:
             print(f"ddp-app: {self._elastic_summary(trainer, resumed)}", file=sys.stderr, flush=True)
         # Tells `python -m app.plot` that this log version continues the previous one (app/plot.py).
         # (trainer.log_dir broadcasts: a collective that only rank 0 would enter.)
@@ -478,6 +506,9 @@ class ExactResume(L.Callback):
                 "or load only its weights (python -m app.export) and start a new run."
             )
         position = DataPosition.from_checkpoint(record)
+        if self.global_batch_size is not None and self.global_batch_size != position.global_batch_size:
+            self._rebatched_from = position
+            position = self._with_new_global_batch(trainer, position)
         loops = checkpoint.get("loops") or {}
         if "fit_loop" in loops:
             loops["fit_loop"] = canonical_fit_loop_state(
@@ -491,7 +522,11 @@ class ExactResume(L.Callback):
         )
         self._resumed_from = position
         self._order = position.order
-        self.layout = self._elastic_layout(trainer, position) if trainer.world_size != position.order[0] else None
+        self._micro_batch = position.order_micro_batch
+        order_world_size, order_batch_size = position.order
+        natural = None if order_batch_size is None else order_world_size * order_batch_size
+        changed = trainer.world_size != order_world_size or position.micro_batch != natural
+        self.layout = self._elastic_layout(trainer, position) if changed else None
         states = checkpoint.get(RNG_KEY)
         # Per-rank states belong to the ranks that saved them: on another number of ranks, random
         # draws in the step (dropout) and per-rank metric accumulators start afresh (docs/resume.md).
@@ -499,40 +534,75 @@ class ExactResume(L.Callback):
             self._pending_rng = states[trainer.global_rank]
             self._pending_streams = list(self._pending_rng.pop("streams", []))
 
+    def _with_new_global_batch(self, trainer: L.Trainer, saved: DataPosition) -> DataPosition:
+        """The position in units of the global batch this resume accepts (exact_resume.global_batch_size):
+        the same samples consumed, rounded down to a whole new micro-batch."""
+        new, steps = int(self.global_batch_size or 0), saved.accumulate_grad_batches
+        fix = "Fix: unset exact_resume.global_batch_size to keep the checkpoint's global batch"
+        if saved.micro_batch is None or saved.dataset_length is None:
+            raise ResumeError(
+                "exact_resume.global_batch_size needs a training loader ddp-app builds (a plain DataLoader over a "
+                f"map-style dataset), so that the samples already trained can be counted. {fix}."
+            )
+        if new % steps or new // steps < trainer.world_size:
+            raise ResumeError(
+                f"exact_resume.global_batch_size={new} cannot be split into {steps} accumulated micro-steps over "
+                f"{trainer.world_size} ranks. Fix: a multiple of {steps} that is at least "
+                f"{steps * trainer.world_size}, or unset it."
+            )
+        micro_batch = new // steps
+        padded = -(-saved.dataset_length // saved.order[0]) * saved.order[0]
+        per_epoch = -(-padded // micro_batch)
+        consumed = min(saved.batches_done * saved.micro_batch, padded)
+        done = per_epoch if saved.epoch_end_done or consumed >= padded else consumed // micro_batch
+        return dataclasses.replace(saved, batches_done=done, batches_per_epoch=per_epoch, order_micro_batch=micro_batch)
+
     def _elastic_layout(self, trainer: L.Trainer, saved: DataPosition) -> ElasticLayout:
-        """How a run that started on another number of ranks continues on this one (app.data.samplers)."""
-        order_world_size, order_batch_size = saved.order
-        if not self.elastic:
+        """How a run continues on another number of ranks or with a new global batch (app.elastic)."""
+        order_world_size, _ = saved.order
+        if not self.elastic and trainer.world_size != order_world_size:
             raise ResumeError(
                 f"this checkpoint was written by a {saved.world_size}-rank run and this run has {trainer.world_size} "
                 "ranks, and exact_resume.elastic is false. Fix: resume with the devices and num_nodes it was "
                 "trained with, or set exact_resume.elastic: true."
             )
-        if order_batch_size is None:
+        if saved.micro_batch is None:
             raise ResumeError(
                 f"this checkpoint was written by a {saved.world_size}-rank run whose training loader has no batch "
                 f"size, so its global batch cannot be split over {trainer.world_size} ranks. Fix: resume with "
                 f"{saved.world_size} ranks (devices x num_nodes)."
             )
-        layout = ElasticLayout(order_world_size, order_batch_size, trainer.world_size)
+        layout = ElasticLayout(order_world_size, saved.micro_batch, trainer.world_size)
         if layout.micro_batch < trainer.world_size:
             raise ResumeError(
-                f"the global batch of this run ({layout.micro_batch} samples per micro-step: batch_size "
-                f"{order_batch_size} x {order_world_size} ranks) cannot be split over {trainer.world_size} ranks. "
-                f"Fix: resume on at most {layout.micro_batch} ranks (devices x num_nodes), or start a new run "
-                "with the batch size you want."
+                f"the global batch of this run ({layout.micro_batch} samples per micro-step) cannot be split over "
+                f"{trainer.world_size} ranks. Fix: resume on at most {layout.micro_batch} ranks (devices x num_nodes), "
+                f"or accept a new global batch knowingly: --exact_resume.global_batch_size N (at least "
+                f"{trainer.world_size * saved.accumulate_grad_batches}; steps per epoch change from there)."
             )
         return layout
 
     def _elastic_summary(self, trainer: L.Trainer, saved: DataPosition) -> str:
-        order_world_size, order_batch_size = saved.order
-        layout = self.layout or ElasticLayout(order_world_size, order_batch_size or 0, trainer.world_size)
+        layout = self.layout or ElasticLayout(saved.order[0], saved.micro_batch or 0, trainer.world_size)
         split = "+".join(str(size) for size in layout.per_rank_sizes())
         steps = saved.accumulate_grad_batches
         accumulation = f", {steps} micro-steps each" if steps > 1 else ""
+        ranks = f"a {saved.world_size}-rank run on {trainer.world_size} ranks"
+        before = self._rebatched_from
+        if before is None:
+            kept = f"global batch {saved.global_batch_size} kept ({split} per micro-step{accumulation})"
+            return f"resuming {ranks}: {kept}, sample order kept"
+        trained = before.batches_done * (before.micro_batch or 0)
+        where = (
+            f"the start of epoch {saved.next_epoch}"
+            if saved.batches_to_skip == 0 or saved.batches_to_skip >= (saved.batches_per_epoch or 0)
+            else f"sample {saved.batches_to_skip * (saved.micro_batch or 0)} of epoch {saved.epoch} "
+            f"({trained - saved.batches_to_skip * (saved.micro_batch or 0)} trained samples read again)"
+        )
         return (
-            f"resuming a {saved.world_size}-rank run on {trainer.world_size} ranks: global batch "
-            f"{saved.global_batch_size} kept ({split} per micro-step{accumulation}), sample order kept"
+            f"resuming {ranks} with global batch {saved.global_batch_size} instead of {before.global_batch_size} "
+            f"(exact_resume.global_batch_size; {split} per micro-step{accumulation}): sample order kept, "
+            f"continuing at {where}; {saved.batches_per_epoch} batches per epoch instead of {before.batches_per_epoch}"
         )
 
     def _weigh_losses(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -599,7 +669,8 @@ class ExactResume(L.Callback):
             if getattr(saved, name) != getattr(now, name)
             and not (name == "batches_per_epoch" and None in (saved.batches_per_epoch, now.batches_per_epoch))
         ]
-        if saved_batch != now_batch:
+        # With a new global batch accepted, the per-rank batch follows from it and the config's is not used.
+        if saved_batch != now_batch and self._rebatched_from is None:
             changed.insert(0, f"per-rank batch_size {saved_batch} -> {now_batch}")
         if changed:
             raise ResumeError(
@@ -622,15 +693,17 @@ def per_sample_seeding(trainer: L.Trainer) -> bool:
     return keeper is not None and keeper.per_sample_seeding
 
 
-def elastic_layout(trainer: L.Trainer, configured_batch_size: int | None) -> ElasticLayout | None:
-    """The layout a training loader of this Trainer splits its batches by (None: the run's own world size).
+def elastic_layout(trainer: L.Trainer, configured_batch_size: int | None, dataset_length: int) -> ElasticLayout | None:
+    """The layout a training loader of this Trainer splits its batches by (None: the run's own).
 
-    Called where ddp-app builds the training loader; it also records the batch size the user asked for.
+    Called where ddp-app builds the training loader; it also records the batch size the user asked
+    for and the training set's length (a later resume with a new global batch counts samples by it).
     """
     keeper = exact_resume_of(trainer)
     if keeper is None:
         return None
     keeper.configured_batch_size = configured_batch_size
+    keeper.dataset_length = dataset_length
     return keeper.layout
 
 

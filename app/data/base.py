@@ -119,7 +119,8 @@ class ShardedDataModule(L.LightningDataModule):
             seeded = per_sample_seeding(trainer)
             if seeded:
                 dataset = PerSampleSeeded(dataset, self.seed)
-            layout = elastic_layout(trainer, self.batch_size)  # another number of ranks than the run started on
+            # Another number of ranks, or a new global batch, than the run started with:
+            layout = elastic_layout(trainer, self.batch_size, len(self.train_dataset))
         batch_size = layout.rank_batch_size(rank) if layout is not None else self.batch_size
         sampler = train_sampler(
             self.train_dataset, world_size, rank, self.shuffle, self.seed, batch_size, position, seeded, layout

@@ -92,7 +92,7 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         seeded = per_sample_seeding(trainer)
         if seeded:
             dataset = PerSampleSeeded(dataset, seed)
-        layout = elastic_layout(trainer, loader.batch_size)
+        layout = elastic_layout(trainer, loader.batch_size, len(loader.dataset))
         batch_size = layout.rank_batch_size(rank) if layout is not None else loader.batch_size
         sampler = ResumableDistributedSampler(
             loader.dataset,

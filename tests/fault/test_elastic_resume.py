@@ -113,6 +113,30 @@ def test_a_global_batch_too_small_for_the_ranks_is_one_line(tmp_path: Path) -> N
     fit(tmp_path, args, "--trainer.devices=2", "--trainer.max_steps=3")
     stderr = refused_resume(tmp_path, args, 3)
     assert "cannot be split over 3 ranks" in stderr and "Fix: resume on at most 2 ranks" in stderr
+    assert "or accept a new global batch knowingly: --exact_resume.global_batch_size N (at least 3" in stderr
+
+
+def test_a_new_global_batch_accepted_knowingly_keeps_the_sample_order(tmp_path: Path) -> None:
+    """Stopped at step 30 (epoch 1 after 10 batches of 64: 640 samples), resumed on 3 ranks with a
+    global batch of 96: the epoch continues at sample 576 (6 x 96; 64 samples read again)."""
+    stopped(tmp_path, DIGITS, 2)
+    stderr = fit(tmp_path, DIGITS, "--trainer.devices=3", "--exact_resume.global_batch_size=96", "--ckpt_path=last")
+    final = safe_load(tmp_path / "checkpoints" / "last.ckpt")
+    position = final[POSITION_KEY]
+    padded = -(-position["dataset_length"] // 2) * 2
+    per_epoch = -(-padded // 96)
+    line = (
+        "ddp-app: resuming a 2-rank run on 3 ranks with global batch 96 instead of 64 (exact_resume.global_batch_size;"
+        f" 32+32+32 per micro-step): sample order kept, continuing at sample 576 of epoch 1 (64 trained samples read "
+        f"again); {per_epoch} batches per epoch instead of 20"
+    )
+    assert line in stderr, stderr[-3000:]
+    assert position["global_batch_size"] == 96 and position["batches_per_epoch"] == per_epoch
+    assert final["global_step"] == 30 + per_epoch - 6  # the rest of epoch 1 in batches of 96
+    # Accepted once, the new global batch is the run's: a later resume keeps it without the key.
+    stderr = fit(tmp_path, DIGITS, "--trainer.max_epochs=3", "--trainer.devices=2", "--ckpt_path=last")
+    assert "ddp-app: resuming a 3-rank run on 2 ranks: global batch 96 kept (48+48 per micro-step)" in stderr
+    assert safe_load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 30 + 2 * per_epoch - 6
 
 
 def test_elastic_false_refuses_another_number_of_ranks(tmp_path: Path) -> None:
