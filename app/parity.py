@@ -23,7 +23,9 @@ for Adam, that they agree:
       as P4: six launches), and each differs from P1's uncompressed weights (the hook ran).
   P8  elastic resume: Lightning stopped mid-epoch at N ranks and resumed on N + 1 (the global batch
       split unevenly, each rank's loss weighted) vs the reference's uninterrupted N-rank run, within
-      1e-5 of the largest weight (fp32 summation order; for the interop optimizer: two launches).
+      1e-5 of the largest weight (fp32 summation order); and the reference's snapshot continued on
+      N + 1 ranks by Lightning and by the reference (which splits and weights the same way), bit for
+      bit (for the interop optimizer: four launches).
 
 Prints a table, writes it as JSON, exits 1 if any check fails.
 """
@@ -423,6 +425,11 @@ def run_parity(
             )
             progress.set_postfix_str(f"{optimizer}: elastic resume")
             checks.append(elastic_check(variant_path, work, optimizer, world_size, job, reference))
+            checks.append(
+                reference_continued_by_lightning(
+                    variant_path, work, optimizer, world_size, epochs, config, last, on_ranks=world_size + 1
+                )
+            )
         progress.set_postfix_str(f"{optimizer}: export")
         exported = work / "model.pt"
         run_command(
@@ -509,26 +516,38 @@ def compression_check(
 
 
 def reference_continued_by_lightning(
-    config_path: Path, work: Path, optimizer: str, world_size: int, epochs: int, config: dict[str, Any], last: Path
+    config_path: Path,
+    work: Path,
+    optimizer: str,
+    world_size: int,
+    epochs: int,
+    config: dict[str, Any],
+    last: Path,
+    on_ranks: int | None = None,
 ) -> Check:
-    """P4: the reference's last snapshot, one more epoch by Lightning and by the reference itself."""
+    """P4: the reference's last snapshot, one more epoch by Lightning and by the reference itself.
+    P8 (`on_ranks`): the same on another number of ranks, where both continue the run elastically."""
+    ranks = on_ranks or world_size
+    name = "" if on_ranks is None else f"_on_{ranks}"
     snapshot_path = work / "reference" / "snapshot.pt"
     converted = work / f"reference_epoch{epochs}.ckpt"
     snapshot = safe_load(snapshot_path)
     module = instantiate(config["model"])
     torch.save(reference_to_lightning_checkpoint(snapshot, module, safe_load(last)), converted)
-    continued = work / "reference_continued"
+    continued = work / f"reference_continued{name}"
     continued.mkdir(parents=True, exist_ok=True)
     shutil.copy(snapshot_path, continued / "snapshot.pt")
-    more_epochs = [f"--trainer.max_epochs={epochs + 1}", "--ckpt_path", str(converted)]
-    lightning = lightning_fit(config_path, work / "lightning_continued", "ddp-app", world_size, more_epochs)
+    more_epochs = [f"--trainer.max_epochs={epochs + 1}", "--ckpt_path", str(converted), f"--trainer.devices={ranks}"]
+    lightning = lightning_fit(config_path, work / f"lightning_continued{name}", "ddp-app", ranks, more_epochs)
     # torchrun, not mp.spawn: it starts the reference in about half the time here, and P5 shows the
-    # launcher does not change a bit.
-    reference = reference_fit(config_path, continued, "torchrun", world_size, ["--epochs", str(epochs + 1)])
+    # launcher does not change a bit. On other ranks than the config's devices, mp.spawn --world-size.
+    launcher = "torchrun" if on_ranks is None else "mp.spawn"
+    reference = reference_fit(config_path, continued, launcher, ranks, ["--epochs", str(epochs + 1)])
+    where = f" on {ranks} ranks" if on_ranks is not None else ""
     check = state_check(
-        "P4",
+        "P4" if on_ranks is None else "P8",
         optimizer,
-        f"reference snapshot, epoch {epochs} +1: Lightning from .ckpt vs reference",
+        f"reference snapshot, epoch {epochs} +1{where}: Lightning from .ckpt vs reference",
         reference,
         lightning,
     )

@@ -77,9 +77,12 @@ def test_no_import_cycle_between_app_packages() -> None:
 def test_reference_imports_only_models_datasets_and_helpers() -> None:
     """Statically: the reference's own files import no Lightning side of app/ and no benchmark."""
     # app.cluster.preflight: "who launched me" and "what devices means" have one answer, Lightning-free.
+    # app.elastic and app.data.samplers: the sample order of a run continued on another number of
+    # ranks has one definition, which both trainers follow (so that parity can check it).
     allowed = {
         "app.reference", "app.models.nets", "app.data.datasets",
         "app.cluster.preflight", "app.cluster.slurm_env", "app.cluster.threads",
+        "app.elastic", "app.data.samplers",
     }  # fmt: skip
     for path in (APP / "reference").glob("*.py"):
         for imported in imports_of(path):

@@ -31,6 +31,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from app.cluster.preflight import detect_launch, resolve_devices
 from app.cluster.slurm_env import master_address_and_port
 from app.cluster.threads import configure_cpu_threads
+from app.data.samplers import ResumableDistributedSampler
+from app.elastic import ElasticLayout
 from app.reference.config import Job, build_job, load_config, prepare_data
 
 
@@ -121,12 +123,37 @@ class Trainer:
         self.channels_last = job.channels_last
         self.bf16 = job.precision == "bf16-mixed"
         self.accumulation_steps = job.accumulation_steps  # micro-batches per optimizer step
-        self.sampler = DistributedSampler(
-            job.train_dataset, num_replicas=world_size, rank=rank, shuffle=job.shuffle, seed=job.sampler_seed
+        self.snapshot_path = out_dir / "snapshot.pt"
+        # The world size and per-rank batch whose sample order this run follows: its own, or those of
+        # the run whose snapshot it continues on another number of ranks (elastic, as ddp-app does).
+        self.order = self._snapshot_order(world_size, job.batch_size)
+        self.layout = None
+        batch_size = job.batch_size
+        if self.order[0] != world_size:
+            self.layout = ElasticLayout(self.order[0], self.order[0] * self.order[1], world_size)
+            batch_size = self.layout.rank_batch_size(rank)
+            self.sampler: DistributedSampler = ResumableDistributedSampler(
+                job.train_dataset, world_size, rank, job.shuffle, job.sampler_seed, batch_size, layout=self.layout
+            )
+            if rank == 0:
+                sizes = "+".join(str(size) for size in self.layout.per_rank_sizes())
+                print(f"Resuming a {self.order[0]}-rank run on {world_size} ranks: global micro-batch "
+                      f"{self.layout.micro_batch} kept ({sizes}), sample order kept", flush=True)  # fmt: skip
+        else:
+            self.sampler = DistributedSampler(
+                job.train_dataset, num_replicas=world_size, rank=rank, shuffle=job.shuffle, seed=job.sampler_seed
+            )
+        # Uneven shares of a global micro-batch: each rank's loss weighted so the all-reduced
+        # gradient is the mean over it (app.elastic.ElasticLayout.weight).
+        length = len(job.train_dataset)
+        self.loss_weights = (
+            [self.layout.weight(length, block, rank) for block in range(self.layout.blocks(length))]
+            if self.layout is not None
+            else None
         )
         self.train_data = DataLoader(
             job.train_dataset,
-            batch_size=job.batch_size,  # per process
+            batch_size=batch_size,  # per process
             shuffle=False,  # the sampler shuffles
             sampler=self.sampler,
             num_workers=job.num_workers,
@@ -145,9 +172,14 @@ class Trainer:
         self.optimizer = job.optimizer(self.model.parameters())
         self.scheduler = job.scheduler(self.optimizer)
         self.epochs_run = 0
-        self.snapshot_path = out_dir / "snapshot.pt"
         if self.snapshot_path.exists():
             self._load_snapshot()
+
+    def _snapshot_order(self, world_size: int, batch_size: int) -> tuple[int, int]:
+        if not self.snapshot_path.exists():
+            return world_size, batch_size
+        order = torch.load(self.snapshot_path, map_location="cpu", weights_only=True).get("ORDER")
+        return (int(order["world_size"]), int(order["batch_size"])) if order else (world_size, batch_size)
 
     def _load_snapshot(self) -> None:
         # Snapshots are written from cuda:0 (or cpu); map them onto this rank's device.
@@ -174,8 +206,9 @@ class Trainer:
             # bf16-mixed: the forward pass (and loss) in bfloat16 where safe, as Lightning's precision plugin.
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 loss = self.criterion(self.model(source), targets)
+            weighted = loss if self.loss_weights is None else loss * self.loss_weights[batch_index]
             # loss / steps: the gradients summed over the group's micro-batches are their mean.
-            (loss / steps).backward()  # on a stepping micro-batch, DDP all-reduces (averages) here
+            (weighted / steps).backward()  # on a stepping micro-batch, DDP all-reduces (averages) here
         if should_step:
             self.optimizer.step()
         return loss.item()
@@ -206,6 +239,7 @@ class Trainer:
                 "OPTIMIZER_STATE": self.optimizer.state_dict(),
                 "SCHEDULER_STATE": self.scheduler.state_dict() if self.scheduler is not None else {},
                 "EPOCHS_RUN": epoch + 1,
+                "ORDER": {"world_size": self.order[0], "batch_size": self.order[1]},
             }
             temporary = self.snapshot_path.with_suffix(".tmp")
             torch.save(snapshot, temporary)

@@ -76,9 +76,11 @@ def run_parity_command(tmp_path: Path, *options: str) -> dict:
     checks = report["checks"]
     assert report["passed"] and all(check["passed"] for check in checks)
     for check in checks:
-        if check["name"] in ("P1", "P2a", "P3", "P4", "P5", "P6", "P7"):
+        # P8's snapshot row: Lightning and the reference continue on 3 ranks alike, bit for bit.
+        exact = check["name"] in ("P1", "P2a", "P3", "P4", "P5", "P6", "P7")
+        if exact or (check["name"] == "P8" and "snapshot" in check["compared"]):
             assert check["max_abs_diff"] == 0.0, check
-        elif check["name"] != "P8":  # P8's tolerance is relative, checked by the command itself
+        elif check["name"] != "P8":  # the other P8's tolerance is relative, checked by the command itself
             assert check["max_abs_diff"] <= 1e-6, check
     return report
 
@@ -89,7 +91,7 @@ def assert_every_kind_of_check(checks: list[dict], optimizer: str) -> None:
     interop = [check for check in checks if check["name"] == "P4" and "snapshot" in check["compared"]]
     assert [check["optimizer"] for check in interop] == [optimizer], interop
     elastic = [check for check in checks if check["name"] == "P8"]
-    assert [check["optimizer"] for check in elastic] == [optimizer], elastic
+    assert [check["optimizer"] for check in elastic] == [optimizer, optimizer], elastic
     compression = [check["compared"].rsplit(" ", 1)[1] for check in checks if check["name"] == "P7"]
     assert compression == ["fp16", "bf16", "powersgd"], compression
     launchers = [check["compared"] for check in checks if check["name"] == "P5" and check["optimizer"] == optimizer]
