@@ -100,7 +100,8 @@ class LastCheckpoint(Checkpoint):
         self._saved_step = -1
         self._step_at_previous_batch = -1
         self._pending: tuple[int, bool] = (0, False)  # (stop signal, interval save due) agreed, not yet done
-        self._stop_due = 0  # a stop signal whose save is done: training stops at the next hook
+        self._stop_due = 0  # a stop signal: training stops at the next hook, after the save
+        self._save_due = False  # a save decided at a step's end, done at the next hook
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.dirpath is None:
@@ -121,6 +122,7 @@ class LastCheckpoint(Checkpoint):
         self._saved_step = self._step_at_previous_batch = trainer.global_step
         self._pending = (0, False)
         self._stop_due = 0
+        self._save_due = False
         # A signal during setup (data, rendezvous, sanity check) stops every rank here, together,
         # with nothing new to save: last.ckpt, if any, is the state training would start from.
         signum, _ = self._agree()
@@ -160,27 +162,33 @@ class LastCheckpoint(Checkpoint):
         step_due = self.every_n_steps is not None and trainer.global_step % self.every_n_steps == 0
         if signum or due or step_due:
             self._pending = (0, False)
-            self._save(trainer)
+            # Saved at the next hook, after Lightning has logged this step's metrics (it does so after
+            # on_train_batch_end) and nothing else has run: the checkpoint never holds a step whose log
+            # row a kill during the save could lose. A stop signal stops right after that save.
+            self._save_due = True
         if signum:
-            # Stop at the next hook, after Lightning has logged this step's metrics (it does so after
-            # on_train_batch_end): the logs then hold every step the checkpoint holds.
             self._stop_due = signum
+
+    def _save_and_stop_if_due(self, trainer: L.Trainer) -> None:
+        if self._save_due:
+            self._save_due = False
+            self._save(trainer)
+        if self._stop_due:
+            self._stop(trainer, self._stop_due)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._stop_due:
-            self._stop(trainer, self._stop_due)
+        self._save_and_stop_if_due(trainer)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._stop_due and not trainer.sanity_checking:
-            self._stop(trainer, self._stop_due)
+        if not trainer.sanity_checking:
+            self._save_and_stop_if_due(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._stop_due:
-            self._stop(trainer, self._stop_due)
+        self._save_due = False  # the epoch-end save below supersedes a step save still due
         signum, _ = self._agree()  # all ranks are here together: a good moment to compare signals
-        signum = max(signum, self._pending[0])
+        signum = max(signum, self._pending[0], self._stop_due)
         self._pending = (0, False)
         # Always, even right after an interval save at the last batch: validation and the epoch's end
         # have changed the state since (best-k, epoch counters), and a resume starts the next epoch.
@@ -190,7 +198,7 @@ class LastCheckpoint(Checkpoint):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._stop_due:  # the signal came at the run's last step: saved, and nothing left to stop
-            self._stop(trainer, self._stop_due)
+            self._save_and_stop_if_due(trainer)
         # A stop signal from here on is recorded and left alone: training is over and last.ckpt saved.
         self._signals.restore(self._taken_signals)
         if trainer.global_step != self._saved_step:  # stopped mid-epoch by max_steps or max_time

@@ -117,6 +117,7 @@ def test_resume_is_exact(runner: Runner, case: Case) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 64 cases, about 15 s each here
 def test_the_whole_pairwise_matrix_is_exact_and_written_to_the_docs(runner: Runner) -> None:
     outcomes = [runner.run(case) for case in pairwise_cases()]
     table = format_table(outcomes)

@@ -46,7 +46,9 @@ PHASES = ("setup", "training", "validation", "checkpointing")
 PHASE_MARKS = {
     "setup": {None, "setup", "sanity_check"},
     "training": {"train"},
-    "validation": {"validation"},
+    # A step save due at the epoch's last batch is written when validation starts (after that step's
+    # log row: app/last_checkpoint.py), so the validation phase may begin with a save.
+    "validation": {"validation", "save", "save_end"},
     "checkpointing": {"save"},
 }
 SEEDS = range(30)
