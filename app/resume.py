@@ -325,6 +325,7 @@ class ExactResume(L.Callback):
         self._rebatched_from: DataPosition | None = None
         self.layout: ElasticLayout | None = None  # set when it continues on another number of ranks
         self._unweighted_step: Any = None
+        self._rng_after_training: dict[str, Any] | None = None  # see on_train_batch_end
 
     # ----- the position, as the training sampler asks for it -----
 
@@ -423,6 +424,7 @@ class ExactResume(L.Callback):
             self.epoch, self.epoch_end_done = self.epoch + 1, False
         self.batches_seen = self.batches_done = self._skip = 0
         self._last_batch_seen = False
+        self._rng_after_training = None
         if trainer.current_epoch != self.epoch:
             raise AssertionError(
                 f"ddp-app bug: epoch {trainer.current_epoch} started, the data position says {self.epoch}"
@@ -463,6 +465,13 @@ class ExactResume(L.Callback):
         if trainer.global_step != self._step_seen:  # an optimizer step completed with this batch
             self._step_seen = trainer.global_step
             self.batches_done = self.batches_seen
+            length = self._epoch_length(trainer)
+            if length is not None and self.batches_done >= length:
+                # The generators as the epoch's training ends: a save made later, at the start of
+                # validation (LastCheckpoint saves at the next hook), must hold these, because building
+                # validation's loader iterator has drawn a seed from them since, and a resumed run
+                # builds it again after restoring them.
+                self._rng_after_training = capture_rng_state()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Lightning also ends an unfinished epoch this way when max_steps, max_time or should_stop
@@ -487,7 +496,9 @@ class ExactResume(L.Callback):
         self._flush_logs(trainer)
         self._flush_due = True
         # Lightning builds the checkpoint on every rank (rank 0 writes it), so a collective is safe here.
-        state = {**capture_rng_state(), "module": per_rank_module_state(pl_module)}
+        pending_end = not self.epoch_end_done and self._rng_after_training is not None
+        rng = self._rng_after_training if pending_end else capture_rng_state()
+        state = {**rng, "module": per_rank_module_state(pl_module)}
         if self.streams:  # each rank's stream is its own shard: its state is saved per rank
             state["streams"] = [stream.state_at(self.batches_done, self.epoch_end_done) for stream in self.streams]
         states = gather_per_rank(state)  # on rank 0, the one that writes the checkpoint
