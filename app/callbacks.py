@@ -18,35 +18,86 @@ from app.last_checkpoint import find_last_checkpoint
 
 
 class NonFiniteGuard(L.Callback):
-    """Stops training at the first step whose gradients are NaN or Inf, before the optimizer uses them.
+    """Stops training at the first optimizer step whose gradients are NaN or Inf, and never lets a
+    checkpoint hold the weights that step produced.
 
-    The check runs after DDP's all-reduce, so every rank sees the same gradients and takes the same
-    decision without another collective; the weights and the last checkpoint stay the last good ones.
-    It costs one fused norm and one host read per step (on a GPU the read waits for the backward
-    pass, which the optimizer step would wait for anyway).
+    A check that reads its verdict on the host every step (`.item()`) stalls a GPU every step: the
+    CPU waits for the backward pass before it may queue the next step's work, and on an H100 that
+    wait was a third of Lightning's added time per step (issue 22). So the verdict stays on the
+    device: each step adds its gradients' finiteness to a device tensor that remembers the first
+    bad step (a few tiny kernels, no host read). The host reads it only
+    - every `trainer.log_every_n_steps` optimizer steps (50 with logging off), where Lightning's
+      logging reads device values anyway;
+    - before any checkpoint is written (`on_save_checkpoint`, which every save passes through on
+      every rank before rank 0 writes), so the file on disk is always one from before the bad step;
+    - at the end of training.
+    Found bad, it raises `NonFiniteLossError` naming the first bad step and the last good checkpoint.
+    The weights in memory by then went through at most one read interval of bad updates; nothing
+    keeps them. The check runs after DDP's all-reduce, so every rank sees the same gradients and
+    reaches the same verdict at the same read without another collective.
     """
+
+    DEFAULT_READ_INTERVAL = 50  # optimizer steps between reads when logging is off
 
     def __init__(self) -> None:
         self._parameters: list[torch.nn.Parameter] = []
+        # On the training device: the optimizer steps checked since train start, and the index of
+        # the first bad one among them (-1: none).
+        self._steps_checked: torch.Tensor | None = None
+        self._first_bad: torch.Tensor | None = None
+        self._first_step = 0  # trainer.global_step at train start: step index i is global step _first_step + i
+        self._unread = False  # steps were checked since the last read
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Collected once: walking `pl_module.parameters()` every step (through every submodule,
         # metrics included) costs 14x the cached list (`python -m app.bench.per_call`).
         self._parameters = [parameter for parameter in pl_module.parameters() if parameter.requires_grad]
+        device = trainer.strategy.root_device
+        self._steps_checked = torch.zeros((), dtype=torch.long, device=device)
+        self._first_bad = torch.full((), -1, dtype=torch.long, device=device)
+        self._first_step = trainer.global_step
+        self._unread = False
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         grads = [parameter.grad for parameter in self._parameters if parameter.grad is not None]
-        # One norm over all gradients, one host sync: it is finite exactly when every gradient is
-        # (short of an overflow past 1e19 in the sum of squares, itself a diverged run).
-        if not grads or math.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True).item()):
+        if not grads or self._first_bad is None:
+            return
+        # One norm over all gradients: it is finite exactly when every gradient is (short of an
+        # overflow past 1e19 in the sum of squares, itself a diverged run).
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        bad_now = ~torch.isfinite(norm) & (self._first_bad < 0)
+        self._first_bad = torch.where(bad_now, self._steps_checked, self._first_bad)
+        self._steps_checked += 1
+        self._unread = True
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        interval = trainer.log_every_n_steps or self.DEFAULT_READ_INTERVAL
+        if self._unread and trainer.global_step % interval == 0:
+            self.raise_if_diverged(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.raise_if_diverged(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.raise_if_diverged(trainer)
+
+    def raise_if_diverged(self, trainer: L.Trainer) -> None:
+        """The one host read of the verdict; raises if a checked step had non-finite gradients."""
+        if not self._unread or self._first_bad is None:
+            return
+        self._unread = False
+        first_bad = int(self._first_bad.item())
+        if first_bad < 0:
             return
         last = find_last_checkpoint(trainer) or "none written yet"
         raise NonFiniteLossError(
-            f"the loss diverged: non-finite gradients at global step {trainer.global_step} "
-            f"(epoch {trainer.current_epoch}, batch {trainer.fit_loop.epoch_loop.batch_idx}); "
-            f"stopped before updating the weights, last good checkpoint: {last}. "
+            f"the loss diverged: non-finite gradients at global step {self._first_step + first_bad} "
+            f"(seen at step {trainer.global_step}, epoch {trainer.current_epoch}); no checkpoint holds weights "
+            f"from that step on, last good checkpoint: {last}. "
             "Fix: lower the learning rate, clip gradients (trainer.gradient_clip_val) or check the data."
         )
 

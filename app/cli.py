@@ -57,6 +57,7 @@ from app.cluster.launch import (
     end_rank,
     exit_code_of,
     rank_plan,
+    refuse_cuda_before_fork,
     run_local_ranks,
     with_ckpt_path_last,
     worth_a_restart,
@@ -646,6 +647,10 @@ def launch_and_run(args: list[str] | None) -> NoReturn:
         raise SystemExit(code) from None
     if not plan.processes:
         raise SystemExit(run(args))
+    try:
+        refuse_cuda_before_fork()
+    except UserFacingError as error:
+        raise SystemExit(report_user_error(error)) from None
     if plan.notice:
         print(plan.notice, flush=True)
     rank_args = args + list(plan.extra_args)

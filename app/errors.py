@@ -30,7 +30,7 @@ class InvalidConfigError(UserFacingError, ValueError):
 
 
 class NonFiniteLossError(UserFacingError):
-    """The loss or the gradients became NaN/Inf; the weights were not updated with them."""
+    """The gradients became NaN/Inf; no checkpoint holds weights updated with them (app.callbacks.NonFiniteGuard)."""
 
 
 def summarize_parser_error(message: str) -> str:

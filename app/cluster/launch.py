@@ -285,6 +285,26 @@ def _start_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, str
     return started
 
 
+def refuse_cuda_before_fork() -> None:
+    """Stop in one line if CUDA is already initialised in this process, before the ranks are forked.
+
+    A forked child cannot use a CUDA context its parent created: every rank would die with "Cannot
+    re-initialize CUDA in forked subprocess", a traceback per rank. The launcher itself never touches
+    CUDA (it counts GPUs through NVML, as Lightning does), so whatever did ran while the user's
+    modules were imported for the config: a tensor created on a GPU at module level,
+    `torch.cuda.get_device_properties`, `torch.cuda.manual_seed` or a debugging hook.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    raise UserFacingError(
+        "CUDA was initialised in the ddp-app launcher before it starts the ranks, by code that runs when the "
+        "config's modules are imported (a tensor created on a GPU at module level, torch.cuda.get_device_properties, "
+        "torch.cuda.manual_seed, a debugging hook); forked ranks cannot use CUDA then. Fix: move that code into a "
+        "function your LightningModule calls (__init__, setup or a hook), or start the ranks with torchrun."
+    )
+
+
 def run_local_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, str], num_nodes: int = 1) -> int:
     """Fork `nprocs` ranks that each call `run_rank()`, wait for all of them; returns the exit code to use."""
     # A signal that comes while the ranks are forked waits until the handlers below forward it: by

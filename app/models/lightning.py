@@ -36,6 +36,17 @@ def logs_this_step(module: L.LightningModule) -> bool:
     return (module.global_step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop
 
 
+def log_step_loss(module: L.LightningModule, loss: torch.Tensor) -> None:
+    """Log a training step's loss for the loggers and the progress bar, as a copy in host memory.
+
+    After every training batch Lightning turns every progress-bar value still held from earlier
+    steps into a Python float (`_ResultCollection.metrics`), not only those logged in that batch: a
+    value on the GPU would be read, and the GPU waited for, at every step. The copy is made here,
+    at the logging step only (`logs_this_step`), so the later reads are of host memory.
+    """
+    module.log("train_loss", loss.detach().to("cpu", copy=True), prog_bar=True)
+
+
 class ClassifierModule(L.LightningModule):
     """Cross-entropy classification with exact, distributed accuracy and loss.
 
@@ -74,7 +85,7 @@ class ClassifierModule(L.LightningModule):
         # The step loss is this rank's own (no all-reduce per step: that would cost a collective
         # every step just for the progress bar); accuracy is reduced across ranks at epoch end.
         if logs_this_step(self):
-            self.log("train_loss", loss, prog_bar=True)
+            log_step_loss(self, loss)
         return loss
 
     def on_train_epoch_start(self) -> None:
@@ -173,7 +184,7 @@ class ToyRegressor(L.LightningModule):
         inputs, targets = batch
         loss = self.criterion(self.net(inputs), targets)
         if logs_this_step(self):
-            self.log("train_loss", loss, prog_bar=True)
+            log_step_loss(self, loss)
         return loss
 
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:

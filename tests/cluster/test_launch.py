@@ -12,7 +12,7 @@ import pytest
 
 from app.cli import ConfigParsed, DDPAppCLI
 from app.cluster.launch import RankPlan, rank_environments, rank_process_name, run_local_ranks
-from tests.helpers.run import REPO, clean_env, run
+from tests.helpers.run import REPO, clean_env, ddp_app, run
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
 
@@ -165,3 +165,24 @@ def test_a_rank_runs_its_exit_handlers(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("MARKER_DIR", str(tmp_path))
     assert run_local_ranks(2, write_at_exit, {}) == 0
     assert sorted(path.name for path in tmp_path.iterdir()) == ["0", "1"]
+
+
+CUDA_AT_IMPORT_CONFIG = """\
+trainer: {accelerator: cpu, strategy: ddp, devices: 2, max_epochs: 1, logger: false, enable_checkpointing: false}
+model:
+  class_path: tests.helpers.cuda_at_import.ModelImportedWithCuda
+data:
+  class_path: tests.helpers.user_module.SeededRegressionData
+"""
+
+
+def test_cuda_initialised_while_the_config_is_read_stops_the_launch_in_one_line(tmp_path: Path) -> None:
+    """Forked ranks cannot use a CUDA context of their parent: say so before forking, not in a traceback per rank."""
+    config = tmp_path / "cuda.yaml"
+    config.write_text(CUDA_AT_IMPORT_CONFIG)
+    result = ddp_app("fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path}", timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("ddp-app: error: CUDA was initialised in the ddp-app launcher"), result.stderr[-2000:]
+    assert "torchrun" in lines[-1] and "Traceback" not in result.stderr
+    assert "ddp-app rank" not in result.stdout + result.stderr  # no rank was started
