@@ -6,7 +6,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from app.data.datasets import DataNotFoundError, LoaderSettings
+from app.data.datasets import DataNotFoundError, LoaderSettings, default_num_workers
+from app.data.on_device import DeviceResidentLoader, materialize
 from app.data.samplers import UnpaddedDistributedSampler, train_sampler
 from app.data.seeding import PerSampleSeeded
 from app.resume import elastic_layout, per_sample_seeding, sampler_position
@@ -40,28 +41,36 @@ class ShardedDataModule(L.LightningDataModule):
     reference trainer can use them without a Trainer.
 
     `batch_size` is per process: the global batch is batch_size x devices x num_nodes.
+    `num_workers: null` (the default) sizes the loader workers to the machine (`default_num_workers`).
+    `on_device: true` keeps the training and evaluation splits whole on the training device and builds
+    batches there (app/data/on_device.py): for data that fits in GPU memory, without random
+    augmentation; same samples, same order, same resume position as the ordinary loaders.
     """
 
     def __init__(
         self,
         batch_size: int = 32,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         pin_memory: bool | None = None,
         persistent_workers: bool = False,
         shuffle: bool = True,
         seed: int = 0,
+        on_device: bool = False,
     ) -> None:
         super().__init__()
-        LoaderSettings(batch_size, num_workers, pin_memory, persistent_workers, shuffle, seed)  # checks the values
+        # checks the values
+        LoaderSettings(batch_size, num_workers, pin_memory, persistent_workers, shuffle, seed, on_device)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
         self.shuffle = shuffle
         self.seed = seed
+        self.on_device = on_device
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
+        self._on_device: dict[str, tuple[torch.Tensor, ...]] = {}  # split name -> its tensors on the device
 
     def make_splits(self) -> tuple[Dataset, Dataset, Dataset]:
         """Return (train, val, test) datasets."""
@@ -79,13 +88,31 @@ class ShardedDataModule(L.LightningDataModule):
             return torch.distributed.get_world_size(), torch.distributed.get_rank()
         return 1, 0
 
-    def _use_pin_memory(self) -> bool:
-        if self.pin_memory is not None:
-            return self.pin_memory
-        # Pinned host memory only helps host-to-GPU copies; on CPU it is pure overhead.
+    def _on_gpu(self) -> bool:
         if self.trainer is not None:
             return self.trainer.strategy.root_device.type == "cuda"
         return torch.cuda.is_available()
+
+    def _use_pin_memory(self) -> bool:
+        # Pinned host memory only helps host-to-GPU copies; on CPU it is pure overhead. Unpinned, a
+        # copy marked non_blocking (as Lightning's are) still makes the CPU wait for it.
+        return self.pin_memory if self.pin_memory is not None else self._on_gpu()
+
+    def _num_workers(self, dataset: Dataset) -> int:
+        if self.num_workers is not None:
+            return self.num_workers
+        local_ranks = self.trainer.num_devices if self.trainer is not None else 1
+        raw = dataset.dataset if isinstance(dataset, PerSampleSeeded) else dataset
+        return default_num_workers(raw, self._on_gpu(), local_ranks)
+
+    def _device_tensors(self, split: str, dataset: Dataset | None) -> tuple[torch.Tensor, ...]:
+        """The split's tensors on the training device, read and copied once per run."""
+        if dataset is None:
+            raise RuntimeError("setup() must run before a dataloader is requested.")
+        if split not in self._on_device:
+            device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
+            self._on_device[split] = tuple(tensor.to(device) for tensor in materialize(dataset, split))
+        return self._on_device[split]
 
     def _loader(
         self,
@@ -97,14 +124,15 @@ class ShardedDataModule(L.LightningDataModule):
     ) -> DataLoader:
         if dataset is None:
             raise RuntimeError("setup() must run before a dataloader is requested.")
+        num_workers = self._num_workers(dataset)
         return loader_class(
             dataset,
             batch_size=batch_size or self.batch_size,
             sampler=sampler,
             generator=generator,
-            num_workers=self.num_workers,
+            num_workers=num_workers,
             pin_memory=self._use_pin_memory(),
-            persistent_workers=self.persistent_workers and self.num_workers > 0,
+            persistent_workers=self.persistent_workers and num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -125,6 +153,8 @@ class ShardedDataModule(L.LightningDataModule):
         sampler = train_sampler(
             self.train_dataset, world_size, rank, self.shuffle, self.seed, batch_size, position, seeded, layout
         )
+        if self.on_device:  # no per-sample randomness to seed: `materialize` refuses augmented splits
+            return DeviceResidentLoader(self._device_tensors("train", self.train_dataset), sampler, batch_size)
         # A generator of its own: each epoch's iterator draws a seed from it, not from the global
         # generator, whose state the checkpoint holds. Otherwise that draw falls after an epoch-end
         # checkpoint in an uninterrupted run but before the RNG restore in a resumed one, and
@@ -132,14 +162,20 @@ class ShardedDataModule(L.LightningDataModule):
         generator = torch.Generator().manual_seed(self.seed)
         return self._loader(dataset, sampler, ResumableDataLoader, generator, batch_size)
 
-    def val_dataloader(self) -> DataLoader:
+    def _evaluation_loader(self, split: str, dataset: Dataset | None) -> DataLoader | DeviceResidentLoader:
         world_size, rank = self._world()
-        return self._loader(self.val_dataset, UnpaddedDistributedSampler(self.val_dataset, world_size, rank))
+        sampler = UnpaddedDistributedSampler(dataset, world_size, rank)
+        if self.on_device:
+            return DeviceResidentLoader(self._device_tensors(split, dataset), sampler, self.batch_size)
+        return self._loader(dataset, sampler)
 
-    def test_dataloader(self) -> DataLoader:
-        world_size, rank = self._world()
-        return self._loader(self.test_dataset, UnpaddedDistributedSampler(self.test_dataset, world_size, rank))
+    def val_dataloader(self) -> DataLoader | DeviceResidentLoader:
+        return self._evaluation_loader("val", self.val_dataset)
+
+    def test_dataloader(self) -> DataLoader | DeviceResidentLoader:
+        return self._evaluation_loader("test", self.test_dataset)
 
     def predict_dataloader(self) -> DataLoader:
+        # Always a DataLoader: the prediction writer orders the predictions by its batch indices.
         world_size, rank = self._world()
         return self._loader(self.test_dataset, UnpaddedDistributedSampler(self.test_dataset, world_size, rank))

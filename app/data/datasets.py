@@ -39,16 +39,17 @@ class LoaderSettings:
     """The DataLoader and sampler arguments every DataModule takes. `batch_size` is per process."""
 
     batch_size: int = 32
-    num_workers: int = 0
+    num_workers: int | None = None  # None: sized to the machine (`default_num_workers`)
     pin_memory: bool | None = None  # None: pin when training on a GPU
     persistent_workers: bool = False
     shuffle: bool = True
     seed: int = 0  # the DistributedSampler's shuffling seed
+    on_device: bool = False  # keep each split whole on the training device (app/data/on_device.py; Lightning only)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise InvalidConfigError(f"data.batch_size must be >= 1 (it is per process), got {self.batch_size}.")
-        if self.num_workers < 0:
+        if self.num_workers is not None and self.num_workers < 0:
             raise InvalidConfigError(f"data.num_workers must be >= 0, got {self.num_workers}.")
 
     @classmethod
@@ -57,6 +58,28 @@ class LoaderSettings:
         names = {field.name for field in fields(cls)}
         settings = cls(**{key: value for key, value in init_args.items() if key in names})
         return settings, {key: value for key, value in init_args.items() if key not in names}
+
+
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_num_workers(dataset: Dataset | None, on_gpu: bool, local_ranks: int) -> int:
+    """The loader worker processes `num_workers: null` means, per rank.
+
+    On a CPU: none, the ranks already use the cores (and a worker would compete with its rank's
+    step). A split held in memory as tensors (a TensorDataset, or Subsets of one): none either, as
+    a worker would only add a pickled copy of every batch. On a GPU, for a dataset that decodes or
+    transforms per sample: the CPU cores this process may use, shared by the node's ranks, less one
+    for the rank's own thread, at most 8.
+    """
+    if not on_gpu or dataset is None:
+        return 0
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    if isinstance(dataset, TensorDataset):
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(MAX_DEFAULT_WORKERS, cores // max(1, local_ranks) - 1))
 
 
 def digits_splits(val_fraction: float = 0.15, test_fraction: float = 0.15, split_seed: int = 0) -> Splits:

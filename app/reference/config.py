@@ -108,7 +108,7 @@ class Job:
     batch_size: int
     shuffle: bool
     sampler_seed: int
-    num_workers: int
+    num_workers: int | None  # None: sized to the machine (app.data.datasets.default_num_workers)
     pin_memory: bool | None  # None: pin when training on a GPU
     persistent_workers: bool
     channels_last: bool  # inputs in NHWC layout, as the LightningModule's weights

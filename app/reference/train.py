@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from app.cluster.preflight import detect_launch, resolve_devices
 from app.cluster.slurm_env import master_address_and_port
 from app.cluster.threads import configure_cpu_threads
+from app.data.datasets import default_num_workers
 from app.data.samplers import ResumableDistributedSampler
 from app.elastic import ElasticLayout
 from app.reference.config import Job, build_job, load_config, prepare_data
@@ -151,15 +152,19 @@ class Trainer:
             if self.layout is not None
             else None
         )
+        num_workers = job.num_workers
+        if num_workers is None:  # sized to the machine, as the Lightning side does
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            num_workers = default_num_workers(job.train_dataset, device.type == "cuda", local_ranks)
         self.train_data = DataLoader(
             job.train_dataset,
             batch_size=batch_size,  # per process
             shuffle=False,  # the sampler shuffles
             sampler=self.sampler,
-            num_workers=job.num_workers,
+            num_workers=num_workers,
             # Pinned host memory lets the copies below run asynchronously (non_blocking) on a GPU.
             pin_memory=device.type == "cuda" if job.pin_memory is None else job.pin_memory,
-            persistent_workers=job.persistent_workers and job.num_workers > 0,
+            persistent_workers=job.persistent_workers and num_workers > 0,
             # As the Lightning side: the per-epoch iterator seed comes from here, not from the
             # global generator that dropout draws from.
             generator=torch.Generator().manual_seed(job.sampler_seed),
@@ -217,9 +222,9 @@ class Trainer:
         self.sampler.set_epoch(epoch)  # a new shuffled order every epoch, the same on every rank
         losses = []
         for batch_index, (source, targets) in enumerate(self.train_data):
-            if self.channels_last:
-                source = source.contiguous(memory_format=torch.channels_last)
             source = source.to(self.device, non_blocking=True)
+            if self.channels_last:  # on the device: a CPU-side reordering would be paid by the loading thread
+                source = source.contiguous(memory_format=torch.channels_last)
             targets = targets.to(self.device, non_blocking=True)
             if self.hooks is not None:
                 self.hooks.step_start(epoch)

@@ -88,10 +88,8 @@ class HostReadCounter(TorchDispatchMode, L.Callback):
             dtype = next((arg.dtype for arg in args if isinstance(arg, torch.Tensor)), None)
             innermost = next((frame.name for frame in reversed(stack) if "torch/_" not in frame.filename), "?")
             if (innermost, dtype) not in HOST_RESIDENT_READS:
-                caller = next(
-                    (f"{frame.filename}:{frame.lineno} {frame.name}" for frame in reversed(stack) if "/torch/" not in frame.filename),
-                    "?",
-                )
+                ours = [frame for frame in stack if "/torch/" not in frame.filename]
+                caller = f"{ours[-1].filename}:{ours[-1].lineno} {ours[-1].name}" if ours else "?"
                 self.reads[self.batch].append(f"{func} of a {dtype} in {innermost}, called from {caller}")
         return result
 
@@ -99,7 +97,9 @@ class HostReadCounter(TorchDispatchMode, L.Callback):
         ref = self.host_copies.get(id(value))
         return ref is not None and ref() is value
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.batch = (trainer.current_epoch, batch_idx)
         self.global_steps[self.batch] = trainer.global_step
 
