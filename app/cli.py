@@ -79,6 +79,7 @@ from app.compression import GradientCompression
 from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, is_peer_lost, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
+from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
 from app.resume import ExactResume
 from app.trainer_check import LEFT_OUT, check_trainer_arguments
@@ -375,6 +376,13 @@ class DDPAppCLI(LightningCLI):
         parser.add_class_arguments(GradientCompression, "gradient_compression")
         # And for exact resume: `exact_resume.per_sample_seeding` (every run has the callback).
         parser.add_class_arguments(ExactResume, "exact_resume")
+        parser.add_argument(
+            "--compile",
+            type=bool,
+            default=False,
+            help="Run the model's networks through torch.compile (app/models/compiling.py): faster steps on GPUs "
+            "after a first step that compiles; weights equal an eager run's up to float rounding.",
+        )
 
     def _subcommand_config(self, config: Any) -> Any:
         return config[self.subcommand] if self.subcommand else config
@@ -545,6 +553,15 @@ class DDPAppCLI(LightningCLI):
                 print(f"ddp-app: --ckpt_path last: {found}", flush=True)
         shard_all_loaders(self.trainer, self.datamodule, self.model)
         warn_on_per_rank_means(self.trainer, self.model)
+        if config.get("compile"):
+            compiled = compile_networks(self.model)
+            if not compiled:
+                raise UserFacingError(
+                    f"compile: true, but {type(self.model).__name__} has no submodule with parameters to compile. "
+                    "Fix: keep its layers in attributes (self.net = ...), or set compile: false."
+                )
+            if self.trainer.is_global_zero:
+                print(f"ddp-app: compile: torch.compile on {', '.join(compiled)} (the first step compiles)", flush=True)
 
     before_fit = before_validate = before_test = before_predict = _before_run
 
