@@ -60,9 +60,17 @@ def test_bench_writes_the_table_json_and_plot(tmp_path: Path) -> None:
         figures = report["by_world_size"]["2"][side]
         for name in ("step_ms", "samples_per_s", "first_step_s", "teardown_s", "peak_rss_mb_max_rank"):
             assert figures[name]["median"] > 0, (side, name, figures[name])
-    assert len(report["runs"]) == 4  # (reference, Lightning) x world sizes 1, 2
+    assert len(report["runs"]) == 5  # (reference, Lightning) x world sizes 1, 2, and the framework-free loop
+    # The framework-free limit at world size 1: the same network and batch, no framework.
+    bare = report["by_world_size"]["1"]["bare"]
+    assert bare["step_ms"]["median"] > 0 and bare["first_step_ms"]["median"] > 0
+    for side in ("reference", "lightning"):
+        fraction = report["by_world_size"]["1"]["fraction_of_framework_free"][side]["median"]
+        assert 0 < fraction < 2, (side, fraction)
+    assert report["summary"]["lightning_fraction_of_framework_free"]["n"] == 1
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "step time (ms)" in result.stdout and "scaling efficiency" in result.stdout
+    for row in ("step time (ms)", "scaling efficiency", "throughput / framework-free", "first step (ms)"):
+        assert row in result.stdout, row
 
 
 def test_step_times_leave_out_warm_up_and_epoch_boundaries() -> None:

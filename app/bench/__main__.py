@@ -13,7 +13,10 @@ penalise the side that runs second), and reports:
   first step     from launching the command to the last rank starting its first training step;
   teardown       from the last training step to the exit of every process;
   peak memory    per rank: RSS on CPU, CUDA max allocated on GPUs;
-  scaling        efficiency = throughput(N) / (N x throughput(1)).
+  scaling        efficiency = throughput(N) / (N x throughput(1));
+  framework-free at world size 1, each side's throughput as a fraction of a plain loop over the
+                 same network and batch with the data already on the device (app/bench/bare.py),
+                 run beside every pair; and the first step's time (where `compile: true` compiles).
 
 Every Lightning-vs-reference figure is the median [min, max] of ratios (or differences) of the
 runs of one pair, which ran back to back: the machine's slow phases hit both sides of a pair.
@@ -32,7 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from app.bench.report import build_report, format_table, plot
-from app.bench.runs import SIDES, RunResult, command, launch, run_env, summarize_run, variant_config
+from app.bench.runs import BARE, SIDES, RunResult, command, launch, run_env, summarize_run, variant_config
 from app.reference.config import load_config
 
 
@@ -76,11 +79,12 @@ def run_bench(args: argparse.Namespace) -> dict:
     # Warm-up launches (not timed) fill the page cache and compile bytecode, which would
     # otherwise make the first pair slower than the rest.
     schedule = [(-1, min(args.world_sizes), side) for side in SIDES] if args.warmup else []
+    # At world size 1 each pair is preceded by the framework-free loop of the same repeat.
     schedule += [
         (repeat, size, side)
         for repeat in range(args.repeats)
         for size in args.world_sizes
-        for side in pair_order(repeat)
+        for side in ((BARE,) if size == 1 and args.bare else ()) + pair_order(repeat)
     ]
     loadavg_before = os.getloadavg()
     started = time.perf_counter()
@@ -135,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, default=None, help="a PNG: throughput vs world size, per-step bars")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-bare", dest="bare", action="store_false", help="skip the framework-free loop (app/bench/bare.py)"
+    )
     args = parser.parse_args(argv)
     if not args.config.is_file():
         parser.error(f"config {args.config} does not exist. Fix: pass one of the files in configs/.")

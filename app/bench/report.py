@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.bench.runs import RunResult
+from app.bench.runs import BARE, RunResult
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -17,6 +17,9 @@ def spread(values: list[float]) -> dict[str, float]:
     if not values:
         return {"median": math.nan, "min": math.nan, "max": math.nan, "n": 0}
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+SIDES_REPORTED = ("reference", "lightning")
 
 
 def find(runs: list[RunResult], side: str, world_size: int, repeat: int) -> RunResult | None:
@@ -37,6 +40,16 @@ def paired(runs: list[RunResult], world_size: int, figure: Callable[[RunResult, 
     return spread(values)
 
 
+def fraction_of_bare(runs: list[RunResult], side: str) -> dict[str, float]:
+    """throughput(side) / throughput(framework-free loop) at world size 1, paired per repeat."""
+    values = []
+    for repeat in sorted({run.repeat for run in runs}):
+        bare, mine = find(runs, BARE, 1, repeat), find(runs, side, 1, repeat)
+        if bare is not None and mine is not None:
+            values.append(mine.samples_per_s / bare.samples_per_s)
+    return spread(values)
+
+
 def efficiency(runs: list[RunResult], side: str, world_size: int) -> dict[str, float]:
     """throughput(N) / (N x throughput(1)), each N-rank run paired with the same repeat's 1-rank run."""
     values = []
@@ -53,6 +66,7 @@ def per_side(runs: list[RunResult], side: str, world_size: int) -> dict[str, Any
         "step_ms": spread([run.step_ms for run in mine]),
         "step_median_ms": spread([run.step_median_ms for run in mine]),
         "step_cpu_ms": spread([run.step_cpu_ms for run in mine]),
+        "first_step_ms": spread([run.first_step_ms for run in mine]),
         "samples_per_s": spread([run.samples_per_s for run in mine]),
         "first_step_s": spread([run.first_step_s for run in mine]),
         "teardown_s": spread([run.teardown_s for run in mine]),
@@ -80,6 +94,10 @@ def build_report(runs: list[RunResult], world_sizes: list[int], context: dict[st
             "first_step_ratio": paired(runs, world_size, lambda r, lt: lt.first_step_s / r.first_step_s),
             "teardown_added_s": paired(runs, world_size, lambda r, lt: lt.teardown_s - r.teardown_s),
         }
+        if world_size == 1 and any(run.side == BARE for run in runs):
+            figures = by_world_size["1"]
+            figures[BARE] = per_side(runs, BARE, 1)
+            figures["fraction_of_framework_free"] = {side: fraction_of_bare(runs, side) for side in SIDES_REPORTED}
     largest = max(world_sizes)
     scaling: dict[str, Any] = {"reference": {}, "lightning": {}}
     if 1 in world_sizes:
@@ -96,6 +114,10 @@ def build_report(runs: list[RunResult], world_sizes: list[int], context: dict[st
         "scaling_efficiency": scaling["lightning"].get(str(largest), spread([])),
         "scaling_efficiency_reference": scaling["reference"].get(str(largest), spread([])),
     }
+    fractions = by_world_size.get("1", {}).get("fraction_of_framework_free")
+    if fractions:
+        summary["lightning_fraction_of_framework_free"] = fractions["lightning"]
+        summary["reference_fraction_of_framework_free"] = fractions["reference"]
     return {
         # The headline figures: medians at the largest world size (efficiency: Lightning's).
         **{key: value["median"] for key, value in summary.items() if isinstance(value, dict)},
@@ -119,26 +141,40 @@ def format_table(report: dict[str, Any]) -> str:
         f"/ {report['loadavg_after'][0]:.2f} after"
     ]
     header = f"{'':<28}{'reference':>12}{'lightning':>12}   {'paired: lightning vs reference':<34}"
+    bare_header = f"{'':<28}{'reference':>12}{'lightning':>12}{'bare':>12}   {'paired: lightning vs reference':<34}"
     rows: list[tuple[str, str, str, str, str]] = [
         ("step time (ms)", "step_ms", ".3f", "lightning_over_reference_step_time", "x"),
         ("  median single step (ms)", "step_median_ms", ".3f", "lightning_over_reference_step_median", "x"),
         ("  main-thread CPU (ms/step)", "step_cpu_ms", ".3f", "lightning_over_reference_step_cpu", "x"),
         ("samples/s", "samples_per_s", ".0f", "", ""),
+        ("first step (ms)", "first_step_ms", ".1f", "", ""),
         ("launch -> first step (s)", "first_step_s", ".2f", "first_step_ratio", "x"),
         ("teardown (s)", "teardown_s", ".2f", "teardown_added_s", "s more"),
         ("peak RSS, max rank (MB)", "peak_rss_mb_max_rank", ".0f", "", ""),
     ]
     for world_size, figures in report["by_world_size"].items():
-        lines += ["", f"world size {world_size}", header, "-" * len(header)]
+        bare = figures.get(BARE)
+        columns = 36 if bare else 24
+        heading = bare_header if bare else header
+        lines += ["", f"world size {world_size}", heading, "-" * len(heading)]
         for label, key, fmt, paired_key, unit in rows:
             reference, lightning = figures["reference"][key], figures["lightning"][key]
             if not reference["n"]:
                 continue
             paired_text = f"{_range(figures[paired_key], '.3f')} {unit}" if paired_key else ""
-            lines.append(f"{label:<28}{reference['median']:>12{fmt}}{lightning['median']:>12{fmt}}   {paired_text}")
+            bare_text = f"{bare[key]['median']:>12{fmt}}" if bare and bare[key]["n"] else (" " * 12 if bare else "")
+            lines.append(
+                f"{label:<28}{reference['median']:>12{fmt}}{lightning['median']:>12{fmt}}{bare_text}   {paired_text}"
+            )
             if key == "step_ms":
                 added = _range(figures["lightning_added_ms_per_step"], "+.3f")
-                lines.append(f"{'  lightning added (ms/step)':<28}{'':>24}   {added}")
+                lines.append(f"{'  lightning added (ms/step)':<28}{'':>{columns}}   {added}")
+        if bare:
+            fractions = figures["fraction_of_framework_free"]
+            lines.append(
+                f"{'throughput / framework-free':<28}reference {_range(fractions['reference'], '.3f')}   "
+                f"lightning {_range(fractions['lightning'], '.3f')}"
+            )
     scaling = report["scaling_efficiency_by_world_size"]
     multi = [size for size in scaling["lightning"] if size != "1"]
     if multi:

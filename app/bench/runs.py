@@ -20,6 +20,8 @@ from app.bench.recorder import DIR_VARIABLE, LAUNCH_TIME_VARIABLE
 from app.cluster.launch import env_without_launcher
 
 SIDES = ("reference", "lightning")
+# The framework-free limit (app/bench/bare.py), run at world size 1 beside each pair.
+BARE = "bare"
 TIMER_CALLBACK = {"class_path": "app.bench.callback.BenchTimer"}
 
 
@@ -34,6 +36,7 @@ class RunResult:
     step_ms: float  # median over epochs of the epoch's mean step time: includes periodic costs
     step_median_ms: float  # median over single steps: hides costs paid every N steps (logging)
     step_cpu_ms: float  # like step_ms, in rank 0's main-thread CPU time: the work without the waiting
+    first_step_ms: float  # rank 0's first training step (to the second's start): includes compiling
     samples_per_s: float
     first_step_s: float  # launch -> the last rank starts its first training step
     teardown_s: float  # the last rank's last training step -> every process has exited
@@ -57,6 +60,8 @@ def variant_config(base: dict[str, Any], world_size: int, accelerator: str, max_
 
 
 def command(side: str, config: Path, world_size: int, run_dir: Path) -> list[str]:
+    if side == BARE:
+        return [sys.executable, "-m", "app.bench.bare", "--config", str(config)]
     if side == "reference":
         return [
             sys.executable,
@@ -156,6 +161,7 @@ def summarize_run(
         step_ms=step_s * 1e3,
         step_median_ms=statistics.median(intervals) * 1e3,
         step_cpu_ms=step_cpu_s * 1e3,
+        first_step_ms=(records[0]["starts"][1] - records[0]["starts"][0]) * 1e3 if len(records[0]["starts"]) > 1 else 0,
         samples_per_s=world_size * per_rank_batch_size / step_s,
         first_step_s=first_step - started,
         teardown_s=exited - last_step_end,
