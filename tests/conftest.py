@@ -12,7 +12,7 @@ from app.cluster.launch import LAUNCHER_VARIABLES
 from tests.helpers import run
 
 # Tiers that start processes, need the Slurm cluster or take long; every other test is `quick`.
-NOT_QUICK = ("distributed", "slurm", "parity", "slow")
+NOT_QUICK = ("distributed", "slurm", "parity", "slow", "gpu")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -43,19 +43,6 @@ def reads_per_batch(tmp_path: Path, *overrides: str) -> tuple[HostReadCounter, i
     return counter, cli.trainer.num_training_batches
 
 
-def steady_state_reads(counter: HostReadCounter, batches_per_epoch: int, accumulate: int) -> dict:
-    """Reads in batches that are not the last of an epoch and do not end at a logging step."""
-    found = {}
-    for (epoch, batch_idx), steps_before in counter.global_steps.items():
-        steps_after = steps_before + ((batch_idx + 1) % accumulate == 0)
-        ends_a_log_step = (batch_idx + 1) % accumulate == 0 and steps_after % LOG_EVERY == 0
-        if batch_idx == batches_per_epoch - 1 or ends_a_log_step:
-            continue
-        if counter.reads.get((epoch, batch_idx)):
-            found[(epoch, batch_idx)] = counter.reads[(epoch, batch_idx)]
-    return found
-
-
 @pytest.mark.parametrize(
     "overrides, accumulate",
     [
@@ -70,10 +57,10 @@ def test_training_steps_read_no_device_value_between_logging_steps(
 ) -> None:
     counter, batches = reads_per_batch(tmp_path, *overrides)
     assert len(counter.global_steps) == 2 * batches  # every batch was watched
-    found = steady_state_reads(counter, batches, accumulate)
+    found = counter.steady_state(batches, LOG_EVERY, accumulate)
     assert not found, f"{len(found)} steady-state batches read device values, e.g. {next(iter(found.items()))}"
     # The logging steps do read (the NaN guard's verdict, Lightning's logged values): the counter sees them.
-    assert any(counter.reads.values())
+    assert any(counter.found.values())
 
 
 def test_a_non_finite_gradient_is_named_at_its_step_and_no_checkpoint_holds_what_followed(tmp_path: Path) -> None:

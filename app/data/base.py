@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 from app.data.datasets import DataNotFoundError, LoaderSettings, default_num_workers
 from app.data.on_device import DeviceResidentLoader, materialize
 from app.data.samplers import UnpaddedDistributedSampler, train_sampler
-from app.data.seeding import PerSampleSeeded
+from app.data.seeding import PerSampleSeeded, reads_without_randomness
 from app.resume import elastic_layout, per_sample_seeding, sampler_position
 
 __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
@@ -144,7 +144,7 @@ class ShardedDataModule(L.LightningDataModule):
         layout = None
         if trainer is not None:
             position = lambda: sampler_position(trainer)  # noqa: E731
-            seeded = per_sample_seeding(trainer)
+            seeded = per_sample_seeding(trainer) and not reads_without_randomness(dataset)
             if seeded:
                 dataset = PerSampleSeeded(dataset, self.seed)
             # Another number of ranks, or a new global batch, than the run started with:

@@ -97,8 +97,9 @@ class DeviceResidentLoader:
     Per epoch the sampler's order is turned into one index tensor and copied to the device once;
     per batch there is one slice and one `index_select` per tensor, all queued on the device (no
     host read, no host-to-device copy). `sampler` is a public attribute, as on a DataLoader, so
-    Lightning calls its `set_epoch` every epoch and sees that an evaluation loader does not shuffle. `state_dict`/`load_state_dict` tell Lightning it may
-    resume mid-epoch: the position lives in the sampler (`ResumableDistributedSampler`).
+    Lightning calls its `set_epoch` every epoch and sees that an evaluation loader does not
+    shuffle. `state_dict`/`load_state_dict` tell Lightning it may resume mid-epoch: the position
+    lives in the sampler (`ResumableDistributedSampler`).
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], sampler: Sampler, batch_size: int) -> None:

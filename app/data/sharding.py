@@ -43,7 +43,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from app.data.base import ResumableDataLoader
 from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
-from app.data.seeding import PerSampleSeeded
+from app.data.seeding import PerSampleSeeded, reads_without_randomness
 from app.data.streams import PositionedStream, has_state_methods, is_stateful_stream
 from app.resume import elastic_layout, exact_resume_of, per_sample_seeding, sampler_position
 
@@ -89,7 +89,7 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         # global generator. Otherwise that draw falls between an epoch-end checkpoint and the next
         # step in an uninterrupted run but before the RNG restore in a resumed one (dropout differs).
         generator = generator or torch.Generator().manual_seed(seed)
-        seeded = per_sample_seeding(trainer)
+        seeded = per_sample_seeding(trainer) and not reads_without_randomness(dataset)
         if seeded:
             dataset = PerSampleSeeded(dataset, seed)
         layout = elastic_layout(trainer, loader.batch_size, len(loader.dataset))
@@ -110,7 +110,8 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         batch_size = loader.batch_size
         sampler = UnpaddedDistributedSampler(loader.dataset, world_size, rank)
         loader_class = DataLoader
-        if per_sample_seeding(trainer):  # evaluation draws nothing from the training run's stream
+        # Evaluation draws nothing from the training run's stream.
+        if per_sample_seeding(trainer) and not reads_without_randomness(dataset):
             dataset = PerSampleSeeded(dataset, int(os.environ.get("PL_GLOBAL_SEED", 0)))
     return loader_class(
         dataset,

@@ -60,17 +60,43 @@ SAME_PLACE_OPS = {
 }
 
 
-class HostReadCounter(TorchDispatchMode, L.Callback):
-    """A dispatch mode and a callback: enter the mode around `fit`, and put the instance first in
-    `trainer.callbacks`. Every host read between one training batch's start and the next is charged
-    to that batch (so a batch's row includes its logging, its checkpoint hooks and the next batch's
-    loading)."""
+class PerTrainingBatch(L.Callback):
+    """Charges what happens between one training batch's start and the next to that batch (so a
+    batch's entry includes its logging, its checkpoint hooks and the next batch's loading); put it
+    first in `trainer.callbacks`. `found[batch]` lists what was recorded there."""
+
+    def __init__(self) -> None:
+        self.batch: tuple[int, int] | None = None  # (epoch, batch_idx) of the running training batch
+        self.found: dict[tuple[int, int], list[str]] = defaultdict(list)
+        self.global_steps: dict[tuple[int, int], int] = {}  # global step at each batch's start
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.batch = (trainer.current_epoch, batch_idx)
+        self.global_steps[self.batch] = trainer.global_step
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.batch = None  # validation and epoch-end work are not a training step's
+
+    def steady_state(self, batches_per_epoch: int, log_every: int, accumulate: int = 1) -> dict:
+        """What was found in batches that are not the last of an epoch and do not end at a logging step."""
+        found = {}
+        for (epoch, batch_idx), steps_before in self.global_steps.items():
+            steps = (batch_idx + 1) % accumulate == 0  # this batch ends with an optimizer step
+            ends_a_log_step = steps and (steps_before + 1) % log_every == 0
+            if batch_idx != batches_per_epoch - 1 and not ends_a_log_step and self.found.get((epoch, batch_idx)):
+                found[(epoch, batch_idx)] = self.found[(epoch, batch_idx)]
+        return found
+
+
+class HostReadCounter(TorchDispatchMode, PerTrainingBatch):
+    """Host reads per training batch: enter the mode around `fit`, put the instance first in
+    `trainer.callbacks`."""
 
     def __init__(self) -> None:
         TorchDispatchMode.__init__(self)
-        self.batch: tuple[int, int] | None = None  # (epoch, batch_idx) of the running training batch
-        self.reads: dict[tuple[int, int], list[str]] = defaultdict(list)
-        self.global_steps: dict[tuple[int, int], int] = {}
+        PerTrainingBatch.__init__(self)
         # Tensors copied to the host on purpose (`.to("cpu", copy=True)`, and clones and views of
         # them): on a GPU these live in host memory, so reading them waits for nothing.
         # Keyed by id (a WeakSet would compare tensors with `==`, itself an op).
@@ -90,18 +116,9 @@ class HostReadCounter(TorchDispatchMode, L.Callback):
             if (innermost, dtype) not in HOST_RESIDENT_READS:
                 ours = [frame for frame in stack if "/torch/" not in frame.filename]
                 caller = f"{ours[-1].filename}:{ours[-1].lineno} {ours[-1].name}" if ours else "?"
-                self.reads[self.batch].append(f"{func} of a {dtype} in {innermost}, called from {caller}")
+                self.found[self.batch].append(f"{func} of a {dtype} in {innermost}, called from {caller}")
         return result
 
     def is_host_copy(self, value: Any) -> bool:
         ref = self.host_copies.get(id(value))
         return ref is not None and ref() is value
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self.batch = (trainer.current_epoch, batch_idx)
-        self.global_steps[self.batch] = trainer.global_step
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.batch = None  # validation and epoch-end work are not a training step's
