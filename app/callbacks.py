@@ -32,6 +32,9 @@ class NonFiniteGuard(L.Callback):
       every rank before rank 0 writes), so the file on disk is always one from before the bad step;
     - at the end of training.
     Found bad, it raises `NonFiniteLossError` naming the first bad step and the last good checkpoint.
+    Under a gradient scaler (`precision: 16-mixed` on a GPU) it checks nothing: the scaler skips
+    every step with non-finite gradients itself, and lowers its scale, which is how it finds its
+    scale in the first steps of every run.
     The weights in memory by then went through at most one read interval of bad updates; nothing
     keeps them. The check runs after DDP's all-reduce, so every rank sees the same gradients and
     reaches the same verdict at the same read without another collective.
@@ -52,6 +55,8 @@ class NonFiniteGuard(L.Callback):
         # Collected once: walking `pl_module.parameters()` every step (through every submodule,
         # metrics included) costs 14x the cached list (`python -m app.bench.per_call`).
         self._parameters = [parameter for parameter in pl_module.parameters() if parameter.requires_grad]
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:  # MixedPrecision's public attribute
+            self._parameters = []
         device = trainer.strategy.root_device
         self._steps_checked = torch.zeros((), dtype=torch.long, device=device)
         self._first_bad = torch.full((), -1, dtype=torch.long, device=device)

@@ -50,3 +50,24 @@ def test_a_two_rank_fit_into_a_pipe_prints_one_line_per_epoch(tmp_path: Path) ->
     assert [line.split()[:2] for line in lines] == [["epoch=0", "step=20"], ["epoch=1", "step=40"]], result.stdout
     for line in lines:
         assert re.search(r" samples/s=\d+ ", line) and re.search(r" val_acc=0\.\d+", line), line
+
+
+def test_the_nan_guard_leaves_steps_with_overflowed_gradients_to_a_gradient_scaler(tmp_path: Path) -> None:
+    """Under 16-mixed on a GPU a GradScaler skips the steps whose scaled gradients overflow (it finds
+    its scale that way in the first steps of every run): those are not a diverged run. A CPU scaler
+    with a huge initial scale makes the first steps overflow here."""
+    import torch
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from app.callbacks import NonFiniteGuard
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, default_root_dir=tmp_path,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], callbacks=[NonFiniteGuard()],
+    )  # fmt: skip
+    model = TwoLayerRegressor()
+    trainer.fit(model, datamodule=SeededRegressionData())
+    assert scaler.get_scale() < 2.0**100  # steps overflowed and were skipped by the scaler
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
