@@ -184,6 +184,7 @@ class CheckpointSummary:
     class_path: str | None  # `_class_path` in the hyperparameters, saved by LightningCLI
     hyper_parameters: dict[str, Any]
     shapes: dict[str, tuple[int, ...]]
+    run: dict[str, Any] | None = None  # the tracked run it belongs to (app/tracking/run.py CHECKPOINT_KEY)
 
 
 def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
@@ -211,7 +212,14 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     hyper_parameters = dict(checkpoint.get("hyper_parameters") or {})
     hyper_parameters.pop("_instantiator", None)
     class_path = hyper_parameters.pop("_class_path", None)
-    return CheckpointSummary(str(path), class_path, hyper_parameters, shapes(checkpoint["state_dict"]))
+    run = checkpoint.get("ddp_app_run")  # app.tracking.run.CHECKPOINT_KEY (no Lightning imported here)
+    return CheckpointSummary(
+        str(path),
+        class_path,
+        hyper_parameters,
+        shapes(checkpoint["state_dict"]),
+        run if isinstance(run, dict) else None,
+    )
 
 
 def _resolve_class(class_path: str) -> object:

@@ -82,6 +82,7 @@ from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
 from app.resume import ExactResume
+from app.tracking.run import Tracking, require_tracker
 from app.trainer_check import LEFT_OUT, check_trainer_arguments
 from app.user_code import add_user_code_directories
 
@@ -184,6 +185,7 @@ def check_config(config: Any) -> None:
             "is 0). Fix: --trainer.accelerator=cpu (or auto), or run on a GPU node."
         )
     check_compression_fits(config)
+    check_tracking(config)
     on_cpu = not on_gpu(trainer)
     precision = str(trainer.get("precision"))
     if on_cpu and precision in ("16", "16-mixed", "16-true", "half"):
@@ -212,6 +214,23 @@ def check_compression_fits(config: Any) -> None:
             f"gradient_compression.method={method} and trainer.strategy.init_args.ddp_comm_hook are both set: DDP "
             "takes one communication hook. Fix: keep gradient_compression (it also works on CPU and is checkpointed) "
             "and remove ddp_comm_hook, or set gradient_compression.method=none."
+        )
+
+
+def check_tracking(config: Any) -> None:
+    """A tracker asked for must be installed, and it needs ddp-app's own logger (trainer.logger unset)."""
+    tracking = config.get("tracking") or {}
+    asked = [name for name in ("mlflow", "wandb") if tracking.get(name) is not None]
+    if tracking.get("tensorboard"):
+        asked.append("tensorboard")
+    if not asked:
+        return
+    for name in asked:
+        require_tracker(name)
+    if config["trainer"].get("logger") not in (None, True):
+        raise UserFacingError(
+            f"tracking.{asked[0]} and trainer.logger are both set: the tracking section replaces trainer.logger "
+            "(one run across restarts). Fix: remove trainer.logger, or remove the tracking section."
         )
 
 
@@ -331,6 +350,7 @@ class DDPAppCLI(LightningCLI):
         self.check_machine = check_machine
         self.command_line: list[str] = []
         self.checkpoint: CheckpointSummary | None = None  # the --ckpt_path file, when it is one
+        self.resume_checkpoint: CheckpointSummary | None = None  # that, or the one `--ckpt_path last` finds
         # Before parsing: a user's `class_path: mymodels.MyNet` imports from the current directory
         # or beside the config, on every rank (app/user_code.py has the rule).
         args = kwargs.get("args")
@@ -376,6 +396,8 @@ class DDPAppCLI(LightningCLI):
         parser.add_class_arguments(GradientCompression, "gradient_compression")
         # And for exact resume: `exact_resume.per_sample_seeding` (every run has the callback).
         parser.add_class_arguments(ExactResume, "exact_resume")
+        # `tracking.mlflow`, `tracking.wandb`, `tracking.tensorboard` (app/tracking/run.py).
+        parser.add_class_arguments(Tracking, "tracking")
         parser.add_argument(
             "--compile",
             type=bool,
@@ -489,6 +511,7 @@ class DDPAppCLI(LightningCLI):
             check_model_class(checkpoint, config["model"].class_path)
         if checkpoint is not None:
             check_state_fits(checkpoint, self.model)
+        self.resume_checkpoint = checkpoint
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._subcommand_config(self.config_init)
@@ -506,6 +529,7 @@ class DDPAppCLI(LightningCLI):
         callbacks = config["trainer"].get("callbacks") or []
         callbacks = [
             config["exact_resume"],
+            config["tracking"],
             *(callbacks if isinstance(callbacks, list) else [callbacks]),
             config["gradient_compression"],
         ]
@@ -522,8 +546,8 @@ class DDPAppCLI(LightningCLI):
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if self.launch is not None and self.launch.global_rank == 0 and environment is not None:
             print(describe_launch(self.launch, environment), flush=True)
-        if config["trainer"]["logger"] in (None, True):
-            trainer.loggers = default_loggers(trainer.default_root_dir)
+        if config["trainer"]["logger"] in (None, True) and self.subcommand != "fit":
+            trainer.loggers = default_loggers(trainer.default_root_dir)  # fit's: `_open_tracked_run`
         if self.subcommand == "predict":
             # Only here: Lightning calls every hook of every callback at every step, so a callback
             # that does nothing during fit still costs time per step.
@@ -546,11 +570,14 @@ class DDPAppCLI(LightningCLI):
         get our samplers (exact evaluation, exact mid-epoch resume), and per-rank means logged
         during evaluation are reported once."""
         config = self.config_init[self.subcommand]
-        if config.get("ckpt_path") == "last":
+        asked_for_last = config.get("ckpt_path") == "last"
+        if asked_for_last:
             config["ckpt_path"] = find_last_checkpoint(self.trainer)
             if self.trainer.is_global_zero:  # a restarted or requeued job says where it picks up
                 found = f"resuming from {config['ckpt_path']}" if config["ckpt_path"] else "none yet, starting fresh"
                 print(f"ddp-app: --ckpt_path last: {found}", flush=True)
+        if self.subcommand == "fit" and self.config[self.subcommand]["trainer"]["logger"] in (None, True):
+            self._open_tracked_run(config, asked_for_last)
         shard_all_loaders(self.trainer, self.datamodule, self.model)
         warn_on_per_rank_means(self.trainer, self.model)
         if config.get("compile"):
@@ -564,6 +591,26 @@ class DDPAppCLI(LightningCLI):
                 print(f"ddp-app: compile: torch.compile on {', '.join(compiled)} (the first step compiles)", flush=True)
 
     before_fit = before_validate = before_test = before_predict = _before_run
+
+    def _open_tracked_run(self, config: Any, asked_for_last: bool) -> None:
+        """fit logs through the run's identity (app/tracking/run.py): a resume continues the run of
+        its checkpoint, `--ckpt_path last` with no checkpoint yet the directory's latest run."""
+        ckpt_path = config.get("ckpt_path")
+        summary = self.resume_checkpoint
+        if ckpt_path and self.trainer.is_global_zero and (summary is None or summary.path != str(ckpt_path)):
+            summary = summarize_checkpoint(ckpt_path) if Path(ckpt_path).is_file() else None
+        resume_state = summary.run if summary is not None and ckpt_path else None
+        subcommand_config = self.config[self.subcommand]
+        config_yaml = self._parser(self.subcommand).dump(subcommand_config, skip_none=False)
+        tracking: Tracking = config["tracking"]
+        logger = tracking.open(
+            self.trainer,
+            resume_state,
+            asked_for_last and not ckpt_path,
+            config_yaml,
+            str(ckpt_path) if ckpt_path else None,
+        )
+        self.trainer.loggers = [logger]
 
 
 class ConfigParsed(Exception):  # noqa: N818 (control flow, not an error)

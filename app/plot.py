@@ -1,18 +1,24 @@
-"""`python -m app.plot RUN_DIR [--out curves.png]`: the learning curves of a run, one PNG.
+"""`python -m app.plot RUN_DIR [--out curves.png] [--source csv|mlflow]`: a run's learning curves, one PNG.
 
-Reads every CSVLogger `metrics.csv` under RUN_DIR (ddp-app logs to
-`<default_root_dir>/lightning_logs/version_N/metrics.csv`, under SLURM `slurm-<jobid>`) and plots
-the losses and the other metrics against the optimizer step, with the epochs marked on the top axis.
+Plots the losses and the other metrics against the step, with the epochs marked on the top axis.
+RUN_DIR is a run's `trainer.default_root_dir`. ddp-app logs each training run, with all its
+restarts, into one version directory (`lightning_logs/version_N`, under Slurm `slurm-<jobid>`;
+app/tracking/run.py); the latest run (`lightning_logs/latest.json`) is plotted, or `--version`.
 
-A resumed run logs into a new version directory, so the versions are joined into one curve: ordered
-by their first logged step, each version replaces what the versions before it logged from that step
-on (a resume redoes the steps after its checkpoint, and the redone values are the ones that count).
+- `--source csv` (default): that version's `metrics.csv`, one value per name and step.
+- `--source mlflow`: the same run's history as MLflow's client returns it (the tracking URI and
+  run id from the version's `run.json`), for runs whose directory is gone or elsewhere.
+
+Directories written before run identities existed hold a new version per restart: those versions
+are joined into one curve, ordered by their first logged step, each replacing what the versions
+before it logged from that step on (a resume redid the steps after its checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 import sys
 from pathlib import Path
@@ -148,31 +154,69 @@ def plot(series: Series, out: Path, title: str, version_starts: list[int]) -> No
     plt.close(figure)
 
 
+def run_version(run_dir: Path, version: str | None) -> Path | None:
+    """The log directory of the run to plot: `--version`, else the latest run's; None for a
+    directory written before run identities (`lightning_logs/latest.json`) existed."""
+    logs = run_dir / "lightning_logs"
+    if version is not None:
+        if not (logs / version).is_dir():
+            raise PlotError(
+                f"no log version {version} in {logs}. Fix: one of {sorted(p.name for p in logs.iterdir())}."
+            )
+        return logs / version
+    latest = logs / "latest.json"
+    return logs / json.loads(latest.read_text())["log_version"] if latest.is_file() else None
+
+
+def mlflow_series(log_dir: Path) -> Series:
+    """The run's metric histories from MLflow (the URI and run id its `run.json` records)."""
+    run_file = log_dir / "run.json"
+    known = json.loads(run_file.read_text()).get("mlflow") if run_file.is_file() else None
+    if not known:
+        raise PlotError(f"{log_dir} has no MLflow run ({run_file}). Fix: --source csv, or a run with tracking.mlflow.")
+    try:
+        from mlflow import MlflowClient
+    except ImportError as error:
+        raise PlotError("mlflow is not installed. Fix: pip install 'ddp-app[mlflow]'.") from error
+    client = MlflowClient(known["tracking_uri"])
+    series: Series = {}
+    for name in client.get_run(known["run_id"]).data.metrics:
+        for metric in client.get_metric_history(known["run_id"], name):
+            series.setdefault(metric.step, {})[name] = metric.value
+    return dict(sorted(series.items()))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m app.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="a run's trainer.default_root_dir, e.g. runs/digits")
     parser.add_argument("--out", type=Path, help="the PNG to write (default: RUN_DIR/curves.png)")
+    parser.add_argument("--version", help="the log version to plot (default: the latest run)")
+    parser.add_argument("--source", choices=("csv", "mlflow"), default="csv", help="where the history is read from")
     args = parser.parse_args(argv)
     out = args.out or args.run_dir / "curves.png"
     try:
-        files = metrics_files(args.run_dir)
-        versions = [read_metrics(path) for path in files]
-        series = join_versions(versions, [is_resumed(path) for path in files])
+        if not args.run_dir.is_dir():
+            raise PlotError(f"run directory {args.run_dir} does not exist. Fix: pass a run's trainer.default_root_dir.")
+        log_dir = run_version(args.run_dir, args.version)
+        if args.source == "mlflow" and log_dir is None:
+            raise PlotError(f"{args.run_dir} has no tracked run (lightning_logs/latest.json). Fix: --source csv.")
+        if log_dir is not None:
+            series = mlflow_series(log_dir) if args.source == "mlflow" else read_metrics(metrics_files(log_dir)[0])
+            versions, where = [series], f"{log_dir.name} ({args.source})"
+        else:
+            files = metrics_files(args.run_dir)
+            versions = [read_metrics(path) for path in files]
+            series = join_versions(versions, [is_resumed(path) for path in files])
+            spans = zip(files, versions, strict=True)
+            where = ", ".join(f"{path.parent.name} steps {min(v)}-{max(v)}" for path, v in spans if v)
         if not series:
-            raise PlotError(
-                f"the {METRICS_FILE} files under {args.run_dir} hold no values yet. Fix: plot after a logged step."
-            )
+            raise PlotError(f"the run in {args.run_dir} has no logged values yet. Fix: plot after a logged step.")
         version_starts = sorted({min(version) for version in versions if version} - {min(series)})
-        plot(series, out, str(args.run_dir), version_starts)
+        plot(series, out, str(log_dir or args.run_dir), version_starts)
     except PlotError as error:
         print(f"app.plot: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    spans = ", ".join(
-        f"{path.parent.name} steps {min(version)}-{max(version)}"
-        for path, version in zip(files, versions, strict=True)
-        if version
-    )
-    print(f"wrote {out}: {len(series)} logged steps from {len(files)} version(s) ({spans})")
+    print(f"wrote {out}: {len(series)} logged steps from {where}")
 
 
 if __name__ == "__main__":

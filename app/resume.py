@@ -29,13 +29,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 import math
 import random
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -45,7 +43,6 @@ import torch
 from app.checkpoints import gather_per_rank
 from app.elastic import ElasticLayout
 from app.errors import UserFacingError
-from app.plot import RESUME_MARKER
 from app.user_code import USER_CODE_DIRECTORIES
 
 POSITION_KEY = "ddp_app_data_position"
@@ -405,13 +402,6 @@ class ExactResume(L.Callback):
             self._weigh_losses(trainer, pl_module)
         if (trainer.world_size != resumed.world_size or self._rebatched_from is not None) and trainer.is_global_zero:
             print(f"ddp-app: {self._elastic_summary(trainer, resumed)}", file=sys.stderr, flush=True)
-        # Tells `python -m app.plot` that this log version continues the previous one (app/plot.py).
-        # (trainer.log_dir broadcasts: a collective that only rank 0 would enter.)
-        log_dir = getattr(trainer.loggers[0], "log_dir", None) if trainer.loggers else None
-        if trainer.is_global_zero and log_dir is not None:
-            marker = Path(log_dir) / RESUME_MARKER
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps(resumed.to_checkpoint()))
         if trainer.current_epoch != resumed.next_epoch:
             raise AssertionError(
                 f"ddp-app bug: Lightning restored epoch {trainer.current_epoch}, the data position says "

@@ -1,0 +1,570 @@
+"""One training run, one identity: the same log version, MLflow run and W&B run across every attempt.
+
+A run is what `ddp-app fit` starts without `--ckpt_path`. Every continuation of it is an *attempt*
+of the same run: `--restarts`, torchrun's `--max-restarts`, a Slurm requeue, Ctrl-C or a
+preemption followed by `--ckpt_path last` (on any number of ranks). The first attempt creates the
+identity and writes it to `<default_root_dir>/lightning_logs/<version>/run.json`; every checkpoint
+carries it (`ddp_app_run`), so an attempt that resumes from a checkpoint of this directory reopens
+the same log version and tracker runs. `--ckpt_path last` before any checkpoint exists (a crash in
+the first minutes) continues the directory's latest run (`lightning_logs/latest.json`). A
+checkpoint from another directory (fine-tuning from someone's run) starts a new run.
+
+Rank 0 does all of this; the other ranks log nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.core.saving import save_hparams_to_yaml
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from app.checkpoints import atomic_write
+from app.cluster.preemption import Stopped
+from app.errors import UserFacingError
+from app.tracking.history import Call, Journal, RunHistory, mark_sent, replay, sent_seqs
+from app.tracking.sinks import CsvView, MlflowSink, RunFacts, TensorBoardSink, WandbSink
+
+CHECKPOINT_KEY = "ddp_app_run"
+LOGS_NAME = "lightning_logs"
+LATEST_FILE = "latest.json"
+RUN_FILE = "run.json"
+JOURNAL_FILE = "journal.jsonl"
+# Keys of the config that are not settings of the run: every attempt passes its own.
+NOT_PARAMS = ("ckpt_path", "config")
+EXTRAS = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
+
+
+@dataclass
+class MLflowSettings:
+    """`tracking.mlflow`: an MLflow run per training run.
+
+    Args:
+        tracking_uri: where MLflow keeps runs (`http://host:5000`, `sqlite:///path/runs.db`, a
+            `databricks` profile, ...). None: the `MLFLOW_TRACKING_URI` variable, else
+            `sqlite:///<default_root_dir>/mlflow.db` (artifacts in `<default_root_dir>/mlartifacts`).
+        experiment: the MLflow experiment the run belongs to (created if missing).
+    """
+
+    tracking_uri: str | None = None
+    experiment: str = "ddp-app"
+
+
+@dataclass
+class WandbSettings:
+    """`tracking.wandb`: a Weights & Biases run per training run.
+
+    Args:
+        project: the W&B project.
+        entity: the W&B team or user (None: your default entity).
+        mode: offline (files under the log directory, uploaded later with `wandb sync`; compute
+            nodes often have no network) or online. None: the `WANDB_MODE` variable, else offline.
+    """
+
+    project: str = "ddp-app"
+    entity: str | None = None
+    mode: str | None = None
+
+
+def require_tracker(extra: str) -> None:
+    """Asking for a tracker whose library is not installed is one line that names the extra."""
+    if importlib.util.find_spec(extra) is None:
+        raise UserFacingError(
+            f"tracking.{extra} is set but the {extra} package is not installed. "
+            f"Fix: pip install -e '.[{EXTRAS[extra]}]' (or pip install {extra}), or remove tracking.{extra}."
+        )
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, str]:
+    """`{"trainer": {"max_epochs": 3}}` -> `{"trainer.max_epochs": "3"}`: a tracker's params."""
+    if isinstance(config, dict) and config:
+        flat: dict[str, str] = {}
+        for key, value in config.items():
+            flat.update(flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: json.dumps(config) if isinstance(config, (list, dict)) else str(config)}
+
+
+def run_params(config_yaml: str) -> dict[str, str]:
+    config = yaml.safe_load(config_yaml) or {}
+    return {key: value for key, value in flatten(config).items() if key.split(".")[0] not in NOT_PARAMS}
+
+
+def git_state(directory: Path) -> dict[str, str]:
+    """The commit of the code the run was started from (the current directory's repository) and
+    whether it had uncommitted changes to tracked files; empty outside a repository."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=directory,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git.commit": commit, "git.dirty": str(bool(status)).lower()}
+
+
+def versions() -> dict[str, str]:
+    try:
+        app_version = importlib.metadata.version("ddp-app")
+    except importlib.metadata.PackageNotFoundError:
+        app_version = "unknown"
+    return {
+        "version.python": platform.python_version(),
+        "version.torch": torch.__version__,
+        "version.lightning": L.__version__,
+        "version.ddp_app": app_version,
+    }
+
+
+def attempt_facts(trainer: L.Trainer, number: int, resumed_from: str | None, step: int) -> dict[str, Any]:
+    """Where and how this attempt runs: what a user comparing attempts of one run asks first."""
+    env = os.environ
+    facts = {
+        "attempt": number,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "resumed_from": resumed_from,
+        "step": step,
+        "host": platform.node(),
+    }
+    for variable, key in (
+        ("SLURM_JOB_ID", "slurm_job_id"),
+        ("SLURM_ARRAY_JOB_ID", "slurm_array_job_id"),
+        ("SLURM_ARRAY_TASK_ID", "slurm_array_task_id"),
+        ("SLURM_RESTART_COUNT", "slurm_restart_count"),
+        ("TORCHELASTIC_RESTART_COUNT", "torchrun_restart_count"),
+    ):
+        if env.get(variable):
+            facts[key] = env[variable]
+    return facts
+
+
+def batch_size_of(batch: Any) -> int:
+    """The first dimension of the first tensor in a batch (tuple, list or dict of tensors)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        size = batch_size_of(item)
+        if size:
+            return size
+    return 0
+
+
+class TrackedRun:
+    """Rank 0's side of a run's attempt: the journal, metrics.csv and the trackers."""
+
+    def __init__(self, log_dir: Path, identity: dict[str, Any], sinks: list[Any]) -> None:
+        self.log_dir, self.identity, self.sinks = log_dir, identity, sinks
+        self.history: RunHistory = replay(log_dir / JOURNAL_FILE)
+        self.journal = Journal(log_dir / JOURNAL_FILE)
+        self.csv = CsvView(log_dir)
+        self._failed: set[str] = set()
+        self._sent_values: dict[str, set[tuple[str, int]]] = {}  # per tracker: (name, step) it has
+        self._unconfirmed: dict[str, list[Call]] = {}  # sent to a tracker that makes them durable at close
+
+    def begin(self, seq: int, step: int, facts: dict[str, Any], tracker_facts: RunFacts) -> None:
+        """Start this attempt: after a resume, the dead attempts' later values become provisional."""
+        if facts["attempt"] > 1:
+            self.journal.append({"resumed": seq, "step": step})
+            self.history.resumed(seq, step)
+        self.journal.append({"attempt": facts})
+        self.csv.rewrite(self.history.view())
+        for sink in self.sinks:
+            sink.start(tracker_facts)
+        self._send(self.history.settled())  # what earlier attempts settled but did not send
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        call, replaced = self.history.log(step, values, time.time())
+        self.journal.append({"seq": call.seq, "step": step, "time": call.time, "values": values})
+        if replaced:
+            self.csv.rewrite(self.history.view())
+        else:
+            self.csv.append(call, self.history.view())
+
+    def saved(self, seq: int, step: int, tags: dict[str, str]) -> None:
+        self.journal.append({"saved": seq, "step": step})
+        self.history.saved(seq, step)
+        self._send(self.history.settled(), tags)
+
+    def finish(self) -> None:
+        self.journal.append({"finished": True})
+        self.history.finished()
+        self._send(self.history.settled())
+
+    def close(self, status: str, tags: dict[str, str]) -> None:
+        for sink in self.sinks:
+            try:
+                sink.note(tags)
+                sink.close(status)
+            except Exception as error:  # the run's outcome stands; the tracker is told later or never
+                print(f"ddp-app: tracking: {sink.name} could not be closed ({error!r})", file=sys.stderr)
+            else:
+                mark_sent(self._sent_file(sink), self._unconfirmed.pop(sink.name, []))
+        self.journal.close()
+
+    def _sent_file(self, sink: Any) -> Path:
+        return self.log_dir / f"sent-{sink.name}.txt"
+
+    def _send(self, settled: list[Call], tags: dict[str, str] | None = None) -> None:
+        """Each tracker gets the settled calls it has not had yet, one value per name and step
+        (Lightning repeats `epoch` in every call of a step: the first one sent stands). One that
+        fails is retried at the next save (its backlog stays in the journal); training goes on."""
+        for sink in self.sinks:
+            path = self._sent_file(sink)
+            sent = sent_seqs(path) | {call.seq for call in self._unconfirmed.get(sink.name, [])}
+            if sink.name not in self._sent_values:
+                self._sent_values[sink.name] = {
+                    (name, call.step)
+                    for call in self.history.calls.values()
+                    if call.seq in sent
+                    for name in call.values
+                }
+            sent_values = self._sent_values[sink.name]
+            unsent = []
+            for call in settled:
+                if call.seq in sent:
+                    continue
+                values = {name: value for name, value in call.values.items() if (name, call.step) not in sent_values}
+                sent_values.update((name, call.step) for name in values)
+                unsent.append(Call(call.seq, call.step, call.time, values, call.state))
+            try:
+                if unsent:
+                    sink.send([call for call in unsent if call.values])
+                    if sink.durable_on_send:
+                        mark_sent(path, unsent)
+                    else:
+                        self._unconfirmed.setdefault(sink.name, []).extend(unsent)
+                if tags:
+                    sink.note(tags)
+            except Exception as error:
+                sent_values.difference_update((name, call.step) for call in unsent for name in call.values)
+                if sink.name not in self._failed:
+                    print(
+                        f"ddp-app: tracking: sending to {sink.name} failed ({error!r}); training goes on, "
+                        "the values are kept and sent again at the next checkpoint.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                self._failed.add(sink.name)
+            else:
+                self._failed.discard(sink.name)
+
+
+class RunLogger(CSVLogger):
+    """Lightning's logger for a tracked run: a CSVLogger's directory layout and `log_dir`
+    (`trainer.log_dir`, where LightningCLI saves config.yaml), with every value going through the
+    run's journal (app/tracking/history.py) to metrics.csv and the trackers."""
+
+    def __init__(self, save_dir: str, version: str | None, run: TrackedRun | None) -> None:
+        super().__init__(save_dir=save_dir, name=LOGS_NAME, version=version)
+        self.run = run
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        if self.run is None:
+            return
+        values = {
+            name: float(value.item() if isinstance(value, torch.Tensor) else value) for name, value in metrics.items()
+        }
+        self.run.log(int(step) if step is not None else self.run.history.attempt_max_step + 1, values)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        if self.run is None:
+            return
+        hparams = dict(params) if not isinstance(params, dict) else params
+        save_hparams_to_yaml(Path(self.log_dir) / "hparams.yaml", hparams)
+
+    @rank_zero_only
+    def save(self) -> None:  # every value is written when it is logged
+        pass
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        pass  # Tracking closes the run: it knows a stop from a failure
+
+
+class Tracking(L.Callback):
+    """The `tracking:` config section: which trackers a run logs to, besides metrics.csv (always).
+
+        tracking:
+          mlflow: {tracking_uri: http://mlflow.internal:5000, experiment: cifar}
+          wandb: {project: cifar, mode: offline}
+          tensorboard: true
+
+    A tracker without its section is off; any key of it turns it on
+    (`--tracking.mlflow.tracking_uri sqlite:///runs.db`).
+
+    Args:
+        mlflow: an MLflow run per training run (pip install -e '.[mlflow]').
+        wandb: a W&B run per training run (pip install -e '.[wandb]').
+        tensorboard: TensorBoard event files in the log directory. None: on when tensorboard is installed.
+    """
+
+    def __init__(
+        self, mlflow: MLflowSettings | None = None, wandb: WandbSettings | None = None, tensorboard: bool | None = None
+    ) -> None:
+        self.mlflow = mlflow
+        self.wandb = wandb
+        self.tensorboard = tensorboard
+        self.run: TrackedRun | None = None
+        self._save_in_flight: tuple[int, int] | None = None
+        self._status = "failed"
+        self._epoch_start: float | None = None
+        self._epoch_samples = 0
+
+    # ----- opening the run (rank 0, before fit) -----
+
+    def open(
+        self,
+        trainer: L.Trainer,
+        resume_state: dict[str, Any] | None,
+        continue_latest: bool,
+        config_yaml: str,
+        resumed_from: str | None,
+    ) -> RunLogger:
+        """The logger for this attempt; on rank 0 also the run: a new one, or the one it continues."""
+        root = Path(trainer.default_root_dir)
+        logs = root / LOGS_NAME
+        if not trainer.is_global_zero:
+            return RunLogger(str(root), resume_state.get("log_version") if resume_state else None, None)
+        identity, seq, step = self._identity(logs, resume_state, continue_latest)
+        log_dir = logs / identity["log_version"]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        attempts = identity.setdefault("attempts", [])
+        facts = attempt_facts(trainer, len(attempts) + 1, resumed_from, step)
+        attempts.append(facts)
+        sinks = self._sinks(root, log_dir, identity)
+        params = run_params(config_yaml)
+        tags = {**versions(), **git_state(Path.cwd()), "ddp_app.run_id": identity["run_id"]}
+        tags[f"attempt.{facts['attempt']}"] = json.dumps(facts)
+        self.run = TrackedRun(log_dir, identity, sinks)
+        self._write_identity(logs, log_dir, identity)
+        self.run.begin(seq, step, facts, RunFacts(facts["attempt"], max(step, 0), params, tags, config_yaml))
+        if facts["attempt"] > 1:
+            print(
+                f"ddp-app: tracking: attempt {facts['attempt']} of run {identity['run_id']} "
+                f"(logs: {log_dir}{self._tracker_names()})",
+                flush=True,
+            )
+        return RunLogger(str(root), identity["log_version"], self.run)
+
+    def _tracker_names(self) -> str:
+        names = [sink.name for sink in (self.run.sinks if self.run else [])]
+        return f"; {', '.join(names)}" if names else ""
+
+    @staticmethod
+    def _identity(
+        logs: Path, resume_state: dict[str, Any] | None, continue_latest: bool
+    ) -> tuple[dict[str, Any], int, int]:
+        """(identity, seq, step) of the run this attempt belongs to; seq and step of its checkpoint."""
+        candidates = []
+        if resume_state:
+            candidates.append((resume_state, resume_state.get("seq", 0), resume_state.get("step", -1)))
+        elif continue_latest and (logs / LATEST_FILE).is_file():
+            candidates.append((json.loads((logs / LATEST_FILE).read_text()), 0, -1))
+        for state, seq, step in candidates:
+            run_file = logs / str(state.get("log_version")) / RUN_FILE
+            if run_file.is_file():
+                identity = json.loads(run_file.read_text())
+                if identity.get("run_id") == state.get("run_id"):
+                    return identity, seq, step
+        logs.mkdir(parents=True, exist_ok=True)
+        job_id = os.environ.get("SLURM_JOB_ID")
+        taken = {path.name for path in logs.iterdir()}
+        version = f"slurm-{job_id}" if job_id and f"slurm-{job_id}" not in taken else None
+        if version is None:
+            numbers = [
+                int(name.split("_")[1])
+                for name in taken
+                if name.startswith("version_") and name.split("_")[1].isdigit()
+            ]
+            version = f"version_{max(numbers, default=-1) + 1}"
+        identity = {
+            "run_id": uuid.uuid4().hex[:16],
+            "log_version": version,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        return identity, 0, -1
+
+    @staticmethod
+    def _write_identity(logs: Path, log_dir: Path, identity: dict[str, Any]) -> None:
+        text = json.dumps(identity, indent=1).encode()
+        atomic_write(log_dir / RUN_FILE, lambda file: file.write(text))
+        latest = json.dumps({"run_id": identity["run_id"], "log_version": identity["log_version"]}).encode()
+        atomic_write(logs / LATEST_FILE, lambda file: file.write(latest))
+
+    def _sinks(self, root: Path, log_dir: Path, identity: dict[str, Any]) -> list[Any]:
+        sinks: list[Any] = []
+        run_name = f"{root.name}/{identity['log_version']}"
+        tensorboard = self.tensorboard
+        if tensorboard is None:
+            tensorboard = importlib.util.find_spec("tensorboard") is not None
+        if tensorboard:
+            sinks.append(TensorBoardSink(log_dir))
+        if self.mlflow is not None:
+            uri = self.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+            local = uri is None
+            uri = uri or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+            known = identity.get("mlflow") or {}
+            if known.get("tracking_uri") not in (None, uri):
+                raise UserFacingError(
+                    f"tracking.mlflow.tracking_uri is {uri}, but this run's MLflow run {known.get('run_id')} is at "
+                    f"{known['tracking_uri']} ({log_dir / RUN_FILE}). Fix: the first attempt's tracking_uri, or "
+                    "start a new run (without --ckpt_path)."
+                )
+            try:
+                sink = MlflowSink(
+                    uri, self.mlflow.experiment, (root / "mlartifacts").resolve().as_uri() if local else None
+                )
+                run_id = sink.open_run(known.get("run_id"), run_name)
+            except UserFacingError:
+                raise
+            except Exception as error:
+                reason = str(error).splitlines()[0] if str(error) else repr(error)
+                raise UserFacingError(
+                    f"tracking.mlflow: cannot open the MLflow run at {uri}: {reason}. "
+                    "Fix: check tracking.mlflow.tracking_uri (is the server up?) or remove tracking.mlflow."
+                ) from error
+            identity["mlflow"] = {"tracking_uri": uri, "experiment": self.mlflow.experiment, "run_id": run_id}
+            sinks.append(sink)
+        if self.wandb is not None:
+            mode = self.wandb.mode or os.environ.get("WANDB_MODE") or "offline"
+            if mode not in ("offline", "online"):
+                raise UserFacingError(
+                    f"tracking.wandb.mode must be offline or online, got {mode!r}. Fix: one of those."
+                )
+            sink = WandbSink(log_dir, self.wandb.project, self.wandb.entity, mode)
+            sink.open_run(identity["run_id"], run_name, {})
+            identity["wandb"] = {"project": self.wandb.project, "mode": mode, "run_id": identity["run_id"]}
+            sinks.append(sink)
+        return sinks
+
+    # ----- during training -----
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        run = self.run
+        if run is None:
+            return
+        self._settle_save(trainer)  # two saves in one step (best-k, then last.ckpt): the first is on disk
+        seq, step = run.history.last_seq, run.history.attempt_max_step
+        checkpoint[CHECKPOINT_KEY] = {
+            "run_id": run.identity["run_id"],
+            "log_version": run.identity["log_version"],
+            "seq": seq,
+            "step": step,
+        }
+        self._save_in_flight = (seq, step)
+
+    def _settle_save(self, trainer: L.Trainer) -> None:
+        """The hook after a save: the file is on disk, what it holds is final."""
+        if self._save_in_flight is None or self.run is None:
+            return
+        seq, step = self._save_in_flight
+        self._save_in_flight = None
+        self.run.saved(seq, step, checkpoint_tags(trainer))
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._save_in_flight is not None:
+            self._settle_save(trainer)
+        if self._epoch_start is None:
+            self._epoch_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._epoch_samples += batch_size_of(batch)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._settle_save(trainer)
+        self._epoch_start, self._epoch_samples = None, 0
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._settle_save(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._settle_save(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._settle_save(trainer)
+        if self._epoch_start is not None and self._epoch_samples:
+            # This rank's samples times the world size (every rank trains on as many) over this rank's
+            # time, averaged over the ranks (one all-reduce per epoch). Training batches only: the
+            # validation and the start of the epoch's loader are outside.
+            seconds = time.perf_counter() - self._epoch_start
+            throughput = self._epoch_samples * trainer.world_size / seconds
+            pl_module.log("samples_per_s", throughput, on_step=False, on_epoch=True, sync_dist=True)
+        self._epoch_start, self._epoch_samples = None, 0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._settle_save(trainer)
+        if self.run is not None:
+            self.run.finish()
+            self._status = "success"
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, Stopped):
+            # Raised after its save completed (app/last_checkpoint.py): what it holds is final.
+            self._settle_save(trainer)
+            self._status = "stopped"
+        self._close(trainer)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._close(trainer)
+
+    def _close(self, trainer: L.Trainer) -> None:
+        if self.run is None:
+            return
+        run, self.run = self.run, None
+        tags = checkpoint_tags(trainer)
+        if self._status == "success":
+            tags.update(final_metrics(trainer))
+        run.close(self._status, tags)
+
+
+def checkpoint_tags(trainer: L.Trainer) -> dict[str, str]:
+    """Where the run's last and best checkpoints are, as tags the trackers show beside the run."""
+    tags: dict[str, str] = {}
+    for callback in trainer.checkpoint_callbacks:
+        last = getattr(callback, "last_model_path", "")
+        if last:
+            tags["checkpoint.last"] = str(last)
+        if isinstance(callback, ModelCheckpoint) and callback.best_model_path:
+            tags["checkpoint.best"] = callback.best_model_path
+    return tags
+
+
+def final_metrics(trainer: L.Trainer) -> dict[str, str]:
+    return {
+        f"final.{name}": f"{float(value):.6g}"
+        for name, value in trainer.callback_metrics.items()
+        if isinstance(value, (int, float, torch.Tensor)) and (not isinstance(value, torch.Tensor) or value.numel() == 1)
+    }

@@ -1,0 +1,260 @@
+"""Where a run's metrics go: metrics.csv (every value as it stands) and the trackers (settled values).
+
+MLflow, W&B and TensorBoard keep every value they are sent; a value sent for a step that a resume
+then redoes would stay beside the redone one (MLflow's history, TensorBoard's event files) or
+block it (W&B drops a step lower than its current one). They are therefore sent settled values only
+(app/tracking/history.py), each once: `sent-<tracker>.txt` in the log directory records what each
+has been sent, so an attempt that starts after a crash sends what the previous one settled but had
+not sent yet. A tracker that fails during training (a server restarting) warns once and is sent the
+backlog at the next save; training goes on.
+
+The tracker libraries are imported only when configured (optional extras, see pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from app.checkpoints import atomic_write
+from app.tracking.history import Call
+
+METRICS_FILE = "metrics.csv"
+
+# MLflow's limits (mlflow.utils.validation): values longer than this are cut, batches split.
+MLFLOW_PARAM_VALUE_LIMIT = 6000
+MLFLOW_TAG_VALUE_LIMIT = 8000
+MLFLOW_METRICS_PER_BATCH = 1000
+MLFLOW_PARAMS_PER_BATCH = 100
+
+
+class CsvView:
+    """`metrics.csv` in CSVLogger's layout (a `step` column, one row per logged call, sorted columns).
+
+    A new call is appended (a new column rewrites the file, as CSVLogger does); a call that replaces
+    a provisional value rewrites the whole file from the history, atomically, so the file never
+    holds two values for one name and step.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.path = log_dir / METRICS_FILE
+        self.columns: list[str] = []
+
+    @staticmethod
+    def _columns(calls: list[Call]) -> list[str]:
+        return sorted({"step", *(name for call in calls for name in call.values)})
+
+    @staticmethod
+    def _row(call: Call) -> dict[str, Any]:
+        return {"step": call.step, **call.values}
+
+    def rewrite(self, calls: list[Call]) -> None:
+        self.columns = self._columns(calls)
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=self.columns)
+        writer.writeheader()
+        writer.writerows(self._row(call) for call in calls)
+        atomic_write(self.path, lambda file: file.write(text.getvalue().encode()))
+
+    def append(self, call: Call, history: list[Call]) -> None:
+        if not set(call.values) <= set(self.columns) or not self.path.is_file():
+            self.rewrite(history)
+            return
+        with self.path.open("a", newline="", encoding="utf-8") as file:
+            csv.DictWriter(file, fieldnames=self.columns).writerow(self._row(call))
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """Tracker libraries log INFO lines (database migrations, run URLs) that are not about the run."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _cut(value: str, limit: int) -> str:
+    return value if len(value) <= limit else value[: limit - 3] + "..."
+
+
+class TensorBoardSink:
+    """Event files in the run's log directory (`tensorboard --logdir <default_root_dir>`)."""
+
+    name = "tensorboard"
+    durable_on_send = True  # flushed to the event file in `send`
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def start(self, run: RunFacts) -> None:
+        self.writer.add_text("config", "```yaml\n" + run.config_yaml + "\n```", global_step=run.step)
+
+    def send(self, calls: list[Call]) -> None:
+        for call in calls:
+            for name, value in call.values.items():
+                self.writer.add_scalar(name, value, global_step=call.step, walltime=call.time)
+        self.writer.flush()
+
+    def note(self, tags: dict[str, str]) -> None:
+        pass
+
+    def close(self, status: str) -> None:
+        self.writer.close()
+
+
+class MlflowSink:
+    """One MLflow run per training run, resumed by id in every attempt."""
+
+    name = "mlflow"
+    durable_on_send = True  # stored by the tracking server (or SQLite) when log_batch returns
+
+    def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None) -> None:
+        from mlflow import MlflowClient
+
+        self.tracking_uri = tracking_uri
+        with quiet_loggers("mlflow", "alembic"):
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+            found = self.client.get_experiment_by_name(experiment)
+            self.experiment_id = (
+                found.experiment_id
+                if found is not None
+                else self.client.create_experiment(experiment, artifact_location=artifact_location)
+            )
+        self.run_id: str | None = None
+
+    def open_run(self, run_id: str | None, run_name: str) -> str:
+        """Resume `run_id`, or create a run (run_id None); returns the MLflow run id."""
+        with quiet_loggers("mlflow", "alembic"):
+            if run_id is None:
+                run_id = self.client.create_run(self.experiment_id, run_name=run_name).info.run_id
+            else:
+                self.client.update_run(run_id, status="RUNNING")
+        self.run_id = run_id
+        return run_id
+
+    def start(self, run: RunFacts) -> None:
+        from mlflow.entities import Param
+
+        assert self.run_id is not None
+        existing = self.client.get_run(self.run_id).data.params
+        new = [
+            Param(key, _cut(value, MLFLOW_PARAM_VALUE_LIMIT))
+            for key, value in run.params.items()
+            if key not in existing
+        ]
+        # MLflow refuses to change a logged param: a value changed by a later attempt is a tag.
+        changed = {
+            f"param_changed.{key}": f"attempt {run.attempt}: {existing[key]} -> {value}"
+            for key, value in run.params.items()
+            if key in existing and existing[key] != _cut(value, MLFLOW_PARAM_VALUE_LIMIT)
+        }
+        for first in range(0, len(new), MLFLOW_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=new[first : first + MLFLOW_PARAMS_PER_BATCH])
+        self.note({**run.tags, **changed})
+        self.client.log_text(self.run_id, run.config_yaml, f"config/attempt-{run.attempt}.yaml")
+        if run.attempt == 1:
+            self.client.log_text(self.run_id, run.config_yaml, "config.yaml")
+
+    def send(self, calls: list[Call]) -> None:
+        from mlflow.entities import Metric
+
+        assert self.run_id is not None
+        metrics = [
+            Metric(name, value, int(call.time * 1000), call.step)
+            for call in calls
+            for name, value in call.values.items()
+        ]
+        for first in range(0, len(metrics), MLFLOW_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[first : first + MLFLOW_METRICS_PER_BATCH])
+
+    def note(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        assert self.run_id is not None
+        if tags:
+            self.client.log_batch(
+                self.run_id, tags=[RunTag(key, _cut(str(value), MLFLOW_TAG_VALUE_LIMIT)) for key, value in tags.items()]
+            )
+
+    def close(self, status: str) -> None:
+        if self.run_id is not None:
+            self.client.set_terminated(
+                self.run_id, status={"success": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED")
+            )
+
+
+class WandbSink:
+    """One W&B run per training run (its id is the run id), resumed in every attempt.
+
+    Offline (the default), each attempt writes its own `wandb/offline-run-*-<id>` directory under
+    the log directory; `wandb sync` uploads them into the one run. Since each attempt is sent only
+    settled values, the steps continue across the directories and none is dropped as out of order.
+
+    W&B's service process writes the run file in blocks and at `finish()`: an attempt killed with
+    kill -9 leaves a file with little or nothing in it. Values count as sent only once `finish()`
+    returned; an attempt that follows a killed one sends everything settled again. Where the killed
+    attempt's file did hold some of it, `wandb sync` keeps the first copy (W&B drops a step at or
+    below the run's current step), and a settled value never changes, so the run shows each once.
+    """
+
+    name = "wandb"
+    durable_on_send = False
+
+    def __init__(self, log_dir: Path, project: str, entity: str | None, mode: str) -> None:
+        self.log_dir, self.project, self.entity, self.mode = log_dir, project, entity, mode
+        self.run: Any = None
+
+    def open_run(self, run_id: str, run_name: str, config: dict[str, Any]) -> None:
+        import wandb
+
+        # No console capture (it would wrap our stdout), no system-metrics thread, no prints.
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, x_save_requirements=False)
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.init(
+            project=self.project,
+            entity=self.entity,
+            id=run_id,
+            name=run_name,
+            resume="allow",
+            mode=self.mode,
+            dir=str(self.log_dir),
+            config=config,
+            settings=settings,
+        )
+
+    def start(self, run: RunFacts) -> None:
+        self.run.config.update(run.params, allow_val_change=True)
+        self.note(run.tags)
+
+    def send(self, calls: list[Call]) -> None:
+        for call in calls:
+            self.run.log(dict(call.values), step=call.step)
+
+    def note(self, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.run.summary[key] = value
+
+    def close(self, status: str) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=0 if status == "success" else 1)
+            self.run = None
+
+
+class RunFacts:
+    """What a tracker records at the start of an attempt (app/tracking/run.py fills it in)."""
+
+    def __init__(self, attempt: int, step: int, params: dict[str, str], tags: dict[str, str], config_yaml: str) -> None:
+        self.attempt, self.step, self.params, self.tags, self.config_yaml = attempt, step, params, tags, config_yaml
