@@ -102,6 +102,7 @@ class LastCheckpoint(Checkpoint):
         self._pending: tuple[int, bool] = (0, False)  # (stop signal, interval save due) agreed, not yet done
         self._stop_due = 0  # a stop signal: training stops at the next hook, after the save
         self._save_due = False  # a save decided at a step's end, done at the next hook
+        self._stop_at: tuple[int, int] | None = None  # (step, epoch) of a stop agreed at an epoch's end
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.dirpath is None:
@@ -123,6 +124,7 @@ class LastCheckpoint(Checkpoint):
         self._pending = (0, False)
         self._stop_due = 0
         self._save_due = False
+        self._stop_at = None
         # A signal during setup (data, rendezvous, sanity check) stops every rank here, together,
         # with nothing new to save: last.ckpt, if any, is the state training would start from.
         signum, _ = self._agree()
@@ -194,7 +196,15 @@ class LastCheckpoint(Checkpoint):
         # have changed the state since (best-k, epoch counters), and a resume starts the next epoch.
         self._save(trainer)
         if signum:
-            self._stop(trainer, signum)
+            # Stopped at the next hook (the next epoch's start, or the end of training), not here:
+            # Lightning logs the epoch's `on_epoch=True` values (train_acc, ...) after this hook, and
+            # a resume from this checkpoint starts the next epoch, which never logs them again.
+            self._stop_due = signum
+            self._stop_at = (trainer.global_step, trainer.current_epoch)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stop_due:  # agreed at the previous epoch's end, after its save
+            self._stop(trainer, self._stop_due)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._stop_due:  # the signal came at the run's last step: saved, and nothing left to stop
@@ -219,6 +229,6 @@ class LastCheckpoint(Checkpoint):
 
     def _stop(self, trainer: L.Trainer, signum: int, saved: bool = True) -> None:
         path = self.last_model_path if saved else None
-        step, epoch = trainer.global_step, trainer.current_epoch
+        step, epoch = self._stop_at or (trainer.global_step, trainer.current_epoch)
         message, exit_code = stop_message(signum, step, epoch, path, trainer.is_global_zero)
         raise Stopped(message, exit_code, trainer.is_global_zero)

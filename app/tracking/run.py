@@ -338,6 +338,7 @@ class Tracking(L.Callback):
         self._status = "failed"
         self._epoch_start: float | None = None
         self._epoch_samples = 0
+        self._measuring = False  # samples/s per epoch, on every rank of a fit that logs
 
     # ----- opening the run (rank 0, before fit) -----
 
@@ -352,6 +353,7 @@ class Tracking(L.Callback):
         """The logger for this attempt; on rank 0 also the run: a new one, or the one it continues."""
         root = Path(trainer.default_root_dir)
         logs = root / LOGS_NAME
+        self._measuring = True
         if not trainer.is_global_zero:
             return RunLogger(str(root), resume_state.get("log_version") if resume_state else None, None)
         identity, seq, step = self._identity(logs, resume_state, continue_latest)
@@ -501,7 +503,8 @@ class Tracking(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._epoch_samples += batch_size_of(batch)
+        if self._measuring:
+            self._epoch_samples += batch_size_of(batch)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)
@@ -515,7 +518,7 @@ class Tracking(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)
-        if self._epoch_start is not None and self._epoch_samples:
+        if self._measuring and self._epoch_start is not None and self._epoch_samples:
             # This rank's samples times the world size (every rank trains on as many) over this rank's
             # time, averaged over the ranks (one all-reduce per epoch). Training batches only: the
             # validation and the start of the epoch's loader are outside.
@@ -541,6 +544,7 @@ class Tracking(L.Callback):
         self._close(trainer)
 
     def _close(self, trainer: L.Trainer) -> None:
+        self._measuring = False
         if self.run is None:
             return
         run, self.run = self.run, None

@@ -7,6 +7,8 @@ instead of the scripts' hour, and a short run of configs/digits.yaml. Jobs are p
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import re
 import subprocess
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow
 import pytest
 from localcluster import LocalSlurmCluster
 
@@ -330,22 +333,41 @@ LONG_RUN = ("--trainer.max_epochs", "40", "--trainer.enable_progress_bar=false")
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def uninterrupted_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """LONG_RUN at 2 ranks outside Slurm, never interrupted: what the interrupted jobs must end with."""
     root = tmp_path_factory.mktemp("uninterrupted")
     result = ddp_app("fit", "--config", CONFIG, *LONG_RUN, f"--trainer.default_root_dir={root}")
     assert result.returncode == 0, result.stderr[-3000:]
-    return weights(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_root: Path) -> dict:
+    return weights(uninterrupted_root)
+
+
+def logged_values(root: Path) -> dict[tuple[str, int], float]:
+    """The run's metrics.csv as {(name, step): value}, without the measured samples_per_s."""
+    (metrics,) = (root / "lightning_logs").glob("*/metrics.csv")
+    with metrics.open() as file:
+        return {
+            (name, int(row["step"])): float(value)
+            for row in csv.DictReader(file)
+            for name, value in row.items()
+            if value and name not in ("step", "epoch", "samples_per_s")
+        }
 
 
 # scancel --signal=USR1 -> checkpoint at a step boundary, requeue, resume, COMPLETED.
 @pytest.mark.fault
 @pytest.mark.distributed  # the uninterrupted comparison run starts 2 ranks outside Slurm
 def test_preemption_requeues_and_resumes_exactly(
-    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, uninterrupted: dict
+    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, uninterrupted: dict, uninterrupted_root: Path
 ) -> None:
+    """Also one MLflow run (the default SQLite store in the run directory) across the requeue, with
+    the uninterrupted run's metric history."""
     root = workdir / "preempted"
-    args = (CONFIG, *LONG_RUN, f"--trainer.default_root_dir={root}")
+    args = (CONFIG, *LONG_RUN, f"--trainer.default_root_dir={root}", "--tracking.mlflow.experiment=requeued")
     submitted = slurm_cluster.run(
         ["sbatch", "--parsable", f"--chdir={workdir}", *CPU_ONLY, str(SLURM / "train.sbatch"), *args], timeout=30
     )
@@ -370,6 +392,26 @@ def test_preemption_requeues_and_resumes_exactly(
 
     # The preempted-and-resumed job ends where an uninterrupted run of the same config ends.
     assert compare_states(uninterrupted, weights(root), 0.0) == (0.0, "")
+
+    # One MLflow run for the job and its requeue, read back through MLflow's client.
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("requeued").experiment_id])
+    assert run.info.status == "FINISHED"
+    history = {
+        (name, metric.step): metric.value
+        for name in run.data.metrics
+        if name not in ("epoch", "samples_per_s")
+        for metric in client.get_metric_history(run.info.run_id, name)
+    }
+    assert len(history) == sum(
+        len(client.get_metric_history(run.info.run_id, name))
+        for name in run.data.metrics
+        if name not in ("epoch", "samples_per_s")
+    ), "a step logged twice in MLflow"
+    assert history == logged_values(uninterrupted_root)
+    attempts = [json.loads(run.data.tags[f"attempt.{number}"]) for number in (1, 2)]
+    assert [attempt["slurm_job_id"] for attempt in attempts] == [str(job_id)] * 2
+    assert attempts[1]["slurm_restart_count"] == "1"
 
 
 @pytest.mark.fault
