@@ -400,6 +400,12 @@ class DDPAppCLI(LightningCLI):
         # `tracking.mlflow`, `tracking.wandb`, `tracking.tensorboard` (app/tracking/run.py).
         parser.add_class_arguments(Tracking, "tracking")
         parser.add_argument(
+            "--sweep",
+            type=dict | None,
+            default=None,
+            help="What `python -m app.sweep` varies (app/sweep/spec.py); a single ddp-app run ignores it.",
+        )
+        parser.add_argument(
             "--compile",
             type=bool,
             default=False,

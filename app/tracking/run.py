@@ -285,6 +285,12 @@ class RunLogger(CSVLogger):
         super().__init__(save_dir=save_dir, name=LOGS_NAME, version=version)
         self.run = run
 
+    @property
+    def experiment(self) -> TrackedRun | None:  # type: ignore[override]
+        """The run (None off rank 0). CSVLogger's own writer is never made: Lightning touches
+        `experiment` in setup, and the writer warns that a resumed run's files "will be deleted"."""
+        return self.run
+
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self.run is None:

@@ -1,0 +1,141 @@
+"""`python -m app.sweep` on this machine: a grid and an Optuna search on digits, a sweep stopped
+with Ctrl-C and resumed (the stopped point continues from its checkpoint to an uninterrupted run's
+weights), and bad specs refused in one line before anything is written."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.checkpoints import safe_load
+from app.sweep.__main__ import main
+from tests.helpers.run import REPO, clean_env, ddp_app, kill_job
+
+CONFIG = str(REPO / "configs" / "digits.yaml")
+ONE_RANK = ["--trainer.devices=1", "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false"]
+
+
+def sweep(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "app.sweep", *args], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def results(directory: Path) -> list[dict[str, str]]:
+    with (directory / "results.csv").open() as file:
+        return list(csv.DictReader(file))
+
+
+def weights(run_dir: Path) -> dict:
+    return safe_load(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+
+
+def assert_same_weights(expected: dict, actual: dict) -> None:
+    assert expected.keys() == actual.keys()
+    assert all(expected[name].equal(actual[name]) for name in expected)
+
+
+@pytest.mark.distributed
+def test_a_grid_runs_every_point_as_an_ordinary_fit(tmp_path: Path) -> None:
+    out = tmp_path / "grid"
+    result = sweep(
+        "run", "--config", CONFIG, "--out", str(out), "--grid", "optimizer.init_args.lr=0.001,0.01", *ONE_RANK
+    )
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
+    rows = results(out)
+    assert [(row["optimizer.init_args.lr"], row["state"]) for row in rows] == [("0.001", "done"), ("0.01", "done")]
+    assert all(0.5 < float(row["best val_acc"]) <= 1 and row["epoch"] in ("0", "1") for row in rows)
+    assert "| 001 | 0.01 | done |" in (out / "results.md").read_text()
+    assert (out / "results.png").stat().st_size > 10_000
+    # A point is `ddp-app fit` with its values: the same weights as that command run alone.
+    alone = ddp_app("fit", "--config", CONFIG, *ONE_RANK, "--optimizer.init_args.lr=0.01",
+                    f"--trainer.default_root_dir={tmp_path / 'alone'}")  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert_same_weights(weights(tmp_path / "alone"), weights(out / "points" / "001"))
+
+
+@pytest.mark.distributed
+def test_an_optuna_search_records_every_trial_in_its_journal_study(tmp_path: Path) -> None:
+    import optuna
+
+    out = tmp_path / "search"
+    result = sweep("run", "--config", CONFIG, "--out", str(out), "--search",
+                   "optimizer.init_args.lr=loguniform:1e-4:1e-1", "--trials", "3", *ONE_RANK)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
+    rows = results(out)
+    lrs = [float(row["optimizer.init_args.lr"]) for row in rows]
+    assert len(set(lrs)) == 3 and all(1e-4 <= lr <= 1e-1 for lr in lrs), lrs
+    study = optuna.load_study(study_name="sweep", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(out / "study.journal"))))  # fmt: skip
+    assert [trial.state.name for trial in study.trials] == ["COMPLETE"] * 3
+    assert [trial.params["optimizer.init_args.lr"] for trial in study.trials] == lrs
+    for trial, row in zip(study.trials, rows, strict=True):
+        assert math.isclose(trial.value, float(row["best val_acc"]), rel_tol=1e-5)
+    assert (out / "results.png").stat().st_size > 10_000
+
+
+@pytest.mark.distributed
+@pytest.mark.fault
+def test_a_sweep_stopped_with_ctrl_c_resumes_its_point_from_its_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "stopped"
+    args = ["--trainer.devices=1", "--trainer.max_epochs=6", "--trainer.enable_progress_bar=false"]
+    command = [sys.executable, "-m", "app.sweep", "run", "--config", CONFIG, "--out", str(out),
+               "--grid", "optimizer.init_args.lr=0.002,0.004", *args]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "points" / "000" / "checkpoints" / "last.ckpt").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "point 000 saved no checkpoint"
+            time.sleep(0.1)
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal reaches the whole group
+        output, _ = process.communicate(timeout=120)
+    finally:
+        kill_job(process.pid)
+    assert "point 000 preempted" in output, output[-3000:]
+    status = sweep("status", str(out))
+    assert "| 000 | 0.002 | preempted |" in status.stdout and "2 point(s): 1 preempted, 1 pending" in status.stdout, (
+        status.stdout
+    )
+
+    resumed = sweep("resume", str(out))
+    assert resumed.returncode == 0, resumed.stderr[-3000:] + resumed.stdout[-3000:]
+    assert [row["state"] for row in results(out)] == ["done", "done"]
+    point = json.loads((out / "points" / "000" / "point.json").read_text())
+    assert [attempt["exit_code"] for attempt in point["attempts"]] == [130, 0]
+    assert "resuming from" in (out / "points" / "000" / "fit.log").read_text()
+    alone = ddp_app("fit", "--config", CONFIG, *args, "--optimizer.init_args.lr=0.002",
+                    f"--trainer.default_root_dir={tmp_path / 'alone'}")  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert_same_weights(weights(tmp_path / "alone"), weights(out / "points" / "000"))
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (["--grid", "optimizer.init_args.lrr=0.1,0.2"], "Option 'lrr' is not accepted"),
+        (["--grid", "optimizer.init_args.lr="], "--grid optimizer.init_args.lr: no values"),
+        (["--search", "optimizer.init_args.lr=uniform:0.1:0.1", "--trials", "2"], "empty range"),
+        (["--search", "optimizer.init_args.lr=gaussian:0:1", "--trials", "2"], "unknown distribution 'gaussian'"),
+        (["--search", "optimizer.init_args.lr=loguniform:0:1", "--trials", "2"], "a log scale needs low > 0"),
+        (["--search", "optimizer.init_args.lr=uniform:0:1"], "--search needs --trials >= 1"),
+        (["--grid", "trainer.max_epochs=1,x"], "trainer.max_epochs"),
+    ],
+)
+def test_a_bad_spec_is_one_line_and_writes_nothing(
+    spec: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["run", "--config", CONFIG, "--out", str(tmp_path / "bad"), *spec])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("app.sweep: error: ") and message in error, error
+    assert not (tmp_path / "bad").exists()
