@@ -139,3 +139,42 @@ def test_a_bad_spec_is_one_line_and_writes_nothing(
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and error.startswith("app.sweep: error: ") and message in error, error
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.distributed
+def test_a_trial_below_the_median_is_pruned_at_an_epoch_end_by_every_rank(tmp_path: Path) -> None:
+    """Two finished trials reached val_acc 0.9 at every epoch; a third with a hopeless learning rate is
+    stopped by Optuna's median pruner after epoch 1 (2 ranks agree), recorded as pruned in the table
+    and in the study."""
+    import optuna
+
+    from app.sweep.results import write_results
+    from app.sweep.spec import build_spec
+    from app.sweep.store import PRUNED, SweepStore
+    from app.sweep.study import distributions, open_study
+    from app.sweep.worker import run_point
+
+    out = tmp_path / "sweep"
+    fit_args = ["--config", CONFIG, "--trainer.max_epochs=5", "--trainer.enable_progress_bar=false"]
+    spec = build_spec(
+        fit_args, [], ["optimizer.init_args.lr=loguniform:1e-7:1e-1"], 3, "val_acc", "maximize", "median", 0
+    )
+    out.mkdir()
+    spec.save(out / "sweep.json")
+    study = open_study(out, spec)
+    for _ in range(2):
+        trial = study.ask(distributions(spec))
+        for epoch in range(5):
+            trial.report(0.9, epoch)
+        study.tell(trial, 0.9)
+    hopeless = study.ask({"optimizer.init_args.lr": optuna.distributions.FloatDistribution(1e-7, 1e-1, log=True)})
+    store = SweepStore(out)
+    point = store.add({"optimizer.init_args.lr": "1e-07"}, trial=hopeless.number)
+    point = run_point(store, spec, point)
+    assert point.state == PRUNED, (out / "points" / "000" / "fit.log").read_text()[-3000:]
+    marker = json.loads((out / "points" / "000" / "pruned.json").read_text())
+    assert marker["epoch"] == 1 and marker["val_acc"] < 0.9
+    assert safe_load(out / "points" / "000" / "checkpoints" / "last.ckpt")["epoch"] <= 2  # not all 5 epochs
+    assert study.trials[2].state == optuna.trial.TrialState.PRUNED
+    assert sorted(study.trials[2].intermediate_values) == [0, 1]
+    assert write_results(store, spec)[0]["state"] == "pruned"
