@@ -273,3 +273,11 @@ def test_torch_debug_endpoint_answers_stacks_and_flight_recorder_as_the_hang_rep
     assert found["problem"] == "" and 'File "<string>"' in found["stacks"], (what, found)
     assert found["ping"] == "pong" and json.loads(found["waited"]) == {"frames": []}, (what, found)
     assert (found["last_entered"], found["last"], found["sizes"]) == (1, "all_reduce #1", "float[3]"), (what, found)
+
+
+def test_wandb_still_takes_the_experimental_settings_the_sink_passes() -> None:
+    wandb = pytest.importorskip("wandb")
+    settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, x_save_requirements=False)
+    assert settings.x_disable_stats is True and settings.x_save_requirements is False, (
+        "wandb renamed x_disable_stats or x_save_requirements: update app/tracking/sinks.py WandbSink.open_run"
+    )
