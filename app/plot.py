@@ -3,7 +3,7 @@
 Plots the losses and the other metrics against the step, with the epochs marked on the top axis.
 RUN_DIR is a run's `trainer.default_root_dir`. ddp-app logs each training run, with all its
 restarts, into one version directory (`lightning_logs/version_N`, under Slurm `slurm-<jobid>`;
-app/tracking/run.py); the latest run (`lightning_logs/latest.json`) is plotted, or `--version`.
+app/tracking/run.py); the run started last is plotted, or `--version`.
 
 - `--source csv` (default): that version's `metrics.csv`, one value per name and step.
 - `--source mlflow`: the same run's history as MLflow's client returns it (the tracking URI and
@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from app.errors import UserFacingError
+from app.tracking.layout import latest_run
 
 METRICS_FILE = "metrics.csv"
 
@@ -156,7 +157,7 @@ def plot(series: Series, out: Path, title: str, version_starts: list[int]) -> No
 
 def run_version(run_dir: Path, version: str | None) -> Path | None:
     """The log directory of the run to plot: `--version`, else the latest run's; None for a
-    directory written before run identities (`lightning_logs/latest.json`) existed."""
+    directory written before run identities (`run.json`) existed."""
     logs = run_dir / "lightning_logs"
     if version is not None:
         if not (logs / version).is_dir():
@@ -164,8 +165,8 @@ def run_version(run_dir: Path, version: str | None) -> Path | None:
                 f"no log version {version} in {logs}. Fix: one of {sorted(p.name for p in logs.iterdir())}."
             )
         return logs / version
-    latest = logs / "latest.json"
-    return logs / json.loads(latest.read_text())["log_version"] if latest.is_file() else None
+    latest = latest_run(logs)
+    return logs / latest["log_version"] if latest is not None else None
 
 
 def mlflow_series(log_dir: Path) -> Series:
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
             raise PlotError(f"run directory {args.run_dir} does not exist. Fix: pass a run's trainer.default_root_dir.")
         log_dir = run_version(args.run_dir, args.version)
         if args.source == "mlflow" and log_dir is None:
-            raise PlotError(f"{args.run_dir} has no tracked run (lightning_logs/latest.json). Fix: --source csv.")
+            raise PlotError(f"{args.run_dir} has no tracked run (lightning_logs/*/run.json). Fix: --source csv.")
         if log_dir is not None:
             series = mlflow_series(log_dir) if args.source == "mlflow" else read_metrics(metrics_files(log_dir)[0])
             versions, where = [series], f"{log_dir.name} ({args.source})"

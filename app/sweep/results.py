@@ -18,6 +18,7 @@ from app.checkpoints import atomic_write
 from app.plot import METRICS_FILE, read_metrics, run_version
 from app.sweep.spec import SweepSpec
 from app.sweep.store import Point, SweepStore, shown_state
+from app.tracking.layout import SAMPLES_PER_S
 
 
 def point_row(store: SweepStore, spec: SweepSpec, point: Point) -> dict[str, Any]:
@@ -31,8 +32,8 @@ def point_row(store: SweepStore, spec: SweepSpec, point: Point) -> dict[str, Any
             value = values.get(spec.metric)
             if value is not None and (best is None or (value > best if spec.direction == "maximize" else value < best)):
                 best, epoch = value, int(values.get("epoch", -1))
-            if "samples_per_s" in values:
-                samples.append(values["samples_per_s"])
+            if SAMPLES_PER_S in values:
+                samples.append(values[SAMPLES_PER_S])
     row[f"best {spec.metric}"] = f"{best:.6g}" if best is not None else ""
     row["epoch"] = epoch if epoch is not None else ""
     row["samples/s"] = f"{sum(samples) / len(samples):.0f}" if samples else ""

@@ -1,6 +1,7 @@
 """Experiment tracking: metrics.csv always, and TensorBoard, MLflow and W&B when configured, with one
 run identity across every restart of a training run.
 
+- `app/tracking/layout.py`: where a run's files are;
 - `app/tracking/history.py`: the journal of logged values and which of them are final;
 - `app/tracking/sinks.py`: metrics.csv and the trackers;
 - `app/tracking/run.py`: the `tracking:` config section, the run identity and Lightning's logger.

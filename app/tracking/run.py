@@ -6,7 +6,7 @@ preemption followed by `--ckpt_path last` (on any number of ranks). The first at
 identity and writes it to `<default_root_dir>/lightning_logs/<version>/run.json`; every checkpoint
 carries it (`ddp_app_run`), so an attempt that resumes from a checkpoint of this directory reopens
 the same log version and tracker runs. `--ckpt_path last` before any checkpoint exists (a crash in
-the first minutes) continues the directory's latest run (`lightning_logs/latest.json`). A
+the first minutes) continues the directory's latest run (app/tracking/layout.py `latest_run`). A
 checkpoint from another directory (fine-tuning from someone's run) starts a new run.
 
 Rank 0 does all of this; the other ranks log nothing.
@@ -40,13 +40,10 @@ from app.checkpoints import atomic_write
 from app.cluster.preemption import Stopped
 from app.errors import UserFacingError
 from app.tracking.history import Call, Journal, RunHistory, mark_sent, replay, sent_seqs
+from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, RUN_FILE, SAMPLES_PER_S, latest_run
 from app.tracking.sinks import CsvView, MlflowSink, RunFacts, TensorBoardSink, WandbSink
 
 CHECKPOINT_KEY = "ddp_app_run"
-LOGS_NAME = "lightning_logs"
-LATEST_FILE = "latest.json"
-RUN_FILE = "run.json"
-JOURNAL_FILE = "journal.jsonl"
 # Keys of the config that are not settings of the run: every attempt passes its own.
 NOT_PARAMS = ("ckpt_path", "config")
 EXTRAS = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
@@ -373,7 +370,7 @@ class Tracking(L.Callback):
         tags = {**versions(), **git_state(Path.cwd()), "ddp_app.run_id": identity["run_id"]}
         tags[f"attempt.{facts['attempt']}"] = json.dumps(facts)
         self.run = TrackedRun(log_dir, identity, sinks)
-        self._write_identity(logs, log_dir, identity)
+        self._write_identity(log_dir, identity)
         self.run.begin(seq, step, facts, RunFacts(facts["attempt"], max(step, 0), params, tags, config_yaml))
         if facts["attempt"] > 1:
             print(
@@ -395,8 +392,8 @@ class Tracking(L.Callback):
         candidates = []
         if resume_state:
             candidates.append((resume_state, resume_state.get("seq", 0), resume_state.get("step", -1)))
-        elif continue_latest and (logs / LATEST_FILE).is_file():
-            candidates.append((json.loads((logs / LATEST_FILE).read_text()), 0, -1))
+        elif continue_latest and (latest := latest_run(logs)) is not None:
+            candidates.append((latest, 0, -1))
         for state, seq, step in candidates:
             run_file = logs / str(state.get("log_version")) / RUN_FILE
             if run_file.is_file():
@@ -422,11 +419,9 @@ class Tracking(L.Callback):
         return identity, 0, -1
 
     @staticmethod
-    def _write_identity(logs: Path, log_dir: Path, identity: dict[str, Any]) -> None:
+    def _write_identity(log_dir: Path, identity: dict[str, Any]) -> None:
         text = json.dumps(identity, indent=1).encode()
         atomic_write(log_dir / RUN_FILE, lambda file: file.write(text))
-        latest = json.dumps({"run_id": identity["run_id"], "log_version": identity["log_version"]}).encode()
-        atomic_write(logs / LATEST_FILE, lambda file: file.write(latest))
 
     def _sinks(self, root: Path, log_dir: Path, identity: dict[str, Any]) -> list[Any]:
         sinks: list[Any] = []
@@ -530,7 +525,7 @@ class Tracking(L.Callback):
             # validation and the start of the epoch's loader are outside.
             seconds = time.perf_counter() - self._epoch_start
             throughput = self._epoch_samples * trainer.world_size / seconds
-            pl_module.log("samples_per_s", throughput, on_step=False, on_epoch=True, sync_dist=True)
+            pl_module.log(SAMPLES_PER_S, throughput, on_step=False, on_epoch=True, sync_dist=True)
         self._epoch_start, self._epoch_samples = None, 0
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -129,7 +129,7 @@ def test_which_run_an_attempt_belongs_to(tmp_path: Path) -> None:
     logs = tmp_path / "lightning_logs"
     first, seq, step = Tracking._identity(logs, None, continue_latest=False)
     assert (first["log_version"], seq, step) == ("version_0", 0, -1)
-    Tracking._write_identity(logs, logs / "version_0", first)
+    Tracking._write_identity(logs / "version_0", first)
     # A resume from one of this directory's checkpoints continues its run, from the checkpoint's position.
     state = {"run_id": first["run_id"], "log_version": "version_0", "seq": 7, "step": 39}
     assert Tracking._identity(logs, state, continue_latest=False) == (first, 7, 39)
