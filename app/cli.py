@@ -35,6 +35,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_only
 
 import app.data
 import app.models.lightning  # noqa: F401  (registers the LightningModules for short `class_path` names)
@@ -76,6 +77,7 @@ from app.cluster.preflight import (
 from app.cluster.requeue import forbid_requeue
 from app.cluster.threads import configure_cpu_threads
 from app.compression import GradientCompression
+from app.console import quiet_console
 from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, is_peer_lost, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
@@ -446,6 +448,11 @@ class DDPAppCLI(LightningCLI):
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
+        if self.launch is not None:
+            # A forked rank imported Lightning in the launcher, where Lightning took this process for
+            # rank 0: until the strategy sets the ranks inside `fit`, every rank would print what only
+            # rank 0 should (Lightning's rank-zero warnings about the Trainer, for one).
+            rank_zero_only.rank = self.launch.global_rank
         if self.parse_only:  # the plan follows the config as written (before the changes below)
             plan = self._rank_plan(config["trainer"])
             self._check_trainer_arguments(config["trainer"], plan)
@@ -692,6 +699,7 @@ def main(args: list[str] | None = None) -> None:
 def launch_and_run(args: list[str] | None) -> NoReturn:
     """Run this rank (torchrun, srun), or parse and check the config, fork the ranks and supervise them."""
     configure_cpu_threads()
+    quiet_console(os.environ)  # the forked ranks inherit it; torchrun's and srun's pass here too
     args = list(sys.argv[1:] if args is None else args)
     # The ranks get the command line as a list (with the launcher's additions); that is deliberate.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -284,6 +285,15 @@ class RunLogger(CSVLogger):
     def __init__(self, save_dir: str, version: str | None, run: TrackedRun | None) -> None:
         super().__init__(save_dir=save_dir, name=LOGS_NAME, version=version)
         self.run = run
+
+    @property
+    def experiment(self) -> Any:
+        # Lightning's writer warns that the log directory "exists and is not empty. Previous log files
+        # in this directory will be deleted": untrue here, where Tracking.open wrote run.json into it on
+        # purpose and the run's journal, not this writer, writes metrics.csv (log_metrics, save below).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+            return super().experiment
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
