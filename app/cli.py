@@ -55,6 +55,7 @@ from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUP
 from app.cluster.hangs import HangReport, keep_hang_records
 from app.cluster.launch import (
     RankPlan,
+    check_exit_handlers,
     end_rank,
     exit_code_of,
     rank_plan,
@@ -83,6 +84,7 @@ from app.errors import UserFacingError, is_peer_lost, summarize_parser_error, us
 from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
+from app.private_apis import require
 from app.resume import ExactResume
 from app.tracking.run import Tracking, require_tracker
 from app.trainer_check import LEFT_OUT, check_trainer_arguments
@@ -348,6 +350,9 @@ class DDPAppCLI(LightningCLI):
         # parse_only: stop with ConfigParsed once the config is parsed (and, with check_machine,
         # checked against this machine and launch): `main` does that once before it starts the
         # ranks, so that bad input is reported once, quickly; `parse_config` for tools.
+        # The override below is what names an unreadable --ckpt_path in one line; a LightningCLI
+        # that no longer calls it would silently bypass it.
+        require(LightningCLI, "_parse_ckpt_path", "lightning", "the one-line error for an unreadable ckpt_path")
         self.parse_only = parse_only
         self.check_machine = check_machine
         self.command_line: list[str] = []
@@ -701,6 +706,10 @@ def launch_and_run(args: list[str] | None) -> NoReturn:
     configure_cpu_threads()
     quiet_console(os.environ)  # the forked ranks inherit it; torchrun's and srun's pass here too
     args = list(sys.argv[1:] if args is None else args)
+    try:
+        check_exit_handlers()  # every way out of a rank runs them (end_rank)
+    except UserFacingError as error:
+        raise SystemExit(report_user_error(error)) from None
     # The ranks get the command line as a list (with the launcher's additions); that is deliberate.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     if already_launched(os.environ):  # torchrun, srun or a launcher started this rank

@@ -40,6 +40,7 @@ from app.cluster.preemption import (
     stop_message,
 )
 from app.errors import InvalidConfigError
+from app.private_apis import require
 
 LAST_NAME = "last.ckpt"
 
@@ -114,9 +115,10 @@ class LastCheckpoint(Checkpoint):
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         epoch_loop = trainer.fit_loop.epoch_loop
-        # Private (docs/private_apis.md); tests/test_private_apis.py fails if a Lightning upgrade drops it.
-        if hasattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST):
-            setattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, lambda: None)
+        # Private (docs/private_apis.md): without it every step would still run Lightning's broadcast,
+        # so a Lightning without it stops here in one line rather than train with a collective per step.
+        require(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, "lightning", "last.ckpt's stop signals")
+        setattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, lambda: None)
         now = time.monotonic()
         self._steps_until_check, self._steps_since_check, self._last_check, self._last_save = 1, 0, now, now
         # A resumed run starts from a checkpoint of this very step: nothing new to save yet.

@@ -8,9 +8,11 @@ upgrade breaks here, loudly, and not as a silent change of behaviour in a long r
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import inspect
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -33,6 +35,7 @@ from app.cluster.preemption import (
     keep_lightning_off_stop_signals,
 )
 from app.errors import one_line_message
+from app.private_apis import PrivateApiChanged, require
 from app.resume import POSITION_KEY, DataPosition, ExactResume, canonical_fit_loop_state
 
 DOC = "see docs/private_apis.md"
@@ -273,3 +276,63 @@ def test_torch_debug_endpoint_answers_stacks_and_flight_recorder_as_the_hang_rep
     assert found["problem"] == "" and 'File "<string>"' in found["stacks"], (what, found)
     assert found["ping"] == "pong" and json.loads(found["waited"]) == {"frames": []}, (what, found)
     assert (found["last_entered"], found["last"], found["sizes"]) == (1, "all_reduce #1", "float[3]"), (what, found)
+
+
+# ----- At runtime (app/private_apis.py): a missing private API stops a run in one line -----
+
+
+def test_a_missing_attribute_is_one_line_naming_the_api_the_installed_version_and_the_supported_range() -> None:
+    with pytest.raises(PrivateApiChanged) as raised:
+        require(_TrainingEpochLoop, "_renamed_in_a_future_lightning", "lightning", "last.ckpt's stop signals")
+    message = one_line_message(raised.value)
+    assert message is not None and "\n" not in message
+    installed = importlib.metadata.version("lightning")
+    api = "_TrainingEpochLoop._renamed_in_a_future_lightning"
+    assert message.startswith(f"Lightning {installed} has no {api}"), message
+    assert "lightning<2.7,>=2.6" in message and "Fix:" in message and DOC.split()[-1] in message, message
+
+
+def test_a_fit_loop_state_without_a_key_exact_resume_rewrites_is_one_line_not_a_key_error(tmp_path: Path) -> None:
+    _fit(tmp_path, _Counted(), [ExactResume(per_sample_seeding=False), _SaveThroughLightning(tmp_path)])
+    checkpoint = torch.load(tmp_path / "mid-epoch.ckpt", weights_only=True)
+    saved = checkpoint["loops"]["fit_loop"]
+    del saved["epoch_loop.batch_progress"]  # what a Lightning that renamed it would have written
+    position = DataPosition.from_checkpoint(checkpoint[POSITION_KEY])
+    with pytest.raises(PrivateApiChanged, match=r"has no 'epoch_loop\.batch_progress' in the checkpoint's loops"):
+        canonical_fit_loop_state(saved, position, validates=True)
+
+
+# Runs ddp-app's entry point in a fresh process with one private API gone, as a Python or Lightning
+# without it would be: the run must stop before anything starts, in one line, exit code 2.
+WITHOUT_API = """
+import sys
+{remove}
+sys.argv = ["ddp-app", "fit", "--config", "configs/digits.yaml", "--trainer.default_root_dir={root}"]
+from app.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("remove", "expected"),
+    [
+        ("import atexit; del atexit._run_exitfuncs", "ddp-app: error: Python {python} has no atexit._run_exitfuncs"),
+        (
+            "from lightning.pytorch.cli import LightningCLI; del LightningCLI._parse_ckpt_path",
+            "ddp-app: error: Lightning {lightning} has no LightningCLI._parse_ckpt_path",
+        ),
+    ],
+    ids=["cpython-atexit", "lightning-cli"],
+)
+def test_ddp_app_without_a_private_api_stops_in_one_line_before_any_rank(
+    remove: str, expected: str, tmp_path: Path
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_API.format(remove=remove, root=tmp_path)], capture_output=True, text=True,
+        timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    versions = {"python": platform.python_version(), "lightning": importlib.metadata.version("lightning")}
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [result.stderr.strip()], result.stderr[-3000:]  # one line, no traceback
+    assert result.stderr.startswith(expected.format(**versions)) and "Fix:" in result.stderr, result.stderr
+    assert not list(tmp_path.iterdir()), "nothing may be written before the check"
