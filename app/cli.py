@@ -47,6 +47,7 @@ from app.checkpoints import (
     check_model_class,
     check_overrides,
     check_state_fits,
+    refuse_url,
     remove_stale_temporaries,
     safe_load,
     summarize_checkpoint,
@@ -81,7 +82,7 @@ from app.compression import GradientCompression
 from app.console import quiet_console
 from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, is_peer_lost, summarize_parser_error, user_message
-from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
+from app.last_checkpoint import LastCheckpoint, agreed_last_checkpoint
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
 from app.private_apis import require
@@ -119,6 +120,12 @@ class SafeCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint I/O with atomic, fsynced saves and `weights_only=True` loads."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:  # as Lightning's TorchCheckpointIO: they would be ignored
+            raise TypeError(
+                "SafeCheckpointIO takes no storage_options: those configure fsspec's remote storage, and "
+                "ddp-app writes checkpoints to a filesystem path only (docs/resume.md)."
+            )
+        refuse_url(path, "checkpoint path")
         remove_stale_temporaries(Path(path))
         atomic_torch_save(checkpoint, path)
 
@@ -163,6 +170,7 @@ def default_loggers(root_dir: str) -> list[Logger]:
 
 def check_config(config: Any) -> None:
     """Refuse values that Lightning or PyTorch would accept silently or reject deep inside a rank."""
+    check_paths_are_local(config)
     trainer = config["trainer"]
     max_epochs = trainer.get("max_epochs")
     if max_epochs is not None and max_epochs < 1:
@@ -206,6 +214,18 @@ def check_config(config: Any) -> None:
         )
     if os.environ.get("LOCAL_RANK", "0") == "0":
         check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
+
+
+def check_paths_are_local(config: Any) -> None:
+    """Checkpoints go to a filesystem path (`refuse_url` says why): a URL stops here, before any rank
+    starts, instead of at the first save, or as a local directory named "s3:"."""
+    trainer = config["trainer"]
+    refuse_url(trainer.get("default_root_dir") or "", "trainer.default_root_dir")
+    callbacks = trainer.get("callbacks") or []
+    for index, callback in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+        dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
+        refuse_url(dirpath or "", f"trainer.callbacks[{index}].init_args.dirpath")
+    refuse_url(config.get("ckpt_path") or "", "ckpt_path", to_read=True)
 
 
 def check_compression_fits(config: Any) -> None:
@@ -515,15 +535,10 @@ class DDPAppCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         # Before the Trainer or a logger writes anything: a checkpoint that cannot load stops here,
-        # in one line, instead of in `load_state_dict` inside every rank.
-        config = self._subcommand_config(self.config)
-        checkpoint = self.checkpoint
-        if checkpoint is None and config.get("ckpt_path") == "last" and (last := find_last_checkpoint(self.trainer)):
-            checkpoint = summarize_checkpoint(last)
-            check_model_class(checkpoint, config["model"].class_path)
-        if checkpoint is not None:
-            check_state_fits(checkpoint, self.model)
-        self.resume_checkpoint = checkpoint
+        # in one line, instead of in `load_state_dict` inside every rank (`--ckpt_path last`: `_before_run`).
+        if self.checkpoint is not None:
+            check_state_fits(self.checkpoint, self.model)
+        self.resume_checkpoint = self.checkpoint
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._subcommand_config(self.config_init)
@@ -584,7 +599,11 @@ class DDPAppCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         asked_for_last = config.get("ckpt_path") == "last"
         if asked_for_last:
-            config["ckpt_path"] = find_last_checkpoint(self.trainer)
+            config["ckpt_path"] = agreed_last_checkpoint(self.trainer)  # rank 0's answer, on every rank
+            if config["ckpt_path"]:  # the checks after_instantiate_classes makes for a given file
+                self.resume_checkpoint = summarize_checkpoint(config["ckpt_path"])
+                check_model_class(self.resume_checkpoint, self._subcommand_config(self.config)["model"].class_path)
+                check_state_fits(self.resume_checkpoint, self.model)
             if self.trainer.is_global_zero:  # a restarted or requeued job says where it picks up
                 found = f"resuming from {config['ckpt_path']}" if config["ckpt_path"] else "none yet, starting fresh"
                 print(f"ddp-app: --ckpt_path last: {found}", flush=True)

@@ -67,6 +67,22 @@ def find_last_checkpoint(trainer: L.Trainer) -> str | None:
     return str(max(candidates, key=lambda path: path.stat().st_mtime)) if candidates else None
 
 
+def agreed_last_checkpoint(trainer: L.Trainer) -> str | None:
+    """`--ckpt_path last` for every rank: what global rank 0 finds (`find_last_checkpoint`).
+
+    Ranks that looked for themselves could disagree: on a network filesystem each node may see other
+    modification times (attribute caching) or a last.ckpt being replaced, and ranks that resume from
+    different checkpoints train apart without an error. So rank 0's answer is broadcast over the
+    strategy's process group, which starts here rather than inside `fit`: Lightning's
+    `setup_environment` keeps a process group that exists (docs/private_apis.md).
+    """
+    if trainer.world_size == 1:
+        return find_last_checkpoint(trainer)
+    trainer.strategy.setup_environment()
+    found = find_last_checkpoint(trainer) if trainer.is_global_zero else None
+    return trainer.strategy.broadcast(found, src=0)
+
+
 class LastCheckpoint(Checkpoint):
     """Writes `<checkpoint directory>/last.ckpt` at every epoch end, on an interval, and on a stop signal.
 

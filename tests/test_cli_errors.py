@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.helpers.run import ddp_app
+from tests.helpers.run import REPO, ddp_app
 
 
 @pytest.mark.parametrize(
@@ -30,3 +32,20 @@ def test_print_config_shows_the_resolved_config() -> None:
     assert result.returncode == 0, result.stderr
     assert "max_epochs: 3" in result.stdout
     assert "app.models.MLPClassifier" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("override", "named", "fix"),
+    [
+        ("--trainer.default_root_dir=s3://bucket/runs", "trainer.default_root_dir=s3://bucket/runs is a URL", "NFS"),
+        ("--ckpt_path=gs://bucket/last.ckpt", "ckpt_path=gs://bucket/last.ckpt is a URL", "copy the checkpoint"),
+    ],
+)
+def test_an_object_store_url_is_refused_before_any_rank_starts(
+    override: str, named: str, fix: str, tmp_path: Path
+) -> None:
+    result = ddp_app("fit", "--config", str(REPO / "configs" / "digits.yaml"), override, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"ddp-app: error: {named}") and fix in result.stderr, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "ddp-app: launched" not in result.stdout, result.stderr
+    assert not list(tmp_path.iterdir()), "nothing may be written (no local directory named 's3:')"

@@ -278,6 +278,21 @@ def test_torch_debug_endpoint_answers_stacks_and_flight_recorder_as_the_hang_rep
     assert (found["last_entered"], found["last"], found["sizes"]) == (1, "all_reduce #1", "float[3]"), (what, found)
 
 
+def test_the_strategy_keeps_a_process_group_that_exists_when_fit_sets_up_its_environment(tmp_path: Path) -> None:
+    # app/last_checkpoint.py agreed_last_checkpoint starts the process group before `fit` (to broadcast
+    # rank 0's last.ckpt); `fit` then calls setup_environment again, which must keep that group.
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy="ddp", logger=False, default_root_dir=tmp_path, enable_progress_bar=False
+    )
+    trainer.strategy.setup_environment()
+    group = torch.distributed.group.WORLD
+    trainer.strategy.setup_environment()  # what Trainer._run does
+    assert torch.distributed.group.WORLD is group, (
+        f"Lightning's setup_environment replaced an existing process group: --ckpt_path last's broadcast "
+        f"before fit (app/last_checkpoint.py agreed_last_checkpoint) needs another place ({DOC})"
+    )
+
+
 # ----- At runtime (app/private_apis.py): a missing private API stops a run in one line -----
 
 
