@@ -108,6 +108,35 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+# The URLs `safe_load` reads from. Nothing is written to a URL: see `refuse_url`.
+DOWNLOADABLE = ("http://", "https://")
+
+
+def refuse_url(path: Any, key: str, to_read: bool = False) -> None:
+    """One line if `path` (the value of `key`) is a URL ddp-app cannot use.
+
+    Checkpoints are written with a rename over the previous one after an fsync (`atomic_write`), and
+    `--ckpt_path last` is found by listing a directory: both need a filesystem path. Object stores
+    (s3://, gs://, ...) offer neither an atomic rename nor a coherent listing, and a `Path` made
+    from their URL is a local directory named "s3:". A checkpoint to read may be an http(s) URL.
+    """
+    text = str(path)
+    if "://" not in text or (to_read and text.startswith(DOWNLOADABLE)):
+        return
+    if to_read:
+        raise UserFacingError(
+            f"{key}={text} is a URL ddp-app does not read checkpoints from (a filesystem path, or http(s)). "
+            "Fix: copy the checkpoint to a local or network-mounted path first (aws s3 cp, gsutil cp, ...) "
+            "and pass that path."
+        )
+    raise UserFacingError(
+        f"{key}={text} is a URL: ddp-app writes checkpoints and logs only to a filesystem path (atomic "
+        "saves, and --ckpt_path last lists the directory; docs/resume.md). Fix: a local directory or a "
+        "network filesystem mounted on every node (NFS, Lustre, GPFS); copy the results to object storage "
+        "after the run."
+    )
+
+
 def safe_load(path: str | Path, map_location: Any = "cpu") -> Any:
     """`torch.load` with `weights_only=True` for files and http(s) URLs, and one-line errors."""
     source: str | Path | io.BytesIO = path

@@ -36,6 +36,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_only
 
 import app.data
 import app.models.lightning  # noqa: F401  (registers the LightningModules for short `class_path` names)
@@ -47,6 +48,7 @@ from app.checkpoints import (
     check_model_class,
     check_overrides,
     check_state_fits,
+    refuse_url,
     remove_stale_temporaries,
     safe_load,
     summarize_checkpoint,
@@ -55,6 +57,7 @@ from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUP
 from app.cluster.hangs import HangReport, keep_hang_records
 from app.cluster.launch import (
     RankPlan,
+    check_exit_handlers,
     end_rank,
     exit_code_of,
     rank_plan,
@@ -77,11 +80,13 @@ from app.cluster.preflight import (
 from app.cluster.requeue import forbid_requeue
 from app.cluster.threads import configure_cpu_threads
 from app.compression import GradientCompression
+from app.console import quiet_console
 from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, is_peer_lost, summarize_parser_error, user_message
-from app.last_checkpoint import LastCheckpoint, find_last_checkpoint
+from app.last_checkpoint import LastCheckpoint, agreed_last_checkpoint
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
+from app.private_apis import require
 from app.resume import ExactResume
 from app.tracking.run import Tracking, require_tracker
 from app.trainer_check import LEFT_OUT, check_trainer_arguments
@@ -116,6 +121,12 @@ class SafeCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint I/O with atomic, fsynced saves and `weights_only=True` loads."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:  # as Lightning's TorchCheckpointIO: they would be ignored
+            raise TypeError(
+                "SafeCheckpointIO takes no storage_options: those configure fsspec's remote storage, and "
+                "ddp-app writes checkpoints to a filesystem path only (docs/resume.md)."
+            )
+        refuse_url(path, "checkpoint path")
         remove_stale_temporaries(Path(path))
         atomic_torch_save(checkpoint, path)
 
@@ -160,6 +171,7 @@ def default_loggers(root_dir: str) -> list[Logger]:
 
 def check_config(config: Any) -> None:
     """Refuse values that Lightning or PyTorch would accept silently or reject deep inside a rank."""
+    check_paths_are_local(config)
     trainer = config["trainer"]
     max_epochs = trainer.get("max_epochs")
     if max_epochs is not None and max_epochs < 1:
@@ -203,6 +215,18 @@ def check_config(config: Any) -> None:
         )
     if os.environ.get("LOCAL_RANK", "0") == "0":
         check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
+
+
+def check_paths_are_local(config: Any) -> None:
+    """Checkpoints go to a filesystem path (`refuse_url` says why): a URL stops here, before any rank
+    starts, instead of at the first save, or as a local directory named "s3:"."""
+    trainer = config["trainer"]
+    refuse_url(trainer.get("default_root_dir") or "", "trainer.default_root_dir")
+    callbacks = trainer.get("callbacks") or []
+    for index, callback in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+        dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
+        refuse_url(dirpath or "", f"trainer.callbacks[{index}].init_args.dirpath")
+    refuse_url(config.get("ckpt_path") or "", "ckpt_path", to_read=True)
 
 
 def check_compression_fits(config: Any) -> None:
@@ -347,6 +371,9 @@ class DDPAppCLI(LightningCLI):
         # parse_only: stop with ConfigParsed once the config is parsed (and, with check_machine,
         # checked against this machine and launch): `main` does that once before it starts the
         # ranks, so that bad input is reported once, quickly; `parse_config` for tools.
+        # The override below is what names an unreadable --ckpt_path in one line; a LightningCLI
+        # that no longer calls it would silently bypass it.
+        require(LightningCLI, "_parse_ckpt_path", "lightning", "the one-line error for an unreadable ckpt_path")
         self.parse_only = parse_only
         self.check_machine = check_machine
         self.command_line: list[str] = []
@@ -453,6 +480,11 @@ class DDPAppCLI(LightningCLI):
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
+        if self.launch is not None:
+            # A forked rank imported Lightning in the launcher, where Lightning took this process for
+            # rank 0: until the strategy sets the ranks inside `fit`, every rank would print what only
+            # rank 0 should (Lightning's rank-zero warnings about the Trainer, for one).
+            rank_zero_only.rank = self.launch.global_rank
         if self.parse_only:  # the plan follows the config as written (before the changes below)
             plan = self._rank_plan(config["trainer"])
             self._check_trainer_arguments(config["trainer"], plan)
@@ -510,15 +542,10 @@ class DDPAppCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         # Before the Trainer or a logger writes anything: a checkpoint that cannot load stops here,
-        # in one line, instead of in `load_state_dict` inside every rank.
-        config = self._subcommand_config(self.config)
-        checkpoint = self.checkpoint
-        if checkpoint is None and config.get("ckpt_path") == "last" and (last := find_last_checkpoint(self.trainer)):
-            checkpoint = summarize_checkpoint(last)
-            check_model_class(checkpoint, config["model"].class_path)
-        if checkpoint is not None:
-            check_state_fits(checkpoint, self.model)
-        self.resume_checkpoint = checkpoint
+        # in one line, instead of in `load_state_dict` inside every rank (`--ckpt_path last`: `_before_run`).
+        if self.checkpoint is not None:
+            check_state_fits(self.checkpoint, self.model)
+        self.resume_checkpoint = self.checkpoint
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._subcommand_config(self.config_init)
@@ -579,7 +606,11 @@ class DDPAppCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         asked_for_last = config.get("ckpt_path") == "last"
         if asked_for_last:
-            config["ckpt_path"] = find_last_checkpoint(self.trainer)
+            config["ckpt_path"] = agreed_last_checkpoint(self.trainer)  # rank 0's answer, on every rank
+            if config["ckpt_path"]:  # the checks after_instantiate_classes makes for a given file
+                self.resume_checkpoint = summarize_checkpoint(config["ckpt_path"])
+                check_model_class(self.resume_checkpoint, self._subcommand_config(self.config)["model"].class_path)
+                check_state_fits(self.resume_checkpoint, self.model)
             if self.trainer.is_global_zero:  # a restarted or requeued job says where it picks up
                 found = f"resuming from {config['ckpt_path']}" if config["ckpt_path"] else "none yet, starting fresh"
                 print(f"ddp-app: --ckpt_path last: {found}", flush=True)
@@ -705,7 +736,12 @@ def main(args: list[str] | None = None) -> None:
 def launch_and_run(args: list[str] | None) -> NoReturn:
     """Run this rank (torchrun, srun), or parse and check the config, fork the ranks and supervise them."""
     configure_cpu_threads()
+    quiet_console(os.environ)  # the forked ranks inherit it; torchrun's and srun's pass here too
     args = list(sys.argv[1:] if args is None else args)
+    try:
+        check_exit_handlers()  # every way out of a rank runs them (end_rank)
+    except UserFacingError as error:
+        raise SystemExit(report_user_error(error)) from None
     # The ranks get the command line as a list (with the launcher's additions); that is deliberate.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     if already_launched(os.environ):  # torchrun, srun or a launcher started this rank

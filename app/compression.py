@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.checkpoints import gather_per_rank
 from app.errors import InvalidConfigError
+from app.private_apis import require
 
 METHODS = ("none", "fp16", "bf16", "powersgd", "auto")
 # auto's candidates, from the most to the least exact: a less exact one must be faster to be chosen.
@@ -159,13 +160,17 @@ class CommunicationHook:
             model.register_comm_hook(self, communication_hook)
 
     def _new_powersgd_state(self, start_iter: int) -> powersgd.PowerSGDState:
-        return powersgd.PowerSGDState(
+        state = powersgd.PowerSGDState(
             process_group=self._group,
             matrix_approximation_rank=self.powersgd_rank,
             start_powerSGD_iter=start_iter,
             use_error_feedback=self.error_feedback,
             warm_start=self.warm_start,
         )
+        # Private layout: the per-bucket memories checkpointed per parameter (_per_parameter, _unstash_bucket).
+        for name in ("error_dict", "q_memory_dict"):
+            require(state, name, "torch", "checkpointing PowerSGD's state")
+        return state
 
     # -- the hook -----------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from app.cluster.preemption import (
     stop_message,
 )
 from app.errors import InvalidConfigError
+from app.private_apis import require
 
 LAST_NAME = "last.ckpt"
 
@@ -64,6 +65,22 @@ def find_last_checkpoint(trainer: L.Trainer) -> str | None:
     directories |= {Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
     candidates = [path for directory in directories for path in directory.glob("last*.ckpt") if path.is_file()]
     return str(max(candidates, key=lambda path: path.stat().st_mtime)) if candidates else None
+
+
+def agreed_last_checkpoint(trainer: L.Trainer) -> str | None:
+    """`--ckpt_path last` for every rank: what global rank 0 finds (`find_last_checkpoint`).
+
+    Ranks that looked for themselves could disagree: on a network filesystem each node may see other
+    modification times (attribute caching) or a last.ckpt being replaced, and ranks that resume from
+    different checkpoints train apart without an error. So rank 0's answer is broadcast over the
+    strategy's process group, which starts here rather than inside `fit`: Lightning's
+    `setup_environment` keeps a process group that exists (docs/private_apis.md).
+    """
+    if trainer.world_size == 1:
+        return find_last_checkpoint(trainer)
+    trainer.strategy.setup_environment()
+    found = find_last_checkpoint(trainer) if trainer.is_global_zero else None
+    return trainer.strategy.broadcast(found, src=0)
 
 
 class LastCheckpoint(Checkpoint):
@@ -114,9 +131,10 @@ class LastCheckpoint(Checkpoint):
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         epoch_loop = trainer.fit_loop.epoch_loop
-        # Private (docs/private_apis.md); tests/test_private_apis.py fails if a Lightning upgrade drops it.
-        if hasattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST):
-            setattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, lambda: None)
+        # Private (docs/private_apis.md): without it every step would still run Lightning's broadcast,
+        # so a Lightning without it stops here in one line rather than train with a collective per step.
+        require(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, "lightning", "last.ckpt's stop signals")
+        setattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, lambda: None)
         now = time.monotonic()
         self._steps_until_check, self._steps_since_check, self._last_check, self._last_save = 1, 0, now, now
         # A resumed run starts from a checkpoint of this very step: nothing new to save yet.

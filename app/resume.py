@@ -43,6 +43,7 @@ import torch
 from app.checkpoints import gather_per_rank
 from app.elastic import ElasticLayout
 from app.errors import UserFacingError
+from app.private_apis import require
 from app.user_code import USER_CODE_DIRECTORIES
 
 POSITION_KEY = "ddp_app_data_position"
@@ -149,9 +150,10 @@ def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, v
     Optimizer and scheduler progress are left as saved: their totals are the global step.
     """
     state = copy.deepcopy(fit_loop)
-    batches = state["epoch_loop.batch_progress"]
-    validation = state["epoch_loop.val_loop.batch_progress"]
-    epochs = state["epoch_progress"]
+    layout = ("lightning", "exact resume", "the checkpoint's loops.fit_loop state")
+    batches = require(state, "epoch_loop.batch_progress", *layout)
+    validation = require(state, "epoch_loop.val_loop.batch_progress", *layout)
+    epochs = require(state, "epoch_progress", *layout)
     loop_state = state.setdefault("epoch_loop.state_dict", {})
     # A stream without length (unknown until its end is seen) is mid-epoch until then.
     per_epoch = position.batches_per_epoch if position.batches_per_epoch is not None else math.inf
@@ -383,6 +385,11 @@ class ExactResume(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._step_seen = trainer.global_step
+        if not math.isfinite(trainer.num_training_batches):  # read at every step: checked once, here
+            require(
+                trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", "lightning",
+                "the epoch length of a training stream without len()", "fit_loop.epoch_loop.batch_progress",
+            )  # fmt: skip
         if trainer.is_global_zero and not self._noticed:
             self._noticed = True
             for line in dict.fromkeys(self.notices):

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed
+from lightning.pytorch.utilities import rank_zero_only
 
 from app.cluster.launch import LAUNCHER_VARIABLES
 from tests.helpers import run
@@ -31,9 +32,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture(autouse=True)
 def restore_distributed_state() -> Iterator[None]:
-    """Restore launcher variables (Lightning sets some in-process) and destroy a leftover process group."""
+    """Restore launcher variables and the rank-zero rank (Lightning sets them in-process) and destroy a
+    leftover process group."""
     saved = {key: os.environ.get(key) for key in (*LAUNCHER_VARIABLES, "OMP_NUM_THREADS")}
+    rank = rank_zero_only.rank  # DDPAppCLI and Lightning's strategies set it from a launch's variables
     yield
+    rank_zero_only.rank = rank
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     for key, value in saved.items():

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.helpers.run import ddp_app
+from app.cli import DDPAppCLI
+from app.errors import UserFacingError
+from tests.helpers.run import REPO, ddp_app
 
 
 @pytest.mark.parametrize(
@@ -30,3 +34,32 @@ def test_print_config_shows_the_resolved_config() -> None:
     assert result.returncode == 0, result.stderr
     assert "max_epochs: 3" in result.stdout
     assert "app.models.MLPClassifier" in result.stdout
+
+
+def test_an_object_store_url_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    result = ddp_app(
+        "fit", "--config", str(REPO / "configs" / "digits.yaml"), "--trainer.default_root_dir=s3://bucket/runs",
+        timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("ddp-app: error: trainer.default_root_dir=s3://bucket/runs is a URL"), result.stderr
+    assert "NFS" in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "ddp-app: launched" not in result.stdout
+    assert not list(tmp_path.iterdir()), "nothing may be written (no local directory named 's3:')"
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("--ckpt_path=gs://bucket/last.ckpt", "ckpt_path=gs://bucket/last.ckpt is a URL ddp-app does not read"),
+        (
+            "--trainer.callbacks+=ModelCheckpoint --trainer.callbacks.dirpath=s3://bucket/ckpts",
+            "trainer.callbacks[1].init_args.dirpath=s3://bucket/ckpts is a URL",
+        ),
+    ],
+)
+def test_every_checkpoint_path_key_refuses_an_object_store_url(override: str, named: str, tmp_path: Path) -> None:
+    args = ["fit", "--config", str(REPO / "configs" / "digits.yaml"), f"--trainer.default_root_dir={tmp_path}"]
+    with pytest.raises(UserFacingError) as refused:
+        DDPAppCLI(args=[*args, *override.split()], parse_only=True)
+    assert str(refused.value).startswith(named) and "Fix:" in str(refused.value), refused.value

@@ -12,8 +12,9 @@ import pytest
 
 from app.cli import DDPAppCLI
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
+from app.cluster.launch import run_local_ranks
 from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped, resume_command
-from app.last_checkpoint import LastCheckpoint
+from app.last_checkpoint import LastCheckpoint, agreed_last_checkpoint
 from tests.helpers.run import REPO
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
@@ -120,3 +121,28 @@ def test_a_preemption_during_the_sanity_check_stops_when_training_starts_with_no
     assert str(stopped.value).startswith("preempted before training started (SIGTERM): nothing new to save.")
     assert cli.trainer.global_step == 0
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+def report_the_agreed_last_checkpoint() -> int:
+    """A rank of a 2-rank DDP Trainer whose checkpoint directory holds another last.ckpt than rank 0's:
+    the different answers that nodes may get from a network filesystem, made real with one directory per rank."""
+    root = Path(os.environ["AGREE_DIR"])
+    rank = os.environ["LOCAL_RANK"]
+    (root / f"rank{rank}" / "checkpoints").mkdir(parents=True)
+    (root / f"rank{rank}" / "checkpoints" / "last.ckpt").write_bytes(b"")  # found by name and age only
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", default_root_dir=root / f"rank{rank}", logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    (root / f"answer{rank}").write_text(str(agreed_last_checkpoint(trainer)))
+    return 0
+
+
+@pytest.mark.distributed
+def test_every_rank_resumes_from_the_last_checkpoint_rank_0_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("AGREE_DIR", str(tmp_path))
+    assert run_local_ranks(2, report_the_agreed_last_checkpoint, {}) == 0, capfd.readouterr().err[-3000:]
+    rank_0_found = str(tmp_path / "rank0" / "checkpoints" / "last.ckpt")
+    assert [(tmp_path / f"answer{rank}").read_text() for rank in (0, 1)] == [rank_0_found] * 2

@@ -8,9 +8,11 @@ upgrade breaks here, loudly, and not as a silent change of behaviour in a long r
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import inspect
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -33,6 +35,7 @@ from app.cluster.preemption import (
     keep_lightning_off_stop_signals,
 )
 from app.errors import one_line_message
+from app.private_apis import PrivateApiChanged, require
 from app.resume import POSITION_KEY, DataPosition, ExactResume, canonical_fit_loop_state
 
 DOC = "see docs/private_apis.md"
@@ -281,3 +284,66 @@ def test_wandb_still_takes_the_experimental_settings_the_sink_passes() -> None:
     assert settings.x_disable_stats is True and settings.x_save_requirements is False, (
         "wandb renamed x_disable_stats or x_save_requirements: update app/tracking/sinks.py WandbSink.open_run"
     )
+
+
+def test_the_strategy_keeps_a_process_group_that_exists_when_fit_sets_up_its_environment(tmp_path: Path) -> None:
+    # app/last_checkpoint.py agreed_last_checkpoint starts the process group before `fit` (to broadcast
+    # rank 0's last.ckpt); `fit` then calls setup_environment again, which must keep that group.
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy="ddp", logger=False, default_root_dir=tmp_path, enable_progress_bar=False
+    )
+    trainer.strategy.setup_environment()
+    group = torch.distributed.group.WORLD
+    trainer.strategy.setup_environment()  # what Trainer._run does
+    assert torch.distributed.group.WORLD is group, (
+        f"Lightning's setup_environment replaced an existing process group: --ckpt_path last's broadcast "
+        f"before fit (app/last_checkpoint.py agreed_last_checkpoint) needs another place ({DOC})"
+    )
+
+
+# ----- At runtime (app/private_apis.py): a missing private API stops a run in one line -----
+
+
+def test_a_missing_attribute_is_one_line_naming_the_api_the_installed_version_and_the_supported_range() -> None:
+    with pytest.raises(PrivateApiChanged) as raised:
+        require(_TrainingEpochLoop, "_renamed_in_a_future_lightning", "lightning", "last.ckpt's stop signals")
+    message = one_line_message(raised.value)
+    assert message is not None and "\n" not in message
+    installed = importlib.metadata.version("lightning")
+    api = "_TrainingEpochLoop._renamed_in_a_future_lightning"
+    assert message.startswith(f"Lightning {installed} has no {api}"), message
+    assert "lightning<2.7,>=2.6" in message and "Fix:" in message and DOC.split()[-1] in message, message
+
+
+def test_a_fit_loop_state_without_a_key_exact_resume_rewrites_is_one_line_not_a_key_error(tmp_path: Path) -> None:
+    _fit(tmp_path, _Counted(), [ExactResume(per_sample_seeding=False), _SaveThroughLightning(tmp_path)])
+    checkpoint = torch.load(tmp_path / "mid-epoch.ckpt", weights_only=True)
+    saved = checkpoint["loops"]["fit_loop"]
+    del saved["epoch_loop.batch_progress"]  # what a Lightning that renamed it would have written
+    position = DataPosition.from_checkpoint(checkpoint[POSITION_KEY])
+    with pytest.raises(PrivateApiChanged, match=r"has no 'epoch_loop\.batch_progress' in the checkpoint's loops"):
+        canonical_fit_loop_state(saved, position, validates=True)
+
+
+# Runs ddp-app's entry point in a fresh process with one private API gone, as a Python without it
+# would be: the run must stop before anything starts, in one line, exit code 2.
+WITHOUT_API = """
+import sys
+{remove}
+sys.argv = ["ddp-app", "fit", "--config", "configs/digits.yaml", "--trainer.default_root_dir={root}"]
+from app.__main__ import main
+main()
+"""
+
+
+def test_ddp_app_without_a_private_api_stops_in_one_line_before_any_rank(tmp_path: Path) -> None:
+    remove = "import atexit; del atexit._run_exitfuncs"
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_API.format(remove=remove, root=tmp_path)], capture_output=True, text=True,
+        timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [result.stderr.strip()], result.stderr[-3000:]  # one line, no traceback
+    expected = f"ddp-app: error: Python {platform.python_version()} has no atexit._run_exitfuncs"
+    assert result.stderr.startswith(expected) and "Fix:" in result.stderr, result.stderr
+    assert not list(tmp_path.iterdir()), "nothing may be written before the check"

@@ -28,7 +28,8 @@ def test_default_job_trains_with_two_processes(tmp_path: Path) -> None:
     result = ddp_app("fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={tmp_path}", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
-    assert "MEMBER: 1/2" in output and "MEMBER: 2/2" in output
+    # Rank 0 says once that both ranks met (each rank's own "MEMBER: r/2" line is kept quiet).
+    assert "All distributed processes registered. Starting with 2 processes" in output
     assert "distributed_backend=gloo" in output
 
     last = list(tmp_path.rglob("last.ckpt"))

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import socket
+import sys
 import sysconfig
 import time
 import traceback
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from app.errors import PEER_LOST
+from app.private_apis import require
 
 # Collectives the flight recorder keeps per process (a ring buffer; a few hundred bytes each).
 FLIGHT_RECORDER_ENTRIES = 2000
@@ -139,16 +141,31 @@ def _serve_waited(request: Any, response: Any) -> None:
     response.set_status(200)
 
 
-def start_debug_endpoint(ip: str) -> tuple[Any, int]:
-    """PyTorch's per-rank debug endpoint on `ip` (only that interface), any free port; (None, 0) if it fails."""
-    try:
-        # Private: docs/private_apis.md, guarded in tests/test_private_apis.py.
-        from torch._C._distributed_c10d import _get_handler_names, _register_handler, _WorkerServer
+def debug_endpoint_api() -> Any:
+    """PyTorch's private endpoint module, with every name and handler the hang report uses; a PyTorch
+    without one stops the run in one line (app/private_apis.py) instead of losing the diagnosis."""
+    import torch._C._distributed_c10d as c10d
 
-        if WAITED_HANDLER not in _get_handler_names():  # once per process: registering twice raises
-            _register_handler(WAITED_HANDLER, _serve_waited)
-        server = _WorkerServer(ip, 0)
-    except Exception:  # no diagnosis is no reason to stop training: the report says the endpoint is missing
+    needed_for = "naming the rank a hang waits for (app/cluster/hangs.py)"
+    for name in ("_WorkerServer", "_register_handler", "_get_handler_names"):
+        require(c10d, name, "torch", needed_for)
+    registered = dict.fromkeys(c10d._get_handler_names())
+    for handler in (STACKS_HANDLER, COLLECTIVES_HANDLER, "ping"):
+        require(registered, handler, "torch", needed_for, "the debug endpoint's handlers")
+    return c10d
+
+
+def start_debug_endpoint(ip: str) -> tuple[Any, int]:
+    """PyTorch's per-rank debug endpoint on `ip` (only that interface), any free port; (None, 0) if it
+    cannot listen there (the report then says this rank's endpoint does not answer)."""
+    # Private: docs/private_apis.md, guarded in tests/test_private_apis.py.
+    c10d = debug_endpoint_api()
+    if WAITED_HANDLER not in c10d._get_handler_names():  # once per process: registering twice raises
+        c10d._register_handler(WAITED_HANDLER, _serve_waited)
+    try:
+        server = c10d._WorkerServer(ip, 0)
+    except RuntimeError as error:  # no diagnosis is no reason to stop training, but say it is lost
+        print(f"ddp-app: warning: the hang report's debug endpoint did not start on {ip} ({error})", file=sys.stderr)
         return None, 0
     return server, int(server.port)
 

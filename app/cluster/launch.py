@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
 from app.errors import UserFacingError
+from app.private_apis import require
 
 # Sent to the parent by a scheduler or a user; SIGINT is forwarded by its own handler (once).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -210,6 +211,13 @@ def exit_code_of(error: SystemExit) -> int:
     return 1
 
 
+def check_exit_handlers() -> None:
+    """Checked by `ddp-app` as it starts (app/cli.py), before any rank: `end_rank` can run the exit
+    handlers (private in CPython). Without it a rank's loggers and user code would not flush at exit,
+    so a CPython without it stops the launch."""
+    require(atexit, "_run_exitfuncs", "python", "running a rank's exit handlers before os._exit")
+
+
 def end_rank(code: int) -> NoReturn:
     """End a rank's process, whoever started it (this launcher, torchrun, srun): the exit handlers it
     registered (loggers, user code) run as at a normal exit, then os._exit, without the interpreter's
@@ -217,8 +225,10 @@ def end_rank(code: int) -> NoReturn:
     drop the group's last reference (a communication hook's callback holds one): the group's
     destructor then joins that thread from itself and the process aborts ("terminate called ...")
     after its work is done and saved, which a launcher counts as a failure."""
+    # Private (docs/private_apis.md): there since check_exit_handlers passed as the launch began. It
+    # prints a failing handler's traceback itself; nothing may keep the rank from its os._exit below.
     with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()  # private API: guarded in tests/cluster/test_launch.py
+        atexit._run_exitfuncs()
     with contextlib.suppress(BaseException):
         sys.stdout.flush()
         sys.stderr.flush()

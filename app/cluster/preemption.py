@@ -22,6 +22,7 @@ from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from app.cluster.launch import with_ckpt_path_last
 from app.cluster.requeue import requeue_slurm_job
 from app.errors import UserFacingError
+from app.private_apis import require
 
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 STOP_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)
@@ -116,7 +117,10 @@ def keep_lightning_off_stop_signals(trainer: Any) -> None:
     with `SIGTERMException`, a `SystemExit` with code 0: a preempted fit exited 0, untrained.
     Private (docs/private_apis.md); tests/test_private_apis.py fails if a Lightning upgrade changes it.
     """
-    setattr(trainer._signal_connector, LIGHTNING_SIGNAL_HANDLER_INSTALL, lambda: None)
+    needed_for = "keeping Lightning's SIGTERM handler off a fit"
+    connector = require(trainer, "_signal_connector", "lightning", needed_for)
+    require(connector, LIGHTNING_SIGNAL_HANDLER_INSTALL, "lightning", needed_for)
+    setattr(connector, LIGHTNING_SIGNAL_HANDLER_INSTALL, lambda: None)
 
 
 def stop_message(signum: int, step: int, epoch: int, path: str | None, is_global_zero: bool) -> tuple[str, int]:

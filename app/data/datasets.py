@@ -23,6 +23,7 @@ from torchvision import datasets, transforms
 
 from app.checkpoints import safe_load
 from app.errors import InvalidConfigError, UserFacingError
+from app.private_apis import require
 
 Splits = tuple[Dataset, Dataset, Dataset]
 
@@ -218,6 +219,9 @@ class _CIFAR10(datasets.CIFAR10):
 
     def __init__(self, *args, verify_checksums: bool = True, **kwargs) -> None:
         self.verify_checksums = verify_checksums
+        # Private: the methods overridden below; without them verify_checksums=False would do nothing.
+        for name in ("_check_integrity", "_load_meta"):
+            require(datasets.CIFAR10, name, "torchvision", "verify_checksums=False")
         super().__init__(*args, **kwargs)
 
     def _check_integrity(self) -> bool:

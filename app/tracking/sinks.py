@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from app.checkpoints import atomic_write
+from app.errors import UserFacingError
 from app.tracking.history import Call
 
 METRICS_FILE = "metrics.csv"
@@ -221,7 +222,13 @@ class WandbSink:
         import wandb
 
         # No console capture (it would wrap our stdout), no system-metrics thread, no prints.
-        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, x_save_requirements=False)
+        try:  # x_*: W&B's experimental settings (docs/private_apis.md)
+            settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, x_save_requirements=False)
+        except (TypeError, ValueError) as error:
+            raise UserFacingError(
+                f"wandb {wandb.__version__} refuses the settings ddp-app passes (x_disable_stats, x_save_requirements: "
+                f"{str(error).splitlines()[0]}). Fix: pip install -c constraints.txt wandb (the tested version)."
+            ) from error
         os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(
             project=self.project,

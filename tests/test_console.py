@@ -1,0 +1,69 @@
+"""The console of the README's training command: every line it prints has one of a few known shapes,
+each said once; DDP_APP_VERBOSE=1 brings back what is kept quiet (app/console.py)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.run import clean_env, ddp_app
+
+pytestmark = pytest.mark.distributed
+
+# What a 1-epoch run of `ddp-app fit --config configs/digits.yaml` prints with stdout not a terminal
+# (a pipe, as in a Slurm log): anything new, a library's notice or a line per rank, fails here.
+ALLOWED = [
+    re.compile(shape)
+    for shape in (
+        r"",  # around Lightning's banner and the model summary
+        r"ddp-app: launched as a plain command: LightningEnvironment, world size 2 = 1 node\(s\) x 2 process\(es\), "
+        r"rendezvous [\d.]+:\d+",
+        r"GPU available: (True|False)( \(\w+\))?, used: (True|False)",
+        # Rank 0's one line that the ranks met, between two rules.
+        r"-{100}",
+        r"distributed_backend=(gloo|nccl)",
+        r"All distributed processes registered\. Starting with 2 processes",
+        # The model summary.
+        r"\s+\| Name\s+\| Type\s+\| Params\s+\| Mode\s+\| FLOPs",
+        r"-+",
+        r"\d+ \| \w+\s+\| \w+\s+\| [\d.]+ ?[KMGT]?\s+\| (train|eval)\s+\| \d+\s*",
+        r"[\d.]+ ?[KMGT]?\s+(Trainable params|Non-trainable params|Total params|"
+        r"Total estimated model params size \(MB\)|Modules in train mode|Modules in eval mode|Total Flops)",
+        # The epoch's line (app.callbacks.LogLineProgressBar) and the end.
+        r"epoch=0 step=20 batch=20/20 samples/s=\d+ train_loss=[\d.]+ val_loss=[\d.]+ val_acc=[\d.]+",
+        r"`Trainer\.fit` stopped: `max_epochs=1` reached\.",
+    )
+]
+
+
+def readme_command(root: Path, **env: str) -> str:
+    environment = clean_env(**env)
+    environment.pop("TORCH_CPP_LOG_LEVEL", None)  # ddp-app's own choice is what is tested
+    result = ddp_app(
+        "fit", "--config", "configs/digits.yaml", "--trainer.max_epochs=1", f"--trainer.default_root_dir={root}",
+        env=environment,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    return output
+
+
+def test_the_readme_command_prints_only_known_lines_each_once(tmp_path: Path) -> None:
+    lines = readme_command(tmp_path).splitlines()
+    unknown = [line for line in lines if not any(shape.fullmatch(line) for shape in ALLOWED)]
+    assert not unknown, "lines of no known shape (new noise, or a shape to add here):\n" + "\n".join(unknown)
+    repeated = [line for line, count in Counter(lines).items() if count > 1 and line.strip("-")]
+    assert not repeated, f"said more than once (once per rank?): {repeated}"
+    said = "\n".join(lines)
+    for expected in ("ddp-app: launched", "| Name", "epoch=0 step=20", "`Trainer.fit` stopped"):
+        assert expected in said, f"{expected!r} missing:\n{said}"
+
+
+def test_ddp_app_verbose_brings_back_what_is_kept_quiet(tmp_path: Path) -> None:
+    output = readme_command(tmp_path, DDP_APP_VERBOSE="1")
+    assert "[rank: 1] Seed set to 42" in output, output[-3000:]  # a line per rank
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in output, output[-3000:]
+    assert "WorkerServer.cpp" in output, output[-3000:]  # PyTorch's C++ warnings (TORCH_CPP_LOG_LEVEL)
