@@ -361,3 +361,14 @@ def test_readme_compression_accuracy_is_the_json() -> None:
         ]
         assert f"| {label} | {' | '.join(cells)} |" in readme, workload
     assert report["epochs"]["digits CNN 28x28"] == 8 and report["epochs"]["digits MLP"] == 15
+
+
+def test_performance_doc_states_the_re_measured_digits_cost() -> None:
+    figures = bench("bench_digits_nov25")
+    one, two = (figures["by_world_size"][size]["lightning_added_ms_per_step"] for size in ("1", "2"))
+    reference = figures["by_world_size"]["1"]["reference"]["step_ms"]["median"]
+    text = " ".join(PERFORMANCE.read_text().split())
+    assert (
+        f"the reference's step {reference:.2f} ms at 1 rank): {one['median']:+.2f} ms ({one['min']:+.2f} to "
+        f"{one['max']:+.2f}) at 1 rank, {two['median']:+.2f} ms ({two['min']:+.2f} to {two['max']:+.2f}) at 2 ranks"
+    ) in text
