@@ -1,6 +1,7 @@
 """Figures the docs quote from a source, checked against that source as written.
 
-Every number README.md and docs/performance.md take from a benchmark's JSON (`docs/bench*.json`) is
+Every number the docs (docs/performance.md, usage.md, reliability.md, compression.md, slurm.md)
+take from a benchmark's JSON (`docs/bench*.json`) is
 formatted here from its JSON field, with the rounding the doc uses, and must appear verbatim; so
 must the counts the docs give of test cases and parity checks' siblings (bad-input cases, Slurm
 tests) and the bound the rank-failure test asserts. A re-run that changes a JSON, or a test added
@@ -24,7 +25,8 @@ from tests.fault.test_rank_failure import BOUND_S
 from tests.fault.test_signal_storm import DEFAULT_RUN_SEEDS, SEEDS
 from tests.helpers.run import REPO
 
-README = REPO / "README.md"
+DOCS = REPO / "docs"
+USAGE, RELIABILITY, COMPRESSION = DOCS / "usage.md", DOCS / "reliability.md", DOCS / "compression.md"
 PERFORMANCE = REPO / "docs" / "performance.md"
 
 
@@ -87,7 +89,7 @@ def test_earlier_machine_table_quotes_its_json(name: str) -> None:
     assert f"(`docs/{name}.json`) {earlier_machine_row(name)}" in PERFORMANCE.read_text(), earlier_machine_row(name)
 
 
-def test_readme_performance_table_quotes_the_json() -> None:
+def test_performance_summary_table_quotes_the_json() -> None:
     digits, cnn = side("bench", 2), side("bench_cnn", 2)
     efficiency = {name: bench(name)["scaling_efficiency_by_world_size"] for name in ("bench", "bench_cnn")}
     rows = [
@@ -110,7 +112,7 @@ def test_readme_performance_table_quotes_the_json() -> None:
         )
         + "|",
     ]
-    text = README.read_text()
+    text = PERFORMANCE.read_text()
     for row in rows:
         assert row in text, row
 
@@ -166,7 +168,7 @@ def test_prose_quotes_the_json() -> None:
     }
     missing = [
         f"{path.name}: {fragment!r}"
-        for path, fragments in ((PERFORMANCE, performance), (README, readme))
+        for path, fragments in ((PERFORMANCE, performance), (PERFORMANCE, readme))
         for fragment in fragments
         if " ".join(fragment.split()) not in " ".join(path.read_text().split())
     ]
@@ -267,20 +269,20 @@ def test_slow_networks_section_quotes_the_slower_vm_run() -> None:
     assert not missing, "\n".join(missing)
 
 
-def test_readme_quotes_the_error_bench_worst_ratio() -> None:
+def test_usage_doc_quotes_the_error_bench_worst_ratio() -> None:
     """`python -m app.bench.errors`: time to a config error / time to `import lightning`, worst case."""
     worst = max(case["ratio"] for case in bench("bench_errors")["cases"].values())
     assert math.isfinite(worst)
-    assert f"({worst:.2f}x measured here, `python -m app.bench.errors`" in " ".join(README.read_text().split())
+    assert f"({worst:.2f}x measured here, `python -m app.bench.errors`" in " ".join(USAGE.read_text().split())
 
 
-def test_readme_counts_the_signal_storm_seeds() -> None:
-    text = " ".join(README.read_text().split())
+def test_reliability_doc_counts_the_signal_storm_seeds() -> None:
+    text = " ".join(RELIABILITY.read_text().split())
     assert f"{len(SEEDS)} seeds ({len(DEFAULT_RUN_SEEDS)} in the default run, all with `-m fault`)" in text
 
 
-def test_readme_counts_the_bad_input_cases() -> None:
-    assert f"({len(CASES)} cases in `tests/fault/test_bad_input.py`" in README.read_text()
+def test_reliability_doc_counts_the_bad_input_cases() -> None:
+    assert f"({len(CASES)} cases in `tests/fault/test_bad_input.py`" in RELIABILITY.read_text()
 
 
 def collected_tests(path: Path) -> int:
@@ -303,8 +305,8 @@ def test_slurm_doc_counts_the_slurm_tests() -> None:
     assert f"the whole `pytest -m slurm` ({total} tests:" in (REPO / "docs" / "slurm.md").read_text()
 
 
-def test_readme_states_the_rank_failure_bound() -> None:
-    text = " ".join(README.read_text().split())
+def test_reliability_doc_states_the_rank_failure_bound() -> None:
+    text = " ".join(RELIABILITY.read_text().split())
     assert f"within the {BOUND_S} s that `tests/fault/test_rank_failure.py` allows" in text
 
 
@@ -317,7 +319,7 @@ RECOVERY_PATHS = {
 
 
 def recovery_table() -> list[str]:
-    """The table of `python -m app.bench.recovery`'s figures (docs/recovery.json) that README.md and
+    """The table of `python -m app.bench.recovery`'s figures (docs/recovery.json) that docs/reliability.md and
     docs/slurm.md quote, row by row."""
     figures = bench("recovery")
     (interval,) = {figures[path]["checkpoint_interval_steps"] for path in RECOVERY_PATHS}
@@ -341,16 +343,16 @@ def test_docs_quote_the_recovery_figures() -> None:
     slurm_doc = " ".join((REPO / "docs" / "slurm.md").read_text().split())
     assert f"Median (min to max) of {repeats} runs each" in slurm_doc
     assert f"(load average {min(loads):.1f} to {max(loads):.1f})" in slurm_doc
-    for path in (README, REPO / "docs" / "slurm.md"):
+    for path in (RELIABILITY, REPO / "docs" / "slurm.md"):
         lines = [line.strip() for line in path.read_text().splitlines()]
         for row in recovery_table():
             assert row in lines, f"{path.name}: {row}"
 
 
-def test_readme_compression_accuracy_is_the_json() -> None:
-    """README's accuracy-cost table, cell by cell, from docs/compression_accuracy.json."""
+def test_compression_doc_accuracy_is_the_json() -> None:
+    """docs/compression.md's accuracy-cost table, cell by cell, from docs/compression_accuracy.json."""
     report = json.loads((REPO / "docs" / "compression_accuracy.json").read_text())
-    readme = README.read_text()
+    readme = COMPRESSION.read_text()
     for workload, label in (
         ("digits MLP", "digits MLP, 15 epochs"),
         ("digits CNN 28x28", "CNN on digits 28x28, 8 epochs"),

@@ -102,13 +102,13 @@ def assert_every_kind_of_check(checks: list[dict], optimizer: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_parity_command_passes_on_digits(tmp_path: Path) -> None:
-    """The command as the README gives it: SGD and Adam, 3 epochs."""
+    """The command as docs/parity.md gives it: SGD and Adam, 3 epochs."""
     checks = run_parity_command(tmp_path)["checks"]
     assert_every_kind_of_check(checks, "adam")  # P4's interop and P7 run for Adam only
     sgd = {check["name"] for check in checks if check["optimizer"] == "sgd"}
     assert {"P1", "P2a", "P2b", "P3", "P4", "P5", "P6"} <= sgd, sgd
-    # The README states how many checks the command makes on this config.
-    stated = re.search(r"\((\d+) distinct checks", (REPO / "README.md").read_text())
+    # docs/parity.md states how many checks the command makes on this config.
+    stated = re.search(r"\((\d+) distinct checks", (REPO / "docs" / "parity.md").read_text())
     assert stated and int(stated.group(1)) == len(checks), (stated, len(checks))
 
 
