@@ -82,7 +82,7 @@ from app.cluster.threads import configure_cpu_threads
 from app.compression import GradientCompression
 from app.console import quiet_console
 from app.data.sharding import shard_all_loaders
-from app.errors import UserFacingError, is_peer_lost, summarize_parser_error, user_message
+from app.errors import UserFacingError, failed_because_a_peer_died, summarize_parser_error, user_message
 from app.last_checkpoint import LastCheckpoint, agreed_last_checkpoint
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
@@ -717,7 +717,7 @@ def report_user_error(error: Exception) -> int | None:
         return None
     print(f"ddp-app: error: {message}", file=sys.stderr)
     # Another rank's failure, not this rank's input: running again may work (a restart or requeue).
-    return PEER_LOST_EXIT_CODE if is_peer_lost(error) else BAD_INPUT_EXIT_CODE
+    return PEER_LOST_EXIT_CODE if failed_because_a_peer_died(error) else BAD_INPUT_EXIT_CODE
 
 
 def main(args: list[str] | None = None) -> None:

@@ -353,7 +353,8 @@ def exception_frames(exception: BaseException) -> list[Frame]:
     ]
 
 
-def is_peer_lost(exception: BaseException) -> bool:
+def is_broken_connection(exception: BaseException) -> bool:
+    """A collective failed because a peer's connection closed (gloo's and NCCL's store's messages)."""
     return isinstance(exception, RuntimeError) and any(sign in str(exception) for sign in PEER_LOST)
 
 
@@ -394,7 +395,7 @@ class HangReport(Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not self.peers:
             return
-        lost, timed_out = is_peer_lost(exception), is_collective_timeout(exception)
+        lost, timed_out = is_broken_connection(exception), is_collective_timeout(exception)
         if lost or timed_out:  # where this rank's wait ended, for a peer that asks
             _waited["frames"] = [[frame.filename, frame.lineno, frame.name] for frame in exception_frames(exception)]
         if lost:
