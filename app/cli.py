@@ -71,10 +71,13 @@ from app.cluster.preflight import (
     Launch,
     already_launched,
     describe_launch,
+    devices_as_written_count,
     fresh_store_for_this_round,
     lightning_uses_slurm,
     on_gpu,
     preflight,
+    resolve_devices,
+    resolve_strategy,
     visible_gpus,
 )
 from app.cluster.requeue import forbid_requeue
@@ -185,11 +188,9 @@ def check_config(config: Any) -> None:
         raise UserFacingError(f"optimizer.init_args.lr must be > 0, got {lr}. Fix: a positive learning rate.")
     if (config.get("restarts") or 0) < 0:
         raise UserFacingError(f"restarts must be >= 0, got {config['restarts']}. Fix: 0 (no restarts) or a count.")
-    devices = trainer.get("devices")
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, int) and devices < 1 and devices != -1:  # -1: every GPU (on CPU, every core)
-        raise UserFacingError(f"trainer.devices must be >= 1, got {devices}. Fix: a positive process count.")
+    written_count = devices_as_written_count(trainer.get("devices"))
+    if written_count is not None and written_count < 1 and written_count != -1:  # -1: every GPU (on CPU, every core)
+        raise UserFacingError(f"trainer.devices must be >= 1, got {written_count}. Fix: a positive process count.")
     accelerator = trainer.get("accelerator")
     accelerator = accelerator if isinstance(accelerator, str) else None
     if accelerator in ("gpu", "cuda") and not visible_gpus():
@@ -207,7 +208,8 @@ def check_config(config: Any) -> None:
             "slower than 32-bit). Fix: --trainer.precision=bf16-mixed or 32-true on CPU; 16-mixed is for GPUs."
         )
     cores = os.cpu_count() or 1
-    if on_cpu and isinstance(devices, int) and devices > cores and not os.environ.get("DDP_APP_ALLOW_OVERSUBSCRIBE"):
+    devices = resolve_devices(trainer.get("devices", "auto"), trainer.get("accelerator", "auto"))
+    if on_cpu and devices is not None and devices > cores and not os.environ.get("DDP_APP_ALLOW_OVERSUBSCRIBE"):
         raise UserFacingError(
             f"trainer.devices={devices} CPU processes on a machine with {cores} cores would oversubscribe it "
             f"(every step waits for the slowest rank). Fix: trainer.devices <= {cores}, or set "
@@ -282,28 +284,17 @@ def drop_static_graph_for_accumulation(trainer_config: Any) -> str | None:
     )
 
 
-def runs_several_processes(trainer_config: Any) -> bool:
-    """Whether `strategy: auto` becomes "ddp": Lightning picks it for more than one device or node
-    (outside a notebook, which `ddp-app` never runs in)."""
-    devices = trainer_config.get("devices")
-    if isinstance(devices, str) and devices.strip().isdigit():
-        devices = int(devices)
-    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
-    return count > 1 or int(trainer_config.get("num_nodes") or 1) > 1
-
-
-def apply_collective_timeout(trainer_config: Any, seconds: float) -> None:
+def apply_collective_timeout(trainer_config: Any, seconds: float, world_size: int) -> None:
     """Give the strategy `timeout=collective_timeout_s` through its own argument, before it is built.
 
     A `class_path` strategy gets it in its `init_args` (unless the config sets a timeout of its
     own); a name (`ddp`, `ddp_spawn`, ..., or `auto` where Lightning would choose `ddp`) becomes
     the registered class with its registered arguments plus the timeout. Strategies without a
-    `timeout` argument (single device) are left alone.
+    `timeout` argument (single device) are left alone. `world_size`: the run's processes, as the
+    launch resolved them (for `strategy: auto`).
     """
     timeout = datetime.timedelta(seconds=seconds)
-    strategy = trainer_config.get("strategy")
-    if strategy == "auto" and runs_several_processes(trainer_config):
-        strategy = "ddp"
+    strategy = resolve_strategy(trainer_config.get("strategy"), world_size)
     if isinstance(strategy, str):
         if strategy not in StrategyRegistry:
             return
@@ -492,7 +483,8 @@ class DDPAppCLI(LightningCLI):
         if self.launch is not None and self.launch.launcher == "torchrun":
             fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
         self._follow_the_launchers_nodes(config["trainer"])
-        apply_collective_timeout(config["trainer"], config["collective_timeout_s"])
+        world_size = self.launch.world_size if self.launch is not None else int(config["trainer"].get("num_nodes") or 1)
+        apply_collective_timeout(config["trainer"], config["collective_timeout_s"], world_size)
         notice = drop_static_graph_for_accumulation(config["trainer"])
         # Every rank parses the config and makes the same change; one line in the log is enough.
         if notice and is_global_rank_zero(self.launch, os.environ):
@@ -535,9 +527,7 @@ class DDPAppCLI(LightningCLI):
         """The local ranks a plain launch forks; none under torchrun or srun, or for unknown devices."""
         if self.launch is None or self.launch.launcher != "plain":
             return RankPlan(0)
-        strategy = trainer_config.get("strategy")
-        if strategy == "auto" and self.launch.world_size > 1:
-            strategy = "ddp"  # what Lightning picks for several devices (outside notebooks)
+        strategy = resolve_strategy(trainer_config.get("strategy"), self.launch.world_size)
         return rank_plan(strategy, self.launch.devices, not on_gpu(trainer_config), trainer_config.get("devices"))
 
     def after_instantiate_classes(self) -> None:
