@@ -214,7 +214,7 @@ def exit_code_of(error: SystemExit) -> int:
 
 
 def check_exit_handlers() -> None:
-    """Checked by `ddp-app` as it starts (app/cli.py), before any rank: `end_rank` can run the exit
+    """Checked by `ddp-app` as it starts (app/entry.py), before any rank: `end_rank` can run the exit
     handlers (private in CPython). Without it a rank's loggers and user code would not flush at exit,
     so a CPython without it stops the launch."""
     require(atexit, "_run_exitfuncs", "python", "running a rank's exit handlers before os._exit")

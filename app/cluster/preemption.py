@@ -63,7 +63,7 @@ def abort_now(signum: int, frame: FrameType | None) -> None:
 class StopSignalFlag:
     """Records the first stop signal a process gets; `STOP_SIGNAL_FLAG` is the one of this process.
 
-    `app.cli.run` installs it for SIGUSR1 and SIGTERM as a rank starts, so that a preemption during
+    `app.entry.run` installs it for SIGUSR1 and SIGTERM as a rank starts, so that a preemption during
     setup (imports, data, rendezvous, sanity check) is recorded instead of killing the rank, and
     `LastCheckpoint` adds SIGINT when training starts (before that, Ctrl-C raises at once).
     """

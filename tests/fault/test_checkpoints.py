@@ -34,7 +34,7 @@ from app.checkpoints import (
     shapes,
     summarize_checkpoint,
 )
-from app.cli import command_line_model_keys
+from app.config_checks import command_line_model_keys
 from app.export import main as export_main
 from tests.fault.test_bad_input import malicious_checkpoint
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, train
