@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_only
 import app.data
 import app.models.lightning  # noqa: F401  (registers the LightningModules for short `class_path` names)
 from app.callbacks import LogLineProgressBar, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
-from app.checkpoints import (
+from app.checkpoints.io import (
     CheckpointSummary,
     as_checkpoint_error,
     atomic_torch_save,
@@ -48,6 +48,7 @@ from app.checkpoints import (
     safe_load,
     summarize_checkpoint,
 )
+from app.checkpoints.last import LastCheckpoint, agreed_last_checkpoint
 from app.cluster.hangs import HangReport
 from app.cluster.launch import RankPlan, rank_plan
 from app.cluster.preemption import STOP_SIGNAL_FLAG, keep_lightning_off_stop_signals
@@ -69,7 +70,6 @@ from app.config_checks import (
 )
 from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, summarize_parser_error
-from app.last_checkpoint import LastCheckpoint, agreed_last_checkpoint
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
 from app.private_apis import require
@@ -292,7 +292,7 @@ class DDPAppCLI(LightningCLI):
         if self.launch is not None and self.launch.launcher == "torchrun":
             fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
         self._follow_the_launchers_nodes(config["trainer"])
-        world_size = self.launch.world_size if self.launch is not None else int(config["trainer"].get("num_nodes") or 1)
+        world_size = self.launch.world_size if self.launch is not None else int(config["trainer"]["num_nodes"] or 1)
         apply_collective_timeout(config["trainer"], config["collective_timeout_s"], world_size)
         notice = drop_static_graph_for_accumulation(config["trainer"])
         # Every rank parses the config and makes the same change; one line in the log is enough.

@@ -19,7 +19,7 @@ from typing import Any
 from jsonargparse import Namespace
 from lightning.pytorch.strategies import StrategyRegistry
 
-from app.checkpoints import refuse_url
+from app.checkpoints.io import refuse_url
 from app.cluster.preflight import devices_as_written_count, on_gpu, resolve_devices, resolve_strategy, visible_gpus
 from app.errors import UserFacingError
 from app.tracking.run import require_tracker

@@ -10,11 +10,11 @@ from typing import Any
 import lightning as L
 import pytest
 
+from app.checkpoints.last import LastCheckpoint, agreed_last_checkpoint
 from app.cli import DDPAppCLI
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from app.cluster.launch import run_local_ranks
 from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped, resume_command
-from app.last_checkpoint import LastCheckpoint, agreed_last_checkpoint
 from tests.helpers.run import REPO
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
