@@ -15,9 +15,9 @@ def main() -> None:
         from app.resume_check import main as resume_check
 
         raise SystemExit(resume_check(sys.argv[2:]))
-    from app.cli import main as cli_main
+    from app.entry import main as entry_main
 
-    cli_main()
+    entry_main()
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar, TQDMProgressBar
 
-from app.checkpoints import atomic_torch_save
+from app.checkpoints.io import atomic_torch_save
+from app.checkpoints.last import find_last_checkpoint
 from app.errors import NonFiniteLossError
-from app.last_checkpoint import find_last_checkpoint
 
 
 class NonFiniteGuard(L.Callback):

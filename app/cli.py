@@ -1,24 +1,20 @@
-"""The `ddp-app` command: LightningCLI over the models in `app.models` and data in `app.data`.
+"""The LightningCLI of `ddp-app`: the parser, our Trainer defaults and what happens around `fit`.
 
     ddp-app fit --config configs/digits.yaml [--trainer.max_epochs 5 ...]
-    python -m app fit --config configs/digits.yaml
 
-With `strategy: ddp`, Lightning starts ranks >= 1 by running this same command line again when
-rank 0 reaches `fit`. Everything before `fit` (parsing, building the model and data module)
-therefore runs once per rank: nothing here may download or write.
+`DDPAppCLI` parses the command line into the models in `app.models` and the data in `app.data`,
+checks the config (app/config_checks.py) and the launch (app/cluster/preflight.py), and builds the
+Trainer with safe checkpoint I/O, exact resume and the tracked run. Starting and supervising the
+ranks is app/entry.py's job. Everything before `fit` (parsing, building the model and data
+module) runs once per rank: nothing here may download or write.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import importlib
 import importlib.util
-import inspect
 import os
-import random
 import sys
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,13 +31,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.profilers import PassThroughProfiler
-from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_only
 
 import app.data
 import app.models.lightning  # noqa: F401  (registers the LightningModules for short `class_path` names)
 from app.callbacks import LogLineProgressBar, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
-from app.checkpoints import (
+from app.checkpoints.io import (
     CheckpointSummary,
     as_checkpoint_error,
     atomic_torch_save,
@@ -53,42 +48,33 @@ from app.checkpoints import (
     safe_load,
     summarize_checkpoint,
 )
-from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE
-from app.cluster.hangs import HangReport, keep_hang_records
-from app.cluster.launch import (
-    RankPlan,
-    check_exit_handlers,
-    end_rank,
-    exit_code_of,
-    rank_plan,
-    refuse_cuda_before_fork,
-    run_local_ranks,
-    with_ckpt_path_last,
-    worth_a_restart,
-)
-from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped, keep_lightning_off_stop_signals
+from app.checkpoints.last import LastCheckpoint, agreed_last_checkpoint
+from app.cluster.hangs import HangReport
+from app.cluster.launch import RankPlan, rank_plan
+from app.cluster.preemption import STOP_SIGNAL_FLAG, keep_lightning_off_stop_signals
 from app.cluster.preflight import (
     Launch,
-    already_launched,
     describe_launch,
     fresh_store_for_this_round,
     lightning_uses_slurm,
     on_gpu,
     preflight,
-    visible_gpus,
+    resolve_strategy,
 )
-from app.cluster.requeue import forbid_requeue
-from app.cluster.threads import configure_cpu_threads
 from app.compression import GradientCompression
-from app.console import quiet_console
+from app.config_checks import (
+    apply_collective_timeout,
+    check_config,
+    command_line_model_keys,
+    drop_static_graph_for_accumulation,
+)
 from app.data.sharding import shard_all_loaders
-from app.errors import UserFacingError, is_peer_lost, summarize_parser_error, user_message
-from app.last_checkpoint import LastCheckpoint, agreed_last_checkpoint
+from app.errors import UserFacingError, summarize_parser_error
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
 from app.private_apis import require
 from app.resume import ExactResume
-from app.tracking.run import Tracking, require_tracker
+from app.tracking.run import Tracking
 from app.trainer_check import LEFT_OUT, check_trainer_arguments
 from app.user_code import add_user_code_directories
 
@@ -169,197 +155,11 @@ def default_loggers(root_dir: str) -> list[Logger]:
     return loggers
 
 
-def check_config(config: Any) -> None:
-    """Refuse values that Lightning or PyTorch would accept silently or reject deep inside a rank."""
-    check_paths_are_local(config)
-    trainer = config["trainer"]
-    max_epochs = trainer.get("max_epochs")
-    if max_epochs is not None and max_epochs < 1:
-        raise UserFacingError(
-            f"trainer.max_epochs must be >= 1, got {max_epochs}. Fix: a positive number of epochs "
-            "(for a run bounded by steps or time, set trainer.max_steps or trainer.max_time instead)."
-        )
-    optimizer = config.get("optimizer")
-    lr = (optimizer or {}).get("init_args", {}).get("lr") if optimizer else None
-    if isinstance(lr, (int, float)) and lr <= 0:
-        raise UserFacingError(f"optimizer.init_args.lr must be > 0, got {lr}. Fix: a positive learning rate.")
-    if (config.get("restarts") or 0) < 0:
-        raise UserFacingError(f"restarts must be >= 0, got {config['restarts']}. Fix: 0 (no restarts) or a count.")
-    devices = trainer.get("devices")
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, int) and devices < 1 and devices != -1:  # -1: every GPU (on CPU, every core)
-        raise UserFacingError(f"trainer.devices must be >= 1, got {devices}. Fix: a positive process count.")
-    accelerator = trainer.get("accelerator")
-    accelerator = accelerator if isinstance(accelerator, str) else None
-    if accelerator in ("gpu", "cuda") and not visible_gpus():
-        raise UserFacingError(
-            f"trainer.accelerator={accelerator} but this machine has no usable GPU (torch.cuda.device_count() "
-            "is 0). Fix: --trainer.accelerator=cpu (or auto), or run on a GPU node."
-        )
-    check_compression_fits(config)
-    check_tracking(config)
-    on_cpu = not on_gpu(trainer)
-    precision = str(trainer.get("precision"))
-    if on_cpu and precision in ("16", "16-mixed", "16-true", "half"):
-        raise UserFacingError(
-            f"trainer.precision={precision} on CPU: CPUs have no native float16 arithmetic (it is emulated, "
-            "slower than 32-bit). Fix: --trainer.precision=bf16-mixed or 32-true on CPU; 16-mixed is for GPUs."
-        )
-    cores = os.cpu_count() or 1
-    if on_cpu and isinstance(devices, int) and devices > cores and not os.environ.get("DDP_APP_ALLOW_OVERSUBSCRIBE"):
-        raise UserFacingError(
-            f"trainer.devices={devices} CPU processes on a machine with {cores} cores would oversubscribe it "
-            f"(every step waits for the slowest rank). Fix: trainer.devices <= {cores}, or set "
-            "DDP_APP_ALLOW_OVERSUBSCRIBE=1 to run anyway."
-        )
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
-
-
-def check_paths_are_local(config: Any) -> None:
-    """Checkpoints go to a filesystem path (`refuse_url` says why): a URL stops here, before any rank
-    starts, instead of at the first save, or as a local directory named "s3:"."""
-    trainer = config["trainer"]
-    refuse_url(trainer.get("default_root_dir") or "", "trainer.default_root_dir")
-    callbacks = trainer.get("callbacks") or []
-    for index, callback in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
-        dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
-        refuse_url(dirpath or "", f"trainer.callbacks[{index}].init_args.dirpath")
-    refuse_url(config.get("ckpt_path") or "", "ckpt_path", to_read=True)
-
-
-def check_compression_fits(config: Any) -> None:
-    """gradient_compression and a strategy's own communication hook would both register on the same
-    DDP model, which PyTorch allows once (Lightning registers its own on CUDA only)."""
-    method = (config.get("gradient_compression") or {}).get("method", "none")
-    init_args = getattr(config["trainer"].get("strategy"), "init_args", None) or {}
-    if method != "none" and init_args.get("ddp_comm_hook") is not None:
-        raise UserFacingError(
-            f"gradient_compression.method={method} and trainer.strategy.init_args.ddp_comm_hook are both set: DDP "
-            "takes one communication hook. Fix: keep gradient_compression (it also works on CPU and is checkpointed) "
-            "and remove ddp_comm_hook, or set gradient_compression.method=none."
-        )
-
-
-def check_tracking(config: Any) -> None:
-    """A tracker asked for must be installed, and it needs ddp-app's own logger (trainer.logger unset)."""
-    tracking = config.get("tracking") or {}
-    asked = [name for name in ("mlflow", "wandb") if tracking.get(name) is not None]
-    if tracking.get("tensorboard"):
-        asked.append("tensorboard")
-    if not asked:
-        return
-    for name in asked:
-        require_tracker(name)
-    if config["trainer"].get("logger") not in (None, True):
-        raise UserFacingError(
-            f"tracking.{asked[0]} and trainer.logger are both set: the tracking section replaces trainer.logger "
-            "(one run across restarts). Fix: remove trainer.logger, or remove the tracking section."
-        )
-
-
-def drop_static_graph_for_accumulation(trainer_config: Any) -> str | None:
-    """Turn DDP's `static_graph` off when gradients are accumulated; returns a notice, or None if unchanged.
-
-    Lightning skips the all-reduce on accumulation micro-batches with `DistributedDataParallel.no_sync()`,
-    which static_graph does not support: the reducer fails an internal assert, and PyTorch reports
-    runs where it instead silently stops all-reducing (ranks train apart). static_graph is only a
-    speed hint (the gradients are the same without it), so we drop it for this run rather than
-    refuse a config we ship. The reference trainer decides the same (`app.reference.config.ddp_arguments`).
-    """
-    accumulate = trainer_config.get("accumulate_grad_batches") or 1
-    strategy = trainer_config.get("strategy")
-    init_args = getattr(strategy, "init_args", None)
-    if accumulate <= 1 or init_args is None or not init_args.get("static_graph"):
-        return None
-    init_args["static_graph"] = False
-    return (
-        f"ddp-app: trainer.accumulate_grad_batches={accumulate} with static_graph: true in "
-        "trainer.strategy.init_args: DDP's static graph cannot skip the all-reduce on accumulation steps "
-        "(no_sync), so this run uses static_graph=false (a speed hint; same gradients). "
-        "Set static_graph: false in the config to silence this."
-    )
-
-
-def runs_several_processes(trainer_config: Any) -> bool:
-    """Whether `strategy: auto` becomes "ddp": Lightning picks it for more than one device or node
-    (outside a notebook, which `ddp-app` never runs in)."""
-    devices = trainer_config.get("devices")
-    if isinstance(devices, str) and devices.strip().isdigit():
-        devices = int(devices)
-    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
-    return count > 1 or int(trainer_config.get("num_nodes") or 1) > 1
-
-
-def apply_collective_timeout(trainer_config: Any, seconds: float) -> None:
-    """Give the strategy `timeout=collective_timeout_s` through its own argument, before it is built.
-
-    A `class_path` strategy gets it in its `init_args` (unless the config sets a timeout of its
-    own); a name (`ddp`, `ddp_spawn`, ..., or `auto` where Lightning would choose `ddp`) becomes
-    the registered class with its registered arguments plus the timeout. Strategies without a
-    `timeout` argument (single device) are left alone.
-    """
-    timeout = datetime.timedelta(seconds=seconds)
-    strategy = trainer_config.get("strategy")
-    if strategy == "auto" and runs_several_processes(trainer_config):
-        strategy = "ddp"
-    if isinstance(strategy, str):
-        if strategy not in StrategyRegistry:
-            return
-        entry = StrategyRegistry[strategy]
-        cls = entry["strategy"]
-        if "timeout" in inspect.signature(cls).parameters:
-            init_args = Namespace(**{**entry["init_params"], "timeout": timeout})
-            trainer_config["strategy"] = Namespace(
-                class_path=f"{cls.__module__}.{cls.__qualname__}", init_args=init_args
-            )
-        return
-    class_path = getattr(strategy, "class_path", None)
-    if class_path is None:
-        return
-    module_name, _, class_name = class_path.rpartition(".")
-    parameter = inspect.signature(getattr(importlib.import_module(module_name), class_name)).parameters.get("timeout")
-    if parameter is None:
-        return
-    if strategy.get("init_args") is None:
-        strategy["init_args"] = Namespace()
-    if strategy["init_args"].get("timeout") in (None, parameter.default):
-        strategy["init_args"]["timeout"] = timeout
-
-
 def is_global_rank_zero(launch: Launch | None, env: Mapping[str, str]) -> bool:
     """Before any process group exists: from the launch, or from the launcher's variables if unknown."""
     if launch is not None:
         return launch.global_rank == 0
     return all(env.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
-
-
-def check_writable(directory: Path) -> None:
-    """Fail before training, not at the first checkpoint an hour later."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-"):
-            pass
-    except OSError as error:
-        raise UserFacingError(
-            f"trainer.default_root_dir {directory} is not writable ({error.strerror}). "
-            "Fix: choose a directory you can write to."
-        ) from error
-
-
-def command_line_model_keys(args: list[str]) -> list[str]:
-    """The model arguments set on the command line: `hidden` for `--model.init_args.hidden 128`
-    or `--model.hidden=128` (jsonargparse accepts both)."""
-    keys = []
-    for arg in args:
-        if arg.startswith("--model."):
-            path = arg.removeprefix("--model.").partition("=")[0].split(".")
-            if path[0] in ("init_args", "dict_kwargs"):
-                path = path[1:]
-            if path and path[0] not in ("class_path", "help"):
-                keys.append(path[0])
-    return keys
 
 
 class DDPAppCLI(LightningCLI):
@@ -492,7 +292,8 @@ class DDPAppCLI(LightningCLI):
         if self.launch is not None and self.launch.launcher == "torchrun":
             fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
         self._follow_the_launchers_nodes(config["trainer"])
-        apply_collective_timeout(config["trainer"], config["collective_timeout_s"])
+        world_size = self.launch.world_size if self.launch is not None else int(config["trainer"]["num_nodes"] or 1)
+        apply_collective_timeout(config["trainer"], config["collective_timeout_s"], world_size)
         notice = drop_static_graph_for_accumulation(config["trainer"])
         # Every rank parses the config and makes the same change; one line in the log is enough.
         if notice and is_global_rank_zero(self.launch, os.environ):
@@ -535,9 +336,7 @@ class DDPAppCLI(LightningCLI):
         """The local ranks a plain launch forks; none under torchrun or srun, or for unknown devices."""
         if self.launch is None or self.launch.launcher != "plain":
             return RankPlan(0)
-        strategy = trainer_config.get("strategy")
-        if strategy == "auto" and self.launch.world_size > 1:
-            strategy = "ddp"  # what Lightning picks for several devices (outside notebooks)
+        strategy = resolve_strategy(trainer_config.get("strategy"), self.launch.world_size)
         return rank_plan(strategy, self.launch.devices, not on_gpu(trainer_config), trainer_config.get("devices"))
 
     def after_instantiate_classes(self) -> None:
@@ -675,113 +474,3 @@ def parse_config(args: list[str]) -> Any:
     except ConfigParsed as parsed:
         return parsed.config
     raise AssertionError("DDPAppCLI(parse_only=True) returned without parsing")
-
-
-def run(args: list[str]) -> int:
-    """Run the CLI in this process (a rank, or a run without DDP); returns the exit code.
-
-    A preemption signal (SIGUSR1, SIGTERM) is recorded from the start: during `fit`'s setup it
-    stops every rank together when training starts (`LastCheckpoint.on_train_start`), instead of
-    killing one rank while the others wait for it. The handlers stay until the process exits: a
-    signal after training (in the teardown or the exit handlers) is recorded and ignored, as the
-    work is saved; a rank killed then would turn a finished job into a failed one.
-    """
-    keep_hang_records(os.environ)
-    STOP_SIGNAL_FLAG.install(PREEMPTION_SIGNALS)
-    try:
-        DDPAppCLI(args=args)
-    except Stopped as stopped:
-        if stopped.is_global_zero:  # once, not once per rank
-            print(f"ddp-app: {stopped}", file=sys.stderr)
-        return stopped.exit_code
-    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
-        print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
-        return INTERRUPTED_EXIT_CODE
-    except Exception as error:
-        hang = getattr(error, "ddp_app_hang_report", None)  # set by HangReport; the traceback is in its directory
-        if hang is not None:
-            print(hang, file=sys.stderr, flush=True)
-            return HANG_EXIT_CODE
-        code = report_user_error(error)
-        if code is None:
-            raise
-        return code
-    return 0
-
-
-def report_user_error(error: Exception) -> int | None:
-    """Print the one line for an error the user can act on and return the exit code; None for a bug
-    (the caller re-raises it, traceback and all)."""
-    message = user_message(error)
-    if message is None:
-        return None
-    print(f"ddp-app: error: {message}", file=sys.stderr)
-    # Another rank's failure, not this rank's input: running again may work (a restart or requeue).
-    return PEER_LOST_EXIT_CODE if is_peer_lost(error) else BAD_INPUT_EXIT_CODE
-
-
-def main(args: list[str] | None = None) -> None:
-    """`ddp-app`: check the config once here, then fork the local ranks (app/cluster/launch.py)."""
-    try:
-        launch_and_run(args)
-    except SystemExit as exit_request:
-        # Every way out of ddp-app (a rank under srun, the launcher, a parser error) passes here.
-        if exit_request.code == BAD_INPUT_EXIT_CODE:  # a requeued Slurm job would fail the same way
-            forbid_requeue()
-        if already_launched(os.environ):  # a rank of torchrun or srun ends as the launcher's ranks do
-            end_rank(exit_code_of(exit_request))
-        raise
-
-
-def launch_and_run(args: list[str] | None) -> NoReturn:
-    """Run this rank (torchrun, srun), or parse and check the config, fork the ranks and supervise them."""
-    configure_cpu_threads()
-    quiet_console(os.environ)  # the forked ranks inherit it; torchrun's and srun's pass here too
-    args = list(sys.argv[1:] if args is None else args)
-    try:
-        check_exit_handlers()  # every way out of a rank runs them (end_rank)
-    except UserFacingError as error:
-        raise SystemExit(report_user_error(error)) from None
-    # The ranks get the command line as a list (with the launcher's additions); that is deliberate.
-    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    if already_launched(os.environ):  # torchrun, srun or a launcher started this rank
-        raise SystemExit(run(args))
-    try:
-        DDPAppCLI(args=args, parse_only=True)
-    except ConfigParsed as checked:
-        plan, num_nodes, restarts = checked.plan, checked.num_nodes, checked.config["restarts"]
-    except KeyboardInterrupt:
-        print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
-        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
-    except Exception as error:
-        code = report_user_error(error)
-        if code is None:
-            raise
-        raise SystemExit(code) from None
-    if not plan.processes:
-        raise SystemExit(run(args))
-    try:
-        refuse_cuda_before_fork()
-    except UserFacingError as error:
-        raise SystemExit(report_user_error(error)) from None
-    if plan.notice:
-        print(plan.notice, flush=True)
-    rank_args = args + list(plan.extra_args)
-    # One seed for every round: a restart must shuffle the data as the first round did.
-    os.environ.setdefault("PL_GLOBAL_SEED", str(random.randint(0, 2**31 - 1)))
-    code = run_local_ranks(plan.processes, lambda: run(rank_args), os.environ, num_nodes)
-    for restart in range(1, restarts + 1):
-        if not worth_a_restart(code):
-            break
-        print(
-            f"ddp-app: restart {restart} of {restarts} after exit code {code}: every rank starts again from last.ckpt",
-            file=sys.stderr,
-            flush=True,
-        )
-        resume_args = with_ckpt_path_last(rank_args)
-        code = run_local_ranks(plan.processes, lambda: run(resume_args), os.environ, num_nodes)  # noqa: B023
-    raise SystemExit(code)
-
-
-if __name__ == "__main__":
-    main()

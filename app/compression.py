@@ -43,7 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
-from app.checkpoints import gather_per_rank
+from app.checkpoints.io import gather_per_rank
 from app.errors import InvalidConfigError
 from app.private_apis import require
 

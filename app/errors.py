@@ -199,7 +199,7 @@ def one_line_message(error: BaseException) -> str | None:
 PARSER = ("jsonargparse/", "argparse.py")
 
 
-def is_peer_lost(error: BaseException) -> bool:
+def failed_because_a_peer_died(error: BaseException) -> bool:
     """Whether this rank stops only because another one died: one line, but not bad input, so it
     exits with its own code and a restart or requeue is worth it."""
     message = one_line_message(error)

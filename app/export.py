@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import yaml
 
-from app.checkpoints import (
+from app.checkpoints.io import (
     CheckpointError,
     atomic_write,
     check_compatible,

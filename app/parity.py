@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from app.checkpoints import load_net_weights, net_state_dict, safe_load
+from app.checkpoints.io import load_net_weights, net_state_dict, safe_load
 from app.cluster.launch import env_without_launcher
 from app.cluster.threads import configure_cpu_threads
 from app.reference.config import Job, build_job, instantiate, load_config

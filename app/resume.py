@@ -40,7 +40,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from app.checkpoints import gather_per_rank
+from app.checkpoints.io import gather_per_rank
 from app.elastic import ElasticLayout
 from app.errors import UserFacingError
 from app.private_apis import require

@@ -32,7 +32,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from app.checkpoints import safe_load
+from app.checkpoints.io import safe_load
 from app.plot import is_resumed, join_versions, metrics_files, read_metrics
 from app.resume import POSITION_KEY
 from app.tracking.layout import MEASURED_METRICS

@@ -16,6 +16,10 @@ absolute and submits with --chdir set to the current directory, so it works from
 within a budget, and prints one line saying what it did and why (app/cluster/requeue.py).
 
 Stdlib and PyYAML only: it runs on a login node in well under a second.
+
+A tool beside app/cluster/ rather than in it: the Slurm logic it uses lives there (requeue.py,
+slurm_env.py, preflight.py), but `render`, `check` and `submit` read the config through app.cli's
+parser, which itself imports app.cluster (tests/test_import_graph.py forbids the cycle).
 """
 
 from __future__ import annotations

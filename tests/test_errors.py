@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import report_user_error
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, PEER_LOST_EXIT_CODE
-from app.errors import InvalidConfigError, UserFacingError, is_peer_lost, one_line_message
+from app.entry import report_user_error
+from app.errors import InvalidConfigError, UserFacingError, failed_because_a_peer_died, one_line_message
 from tests.helpers.run import clean_env, ddp_app
 
 ONE_PROCESS = ["--trainer.devices=1", "--trainer.enable_progress_bar=false", "--trainer.max_epochs=1"]
@@ -70,7 +70,9 @@ def test_a_rank_that_lost_a_peer_reports_it_in_one_line_but_not_as_bad_input(
     """Exit 2 means "do not run this again" (no restart, no Slurm requeue); a rank that stops because
     another died must not say that."""
     lost = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
-    assert is_peer_lost(lost) and not is_peer_lost(InvalidConfigError("data.batch_size must be >= 1"))
+    assert failed_because_a_peer_died(lost) and not failed_because_a_peer_died(
+        InvalidConfigError("data.batch_size must be >= 1")
+    )
     assert report_user_error(lost) == PEER_LOST_EXIT_CODE != BAD_INPUT_EXIT_CODE
     assert "lost the connection to another rank" in capsys.readouterr().err
     assert report_user_error(InvalidConfigError("data.batch_size must be >= 1")) == BAD_INPUT_EXIT_CODE

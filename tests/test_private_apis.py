@@ -287,7 +287,7 @@ def test_wandb_still_takes_the_experimental_settings_the_sink_passes() -> None:
 
 
 def test_the_strategy_keeps_a_process_group_that_exists_when_fit_sets_up_its_environment(tmp_path: Path) -> None:
-    # app/last_checkpoint.py agreed_last_checkpoint starts the process group before `fit` (to broadcast
+    # app/checkpoints/last.py agreed_last_checkpoint starts the process group before `fit` (to broadcast
     # rank 0's last.ckpt); `fit` then calls setup_environment again, which must keep that group.
     trainer = Trainer(
         accelerator="cpu", devices=1, strategy="ddp", logger=False, default_root_dir=tmp_path, enable_progress_bar=False
@@ -297,7 +297,7 @@ def test_the_strategy_keeps_a_process_group_that_exists_when_fit_sets_up_its_env
     trainer.strategy.setup_environment()  # what Trainer._run does
     assert torch.distributed.group.WORLD is group, (
         f"Lightning's setup_environment replaced an existing process group: --ckpt_path last's broadcast "
-        f"before fit (app/last_checkpoint.py agreed_last_checkpoint) needs another place ({DOC})"
+        f"before fit (app/checkpoints/last.py agreed_last_checkpoint) needs another place ({DOC})"
     )
 
 

@@ -60,7 +60,7 @@ ASK_TIMEOUT_S = 10.0
 STACKS_HANDLER = "dump_traceback"
 COLLECTIVES_HANDLER = "fr_trace_json"
 # This project's files that every rank's stack passes through on its way into Lightning: never the place.
-PLUMBING = ("app/cli.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app")
+PLUMBING = ("app/cli.py", "app/entry.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app")
 # Ours, on the same endpoint: where this rank's own collective timed out (its main thread has left
 # that place to write its report by the time another rank asks).
 WAITED_HANDLER = "ddp_app_waited"
@@ -353,7 +353,8 @@ def exception_frames(exception: BaseException) -> list[Frame]:
     ]
 
 
-def is_peer_lost(exception: BaseException) -> bool:
+def is_broken_connection(exception: BaseException) -> bool:
+    """A collective failed because a peer's connection closed (gloo's and NCCL's store's messages)."""
     return isinstance(exception, RuntimeError) and any(sign in str(exception) for sign in PEER_LOST)
 
 
@@ -394,7 +395,7 @@ class HangReport(Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not self.peers:
             return
-        lost, timed_out = is_peer_lost(exception), is_collective_timeout(exception)
+        lost, timed_out = is_broken_connection(exception), is_collective_timeout(exception)
         if lost or timed_out:  # where this rank's wait ended, for a peer that asks
             _waited["frames"] = [[frame.filename, frame.lineno, frame.name] for frame in exception_frames(exception)]
         if lost:
@@ -402,7 +403,7 @@ class HangReport(Callback):
         if not timed_out:
             return
         line = self.report(trainer, exception)
-        # Read by `app.cli.run`, which prints it instead of the timeout's traceback (that is in the directory).
+        # Read by `app.entry.run`, which prints it instead of the timeout's traceback (that is in the directory).
         # The endpoint stays up until the process ends: a peer that timed out too may still ask.
         exception.ddp_app_hang_report = line  # type: ignore[attr-defined]
 

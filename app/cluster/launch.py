@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
+from app.cluster.preflight import devices_as_written_count
 from app.errors import UserFacingError
 from app.private_apis import require
 
@@ -117,7 +118,8 @@ def rank_plan(strategy: Any, processes_per_node: int, on_cpu: bool, devices: Any
     elif name.startswith("DDPStrategy:") and name != "DDPStrategy:popen":
         extra.append("--trainer.strategy.init_args.start_method=popen")
         notes.append(f"start_method {name.split(':')[1]} runs as popen: ddp-app starts the processes itself")
-    if on_cpu and not (isinstance(devices, int) or str(devices).strip().isdigit()):
+    written_count = devices_as_written_count(devices)
+    if on_cpu and not (written_count is not None and written_count > 0):
         # Lightning's CPUAccelerator takes only a positive count; a GPU config's [0, 1], "0,1", -1
         # or "auto" on a CPU machine means that many CPU processes.
         extra.append(f"--trainer.devices={processes_per_node}")
@@ -212,7 +214,7 @@ def exit_code_of(error: SystemExit) -> int:
 
 
 def check_exit_handlers() -> None:
-    """Checked by `ddp-app` as it starts (app/cli.py), before any rank: `end_rank` can run the exit
+    """Checked by `ddp-app` as it starts (app/entry.py), before any rank: `end_rank` can run the exit
     handlers (private in CPython). Without it a rank's loggers and user code would not flush at exit,
     so a CPython without it stops the launch."""
     require(atexit, "_run_exitfuncs", "python", "running a rank's exit handlers before os._exit")

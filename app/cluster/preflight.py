@@ -62,6 +62,17 @@ def on_gpu(trainer_config: Mapping[str, Any]) -> bool:
     return name in ("gpu", "cuda") or (name in ("auto", None) and visible_gpus() > 0)
 
 
+def devices_as_written_count(devices: Any) -> int | None:
+    """`trainer.devices` when it is written as a number (2, "2", -1, "-1"); None for a list, "0,1" or "auto"."""
+    if isinstance(devices, bool):
+        return None
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, str) and re.fullmatch(r"-?\d+", devices.strip()):
+        return int(devices)
+    return None
+
+
 def resolve_devices(devices: Any, accelerator: Any = "auto") -> int | None:
     """The number of processes per node that Trainer(devices=...) means; None if it cannot be told here.
 
@@ -74,8 +85,9 @@ def resolve_devices(devices: Any, accelerator: Any = "auto") -> int | None:
     text = str(devices).strip()
     if "," in text:  # "0,1" names GPU indices
         return len([part for part in text.split(",") if part.strip()])
-    if text.isdigit():
-        return int(text)
+    count = devices_as_written_count(devices)
+    if count is not None and count >= 0:
+        return count
     if text not in ("auto", "-1"):
         return None
     name = str(accelerator).lower() if isinstance(accelerator, str) else None
@@ -86,6 +98,12 @@ def resolve_devices(devices: Any, accelerator: Any = "auto") -> int | None:
     if name in ("gpu", "cuda"):
         return None  # no GPU: check_config says so in one line
     return 1 if text == "auto" else os.cpu_count() or 1
+
+
+def resolve_strategy(strategy: Any, world_size: int) -> Any:
+    """The one decision for `strategy: auto`: "ddp" when the run has more than one process (what
+    Lightning picks outside a notebook, which `ddp-app` never runs in); any other strategy as given."""
+    return "ddp" if strategy == "auto" and world_size > 1 else strategy
 
 
 def tasks_per_node(value: str) -> list[int]:

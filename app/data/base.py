@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 from app.data.datasets import DataNotFoundError, LoaderSettings, default_num_workers
 from app.data.on_device import DeviceResidentLoader, materialize
 from app.data.samplers import UnpaddedDistributedSampler, train_sampler
-from app.data.seeding import PerSampleSeeded, reads_without_randomness
+from app.data.seeding import PerSampleSeeded, reads_without_randomness, training_loader_generator
 from app.resume import elastic_layout, per_sample_seeding, sampler_position
 
 __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
@@ -155,11 +155,7 @@ class ShardedDataModule(L.LightningDataModule):
         )
         if self.on_device:  # no per-sample randomness to seed: `materialize` refuses augmented splits
             return DeviceResidentLoader(self._device_tensors("train", self.train_dataset), sampler, batch_size)
-        # A generator of its own: each epoch's iterator draws a seed from it, not from the global
-        # generator, whose state the checkpoint holds. Otherwise that draw falls after an epoch-end
-        # checkpoint in an uninterrupted run but before the RNG restore in a resumed one, and
-        # dropout masks differ. (Worker processes' streams do not matter: samples are seeded one by one.)
-        generator = torch.Generator().manual_seed(self.seed)
+        generator = training_loader_generator(self.seed)
         return self._loader(dataset, sampler, ResumableDataLoader, generator, batch_size)
 
     def _evaluation_loader(self, split: str, dataset: Dataset | None) -> DataLoader | DeviceResidentLoader:

@@ -21,7 +21,7 @@ from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset, Subset, TensorDataset
 from torchvision import datasets, transforms
 
-from app.checkpoints import safe_load
+from app.checkpoints.io import safe_load
 from app.errors import InvalidConfigError, UserFacingError
 from app.private_apis import require
 

@@ -47,6 +47,17 @@ def reads_without_randomness(dataset: Dataset) -> bool:
     return type(dataset) is TensorDataset
 
 
+def training_loader_generator(seed: int) -> torch.Generator:
+    """The generator a training DataLoader is given, seeded with the seed its sampler shuffles with.
+
+    A generator of its own: creating each epoch's iterator draws a seed from it, not from the global
+    generator, whose state the checkpoint holds. Otherwise that draw falls after an epoch-end
+    checkpoint in an uninterrupted run but before the RNG restore in a resumed one, and dropout
+    masks differ. (Worker processes' streams do not matter: samples are seeded one by one.)
+    """
+    return torch.Generator().manual_seed(seed)
+
+
 @dataclass(frozen=True)
 class SampleKey:
     """What the training sampler yields when samples are seeded: the index and the epoch it is drawn in."""

@@ -38,12 +38,11 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning as L
-import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from app.data.base import ResumableDataLoader
 from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
-from app.data.seeding import PerSampleSeeded, reads_without_randomness
+from app.data.seeding import PerSampleSeeded, reads_without_randomness, training_loader_generator
 from app.data.streams import PositionedStream, has_state_methods, is_stateful_stream
 from app.resume import elastic_layout, exact_resume_of, per_sample_seeding, sampler_position
 
@@ -85,10 +84,7 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
     dataset = loader.dataset
     if training:
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        # A generator of its own: creating the epoch's iterator draws a seed from it, not from the
-        # global generator. Otherwise that draw falls between an epoch-end checkpoint and the next
-        # step in an uninterrupted run but before the RNG restore in a resumed one (dropout differs).
-        generator = generator or torch.Generator().manual_seed(seed)
+        generator = generator or training_loader_generator(seed)
         seeded = per_sample_seeding(trainer) and not reads_without_randomness(dataset)
         if seeded:
             dataset = PerSampleSeeded(dataset, seed)

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from app.checkpoints import atomic_write
+from app.checkpoints.io import atomic_write
 from app.plot import METRICS_FILE, read_metrics, run_version
 from app.sweep.spec import SweepSpec
 from app.sweep.store import Point, SweepStore, shown_state

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.checkpoints import atomic_write
+from app.checkpoints.io import atomic_write
 
 PENDING, RUNNING, PREEMPTED, FAILED, DONE, PRUNED = "pending", "running", "preempted", "failed", "done", "pruned"
 FINISHED = (DONE, PRUNED)

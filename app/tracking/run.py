@@ -36,7 +36,7 @@ from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from app.checkpoints import atomic_write
+from app.checkpoints.io import atomic_write
 from app.cluster.preemption import Stopped
 from app.errors import UserFacingError
 from app.tracking.history import Call, Journal, RunHistory, mark_sent, replay, sent_seqs
@@ -536,7 +536,7 @@ class Tracking(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, Stopped):
-            # Raised after its save completed (app/last_checkpoint.py): what it holds is final.
+            # Raised after its save completed (app/checkpoints/last.py): what it holds is final.
             self._settle_save(trainer)
             self._status = "stopped"
         self._close(trainer)

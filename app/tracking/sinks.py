@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from app.checkpoints import atomic_write
+from app.checkpoints.io import atomic_write
 from app.errors import UserFacingError
 from app.tracking.history import Call
 

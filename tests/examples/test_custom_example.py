@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.checkpoints import safe_load
+from app.checkpoints.io import safe_load
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from tests.fault.test_resume import assert_same_weights, overlay, stop_with_signal
 from tests.helpers.isolated import predict_in_isolation

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.checkpoints import (
+from app.checkpoints.io import (
     CheckpointError,
     CheckpointSummary,
     atomic_torch_save,
@@ -34,7 +34,7 @@ from app.checkpoints import (
     shapes,
     summarize_checkpoint,
 )
-from app.cli import command_line_model_keys
+from app.config_checks import command_line_model_keys
 from app.export import main as export_main
 from tests.fault.test_bad_input import malicious_checkpoint
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, train
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.fault
 
 WRITER = """
 import sys, torch
-from app.checkpoints import atomic_torch_save
+from app.checkpoints.io import atomic_torch_save
 payload = {"weights": torch.randn(4_000_000)}  # 16 MB: each save takes long enough to be interrupted
 open(sys.argv[2], "w").close()  # ready: imports done, saving starts now
 i = 0

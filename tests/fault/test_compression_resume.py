@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.checkpoints import safe_load
+from app.checkpoints.io import safe_load
 from tests.fault.test_resume import (
     assert_same_weights,
     fit,

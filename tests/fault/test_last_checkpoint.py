@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.checkpoints import CheckpointError, safe_load
+from app.checkpoints.io import CheckpointError, safe_load
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
 from tests.fault.test_resume import fit, resume_and_compare, start_fit, stop_with_signal, wait_for_step
 from tests.helpers.run import kill_job

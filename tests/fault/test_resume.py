@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.checkpoints import CheckpointError, safe_load
+from app.checkpoints.io import CheckpointError, safe_load
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, live_job_processes, rank_pids
 

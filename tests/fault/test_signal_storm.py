@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from app.checkpoints import safe_load
+from app.checkpoints.io import safe_load
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from tests.fault.test_resume import assert_same_weights, fit, group_is_gone, resume_and_compare, start_fit
 from tests.helpers.phases import PHASE_LINE_PREFIX
@@ -47,7 +47,7 @@ PHASE_MARKS = {
     "setup": {None, "setup", "sanity_check"},
     "training": {"train"},
     # A step save due at the epoch's last batch is written when validation starts (after that step's
-    # log row: app/last_checkpoint.py), so the validation phase may begin with a save.
+    # log row: app/checkpoints/last.py), so the validation phase may begin with a save.
     "validation": {"validation", "save", "save_end"},
     "checkpointing": {"save"},
 }

@@ -23,7 +23,7 @@ import pytest
 from localcluster import LocalSlurmCluster
 
 from app.bench.recovery import CPU_ONLY_SBATCH, measure_slurm
-from app.checkpoints import net_state_dict, safe_load
+from app.checkpoints.io import net_state_dict, safe_load
 from app.cluster.slurm_env import job_master_port
 from app.parity import compare_states
 from tests.helpers.run import ddp_app

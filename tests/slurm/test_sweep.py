@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from localcluster import LocalSlurmCluster
 
-from app.checkpoints import safe_load
+from app.checkpoints.io import safe_load
 from tests.helpers.run import BIN, ddp_app
 
 pytestmark = [pytest.mark.slurm, pytest.mark.fault, pytest.mark.distributed]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from app.checkpoints import safe_load
+from app.checkpoints.io import safe_load
 from app.sweep.__main__ import main
 from tests.helpers.run import REPO, clean_env, ddp_app, kill_job
 

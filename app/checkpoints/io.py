@@ -1,4 +1,4 @@
-"""Saving, loading and exporting checkpoints: atomic writes, never-executing loads, clear errors.
+"""Saving and loading checkpoints: atomic writes, never-executing loads, clear errors.
 
 - Writes go to a temporary file in the destination directory, are flushed and fsynced, and then
   `os.replace`d over the target: a crash leaves the old file or the new one, never half of one.
@@ -7,7 +7,7 @@
   to `weights_only=False` for those): a checkpoint whose unpickling would run code is refused.
 
 No Lightning here: the datasets the reference trainer shares load tensor files with `safe_load`.
-Lightning's side, `SafeCheckpointIO`, is in `app.cli`.
+Lightning's side, `SafeCheckpointIO`, is in `app.cli`; exporting a model, in `app.export`.
 """
 
 from __future__ import annotations
@@ -230,9 +230,10 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
             and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
         ):
             raise CheckpointError(
-                f"{path} is an exported weights file (a bare state_dict, as `python -m app.export` writes), not a "
-                f"Lightning checkpoint: load it into the network with net.load_state_dict(torch.load('{path}', "
-                "weights_only=True)). Fix: give --ckpt_path the .ckpt it was exported from."
+                f"{path} is an exported weights file (a bare state_dict, as `python -m app.export` "
+                "writes), not a Lightning checkpoint: load it into the network with "
+                f"net.load_state_dict(torch.load('{path}', weights_only=True)). "
+                "Fix: give --ckpt_path the .ckpt it was exported from."
             )
         raise CheckpointError(
             f"{path} is not a Lightning checkpoint (it has no 'state_dict' or 'pytorch-lightning_version'). "

@@ -126,7 +126,7 @@ class LastCheckpoint(Checkpoint):
             self.dirpath = str(checkpoint_directory(trainer))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # `app.cli.run` recorded SIGUSR1 and SIGTERM since the rank started; Ctrl-C is recorded from here on.
+        # `app.entry.run` recorded SIGUSR1 and SIGTERM since the rank started; Ctrl-C is recorded from here on.
         self._taken_signals = self._signals.install(STOP_SIGNALS)
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
@@ -234,7 +234,7 @@ class LastCheckpoint(Checkpoint):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # Keep the flag-only handlers while a stopped job exits: after a requeue SLURM sends SIGTERM to
-        # every task, which must not end a rank midway (under `app.cli.run` they stay until the exit).
+        # every task, which must not end a rank midway (under `app.entry.run` they stay until the exit).
         if not isinstance(exception, Stopped):
             self._signals.restore(self._taken_signals)
 

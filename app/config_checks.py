@@ -1,0 +1,199 @@
+"""Checks and rewrites of a parsed `ddp-app` config, before any class is built.
+
+Each check refuses, in one line with its fix, a value that Lightning or PyTorch would accept
+silently or reject deep inside a rank; each rewrite changes the config the way every rank must
+(a collective timeout, DDP's static graph under gradient accumulation). `app.cli.DDPAppCLI`
+calls them once the config is parsed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import inspect
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import Namespace
+from lightning.pytorch.strategies import StrategyRegistry
+
+from app.checkpoints.io import refuse_url
+from app.cluster.preflight import devices_as_written_count, on_gpu, resolve_devices, resolve_strategy, visible_gpus
+from app.errors import UserFacingError
+from app.tracking.run import require_tracker
+
+
+def check_config(config: Any) -> None:
+    """Refuse values that Lightning or PyTorch would accept silently or reject deep inside a rank."""
+    check_paths_are_local(config)
+    trainer = config["trainer"]
+    max_epochs = trainer.get("max_epochs")
+    if max_epochs is not None and max_epochs < 1:
+        raise UserFacingError(
+            f"trainer.max_epochs must be >= 1, got {max_epochs}. Fix: a positive number of epochs "
+            "(for a run bounded by steps or time, set trainer.max_steps or trainer.max_time instead)."
+        )
+    optimizer = config.get("optimizer")
+    lr = (optimizer or {}).get("init_args", {}).get("lr") if optimizer else None
+    if isinstance(lr, (int, float)) and lr <= 0:
+        raise UserFacingError(f"optimizer.init_args.lr must be > 0, got {lr}. Fix: a positive learning rate.")
+    if (config.get("restarts") or 0) < 0:
+        raise UserFacingError(f"restarts must be >= 0, got {config['restarts']}. Fix: 0 (no restarts) or a count.")
+    written_count = devices_as_written_count(trainer.get("devices"))
+    if written_count is not None and written_count < 1 and written_count != -1:  # -1: every GPU (on CPU, every core)
+        raise UserFacingError(f"trainer.devices must be >= 1, got {written_count}. Fix: a positive process count.")
+    accelerator = trainer.get("accelerator")
+    accelerator = accelerator if isinstance(accelerator, str) else None
+    if accelerator in ("gpu", "cuda") and not visible_gpus():
+        raise UserFacingError(
+            f"trainer.accelerator={accelerator} but this machine has no usable GPU (torch.cuda.device_count() "
+            "is 0). Fix: --trainer.accelerator=cpu (or auto), or run on a GPU node."
+        )
+    check_compression_fits(config)
+    check_tracking(config)
+    on_cpu = not on_gpu(trainer)
+    precision = str(trainer.get("precision"))
+    if on_cpu and precision in ("16", "16-mixed", "16-true", "half"):
+        raise UserFacingError(
+            f"trainer.precision={precision} on CPU: CPUs have no native float16 arithmetic (it is emulated, "
+            "slower than 32-bit). Fix: --trainer.precision=bf16-mixed or 32-true on CPU; 16-mixed is for GPUs."
+        )
+    cores = os.cpu_count() or 1
+    devices = resolve_devices(trainer.get("devices", "auto"), trainer.get("accelerator", "auto"))
+    if on_cpu and devices is not None and devices > cores and not os.environ.get("DDP_APP_ALLOW_OVERSUBSCRIBE"):
+        raise UserFacingError(
+            f"trainer.devices={devices} CPU processes on a machine with {cores} cores would oversubscribe it "
+            f"(every step waits for the slowest rank). Fix: trainer.devices <= {cores}, or set "
+            "DDP_APP_ALLOW_OVERSUBSCRIBE=1 to run anyway."
+        )
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
+
+
+def check_paths_are_local(config: Any) -> None:
+    """Checkpoints go to a filesystem path (`refuse_url` says why): a URL stops here, before any rank
+    starts, instead of at the first save, or as a local directory named "s3:"."""
+    trainer = config["trainer"]
+    refuse_url(trainer.get("default_root_dir") or "", "trainer.default_root_dir")
+    callbacks = trainer.get("callbacks") or []
+    for index, callback in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+        dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
+        refuse_url(dirpath or "", f"trainer.callbacks[{index}].init_args.dirpath")
+    refuse_url(config.get("ckpt_path") or "", "ckpt_path", to_read=True)
+
+
+def check_compression_fits(config: Any) -> None:
+    """gradient_compression and a strategy's own communication hook would both register on the same
+    DDP model, which PyTorch allows once (Lightning registers its own on CUDA only)."""
+    method = (config.get("gradient_compression") or {}).get("method", "none")
+    init_args = getattr(config["trainer"].get("strategy"), "init_args", None) or {}
+    if method != "none" and init_args.get("ddp_comm_hook") is not None:
+        raise UserFacingError(
+            f"gradient_compression.method={method} and trainer.strategy.init_args.ddp_comm_hook are both set: DDP "
+            "takes one communication hook. Fix: keep gradient_compression (it also works on CPU and is checkpointed) "
+            "and remove ddp_comm_hook, or set gradient_compression.method=none."
+        )
+
+
+def check_tracking(config: Any) -> None:
+    """A tracker asked for must be installed, and it needs ddp-app's own logger (trainer.logger unset)."""
+    tracking = config.get("tracking") or {}
+    asked = [name for name in ("mlflow", "wandb") if tracking.get(name) is not None]
+    if tracking.get("tensorboard"):
+        asked.append("tensorboard")
+    if not asked:
+        return
+    for name in asked:
+        require_tracker(name)
+    if config["trainer"].get("logger") not in (None, True):
+        raise UserFacingError(
+            f"tracking.{asked[0]} and trainer.logger are both set: the tracking section replaces trainer.logger "
+            "(one run across restarts). Fix: remove trainer.logger, or remove the tracking section."
+        )
+
+
+def drop_static_graph_for_accumulation(trainer_config: Any) -> str | None:
+    """Turn DDP's `static_graph` off when gradients are accumulated; returns a notice, or None if unchanged.
+
+    Lightning skips the all-reduce on accumulation micro-batches with `DistributedDataParallel.no_sync()`,
+    which static_graph does not support: the reducer fails an internal assert, and PyTorch reports
+    runs where it instead silently stops all-reducing (ranks train apart). static_graph is only a
+    speed hint (the gradients are the same without it), so we drop it for this run rather than
+    refuse a config we ship. The reference trainer decides the same (`app.reference.config.ddp_arguments`).
+    """
+    accumulate = trainer_config.get("accumulate_grad_batches") or 1
+    strategy = trainer_config.get("strategy")
+    init_args = getattr(strategy, "init_args", None)
+    if accumulate <= 1 or init_args is None or not init_args.get("static_graph"):
+        return None
+    init_args["static_graph"] = False
+    return (
+        f"ddp-app: trainer.accumulate_grad_batches={accumulate} with static_graph: true in "
+        "trainer.strategy.init_args: DDP's static graph cannot skip the all-reduce on accumulation steps "
+        "(no_sync), so this run uses static_graph=false (a speed hint; same gradients). "
+        "Set static_graph: false in the config to silence this."
+    )
+
+
+def apply_collective_timeout(trainer_config: Any, seconds: float, world_size: int) -> None:
+    """Give the strategy `timeout=collective_timeout_s` through its own argument, before it is built.
+
+    A `class_path` strategy gets it in its `init_args` (unless the config sets a timeout of its
+    own); a name (`ddp`, `ddp_spawn`, ..., or `auto` where Lightning would choose `ddp`) becomes
+    the registered class with its registered arguments plus the timeout. Strategies without a
+    `timeout` argument (single device) are left alone. `world_size`: the run's processes, as the
+    launch resolved them (for `strategy: auto`).
+    """
+    timeout = datetime.timedelta(seconds=seconds)
+    strategy = resolve_strategy(trainer_config.get("strategy"), world_size)
+    if isinstance(strategy, str):
+        if strategy not in StrategyRegistry:
+            return
+        entry = StrategyRegistry[strategy]
+        cls = entry["strategy"]
+        if "timeout" in inspect.signature(cls).parameters:
+            init_args = Namespace(**{**entry["init_params"], "timeout": timeout})
+            trainer_config["strategy"] = Namespace(
+                class_path=f"{cls.__module__}.{cls.__qualname__}", init_args=init_args
+            )
+        return
+    class_path = getattr(strategy, "class_path", None)
+    if class_path is None:
+        return
+    module_name, _, class_name = class_path.rpartition(".")
+    parameter = inspect.signature(getattr(importlib.import_module(module_name), class_name)).parameters.get("timeout")
+    if parameter is None:
+        return
+    if strategy.get("init_args") is None:
+        strategy["init_args"] = Namespace()
+    if strategy["init_args"].get("timeout") in (None, parameter.default):
+        strategy["init_args"]["timeout"] = timeout
+
+
+def check_writable(directory: Path) -> None:
+    """Fail before training, not at the first checkpoint an hour later."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-"):
+            pass
+    except OSError as error:
+        raise UserFacingError(
+            f"trainer.default_root_dir {directory} is not writable ({error.strerror}). "
+            "Fix: choose a directory you can write to."
+        ) from error
+
+
+def command_line_model_keys(args: list[str]) -> list[str]:
+    """The model arguments set on the command line: `hidden` for `--model.init_args.hidden 128`
+    or `--model.hidden=128` (jsonargparse accepts both)."""
+    keys = []
+    for arg in args:
+        if arg.startswith("--model."):
+            path = arg.removeprefix("--model.").partition("=")[0].split(".")
+            if path[0] in ("init_args", "dict_kwargs"):
+                path = path[1:]
+            if path and path[0] not in ("class_path", "help"):
+                keys.append(path[0])
+    return keys

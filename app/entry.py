@@ -1,0 +1,148 @@
+"""`ddp-app`'s entry: parse and check the config once, fork the local ranks, supervise them.
+
+    ddp-app fit --config configs/digits.yaml [--trainer.max_epochs 5 ...]
+    python -m app fit --config configs/digits.yaml
+
+`main` runs a rank as it is when torchrun or srun started it; otherwise it parses the config with a
+parse-only `DDPAppCLI` (app/cli.py), so that bad input is reported once before any rank exists,
+then forks the ranks and supervises them (app/cluster/launch.py), restarting them from last.ckpt
+up to `restarts` times. `run` is one rank's (or a single-process run's) life: the CLI, with a
+one-line report and its exit code for an error the user can act on.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import warnings
+from typing import NoReturn
+
+from app.cli import ConfigParsed, DDPAppCLI
+from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE
+from app.cluster.hangs import keep_hang_records
+from app.cluster.launch import (
+    check_exit_handlers,
+    end_rank,
+    exit_code_of,
+    refuse_cuda_before_fork,
+    run_local_ranks,
+    with_ckpt_path_last,
+    worth_a_restart,
+)
+from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped
+from app.cluster.preflight import already_launched
+from app.cluster.requeue import forbid_requeue
+from app.cluster.threads import configure_cpu_threads
+from app.console import quiet_console
+from app.errors import UserFacingError, failed_because_a_peer_died, user_message
+
+
+def run(args: list[str]) -> int:
+    """Run the CLI in this process (a rank, or a run without DDP); returns the exit code.
+
+    A preemption signal (SIGUSR1, SIGTERM) is recorded from the start: during `fit`'s setup it
+    stops every rank together when training starts (`LastCheckpoint.on_train_start`), instead of
+    killing one rank while the others wait for it. The handlers stay until the process exits: a
+    signal after training (in the teardown or the exit handlers) is recorded and ignored, as the
+    work is saved; a rank killed then would turn a finished job into a failed one.
+    """
+    keep_hang_records(os.environ)
+    STOP_SIGNAL_FLAG.install(PREEMPTION_SIGNALS)
+    try:
+        DDPAppCLI(args=args)
+    except Stopped as stopped:
+        if stopped.is_global_zero:  # once, not once per rank
+            print(f"ddp-app: {stopped}", file=sys.stderr)
+        return stopped.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
+        print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+    except Exception as error:
+        hang = getattr(error, "ddp_app_hang_report", None)  # set by HangReport; the traceback is in its directory
+        if hang is not None:
+            print(hang, file=sys.stderr, flush=True)
+            return HANG_EXIT_CODE
+        code = report_user_error(error)
+        if code is None:
+            raise
+        return code
+    return 0
+
+
+def report_user_error(error: Exception) -> int | None:
+    """Print the one line for an error the user can act on and return the exit code; None for a bug
+    (the caller re-raises it, traceback and all)."""
+    message = user_message(error)
+    if message is None:
+        return None
+    print(f"ddp-app: error: {message}", file=sys.stderr)
+    # Another rank's failure, not this rank's input: running again may work (a restart or requeue).
+    return PEER_LOST_EXIT_CODE if failed_because_a_peer_died(error) else BAD_INPUT_EXIT_CODE
+
+
+def main(args: list[str] | None = None) -> None:
+    """`ddp-app`: check the config once here, then fork the local ranks (app/cluster/launch.py)."""
+    try:
+        launch_and_run(args)
+    except SystemExit as exit_request:
+        # Every way out of ddp-app (a rank under srun, the launcher, a parser error) passes here.
+        if exit_request.code == BAD_INPUT_EXIT_CODE:  # a requeued Slurm job would fail the same way
+            forbid_requeue()
+        if already_launched(os.environ):  # a rank of torchrun or srun ends as the launcher's ranks do
+            end_rank(exit_code_of(exit_request))
+        raise
+
+
+def launch_and_run(args: list[str] | None) -> NoReturn:
+    """Run this rank (torchrun, srun), or parse and check the config, fork the ranks and supervise them."""
+    configure_cpu_threads()
+    quiet_console(os.environ)  # the forked ranks inherit it; torchrun's and srun's pass here too
+    args = list(sys.argv[1:] if args is None else args)
+    try:
+        check_exit_handlers()  # every way out of a rank runs them (end_rank)
+    except UserFacingError as error:
+        raise SystemExit(report_user_error(error)) from None
+    # The ranks get the command line as a list (with the launcher's additions); that is deliberate.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    if already_launched(os.environ):  # torchrun, srun or a launcher started this rank
+        raise SystemExit(run(args))
+    try:
+        DDPAppCLI(args=args, parse_only=True)
+    except ConfigParsed as checked:
+        plan, num_nodes, restarts = checked.plan, checked.num_nodes, checked.config["restarts"]
+    except KeyboardInterrupt:
+        print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+    except Exception as error:
+        code = report_user_error(error)
+        if code is None:
+            raise
+        raise SystemExit(code) from None
+    if not plan.processes:
+        raise SystemExit(run(args))
+    try:
+        refuse_cuda_before_fork()
+    except UserFacingError as error:
+        raise SystemExit(report_user_error(error)) from None
+    if plan.notice:
+        print(plan.notice, flush=True)
+    rank_args = args + list(plan.extra_args)
+    # One seed for every round: a restart must shuffle the data as the first round did.
+    os.environ.setdefault("PL_GLOBAL_SEED", str(random.randint(0, 2**31 - 1)))
+    code = run_local_ranks(plan.processes, lambda: run(rank_args), os.environ, num_nodes)
+    for restart in range(1, restarts + 1):
+        if not worth_a_restart(code):
+            break
+        print(
+            f"ddp-app: restart {restart} of {restarts} after exit code {code}: every rank starts again from last.ckpt",
+            file=sys.stderr,
+            flush=True,
+        )
+        resume_args = with_ckpt_path_last(rank_args)
+        code = run_local_ranks(plan.processes, lambda: run(resume_args), os.environ, num_nodes)  # noqa: B023
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()
