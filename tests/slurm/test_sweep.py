@@ -4,9 +4,11 @@ uninterrupted run of that point; the table lists all 4."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +40,15 @@ def sweep(slurm_cluster: LocalSlurmCluster, *args: str, cwd: Path) -> subprocess
                           text=True, timeout=120)  # fmt: skip
 
 
+def rank_of_point(pid: int, point_dir: Path) -> bool:
+    """Whether process `pid` is a ddp-app rank of the point run in `point_dir`."""
+    try:
+        command = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"app" in command and f"--trainer.default_root_dir={point_dir}".encode() in command
+
+
 def points(directory: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(directory.glob("points/*/point.json"))]
 
@@ -67,7 +78,15 @@ def test_a_sweep_array_with_a_preempted_task_completes_every_point(
                     victim = point
                     break
             time.sleep(0.2)
-        slurm_cluster.run(["scancel", "--signal=USR1", victim["claim"]["slurm_job"]])
+        # SIGUSR1 to the point's ranks, as Slurm's --signal delivers it before a preemption. (Not
+        # `scancel --signal`: it retries while the job is being requeued, "Job can not be altered now",
+        # and its retry reaches the requeued attempt's ranks before they handle signals.)
+        point_dir = out / "points" / f"{victim['number']:03d}"
+        ranks = [pid for pid in os.listdir("/proc") if pid.isdigit() and rank_of_point(int(pid), point_dir)]
+        assert ranks, f"no rank of point {victim['number']} found"
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGUSR1)
         deadline = time.monotonic() + 600
         while True:
             queue = slurm_cluster.run(["squeue", "-h", "-o", "%i", "-j", array_job], check=False).stdout.split()
