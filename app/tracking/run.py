@@ -184,6 +184,7 @@ class TrackedRun:
         self._failed: set[str] = set()
         self._sent_values: dict[str, set[tuple[str, int]]] = {}  # per tracker: (name, step) it has
         self._unconfirmed: dict[str, list[Call]] = {}  # sent to a tracker that makes them durable at close
+        self._sent_seqs: dict[str, set[int]] = {}  # per tracker: the calls it has been sent (sent-*.txt)
 
     def begin(self, seq: int, step: int, facts: dict[str, Any], tracker_facts: RunFacts) -> None:
         """Start this attempt: after a resume, the dead attempts' later values become provisional."""
@@ -234,7 +235,9 @@ class TrackedRun:
         fails is retried at the next save (its backlog stays in the journal); training goes on."""
         for sink in self.sinks:
             path = self._sent_file(sink)
-            sent = sent_seqs(path) | {call.seq for call in self._unconfirmed.get(sink.name, [])}
+            if sink.name not in self._sent_seqs:  # read once per attempt, kept in memory after
+                self._sent_seqs[sink.name] = sent_seqs(path)
+            sent = self._sent_seqs[sink.name]
             if sink.name not in self._sent_values:
                 self._sent_values[sink.name] = {
                     (name, call.step)
@@ -250,6 +253,7 @@ class TrackedRun:
                 values = {name: value for name, value in call.values.items() if (name, call.step) not in sent_values}
                 sent_values.update((name, call.step) for name in values)
                 unsent.append(Call(call.seq, call.step, call.time, values, call.state))
+            sent.update(call.seq for call in unsent)
             try:
                 if unsent:
                     sink.send([call for call in unsent if call.values])
@@ -261,6 +265,7 @@ class TrackedRun:
                     sink.note(tags)
             except Exception as error:
                 sent_values.difference_update((name, call.step) for call in unsent for name in call.values)
+                sent.difference_update(call.seq for call in unsent)
                 if sink.name not in self._failed:
                     print(
                         f"ddp-app: tracking: sending to {sink.name} failed ({error!r}); training goes on, "
