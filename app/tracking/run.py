@@ -18,6 +18,7 @@ import datetime
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import subprocess
@@ -39,7 +40,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from app.checkpoints.io import atomic_write
 from app.cluster.preemption import Stopped
 from app.errors import UserFacingError
-from app.tracking.history import Call, Journal, RunHistory, mark_sent, replay, sent_seqs
+from app.tracking.history import SETTLED, Call, Journal, RunHistory, mark_sent, replay, sent_seqs
 from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, RUN_FILE, SAMPLES_PER_S, latest_run
 from app.tracking.sinks import CsvView, MlflowSink, RunFacts, TensorBoardSink, WandbSink
 
@@ -185,6 +186,7 @@ class TrackedRun:
         self._sent_values: dict[str, set[tuple[str, int]]] = {}  # per tracker: (name, step) it has
         self._unconfirmed: dict[str, list[Call]] = {}  # sent to a tracker that makes them durable at close
         self._sent_seqs: dict[str, set[int]] = {}  # per tracker: the calls it has been sent (sent-*.txt)
+        self._finished = False
 
     def begin(self, seq: int, step: int, facts: dict[str, Any], tracker_facts: RunFacts) -> None:
         """Start this attempt: after a resume, the dead attempts' later values become provisional."""
@@ -213,6 +215,7 @@ class TrackedRun:
     def finish(self) -> None:
         self.journal.append({"finished": True})
         self.history.finished()
+        self._finished = True
         self._send(self.history.settled())
 
     def close(self, status: str, tags: dict[str, str]) -> None:
@@ -228,6 +231,19 @@ class TrackedRun:
 
     def _sent_file(self, sink: Any) -> Path:
         return self.log_dir / f"sent-{sink.name}.txt"
+
+    def _complete_below(self) -> float:
+        """The steps below this one hold their last value: every call at them is settled, and a
+        later step has been settled, so nothing more will be logged at them.
+
+        For trackers that cannot add to a step once they have moved past it (W&B): Lightning logs
+        an epoch's values at the epoch's last step in several calls, some after the epoch-end
+        checkpoint, so such a step is sent only when it is complete; else an attempt that ends
+        (W&B commits the row at `finish`) after the first part leaves the rest of the step out.
+        """
+        settled = [call.step for call in self.history.calls.values() if call.state == SETTLED]
+        open_steps = [call.step for call in self.history.calls.values() if call.state != SETTLED]
+        return min(max(settled, default=-1), min(open_steps, default=math.inf))
 
     def _send(self, settled: list[Call], tags: dict[str, str] | None = None) -> None:
         """Each tracker gets the settled calls it has not had yet, one value per name and step
@@ -246,9 +262,10 @@ class TrackedRun:
                     for name in call.values
                 }
             sent_values = self._sent_values[sink.name]
+            below = math.inf if sink.takes_earlier_steps or self._finished else self._complete_below()
             unsent = []
             for call in settled:
-                if call.seq in sent:
+                if call.seq in sent or call.step >= below:
                     continue
                 values = {name: value for name, value in call.values.items() if (name, call.step) not in sent_values}
                 sent_values.update((name, call.step) for name in values)

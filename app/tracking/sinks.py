@@ -94,6 +94,7 @@ class TensorBoardSink:
 
     name = "tensorboard"
     durable_on_send = True  # flushed to the event file in `send`
+    takes_earlier_steps = True
 
     def __init__(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -121,6 +122,7 @@ class MlflowSink:
 
     name = "mlflow"
     durable_on_send = True  # stored by the tracking server (or SQLite) when log_batch returns
+    takes_earlier_steps = True
 
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None) -> None:
         from mlflow import MlflowClient
@@ -209,10 +211,15 @@ class WandbSink:
     returned; an attempt that follows a killed one sends everything settled again. Where the killed
     attempt's file did hold some of it, `wandb sync` keeps the first copy (W&B drops a step at or
     below the run's current step), and a settled value never changes, so the run shows each once.
+
+    For the same reason W&B cannot take more values at a step once the attempt's row for it is
+    written (a later step logged, or `finish()`): it is sent a step only when every value at it is
+    settled (`TrackedRun._complete_below`).
     """
 
     name = "wandb"
     durable_on_send = False
+    takes_earlier_steps = False
 
     def __init__(self, log_dir: Path, project: str, entity: str | None, mode: str) -> None:
         self.log_dir, self.project, self.entity, self.mode = log_dir, project, entity, mode
