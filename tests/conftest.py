@@ -13,7 +13,9 @@ from app.cluster.launch import LAUNCHER_VARIABLES
 from tests.helpers import run
 
 # Tiers that start processes, need the Slurm cluster or take long; every other test is `quick`.
-NOT_QUICK = ("distributed", "slurm", "parity", "slow", "gpu")
+# `more_cases`: further cases of a command the quick tier already runs once (each starts `ddp-app`,
+# about 4.5 s of imports on a 2-core machine); the default run has them all.
+NOT_QUICK = ("distributed", "slurm", "parity", "slow", "gpu", "more_cases")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

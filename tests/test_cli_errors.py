@@ -15,9 +15,9 @@ from tests.helpers.run import REPO, ddp_app
     ("override", "named"),
     [
         ("--trainer.max_epochs=oops", "trainer.max_epochs"),
-        ("--model.init_args.hidden=wide", "model.init_args.hidden"),
-        ("--trainer.no_such_key=1", "trainer.no_such_key"),
-        ("--data.init_args.batch_size=0", "data.batch_size"),
+        pytest.param("--model.init_args.hidden=wide", "model.init_args.hidden", marks=pytest.mark.more_cases),
+        pytest.param("--trainer.no_such_key=1", "trainer.no_such_key", marks=pytest.mark.more_cases),
+        pytest.param("--data.init_args.batch_size=0", "data.batch_size", marks=pytest.mark.more_cases),
     ],
 )
 def test_bad_override_names_the_key(override: str, named: str) -> None:

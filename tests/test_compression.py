@@ -30,16 +30,31 @@ def test_compressed_matrix_is_the_rule_of_powersgd_hook() -> None:
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("--gradient_compression.method=zip", "gradient_compression.method must be one of none, fp16, bf16"),
-        ("--gradient_compression.start_iter=1", "gradient_compression.start_iter must be >= 2, got 1"),
-        ("--gradient_compression.powersgd_rank=0", "gradient_compression.powersgd_rank must be >= 1, got 0"),
-        (
+        pytest.param(
+            "--gradient_compression.method=zip",
+            "gradient_compression.method must be one of none, fp16, bf16",
+            id="unknown-method",
+            marks=pytest.mark.more_cases,
+        ),
+        pytest.param(
+            "--gradient_compression.start_iter=1",
+            "gradient_compression.start_iter must be >= 2, got 1",
+            id="start-iter-1",
+            marks=pytest.mark.more_cases,
+        ),
+        pytest.param(
+            "--gradient_compression.powersgd_rank=0",
+            "gradient_compression.powersgd_rank must be >= 1, got 0",
+            id="rank-0",
+            marks=pytest.mark.more_cases,
+        ),
+        pytest.param(
             "--trainer.strategy.init_args.ddp_comm_hook=torch.distributed.algorithms.ddp_comm_hooks."
             "default_hooks.fp16_compress_hook",
             "gradient_compression.method=bf16 and trainer.strategy.init_args.ddp_comm_hook are both set",
+            id="two-hooks",
         ),
     ],
-    ids=["unknown-method", "start-iter-1", "rank-0", "two-hooks"],
 )
 def test_bad_compression_settings_fail_in_one_line(override: str, expected: str, tmp_path: Path) -> None:
     method = [] if "method" in override else ["--gradient_compression.method=bf16"]

@@ -104,7 +104,9 @@ def test_an_error_no_single_key_explains_keeps_its_traceback() -> None:
     assert explain(error, build, {"devices": 3}, {}) is None
 
 
-@pytest.mark.parametrize(("override", "key", "value"), [REFUSED[0], REFUSED[3]])
+@pytest.mark.parametrize(
+    ("override", "key", "value"), [REFUSED[0], pytest.param(*REFUSED[3], marks=pytest.mark.more_cases)]
+)
 def test_the_command_exits_2_with_one_line_and_writes_nothing(
     tmp_path: Path, override: str, key: str, value: str
 ) -> None:
