@@ -18,6 +18,7 @@ The same runner drives the stop matrix in tests/fault/test_resume_matrix.py.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -153,6 +154,7 @@ class Outcome:
     optimizer_diff: float
     metrics_same: bool
     detail: str = ""
+    root: Path | None = None  # the stopped-and-resumed run's default_root_dir
     exact: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -214,10 +216,10 @@ def compare_metrics(
     for step, values in expected.items():
         found = actual.get(step, {})
         for name, value in values.items():
-            if name in MEASURED_METRICS:  # a throughput: differs between any two runs
-                continue
             if name not in found:
                 return f"metric {name} at step {step} is missing after the resume"
+            if name in MEASURED_METRICS:  # a throughput: there, but differs between any two runs
+                continue
             if found[name] != value and not (math.isnan(found[name]) and math.isnan(value)):
                 return f"metric {name} at step {step}: {found[name]!r} after the resume, {value!r} uninterrupted"
     extra = sorted(set(actual) - set(expected) - extra_steps)
@@ -237,9 +239,28 @@ def compare(expected_root: Path, actual_root: Path, case: Case, extra_steps: set
         max_abs_diff(expected.get("lr_schedulers"), actual.get("lr_schedulers")),
     )
     metrics = compare_metrics(joined_metrics(expected_root), joined_metrics(actual_root), extra_steps)
+    metrics = metrics or repeated_values(actual_root)
     if metrics:
         details.append(metrics)
-    return Outcome(case, int(actual["global_step"]), weights, optimizer, not metrics, "; ".join(details))
+    return Outcome(
+        case, int(actual["global_step"]), weights, optimizer, not metrics, "; ".join(details), root=actual_root
+    )
+
+
+def repeated_values(root: Path) -> str:
+    """'' if no metrics.csv of the run holds a value twice at one step (what a user plotting it,
+    or a tracker fed from it, would see as two points); `epoch` repeats by design (Lightning adds
+    it to every call)."""
+    for path in metrics_files(root):
+        seen: set[tuple[str, str]] = set()
+        with path.open(newline="") as file:
+            for row in csv.DictReader(file):
+                for name, value in row.items():
+                    if name not in ("step", "epoch") and value:
+                        if (name, row["step"]) in seen:
+                            return f"{path} holds {name} at step {row['step']} twice"
+                        seen.add((name, row["step"]))
+    return ""
 
 
 @dataclass

@@ -361,9 +361,15 @@ class Tracking(L.Callback):
         self.run: TrackedRun | None = None
         self._save_in_flight: tuple[int, int] | None = None
         self._status = "failed"
+        # samples/s per epoch, on every rank of a fit that logs: this attempt's share of the epoch
+        # (first batch start to last batch end, this rank's samples times the world size), plus what
+        # earlier attempts measured of it (`state_dict`), so an epoch split by a resume has its value.
+        self._measuring = False
+        self._epoch = -1
         self._epoch_start: float | None = None
+        self._last_batch_end = 0.0
         self._epoch_samples = 0
-        self._measuring = False  # samples/s per epoch, on every rank of a fit that logs
+        self._earlier: dict[str, float] = {"samples": 0.0, "seconds": 0.0}
 
     # ----- opening the run (rank 0, before fit) -----
 
@@ -527,11 +533,29 @@ class Tracking(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._measuring:
-            self._epoch_samples += batch_size_of(batch)
+            self._epoch_samples += batch_size_of(batch) * trainer.world_size
+            self._last_batch_end = time.perf_counter()
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)
-        self._epoch_start, self._epoch_samples = None, 0
+        # Not called for an epoch resumed in its middle or at its end (Lightning's fit loop), where
+        # `load_state_dict` has put what earlier attempts measured of it.
+        self._epoch, self._epoch_start, self._epoch_samples = trainer.current_epoch, None, 0
+        self._earlier = {"samples": 0.0, "seconds": 0.0}
+
+    def _epoch_so_far(self) -> tuple[float, float]:
+        """(samples, seconds) of the current epoch's training batches, over every attempt."""
+        seconds = self._last_batch_end - self._epoch_start if self._epoch_start is not None else 0.0
+        return self._earlier["samples"] + self._epoch_samples, self._earlier["seconds"] + seconds
+
+    def state_dict(self) -> dict[str, float]:
+        samples, seconds = self._epoch_so_far()
+        return {"epoch": self._epoch, "samples": samples, "seconds": seconds}
+
+    def load_state_dict(self, state_dict: dict[str, float]) -> None:
+        if "samples" in state_dict:
+            self._epoch = int(state_dict["epoch"])
+            self._earlier = {"samples": float(state_dict["samples"]), "seconds": float(state_dict["seconds"])}
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)
@@ -541,14 +565,15 @@ class Tracking(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)
-        if self._measuring and self._epoch_start is not None and self._epoch_samples:
+        samples, seconds = self._epoch_so_far()
+        if self._measuring and samples and seconds > 0:
             # This rank's samples times the world size (every rank trains on as many) over this rank's
-            # time, averaged over the ranks (one all-reduce per epoch). Training batches only: the
-            # validation and the start of the epoch's loader are outside.
-            seconds = time.perf_counter() - self._epoch_start
-            throughput = self._epoch_samples * trainer.world_size / seconds
-            pl_module.log(SAMPLES_PER_S, throughput, on_step=False, on_epoch=True, sync_dist=True)
+            # time, averaged over the ranks (one all-reduce per epoch; every rank decides alike: the
+            # same batches, the same restored state). From the first training batch's start to the
+            # last one's end: the loader's start and the epoch-end validation are outside.
+            pl_module.log(SAMPLES_PER_S, samples / seconds, on_step=False, on_epoch=True, sync_dist=True)
         self._epoch_start, self._epoch_samples = None, 0
+        self._earlier = {"samples": 0.0, "seconds": 0.0}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)

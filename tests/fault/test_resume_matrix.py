@@ -10,6 +10,7 @@ dimension at least once); `-m slow` runs the whole cover and writes its table to
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 from pathlib import Path
@@ -18,10 +19,13 @@ import pytest
 
 from app.resume_check import CONTINUES, MOMENTS, STOPS, Case, Outcome, Runner, format_table
 from tests.helpers.run import REPO
+from tests.helpers.wandb_files import wandb_history
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
-CONFIG = ["--config", "tests/helpers/augmenting.yaml"]
+# W&B (offline) in every run: the one tracker that cannot take a step's values out of order, so
+# each case also checks that it shows exactly what metrics.csv shows.
+CONFIG = ["--config", "tests/helpers/augmenting.yaml", "--tracking.wandb.project=matrix"]
 USER_CKPT = {
     "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
     "init_args": {"every_n_train_steps": 7, "save_top_k": -1, "filename": "step-{step}"},
@@ -89,7 +93,23 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
 def check(runner: Runner, case: Case) -> Outcome:
     outcome = runner.run(case)
     assert outcome.exact, f"{case.describe()} [{case.variant}]: {outcome.detail or outcome}"
+    assert outcome.root is not None
+    (log_dir,) = (outcome.root / "lightning_logs").iterdir()  # one log version across the attempts
+    _, synced = wandb_history(log_dir / "wandb")
+    in_wandb = {(name, step): value for name, values in synced.items() for step, value in values}
+    assert in_wandb == csv_values(log_dir), f"{case.describe()} [{case.variant}]: W&B differs from metrics.csv"
     return outcome
+
+
+def csv_values(log_dir: Path) -> dict[tuple[str, int], float]:
+    """metrics.csv as {(name, step): value} (`epoch` repeats in a step's rows with one value)."""
+    with (log_dir / "metrics.csv").open() as file:
+        return {
+            (name, int(row["step"])): float(value)
+            for row in csv.DictReader(file)
+            for name, value in row.items()
+            if name != "step" and value
+        }
 
 
 def test_the_default_subset_covers_every_value_of_every_dimension() -> None:
