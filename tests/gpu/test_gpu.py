@@ -75,8 +75,13 @@ def test_the_reference_trains_on_cuda_and_resumes_its_snapshot_with_map_location
 class SyncRecorder(PerTrainingBatch):
     """Host synchronisations CUDA reports (`set_sync_debug_mode("warn")`), per training batch."""
 
+    # What `set_sync_debug_mode("warn")` says (c10/cuda/CUDAFunctions.cpp). Only this: autograd's
+    # "AccumulateGrad node's stream does not match" warning (first step on the H100, 2026-11-26)
+    # also says "synchronization" but reports no host wait.
+    SYNC_WARNING = "called a synchronizing CUDA operation"
+
     def record(self, message: Any, *args: Any, **kwargs: Any) -> None:  # as warnings.showwarning
-        if self.batch is not None and "synchroniz" in str(message):
+        if self.batch is not None and self.SYNC_WARNING in str(message):
             self.found[self.batch].append(str(message)[:300])
 
 
