@@ -4,14 +4,14 @@ each said once; DDP_APP_VERBOSE=1 brings back what is kept quiet (app/console.py
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from app.console import VERBOSE_VARIABLE, quiet_console
 from tests.helpers.run import clean_env, ddp_app
-
-pytestmark = pytest.mark.distributed
 
 # What a 1-epoch run of `ddp-app fit --config configs/digits.yaml` prints with stdout not a terminal
 # (a pipe, as in a Slurm log): anything new, a library's notice or a line per rank, fails here.
@@ -51,6 +51,7 @@ def readme_command(root: Path, **env: str) -> str:
     return output
 
 
+@pytest.mark.distributed
 def test_the_readme_command_prints_only_known_lines_each_once(tmp_path: Path) -> None:
     lines = readme_command(tmp_path).splitlines()
     unknown = [line for line in lines if not any(shape.fullmatch(line) for shape in ALLOWED)]
@@ -62,8 +63,21 @@ def test_the_readme_command_prints_only_known_lines_each_once(tmp_path: Path) ->
         assert expected in said, f"{expected!r} missing:\n{said}"
 
 
+@pytest.mark.distributed
 def test_ddp_app_verbose_brings_back_what_is_kept_quiet(tmp_path: Path) -> None:
     output = readme_command(tmp_path, DDP_APP_VERBOSE="1")
     assert "[rank: 1] Seed set to 42" in output, output[-3000:]  # a line per rank
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in output, output[-3000:]
     assert "WorkerServer.cpp" in output, output[-3000:]  # PyTorch's C++ warnings (TORCH_CPP_LOG_LEVEL)
+
+
+@pytest.mark.parametrize("verbose", ["", "1"])
+def test_the_stream_warning_lightnings_ddp_setup_causes_on_gpus_shows_only_when_verbose(verbose: str) -> None:
+    """Seen on an H100 at every rank's first backward (app/console.py); no CPU run raises it."""
+    text = "The AccumulateGrad node's stream does not match the stream of the node that produced the incoming gradient."
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_console({VERBOSE_VARIABLE: verbose})
+        warnings.warn(text, UserWarning, stacklevel=1)
+        warnings.warn(own := "a warning about the user's own code", UserWarning, stacklevel=1)
+    assert [str(warning.message) for warning in caught] == [text] * bool(verbose) + [own]

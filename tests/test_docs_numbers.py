@@ -414,4 +414,5 @@ def test_performance_doc_quotes_the_h100_runs() -> None:
     assert f"(the reference at {gpu_figures()['GPU_BF16_REF_FRACTION']})" in prose
     assert f"at batch 16 fp32 it is {gpu_figures()['GPU_FP32_RATIO']} (target 1.05" in prose
     cpu = {who: side("bench_gpu_fp32", 1)[who]["step_cpu_ms"]["median"] for who in ("reference", "lightning")}
-    assert f"main thread spent {cpu['lightning']:.1f} ms per step against the reference's {cpu['reference']:.1f}" in prose
+    spent = f"main thread spent {cpu['lightning']:.1f} ms per step against the reference's {cpu['reference']:.1f}"
+    assert spent in prose
