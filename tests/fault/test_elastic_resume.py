@@ -40,6 +40,9 @@ CNN = [
     # tested, and in float64 they leave the weights within 1e-15, far from the kinks.
     "--trainer.precision=64-true",
 ]  # fmt: skip  (20 steps per epoch at 2 x 16)
+# A user's own LightningModule and LightningDataModule (examples/custom: its own DataLoaders, which
+# ddp-app shards; `train_loss` logged every step with `prog_bar=True`), without its dropout.
+CUSTOM = ["--config", "examples/custom/config.yaml", "--trainer.max_epochs=2", "--model.init_args.dropout=0.0"]
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 
 
@@ -64,7 +67,9 @@ def relative_difference(expected: dict, actual: dict) -> float:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     roots = {}
-    for name, args, devices in (("digits", DIGITS, 2), ("cnn", CNN, 2), ("digits-1", DIGITS, 1), ("cnn-1", CNN, 1)):
+    for name, args, devices in (
+        ("digits", DIGITS, 2), ("cnn", CNN, 2), ("digits-1", DIGITS, 1), ("cnn-1", CNN, 1), ("custom", CUSTOM, 2)
+    ):  # fmt: skip
         root = tmp_path_factory.mktemp(f"uninterrupted-{name}")
         fit(root, args, f"--trainer.devices={devices}")
         roots[name] = root
@@ -72,7 +77,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def stopped(root: Path, args: list[str], devices: int) -> None:
-    """Stopped by a max_steps budget in the middle of epoch 1 (step 30 of 40)."""
+    """Stopped by a max_steps budget in the middle of epoch 1 (step 30 of 40; of the custom
+    example's 32, batch 14 of 16)."""
     fit(root, args, f"--trainer.devices={devices}", "--trainer.max_steps=30")
 
 
@@ -87,12 +93,13 @@ def stopped(root: Path, args: list[str], devices: int) -> None:
         ("cnn", 2, 3),
         ("cnn", 2, 4),
         ("cnn-1", 1, 2),
+        ("custom", 2, 3),
     ],  # fmt: skip
 )
 def test_a_run_resumed_on_another_number_of_ranks_matches_the_uninterrupted_run(
     uninterrupted: dict[str, Path], tmp_path: Path, workload: str, started: int, resumed: int
 ) -> None:
-    args = CNN if workload.startswith("cnn") else DIGITS
+    args = {"cnn": CNN, "custom": CUSTOM}.get(workload.removesuffix("-1"), DIGITS)
     stopped(tmp_path, args, started)
     stderr = fit(tmp_path, args, f"--trainer.devices={resumed}", "--ckpt_path=last")
     expected = safe_load(uninterrupted[workload] / "checkpoints" / "last.ckpt")

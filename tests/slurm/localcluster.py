@@ -39,6 +39,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,7 +285,19 @@ class LocalSlurmCluster:
                 errors.append(exc)
 
         if self._ctld is not None and self._ctld.poll() is None and self._slurmds:
-            attempt(self._cancel_all_jobs)
+            # A courtesy (slurmstepd ends its jobs cleanly); what follows kills every daemon and
+            # job process by PID whatever it did. So a controller that does not answer here is
+            # reported, not raised: once (CI, 2026-11-26) every test had passed and the nodes had
+            # been set DOWN ten minutes after the last job ("slurm_receive_msgs ... Insane message
+            # length" on every ping), and squeue timed out here.
+            try:
+                self._cancel_all_jobs()
+            except (subprocess.TimeoutExpired, SlurmClusterError) as exc:
+                warnings.warn(
+                    f"Slurm test cluster: cancelling the jobs left at teardown failed ({exc}); every daemon and "
+                    f"job process is killed by PID next. slurmctld.log:\n{_tail(self.log_dir / 'slurmctld.log', 8)}",
+                    stacklevel=1,
+                )
         for name, proc in list(self._slurmds.items()):
             attempt(self._terminate, proc, f"slurmd {name}")
         for node in self.nodes:
