@@ -13,8 +13,9 @@ from app.cluster.launch import LAUNCHER_VARIABLES
 from tests.helpers import run
 
 # Tiers that start processes, need the Slurm cluster or take long; every other test is `quick`.
-# `more_cases`: further cases of a command the quick tier already runs once (each starts `ddp-app`,
-# about 4.5 s of imports on a 2-core machine); the default run has them all.
+# `more_cases`: further command tests whose case or mechanism the quick tier already runs once (a
+# bad input refused in one line, a subprocess that must not import something; each starts a
+# process, 4.5 to 7 s of imports on a 2-core machine); the default run has them all.
 NOT_QUICK = ("distributed", "slurm", "parity", "slow", "gpu", "more_cases")
 
 

@@ -133,6 +133,7 @@ def test_bytes_sent_are_read_from_this_namespace() -> None:
         tx_bytes("nbv-none")
 
 
+@pytest.mark.more_cases
 def test_refuses_in_one_line_when_not_root() -> None:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root (to drop to another user) and setpriv")

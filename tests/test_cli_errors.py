@@ -29,6 +29,7 @@ def test_bad_override_names_the_key(override: str, named: str) -> None:
     assert len(error_lines) == 1, result.stderr
 
 
+@pytest.mark.more_cases
 def test_print_config_shows_the_resolved_config() -> None:
     result = ddp_app("fit", "--config", "configs/digits.yaml", "--trainer.max_epochs=3", "--print_config", timeout=120)
     assert result.returncode == 0, result.stderr
@@ -36,6 +37,7 @@ def test_print_config_shows_the_resolved_config() -> None:
     assert "app.models.MLPClassifier" in result.stdout
 
 
+@pytest.mark.more_cases
 def test_an_object_store_url_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     result = ddp_app(
         "fit", "--config", str(REPO / "configs" / "digits.yaml"), "--trainer.default_root_dir=s3://bucket/runs",

@@ -36,6 +36,7 @@ def test_a_bug_in_a_users_model_keeps_its_traceback(tmp_path: Path) -> None:
     assert "ddp-app: error:" not in result.stderr
 
 
+@pytest.mark.more_cases
 def test_bad_input_is_one_line_and_ddp_app_traceback_shows_its_stack(tmp_path: Path) -> None:
     result = fit(tmp_path, "--data.init_args.num_workers=-1")
     assert result.returncode == 2

@@ -84,6 +84,7 @@ def test_a_checkpoint_without_weights_is_one_line_and_exit_2(
     assert not (tmp_path / "model.out").exists()
 
 
+@pytest.mark.more_cases
 def test_exported_program_runs_without_the_project_or_the_user_code(user_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "model.pt2"
     config = user_checkpoint.parent / "user.yaml"

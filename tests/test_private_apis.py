@@ -336,6 +336,7 @@ main()
 """
 
 
+@pytest.mark.more_cases
 def test_ddp_app_without_a_private_api_stops_in_one_line_before_any_rank(tmp_path: Path) -> None:
     remove = "import atexit; del atexit._run_exitfuncs"
     result = subprocess.run(

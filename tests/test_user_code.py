@@ -80,6 +80,7 @@ def test_a_bad_class_path_says_what_is_wrong(
         assert os.getcwd() in line and str(REPO / "configs") in line
 
 
+@pytest.mark.more_cases
 def test_the_issue_command_exits_2_and_suggests_the_class() -> None:
     result = ddp_app("fit", "--config", "configs/digits.yaml", "--model", "app.models.MLPClasifier", timeout=120)
     assert result.returncode == 2
