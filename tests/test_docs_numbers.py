@@ -390,29 +390,19 @@ def gpu_row(name: str) -> str:
     )
 
 
-def gpu_figures() -> dict[str, str]:
-    """The figures the H100 prose quotes, by the placeholder they were written from."""
-    bf16, fp32 = bench("bench_gpu_bf16"), bench("bench_gpu_fp32")
-    return {
-        "GPU_BF16_LIGHTNING": f"{side('bench_gpu_bf16', 1)['lightning']['samples_per_s']['median']:,.0f}",
-        "GPU_BF16_RATIO": f"{bf16['lightning_over_reference_step_time']:.3f}",
-        "GPU_BF16_FRACTION": f"{bf16['lightning_fraction_of_framework_free']:.2f}",
-        "GPU_BF16_REF_FRACTION": f"{bf16['reference_fraction_of_framework_free']:.2f}",
-        "GPU_FP32_RATIO": f"{fp32['lightning_over_reference_step_time']:.3f}",
-    }
-
-
 def test_performance_doc_quotes_the_h100_runs() -> None:
     text = PERFORMANCE.read_text()
     for name in GPU_RUNS:
         assert bench(name)["accelerator"] == "gpu" and bench(name)["world_sizes"] == [1]
         assert gpu_row(name) in text, name
     prose = " ".join(text.split())
-    assert f"from 9,871 to {gpu_figures()['GPU_BF16_LIGHTNING']} samples/s" in prose
-    assert f"Lightning / reference from 1.422 to {gpu_figures()['GPU_BF16_RATIO']}" in prose
-    assert f"Lightning reaches {gpu_figures()['GPU_BF16_FRACTION']} of the framework-free loop" in prose
-    assert f"(the reference at {gpu_figures()['GPU_BF16_REF_FRACTION']})" in prose
-    assert f"at batch 16 fp32 it is {gpu_figures()['GPU_FP32_RATIO']} (target 1.05" in prose
+    bf16, fp32 = bench("bench_gpu_bf16"), bench("bench_gpu_fp32")
+    samples_per_s = side("bench_gpu_bf16", 1)["lightning"]["samples_per_s"]["median"]
+    assert f"from 9,871 to {samples_per_s:,.0f} samples/s" in prose
+    assert f"Lightning / reference from 1.422 to {bf16['lightning_over_reference_step_time']:.3f}" in prose
+    assert f"Lightning reaches {bf16['lightning_fraction_of_framework_free']:.2f} of the framework-free loop" in prose
+    assert f"(the reference at {bf16['reference_fraction_of_framework_free']:.2f})" in prose
+    assert f"at batch 16 fp32 it is {fp32['lightning_over_reference_step_time']:.3f} (target 1.05" in prose
     cpu = {who: side("bench_gpu_fp32", 1)[who]["step_cpu_ms"]["median"] for who in ("reference", "lightning")}
     spent = f"main thread spent {cpu['lightning']:.1f} ms per step against the reference's {cpu['reference']:.1f}"
     assert spent in prose

@@ -115,7 +115,7 @@ def stopped(root: Path, args: list[str], devices: int) -> None:
 def test_a_run_resumed_on_another_number_of_ranks_matches_the_uninterrupted_run(
     uninterrupted: UninterruptedRuns, tmp_path: Path, workload: str, started: int, resumed: int
 ) -> None:
-    args = {"cnn": CNN, "custom": CUSTOM}.get(workload.removesuffix("-1"), DIGITS)
+    args = UNINTERRUPTED[workload][0]
     stopped(tmp_path, args, started)
     stderr = fit(tmp_path, args, f"--trainer.devices={resumed}", "--ckpt_path=last")
     expected = safe_load(uninterrupted[workload] / "checkpoints" / "last.ckpt")
