@@ -49,6 +49,7 @@ from app.checkpoints.io import (
     summarize_checkpoint,
 )
 from app.checkpoints.last import LastCheckpoint, agreed_last_checkpoint
+from app.cluster.ddp_stream import build_ddp_on_the_current_stream
 from app.cluster.hangs import HangReport
 from app.cluster.launch import RankPlan, rank_plan
 from app.cluster.preemption import STOP_SIGNAL_FLAG, keep_lightning_off_stop_signals
@@ -371,6 +372,7 @@ class DDPAppCLI(LightningCLI):
         kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
         keep_lightning_off_stop_signals(trainer)
+        build_ddp_on_the_current_stream(trainer.strategy)
         # Only fit's LastCheckpoint acts on stop signals recorded since `run` started (no subcommand:
         # `run=False`, the caller may fit); otherwise a stop signal ends this process, as by default.
         has_last_checkpoint = any(isinstance(callback, LastCheckpoint) for callback in trainer.callbacks)

@@ -14,10 +14,6 @@ switch scoped to it, so that anything new still shows:
 - Lightning's hint that `srun` exists but was not used: app/cluster/preflight.py decides the launch
   and refuses, in one line, a Slurm job started without srun;
 - the deprecation warning Lightning's own `_pytree.py` triggers in PyTorch, once per rank;
-- on GPUs, autograd's "The AccumulateGrad node's stream does not match the stream of the node that
-  produced the incoming gradient" at the first backward of every rank (torch 2.11 on an H100,
-  2026-11-26): Lightning builds `DistributedDataParallel` under a side stream of its own
-  (`DDPStrategy._setup_model`), which no user code can change; docs/performance.md#gpus;
 - PyTorch's C++ log lines below ERROR, such as the `[c10d]` lines of every rank's debug endpoint
   (app/cluster/hangs.py) at start and exit: TORCH_CPP_LOG_LEVEL=ERROR, which PyTorch reads once,
   when it loads, so `app.__main__` sets it for the `ddp-app` process (and the ranks it forks)
@@ -74,6 +70,5 @@ def quiet_console(env: Mapping[str, str]) -> None:
         message="The `srun` command is available on your system but is not used",
         module=r"lightning\.fabric\.plugins\.environments\.slurm",
     )
-    warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match", category=UserWarning)
     for category in (DeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=category, module=r"lightning\.pytorch\.utilities\._pytree")

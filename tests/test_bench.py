@@ -11,7 +11,7 @@ import pytest
 
 from app.bench.__main__ import pair_order
 from app.bench.report import spread
-from app.bench.runs import epoch_step_times
+from app.bench.runs import epoch_step_times, summarize_run
 from tests.helpers.run import run
 
 pytestmark = pytest.mark.distributed
@@ -78,6 +78,27 @@ def test_step_times_leave_out_warm_up_and_epoch_boundaries() -> None:
     intervals, by_epoch = epoch_step_times(record, warmup_steps=1)
     assert by_epoch == [[0.5, 0.5], [0.5, 0.5]]  # 2.0 -> 10.0 spans validation: not a step
     assert intervals == [0.5, 0.5, 0.5, 0.5]
+
+
+def test_on_a_gpu_a_step_lasts_until_the_gpu_reaches_the_next(tmp_path: Path) -> None:
+    # The host queues a step every 1 ms, ahead of the GPU, which reaches one every 3 ms: the GPU's
+    # pace is the throughput (StepRecorder.gpu_events); the host's is kept beside it.
+    steps = 6
+    record = {
+        "epochs": [0] * steps,
+        "starts": [0.001 * step for step in range(steps)],
+        "ends": [0.001 * step + 0.0005 for step in range(steps)],
+        "cpu_starts": [0.001 * step for step in range(steps)],
+        "gpu_starts": [0.003 * step for step in range(steps)],
+        "wall_anchor": 100.0,
+        "perf_anchor": 0.0,
+        "peak_rss_mb": 1.0,
+        "cuda_max_allocated_mb": 1.0,
+    }
+    (tmp_path / "lightning-rank0.json").write_text(json.dumps(record))
+    result = summarize_run("lightning", 1, 0, tmp_path, 99.0, 101.0, per_rank_batch_size=30, warmup_steps=1)
+    assert result.step_ms == pytest.approx(3.0) and result.step_host_ms == pytest.approx(1.0)
+    assert result.samples_per_s == pytest.approx(10_000)
 
 
 def test_spread_ignores_non_finite_values() -> None:

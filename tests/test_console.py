@@ -3,15 +3,12 @@ each said once; DDP_APP_VERBOSE=1 brings back what is kept quiet (app/console.py
 
 from __future__ import annotations
 
-import logging
 import re
-import warnings
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from app.console import PER_RANK_LOGGERS, VERBOSE_VARIABLE, quiet_console
 from tests.helpers.run import clean_env, ddp_app
 
 # What a 1-epoch run of `ddp-app fit --config configs/digits.yaml` prints with stdout not a terminal
@@ -70,22 +67,3 @@ def test_ddp_app_verbose_brings_back_what_is_kept_quiet(tmp_path: Path) -> None:
     assert "[rank: 1] Seed set to 42" in output, output[-3000:]  # a line per rank
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in output, output[-3000:]
     assert "WorkerServer.cpp" in output, output[-3000:]  # PyTorch's C++ warnings (TORCH_CPP_LOG_LEVEL)
-
-
-@pytest.mark.parametrize("verbose", ["", "1"])
-def test_the_stream_warning_lightnings_ddp_setup_causes_on_gpus_shows_only_when_verbose(verbose: str) -> None:
-    """Seen on an H100 at every rank's first backward (app/console.py); no CPU run raises it."""
-    text = "The AccumulateGrad node's stream does not match the stream of the node that produced the incoming gradient."
-    loggers = [logging.getLogger(name) for name in (*PER_RANK_LOGGERS, "lightning.pytorch.utilities.rank_zero")]
-    saved = [(logger, logger.level, list(logger.filters)) for logger in loggers]
-    try:
-        with warnings.catch_warnings(record=True) as caught:  # restores the warning filters
-            warnings.simplefilter("always")
-            quiet_console({VERBOSE_VARIABLE: verbose})
-            warnings.warn(text, UserWarning, stacklevel=1)
-            warnings.warn(own := "a warning about the user's own code", UserWarning, stacklevel=1)
-    finally:  # and the loggers, which quiet_console sets for the rest of a ddp-app process
-        for logger, level, filters in saved:
-            logger.setLevel(level)
-            logger.filters[:] = filters
-    assert [str(warning.message) for warning in caught] == [text] * bool(verbose) + [own]

@@ -28,7 +28,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision import datasets
 
-from app.cli import SafeCheckpointIO
+from app.cli import DDPAppCLI, SafeCheckpointIO
+from app.cluster.ddp_stream import LIGHTNING_DDP_WRAP
 from app.cluster.preemption import (
     LIGHTNING_PER_STEP_SIGTERM_BROADCAST,
     LIGHTNING_SIGNAL_HANDLER_INSTALL,
@@ -208,6 +209,60 @@ def test_ddp_strategy_keeps_ddp_arguments_in_ddp_kwargs() -> None:
     assert DDPStrategy(static_graph=True)._ddp_kwargs == {"static_graph": True}, (
         f"DDPStrategy._ddp_kwargs changed: tests/test_accumulation.py cannot see static_graph ({DOC})"
     )
+
+
+def test_lightning_still_wraps_ddp_under_a_side_stream_which_ddp_stream_replaces() -> None:
+    source = inspect.getsource(getattr(DDPStrategy, LIGHTNING_DDP_WRAP))
+    assert "torch.cuda.Stream()" in source, (
+        f"DDPStrategy.{LIGHTNING_DDP_WRAP} no longer builds DistributedDataParallel under a side stream "
+        f"(Lightning PR #21746): app/cluster/ddp_stream.py can go ({DOC})"
+    )
+    assert f"self.{LIGHTNING_DDP_WRAP}(" in inspect.getsource(DDPStrategy.configure_ddp), (
+        f"DDPStrategy.configure_ddp no longer wraps the model through {LIGHTNING_DDP_WRAP}: "
+        f"app/cluster/ddp_stream.py replaces a method nothing calls ({DOC})"
+    )
+
+
+def test_a_fit_wraps_the_model_in_ddp_with_the_strategys_arguments_through_the_replacement(tmp_path: Path) -> None:
+    strategy = "--trainer.strategy=lightning.pytorch.strategies.DDPStrategy"
+    cli = DDPAppCLI(
+        args=[
+            "--config", str(Path(__file__).parents[1] / "configs" / "digits.yaml"), "--trainer.devices=1",
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
+            strategy, "--trainer.strategy.bucket_cap_mb=1", "--trainer.strategy.static_graph=true",
+        ],
+        run=False,
+    )  # fmt: skip
+    replaced = getattr(cli.trainer.strategy, LIGHTNING_DDP_WRAP)
+    assert replaced.__name__ == "wrap_on_the_current_stream", f"the strategy wraps through {replaced} ({DOC})"
+    seen: list[Any] = []
+
+    class SeeTheWrapper(Callback):
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            seen.append(trainer.strategy.model)  # teardown unwraps it again
+
+    cli.trainer.callbacks.append(SeeTheWrapper())
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    [wrapped] = seen
+    assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+    assert (wrapped.bucket_bytes_cap, wrapped.static_graph) == (2**20, True), "DDP lost the strategy's arguments"
+    assert cli.trainer.global_step == 3
+
+
+def test_lightning_sets_current_fx_name_around_every_hook_as_quick_hook_bookkeeping_expects() -> None:
+    from lightning.pytorch.trainer import call
+
+    from app.models.lightning import MLPClassifier
+
+    for hook_caller in (call._call_callback_hooks, call._call_lightning_module_hook):
+        assert "pl_module._current_fx_name = hook_name" in inspect.getsource(hook_caller), (
+            f"Lightning's {hook_caller.__name__} no longer sets _current_fx_name: QuickHookBookkeeping "
+            f"(app/models/lightning.py) saves nothing any more ({DOC})"
+        )
+    module = MLPClassifier()
+    assert "_current_fx_name" in vars(module), f"_current_fx_name is no longer a plain attribute ({DOC})"
+    module._current_fx_name = "training_step"
+    assert module._current_fx_name == "training_step" and vars(module)["_current_fx_name"] == "training_step"
 
 
 def test_torch_foreach_norm_is_no_longer_used_but_get_total_norm_is_public() -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from app.bench.profiles import parse_profile_steps, profile_table
 from app.bench.report import build_report, format_table, plot
 from app.bench.runs import BARE, SIDES, RunResult, command, launch, run_env, summarize_run, variant_config
 from app.reference.config import load_config
@@ -97,7 +98,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         timings.mkdir(parents=True)
         launched, exited = launch(
             command(side, configs[size], size, run_dir),
-            run_env(accelerator, timings),
+            run_env(accelerator, timings, args.profile),
             run_dir / "output.log",
             args.timeout,
         )
@@ -123,6 +124,16 @@ def run_bench(args: argparse.Namespace) -> dict:
     return build_report(runs, args.world_sizes, context)
 
 
+def print_profiles(out: Path, steps: int) -> None:
+    """Each side's last timed run's profile, printed and written beside its timings as profile.txt."""
+    for side in (BARE, *SIDES):
+        runs = sorted(out.glob(f"{side}-ws1-[0-9]*/timings/{side}-rank0.prof"))
+        if runs:
+            table = profile_table(runs[-1], steps)
+            (runs[-1].parent / "profile.txt").write_text(table + "\n")
+            print(f"\nprofile: {side}, {runs[-1].parent.parent.name}\n{table}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -142,13 +153,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-bare", dest="bare", action="store_false", help="skip the framework-free loop (app/bench/bare.py)"
     )
+    parser.add_argument(
+        "--profile",
+        metavar="FIRST:COUNT",
+        default=None,
+        help="cProfile rank 0's main thread over steps FIRST..FIRST+COUNT-1 of every run and print each side's "
+        "costliest functions per step (app/bench/profiles.py; profiled runs are slower)",
+    )
     args = parser.parse_args(argv)
+    if args.profile is not None:
+        try:
+            parse_profile_steps(args.profile)
+        except ValueError:
+            parser.error(f"--profile takes FIRST:COUNT, such as 10:20; got {args.profile!r}")
     if not args.config.is_file():
         parser.error(f"config {args.config} does not exist. Fix: pass one of the files in configs/.")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     report = run_bench(args)
     print(format_table(report))
+    if args.profile is not None:
+        print_profiles(args.out, parse_profile_steps(args.profile)[1])
     json_path = args.json or args.out / "bench.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=2))

@@ -9,6 +9,7 @@ This module imports no Lightning, so that timing the reference does not slow its
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
 import resource
@@ -20,6 +21,9 @@ import torch
 
 DIR_VARIABLE = "APP_BENCH_DIR"
 LAUNCH_TIME_VARIABLE = "APP_BENCH_LAUNCH_TIME"
+# "FIRST:COUNT" (`python -m app.bench --profile`): rank 0 runs cProfile on its main thread from the
+# start of step FIRST to the start of step FIRST + COUNT, and writes `<side>-rank0.prof`.
+PROFILE_VARIABLE = "APP_BENCH_PROFILE"
 
 
 class StepRecorder:
@@ -37,6 +41,16 @@ class StepRecorder:
         # This thread's CPU time at each step start: the work a step does, without the waiting
         # (for a peer rank, for a core), which wall-clock step times mix in.
         self.cpu_starts: list[float] = []
+        # On a GPU, a timing event queued at each step start: when the GPU reached it. A loop that
+        # never waits for the GPU queues steps ahead of it (up to the driver's queue depth, a few
+        # resnet18 steps), so its host-side step starts come faster than the GPU runs them, until
+        # the epoch end waits; the events time what the GPU did. Whether the process uses CUDA is
+        # decided at its first step (None until then).
+        self.uses_cuda: bool | None = None
+        self.gpu_events: list[torch.cuda.Event] = []
+        profile = os.environ.get(PROFILE_VARIABLE) if rank == 0 else None
+        self.profile_steps = tuple(int(part) for part in profile.split(":")) if profile else None
+        self.profiler: cProfile.Profile | None = None
 
     @classmethod
     def from_env(cls, side: str, rank: int, world_size: int) -> StepRecorder | None:
@@ -47,12 +61,28 @@ class StepRecorder:
         self.epochs.append(epoch)
         self.starts.append(time.perf_counter())
         self.cpu_starts.append(time.thread_time())
+        if self.uses_cuda is None:
+            self.uses_cuda = torch.cuda.is_initialized()
+        if self.uses_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()  # on the current stream, where the step's work is queued
+            self.gpu_events.append(event)
+        if self.profile_steps is not None:
+            first, count = self.profile_steps
+            if len(self.starts) - 1 == first:
+                self.profiler = cProfile.Profile()
+                self.profiler.enable()
+            elif len(self.starts) - 1 == first + count and self.profiler is not None:
+                self.profiler.disable()
 
     def step_end(self) -> None:
         self.ends.append(time.perf_counter())
 
     def finish(self, device: torch.device | None = None) -> None:
         """Write this rank's record (atomically: the bench reads it after the process exits)."""
+        if self.profiler is not None:
+            self.profiler.disable()  # if the run had fewer steps than asked for
+            self.profiler.dump_stats(self.path.with_suffix(".prof"))
         record: dict[str, Any] = {
             "side": self.side,
             "rank": self.rank,
@@ -71,6 +101,11 @@ class StepRecorder:
         }
         if device is not None and device.type == "cuda":
             record["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        if self.gpu_events:
+            torch.cuda.synchronize()
+            first = self.gpu_events[0]
+            # Seconds, from the first step's event: a clock of their own, like cpu_starts.
+            record["gpu_starts"] = [first.elapsed_time(event) / 1e3 for event in self.gpu_events]
         temporary = self.path.with_suffix(".tmp")
         temporary.write_text(json.dumps(record))
         os.replace(temporary, self.path)

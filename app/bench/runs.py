@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from app.bench.recorder import DIR_VARIABLE, LAUNCH_TIME_VARIABLE
+from app.bench.recorder import DIR_VARIABLE, LAUNCH_TIME_VARIABLE, PROFILE_VARIABLE
 from app.cluster.launch import env_without_launcher
 
 SIDES = ("reference", "lightning")
@@ -36,6 +36,7 @@ class RunResult:
     step_ms: float  # median over epochs of the epoch's mean step time: includes periodic costs
     step_median_ms: float  # median over single steps: hides costs paid every N steps (logging)
     step_cpu_ms: float  # like step_ms, in rank 0's main-thread CPU time: the work without the waiting
+    step_host_ms: float  # like step_ms, between the host's step starts (on a GPU step_ms is the GPU's)
     first_step_ms: float  # rank 0's first training step (to the second's start): includes compiling
     samples_per_s: float
     first_step_s: float  # launch -> the last rank starts its first training step
@@ -79,8 +80,10 @@ def command(side: str, config: Path, world_size: int, run_dir: Path) -> list[str
     return [sys.executable, "-m", "app", "fit", "--config", str(config), f"--trainer.default_root_dir={run_dir}"]
 
 
-def run_env(accelerator: str, timings: Path) -> dict[str, str]:
+def run_env(accelerator: str, timings: Path, profile: str | None = None) -> dict[str, str]:
     env = env_without_launcher(os.environ)
+    if profile:
+        env[PROFILE_VARIABLE] = profile
     env.setdefault("OMP_NUM_THREADS", "1")
     if accelerator == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the reference picks CUDA whenever it sees a GPU
@@ -110,7 +113,8 @@ def epoch_step_times(
     record: dict[str, Any], warmup_steps: int, clock: str = "starts"
 ) -> tuple[list[float], list[list[float]]]:
     """(every steady-state step interval, the same grouped by epoch), in seconds of `clock`
-    ("starts": wall clock; "cpu_starts": the main thread's CPU time).
+    ("starts": wall clock; "cpu_starts": the main thread's CPU time; "gpu_starts": when the GPU reached
+    each step's start, on a GPU).
 
     A step's time is from its start to the next step's start, so it includes fetching the batch
     and everything the framework does around the step. Intervals that span an epoch boundary
@@ -148,6 +152,9 @@ def summarize_run(
             f"{side} at world size {world_size} ran too few steps to time after {warmup_steps} warm-up steps: "
             "raise trainer.max_epochs (--epochs) or the dataset size."
         )
+    host_step_s = statistics.median(sum(epoch) / len(epoch) for epoch in grouped)
+    if "gpu_starts" in records[0]:  # on a GPU: when the GPU reached each step (StepRecorder.gpu_events)
+        intervals, grouped = epoch_step_times(records[0], warmup_steps, clock="gpu_starts")
     step_s = statistics.median(sum(epoch) / len(epoch) for epoch in grouped)
     _, cpu_grouped = epoch_step_times(records[0], warmup_steps, clock="cpu_starts")
     step_cpu_s = statistics.median(sum(epoch) / len(epoch) for epoch in cpu_grouped)
@@ -159,6 +166,7 @@ def summarize_run(
         repeat=repeat,
         steps=len(intervals),
         step_ms=step_s * 1e3,
+        step_host_ms=host_step_s * 1e3,
         step_median_ms=statistics.median(intervals) * 1e3,
         step_cpu_ms=step_cpu_s * 1e3,
         first_step_ms=(records[0]["starts"][1] - records[0]["starts"][0]) * 1e3 if len(records[0]["starts"]) > 1 else 0,

@@ -47,7 +47,24 @@ def log_step_loss(module: L.LightningModule, loss: torch.Tensor) -> None:
     module.log("train_loss", loss.detach().to("cpu", copy=True), prog_bar=True)
 
 
-class ClassifierModule(L.LightningModule):
+class QuickHookBookkeeping(L.LightningModule):
+    """A LightningModule whose per-hook bookkeeping skips `nn.Module.__setattr__`'s checks.
+
+    Lightning sets the module's `_current_fx_name` (a str or None) before and after every hook it
+    calls, 44 times per training step of the digits job. `nn.Module.__setattr__` first checks any
+    value for a Parameter, a Module or a buffer: 2.0 us against 0.2 us for a plain attribute
+    assignment on a 2-core CPU VM, 0.08 ms per step. That attribute is a plain one, set in
+    `LightningModule.__init__`, and a str or None never needs those checks, so it is set directly.
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "_current_fx_name":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+class ClassifierModule(QuickHookBookkeeping):
     """Cross-entropy classification with exact, distributed accuracy and loss.
 
     Accuracy and the evaluation loss are correct / total counts and weighted sums that are summed
@@ -168,7 +185,7 @@ class ResNetClassifier(ClassifierModule):
         return batch
 
 
-class ToyRegressor(L.LightningModule):
+class ToyRegressor(QuickHookBookkeeping):
     """The PyTorch DDP tutorial's ToyModel with an MSE loss, on seeded random tensors."""
 
     def __init__(self, in_features: int = 10, hidden: int = 10, out_features: int = 5) -> None:

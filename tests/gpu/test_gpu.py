@@ -76,11 +76,18 @@ class SyncRecorder(PerTrainingBatch):
     """Host synchronisations CUDA reports (`set_sync_debug_mode("warn")`), per training batch."""
 
     # What `set_sync_debug_mode("warn")` says (c10/cuda/CUDAFunctions.cpp). Only this: autograd's
-    # "AccumulateGrad node's stream does not match" warning (first step on the H100, 2026-11-26)
-    # also says "synchronization" but reports no host wait.
+    # "AccumulateGrad node's stream does not match" warning (first step on the H100, 2026-11-26,
+    # before app/cluster/ddp_stream.py) also says "synchronization" but reports no host wait.
     SYNC_WARNING = "called a synchronizing CUDA operation"
+    STREAM_MISMATCH = "AccumulateGrad node's stream does not match"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stream_mismatches: list[str] = []
 
     def record(self, message: Any, *args: Any, **kwargs: Any) -> None:  # as warnings.showwarning
+        if self.STREAM_MISMATCH in str(message):
+            self.stream_mismatches.append(str(message)[:300])
         if self.batch is not None and self.SYNC_WARNING in str(message):
             self.found[self.batch].append(str(message)[:300])
 
@@ -110,6 +117,8 @@ def test_a_steady_state_training_step_does_not_synchronise_with_the_host(tmp_pat
     steady = recorder.steady_state(batches, log_every)
     assert len(recorder.global_steps) == 2 * batches
     assert not steady, f"{len(steady)} steady-state steps synchronised, e.g. {next(iter(steady.items()))}"
+    # DDP built on the training stream (app/cluster/ddp_stream.py): no gradient crosses streams.
+    assert not recorder.stream_mismatches, recorder.stream_mismatches[0]
 
 
 def fit_lightning(root: Path, *overrides: str) -> dict[str, torch.Tensor]:
