@@ -379,13 +379,22 @@ def test_performance_doc_states_the_re_measured_digits_cost() -> None:
 GPU_RUNS = {"bench_gpu_bf16": "bf16-mixed, channels_last, batch 256", "bench_gpu_fp32": "fp32, batch 16 (as shipped)"}
 
 
+# The runs after DDP moved to the training stream (app/cluster/ddp_stream.py), on two machines.
+GPU_STREAM_RUNS = {
+    "bench_gpu_bf16_stream": "bf16-mixed, channels_last, batch 256, both on the DataLoader (first machine)",
+    "bench_gpu_ondev": "the same, Lightning's split on the GPU (`on_device`) (second machine)",
+    "bench_gpu_fp32_stream": "fp32, batch 16 (second machine)",
+}
+
+
 def gpu_row(name: str) -> str:
-    """A row of performance.md's H100 table, from its JSON."""
+    """A row of performance.md's H100 tables, from its JSON."""
+    label = GPU_RUNS.get(name) or GPU_STREAM_RUNS[name]
     figures, one = bench(name), side(name, 1)
     steps = " / ".join(f"{one[who]['step_ms']['median']:.2f}" for who in ("reference", "lightning", "bare"))
     rates = " / ".join(f"{one[who]['samples_per_s']['median']:,.0f}" for who in ("reference", "lightning", "bare"))
     return (
-        f"| {GPU_RUNS[name]} | {figures['repeats']} | {steps} | {ratio(one['lightning_over_reference_step_time'])} "
+        f"| {label} | {figures['repeats']} | {steps} | {ratio(one['lightning_over_reference_step_time'])} "
         f"| {rates} | {ratio(figures['summary']['lightning_fraction_of_framework_free'], 3)} |"
     )
 
@@ -406,3 +415,26 @@ def test_performance_doc_quotes_the_h100_runs() -> None:
     cpu = {who: side("bench_gpu_fp32", 1)[who]["step_cpu_ms"]["median"] for who in ("reference", "lightning")}
     spent = f"main thread spent {cpu['lightning']:.1f} ms per step against the reference's {cpu['reference']:.1f}"
     assert spent in prose
+
+
+def test_performance_doc_quotes_the_h100_runs_on_the_training_stream() -> None:
+    text = PERFORMANCE.read_text()
+    for name in GPU_STREAM_RUNS:
+        assert bench(name)["accelerator"] == "gpu" and bench(name)["world_sizes"] == [1]
+        assert gpu_row(name) in text, name
+    prose = " ".join(text.split())
+    fp32, bf16, ondev = bench("bench_gpu_fp32_stream"), bench("bench_gpu_bf16_stream"), bench("bench_gpu_ondev")
+    assert f"went from 2.037 to {fp32['lightning_over_reference_step_time']:.3f} (target 1.05)" in prose
+    cpu = {who: side("bench_gpu_fp32_stream", 1)[who]["step_cpu_ms"]["median"] for who in ("reference", "lightning")}
+    spends = f"main thread now spends {cpu['lightning']:.2f} ms per step against the reference's {cpu['reference']:.2f}"
+    assert spends in prose
+    assert f"went from 1.220 to {bf16['lightning_over_reference_step_time']:.3f} (target 1.03)" in prose
+    rate = side("bench_gpu_ondev", 1)["lightning"]["samples_per_s"]["median"]
+    fraction = ondev["lightning_fraction_of_framework_free"]
+    assert f"Lightning reaches {rate:,.0f} samples/s, {fraction:.2f} of the" in prose
+    lightning = side("bench_gpu_ondev", 1)["lightning"]
+    assert f"Lightning's step ({lightning['step_ms']['median']:.2f} ms)" in prose
+    assert f"CPU time ({lightning['step_cpu_ms']['median']:.2f} ms)" in prose
+    assert f"GPU-bound step ({side('bench_gpu_ondev', 1)['bare']['step_ms']['median']:.2f} ms)" in prose
+    profile = (REPO / "docs" / "profile_gpu_bf16.txt").read_text()
+    assert "profile: lightning" in profile and "profile: reference" in profile
