@@ -365,6 +365,15 @@ def test_compression_doc_accuracy_is_the_json() -> None:
     assert report["epochs"]["digits CNN 28x28"] == 8 and report["epochs"]["digits MLP"] == 15
 
 
+def test_performance_doc_states_the_digits_cost_measured_after_the_gpu_round() -> None:
+    figures = bench("bench_digits_nov26")
+    one = figures["by_world_size"]["1"]["lightning_added_ms_per_step"]
+    reference = figures["by_world_size"]["1"]["reference"]["step_ms"]["median"]
+    text = " ".join(PERFORMANCE.read_text().split())
+    added = f"{one['median']:+.2f} ms ({one['min']:+.2f} to {one['max']:+.2f})"
+    assert f"the reference's step {reference:.2f} ms): {added}" in text
+
+
 def test_performance_doc_states_the_re_measured_digits_cost() -> None:
     figures = bench("bench_digits_nov25")
     one, two = (figures["by_world_size"][size]["lightning_added_ms_per_step"] for size in ("1", "2"))
