@@ -79,10 +79,12 @@ def test_reference_imports_only_models_datasets_and_helpers() -> None:
     # app.cluster.preflight: "who launched me" and "what devices means" have one answer, Lightning-free.
     # app.elastic and app.data.samplers: the sample order of a run continued on another number of
     # ranks has one definition, which both trainers follow (so that parity can check it).
+    # app.data.on_device: how a split held as tensors is batched (by indexing), the same on both sides,
+    # so that the benchmark's Lightning / reference compares trainers, not data paths.
     allowed = {
         "app.reference", "app.models.nets", "app.data.datasets",
         "app.cluster.preflight", "app.cluster.slurm_env", "app.cluster.threads",
-        "app.elastic", "app.data.samplers",
+        "app.elastic", "app.data.samplers", "app.data.on_device",
     }  # fmt: skip
     for path in (APP / "reference").glob("*.py"):
         for imported in imports_of(path):

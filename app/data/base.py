@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from app.data.datasets import DataNotFoundError, LoaderSettings, default_num_workers
-from app.data.on_device import DeviceResidentLoader, materialize
+from app.data.on_device import TensorBatchLoader, in_memory_tensors, materialize
 from app.data.samplers import UnpaddedDistributedSampler, train_sampler
 from app.data.seeding import PerSampleSeeded, reads_without_randomness, training_loader_generator
 from app.resume import elastic_layout, per_sample_seeding, sampler_position
@@ -135,7 +135,7 @@ class ShardedDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers and num_workers > 0,
         )
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader | TensorBatchLoader:
         world_size, rank = self._world()
         trainer = self.trainer
         position = None
@@ -154,21 +154,25 @@ class ShardedDataModule(L.LightningDataModule):
             self.train_dataset, world_size, rank, self.shuffle, self.seed, batch_size, position, seeded, layout
         )
         if self.on_device:  # no per-sample randomness to seed: `materialize` refuses augmented splits
-            return DeviceResidentLoader(self._device_tensors("train", self.train_dataset), sampler, batch_size)
+            return TensorBatchLoader(self._device_tensors("train", self.train_dataset), sampler, batch_size)
+        tensors = in_memory_tensors(self.train_dataset)
+        if tensors is not None and self._num_workers(self.train_dataset) == 0:
+            # The reference trainer reads the same splits the same way (app/reference/train.py).
+            return TensorBatchLoader(tensors, sampler, batch_size, pin_memory=self._use_pin_memory())
         generator = training_loader_generator(self.seed)
         return self._loader(dataset, sampler, ResumableDataLoader, generator, batch_size)
 
-    def _evaluation_loader(self, split: str, dataset: Dataset | None) -> DataLoader | DeviceResidentLoader:
+    def _evaluation_loader(self, split: str, dataset: Dataset | None) -> DataLoader | TensorBatchLoader:
         world_size, rank = self._world()
         sampler = UnpaddedDistributedSampler(dataset, world_size, rank)
         if self.on_device:
-            return DeviceResidentLoader(self._device_tensors(split, dataset), sampler, self.batch_size)
+            return TensorBatchLoader(self._device_tensors(split, dataset), sampler, self.batch_size)
         return self._loader(dataset, sampler)
 
-    def val_dataloader(self) -> DataLoader | DeviceResidentLoader:
+    def val_dataloader(self) -> DataLoader | TensorBatchLoader:
         return self._evaluation_loader("val", self.val_dataset)
 
-    def test_dataloader(self) -> DataLoader | DeviceResidentLoader:
+    def test_dataloader(self) -> DataLoader | TensorBatchLoader:
         return self._evaluation_loader("test", self.test_dataset)
 
     def predict_dataloader(self) -> DataLoader:

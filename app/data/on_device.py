@@ -1,4 +1,5 @@
-"""A split kept whole on the training device, with batches built there (`data.init_args.on_device: true`).
+"""Splits held whole as tensors, batched by indexing: on the training device (`data.init_args.on_device: true`)
+or, for a TensorDataset read without workers, in host memory (`TensorBatchLoader`).
 
 For data sets that fit in GPU memory (the digits, MNIST, CIFAR-10 sized ones) a DataLoader is the
 slowest part of a GPU step: per sample a `__getitem__` call, per batch a collate, a pinned copy and
@@ -30,10 +31,14 @@ from app.errors import InvalidConfigError
 
 
 def _indexed_tensors(dataset: Dataset) -> tuple[torch.Tensor, ...] | None:
-    """The tensors of a TensorDataset, or of Subsets of one, without reading sample by sample."""
-    if isinstance(dataset, TensorDataset):
+    """The tensors of a TensorDataset, or of Subsets of one, without reading sample by sample.
+
+    Exactly these classes (as `reads_without_randomness`): a subclass may override `__getitem__`,
+    and its samples are then whatever that returns, not the rows of its tensors.
+    """
+    if type(dataset) is TensorDataset:
         return tuple(dataset.tensors)
-    if isinstance(dataset, Subset):
+    if type(dataset) is Subset:
         inner = _indexed_tensors(dataset.dataset)
         if inner is not None:
             indices = torch.as_tensor(list(dataset.indices), dtype=torch.long)
@@ -91,23 +96,43 @@ def materialize(dataset: Dataset, split: str) -> tuple[torch.Tensor, ...]:
     return tuple(batch)
 
 
-class DeviceResidentLoader:
-    """Batches of `batch_size` rows, in the order `sampler` gives, cut from tensors already on the device.
+def in_memory_tensors(dataset: Dataset | None) -> tuple[torch.Tensor, ...] | None:
+    """The tensors of a split held in memory as tensors (a TensorDataset, or Subsets of one), else None.
 
-    Per epoch the sampler's order is turned into one index tensor and copied to the device once;
-    per batch there is one slice and one `index_select` per tensor, all queued on the device (no
-    host read, no host-to-device copy). `sampler` is a public attribute, as on a DataLoader, so
-    Lightning calls its `set_epoch` every epoch and sees that an evaluation loader does not
-    shuffle. `state_dict`/`load_state_dict` tell Lightning it may resume mid-epoch: the position
-    lives in the sampler (`ResumableDistributedSampler`).
+    Such a split needs no per-sample reading: `TensorBatchLoader` cuts its batches with one
+    `index_select` per tensor.
+    """
+    return None if dataset is None else _indexed_tensors(dataset)
+
+
+class TensorBatchLoader:
+    """Batches of `batch_size` rows, in the order `sampler` gives, cut from whole tensors.
+
+    For a split held whole as tensors, on the training device (`on_device: true`) or in host memory
+    (any TensorDataset a loader would read without workers). A DataLoader builds each batch one
+    sample at a time: per sample a `__getitem__` call and its tuple, then a stack of the rows
+    (about 3 ms of the main thread per batch of 256 CIFAR-sized images on an H100 machine,
+    docs/performance.md). Here each batch is one `index_select` per tensor: the same rows in the
+    same order, so the same values bit for bit. On the device the sampler's order is copied there
+    once per epoch and nothing touches the host per batch. In host memory, with `pin_memory`, each
+    batch is gathered straight into pinned memory, so its copy to a GPU can run asynchronously.
+
+    `sampler` is a public attribute, as on a DataLoader, so Lightning calls its `set_epoch` every
+    epoch and sees that an evaluation loader does not shuffle. `state_dict`/`load_state_dict` tell
+    Lightning it may resume mid-epoch: the position lives in the sampler
+    (`ResumableDistributedSampler`). It draws no random number: a DataLoader's only draw here is its
+    worker seed, which a split without workers never uses.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], sampler: Sampler, batch_size: int) -> None:
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], sampler: Sampler, batch_size: int, pin_memory: bool = False
+    ) -> None:
         self.tensors = tuple(tensors)
         self.sampler = sampler
         self.batch_sampler = None  # a DataLoader's attribute too: Lightning reads both to tell whether it shuffles
         self.batch_size = batch_size
         self.device = self.tensors[0].device
+        self.pin_memory = pin_memory and self.device.type == "cpu"
 
     def __len__(self) -> int:
         return math.ceil(len(self.sampler) / self.batch_size)  # type: ignore[arg-type]
@@ -116,11 +141,16 @@ class DeviceResidentLoader:
         indices = [key.index if isinstance(key, SampleKey) else key for key in self.sampler]
         order = torch.tensor(indices, dtype=torch.long)
         if self.device.type == "cuda":
-            order = order.pin_memory()
-        order = order.to(self.device, non_blocking=True)
+            order = order.pin_memory().to(self.device, non_blocking=True)
         for start in range(0, len(indices), self.batch_size):
             rows = order[start : start + self.batch_size]
-            yield [tensor.index_select(0, rows) for tensor in self.tensors]
+            yield [self._gather(tensor, rows) for tensor in self.tensors]
+
+    def _gather(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if not self.pin_memory:
+            return tensor.index_select(0, rows)
+        batch = torch.empty((len(rows), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=True)
+        return torch.index_select(tensor, 0, rows, out=batch)
 
     def state_dict(self) -> dict[str, int]:
         return {}

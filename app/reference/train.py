@@ -32,6 +32,7 @@ from app.cluster.preflight import detect_launch, resolve_devices
 from app.cluster.slurm_env import master_address_and_port
 from app.cluster.threads import configure_cpu_threads
 from app.data.datasets import default_num_workers
+from app.data.on_device import TensorBatchLoader, in_memory_tensors
 from app.data.samplers import ResumableDistributedSampler
 from app.elastic import ElasticLayout
 from app.reference.config import Job, build_job, load_config, prepare_data
@@ -156,19 +157,27 @@ class Trainer:
         if num_workers is None:  # sized to the machine, as the Lightning side does
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             num_workers = default_num_workers(job.train_dataset, device.type == "cuda", local_ranks)
-        self.train_data = DataLoader(
-            job.train_dataset,
-            batch_size=batch_size,  # per process
-            shuffle=False,  # the sampler shuffles
-            sampler=self.sampler,
-            num_workers=num_workers,
-            # Pinned host memory lets the copies below run asynchronously (non_blocking) on a GPU.
-            pin_memory=device.type == "cuda" if job.pin_memory is None else job.pin_memory,
-            persistent_workers=job.persistent_workers and num_workers > 0,
-            # As the Lightning side: the per-epoch iterator seed comes from here, not from the
-            # global generator that dropout draws from.
-            generator=torch.Generator().manual_seed(job.sampler_seed),
-        )
+        # Pinned host memory lets the copies below run asynchronously (non_blocking) on a GPU.
+        pin_memory = device.type == "cuda" if job.pin_memory is None else job.pin_memory
+        tensors = in_memory_tensors(job.train_dataset)
+        self.train_data: DataLoader | TensorBatchLoader
+        if tensors is not None and num_workers == 0:
+            # As the Lightning side: a split held as tensors is batched by indexing, not sample by
+            # sample (app/data/on_device.py), the same rows in the same order as a DataLoader's.
+            self.train_data = TensorBatchLoader(tensors, self.sampler, batch_size, pin_memory=pin_memory)
+        else:
+            self.train_data = DataLoader(
+                job.train_dataset,
+                batch_size=batch_size,  # per process
+                shuffle=False,  # the sampler shuffles
+                sampler=self.sampler,
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+                persistent_workers=job.persistent_workers and num_workers > 0,
+                # As the Lightning side: the per-epoch iterator seed comes from here, not from the
+                # global generator that dropout draws from.
+                generator=torch.Generator().manual_seed(job.sampler_seed),
+            )
         model = job.net.to(device)
         # One device per process: device_ids=[local index]; on CPU, DDP takes no device_ids.
         # ddp_kwargs: bucket_cap_mb, gradient_as_bucket_view, ... from the config's DDPStrategy.

@@ -1,4 +1,6 @@
-"""`data.init_args.on_device: true`: the same training as the ordinary loaders, batches built on the device.
+"""Splits batched by indexing (`TensorBatchLoader`): the same training as a DataLoader's, whether the
+split stays in host memory (a TensorDataset without workers, the default) or is kept on the device
+(`data.init_args.on_device: true`).
 
 On this machine the device is the CPU; the loader's code path is the one a GPU takes (the split is
 moved to `trainer.strategy.root_device` once, batches are `index_select`s there).
@@ -10,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from app.cli import DDPAppCLI
 from app.data.base import ResumableDataLoader
 from app.data.datasets import default_num_workers
-from app.data.on_device import DeviceResidentLoader, materialize
+from app.data.on_device import TensorBatchLoader, in_memory_tensors, materialize
 from app.data.samplers import UnpaddedDistributedSampler
 from app.errors import InvalidConfigError
 from app.resume_check import Case, Runner
@@ -39,14 +41,18 @@ def fit(tmp_path: Path, *overrides: str) -> tuple[dict[str, torch.Tensor], dict[
 
 
 @pytest.mark.quick
-def test_a_split_on_the_device_trains_the_same_weights_as_the_dataloader(tmp_path: Path) -> None:
-    loaded, loaded_metrics, loaded_type = fit(tmp_path / "loader")
+def test_a_split_batched_by_indexing_trains_the_same_weights_as_the_dataloader(tmp_path: Path) -> None:
+    # A worker makes ddp-app read the TensorDataset through a DataLoader, sample by sample.
+    loaded, loaded_metrics, loaded_type = fit(tmp_path / "loader", "--data.init_args.num_workers=1")
+    indexed, indexed_metrics, indexed_type = fit(tmp_path / "host")  # the default for a TensorDataset
     resident, resident_metrics, resident_type = fit(tmp_path / "device", "--data.init_args.on_device=true")
-    assert (loaded_type, resident_type) == (ResumableDataLoader, DeviceResidentLoader)
-    assert loaded.keys() == resident.keys()
+    assert (loaded_type, indexed_type, resident_type) == (ResumableDataLoader, TensorBatchLoader, TensorBatchLoader)
+    assert loaded.keys() == indexed.keys() == resident.keys()
     for name in loaded:
+        assert torch.equal(loaded[name], indexed[name]), name
         assert torch.equal(loaded[name], resident[name]), name
-    assert loaded_metrics["val_acc"] == resident_metrics["val_acc"]  # exact evaluation, same shards
+    # Exact evaluation, same shards.
+    assert loaded_metrics["val_acc"] == indexed_metrics["val_acc"] == resident_metrics["val_acc"]
 
 
 class Augmented(Dataset):
@@ -81,7 +87,7 @@ def test_any_deterministic_map_dataset_is_read_once_into_rows_in_dataset_order()
     assert torch.equal(inputs, torch.stack([torch.arange(3.0) * index for index in range(6)]))
     assert targets.tolist() == [0, 1, 2, 0, 1, 2]
     # Evaluation shards: rank 1 of 2 gets samples 1, 3, 5, in batches cut on the device.
-    loader = DeviceResidentLoader((inputs, targets), UnpaddedDistributedSampler(Decoded(), 2, 1), batch_size=2)
+    loader = TensorBatchLoader((inputs, targets), UnpaddedDistributedSampler(Decoded(), 2, 1), batch_size=2)
     reference = DataLoader(Decoded(), batch_size=2, sampler=UnpaddedDistributedSampler(Decoded(), 2, 1))
     assert len(loader) == len(reference) == 2
     for ours, theirs in zip(loader, reference, strict=True):
@@ -106,3 +112,16 @@ def test_a_split_on_the_device_resumes_exactly_after_a_kill_mid_epoch(tmp_path: 
     )
     outcome = runner.run(Case("kill-rank1", "mid-epoch", "same", "on-device"))
     assert outcome.exact, outcome.detail or outcome
+
+
+@pytest.mark.quick
+def test_only_a_plain_tensor_dataset_is_batched_by_indexing() -> None:
+    class Flipped(TensorDataset):  # a subclass may change what a sample is
+        def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+            return tuple(tensor[index].flip(0) for tensor in self.tensors)
+
+    rows = torch.arange(12.0).reshape(4, 3)
+    assert in_memory_tensors(TensorDataset(rows))[0] is rows
+    assert torch.equal(in_memory_tensors(Subset(TensorDataset(rows), [3, 1]))[0], rows[[3, 1]])
+    assert in_memory_tensors(Flipped(rows)) is None
+    assert torch.equal(materialize(Flipped(rows), "train")[0], rows.flip(1))  # read as its samples are

@@ -121,6 +121,19 @@ def test_a_steady_state_training_step_does_not_synchronise_with_the_host(tmp_pat
     assert not recorder.stream_mismatches, recorder.stream_mismatches[0]
 
 
+def test_a_tensor_split_in_host_memory_comes_in_pinned_batches_equal_to_the_dataloaders() -> None:
+    from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+
+    from app.data.on_device import TensorBatchLoader
+
+    dataset = TensorDataset(torch.randn(10, 3, 4, 4), torch.arange(10))
+    loader = TensorBatchLoader(dataset.tensors, SequentialSampler(dataset), batch_size=4, pin_memory=True)
+    reference = DataLoader(dataset, batch_size=4, pin_memory=True)
+    for ours, theirs in zip(loader, reference, strict=True):
+        assert all(tensor.is_pinned() for tensor in ours)  # so Lightning's non_blocking copy is asynchronous
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
 def fit_lightning(root: Path, *overrides: str) -> dict[str, torch.Tensor]:
     result = ddp_app(
         "fit", "--config", DIGITS, *ON_GPU, f"--trainer.default_root_dir={root}", "--trainer.max_epochs=1",
