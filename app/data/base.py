@@ -155,10 +155,11 @@ class ShardedDataModule(L.LightningDataModule):
         )
         if self.on_device:  # no per-sample randomness to seed: `materialize` refuses augmented splits
             return TensorBatchLoader(self._device_tensors("train", self.train_dataset), sampler, batch_size)
-        tensors = in_memory_tensors(self.train_dataset)
-        if tensors is not None and self._num_workers(self.train_dataset) == 0:
+        split = in_memory_tensors(self.train_dataset)
+        if split is not None and self._num_workers(self.train_dataset) == 0:
             # The reference trainer reads the same splits the same way (app/reference/train.py).
-            return TensorBatchLoader(tensors, sampler, batch_size, pin_memory=self._use_pin_memory())
+            pin_memory = self._use_pin_memory()
+            return TensorBatchLoader(split.tensors, sampler, batch_size, pin_memory, split.rows)
         generator = training_loader_generator(self.seed)
         return self._loader(dataset, sampler, ResumableDataLoader, generator, batch_size)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,19 +31,34 @@ from app.data.seeding import SampleKey
 from app.errors import InvalidConfigError
 
 
-def _indexed_tensors(dataset: Dataset) -> tuple[torch.Tensor, ...] | None:
-    """The tensors of a TensorDataset, or of Subsets of one, without reading sample by sample.
+@dataclass(frozen=True)
+class TensorRows:
+    """A split's samples as rows of whole tensors: sample i is row `rows[i]` (row i without `rows`)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    rows: torch.Tensor | None = None
+
+    def gathered(self) -> tuple[torch.Tensor, ...]:
+        """One tensor per field with the split's rows in sample order (a copy when `rows` is set)."""
+        return self.tensors if self.rows is None else tuple(tensor[self.rows] for tensor in self.tensors)
+
+
+def in_memory_tensors(dataset: Dataset | None) -> TensorRows | None:
+    """A split held in memory as tensors (a TensorDataset, or Subsets of one) as `TensorRows`, else None.
 
     Exactly these classes (as `reads_without_randomness`): a subclass may override `__getitem__`,
-    and its samples are then whatever that returns, not the rows of its tensors.
+    and its samples are then whatever that returns, not the rows of its tensors. A Subset's rows
+    are an index into the whole tensors, not a copy of them: a split of a large in-memory data set
+    costs 8 bytes per sample. `TensorBatchLoader` cuts batches from them with one `index_select`
+    per tensor.
     """
     if type(dataset) is TensorDataset:
-        return tuple(dataset.tensors)
+        return TensorRows(tuple(dataset.tensors))
     if type(dataset) is Subset:
-        inner = _indexed_tensors(dataset.dataset)
+        inner = in_memory_tensors(dataset.dataset)
         if inner is not None:
             indices = torch.as_tensor(list(dataset.indices), dtype=torch.long)
-            return tuple(tensor[indices] for tensor in inner)
+            return TensorRows(inner.tensors, indices if inner.rows is None else inner.rows[indices])
     return None
 
 
@@ -74,9 +90,9 @@ def materialize(dataset: Dataset, split: str) -> tuple[torch.Tensor, ...]:
     once, sample by sample, after checking that reading a sample twice under different random seeds
     gives the same sample (no random augmentation).
     """
-    tensors = _indexed_tensors(dataset)
-    if tensors is not None:
-        return tensors
+    split = in_memory_tensors(dataset)
+    if split is not None:
+        return split.gathered()
     length = len(dataset)  # type: ignore[arg-type]
     probe = [0, length // 2, length - 1] if length else []
     if any(not _same(_read_with_seed(dataset, index, 1), _read_with_seed(dataset, index, 2)) for index in probe):
@@ -94,15 +110,6 @@ def materialize(dataset: Dataset, split: str) -> tuple[torch.Tensor, ...]:
             f"({type(batch).__name__}). Fix: set data.init_args.on_device=false."
         )
     return tuple(batch)
-
-
-def in_memory_tensors(dataset: Dataset | None) -> tuple[torch.Tensor, ...] | None:
-    """The tensors of a split held in memory as tensors (a TensorDataset, or Subsets of one), else None.
-
-    Such a split needs no per-sample reading: `TensorBatchLoader` cuts its batches with one
-    `index_select` per tensor.
-    """
-    return None if dataset is None else _indexed_tensors(dataset)
 
 
 class TensorBatchLoader:
@@ -125,9 +132,15 @@ class TensorBatchLoader:
     """
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor], sampler: Sampler, batch_size: int, pin_memory: bool = False
+        self,
+        tensors: Sequence[torch.Tensor],
+        sampler: Sampler,
+        batch_size: int,
+        pin_memory: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> None:
         self.tensors = tuple(tensors)
+        self.rows = rows  # sample i is row rows[i] of the tensors (a Subset's indices), on their device
         self.sampler = sampler
         self.batch_sampler = None  # a DataLoader's attribute too: Lightning reads both to tell whether it shuffles
         self.batch_size = batch_size
@@ -140,6 +153,8 @@ class TensorBatchLoader:
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
         indices = [key.index if isinstance(key, SampleKey) else key for key in self.sampler]
         order = torch.tensor(indices, dtype=torch.long)
+        if self.rows is not None:
+            order = self.rows[order]
         if self.device.type == "cuda":
             order = order.pin_memory().to(self.device, non_blocking=True)
         for start in range(0, len(indices), self.batch_size):

@@ -159,12 +159,12 @@ class Trainer:
             num_workers = default_num_workers(job.train_dataset, device.type == "cuda", local_ranks)
         # Pinned host memory lets the copies below run asynchronously (non_blocking) on a GPU.
         pin_memory = device.type == "cuda" if job.pin_memory is None else job.pin_memory
-        tensors = in_memory_tensors(job.train_dataset)
+        split = in_memory_tensors(job.train_dataset)
         self.train_data: DataLoader | TensorBatchLoader
-        if tensors is not None and num_workers == 0:
+        if split is not None and num_workers == 0:
             # As the Lightning side: a split held as tensors is batched by indexing, not sample by
             # sample (app/data/on_device.py), the same rows in the same order as a DataLoader's.
-            self.train_data = TensorBatchLoader(tensors, self.sampler, batch_size, pin_memory=pin_memory)
+            self.train_data = TensorBatchLoader(split.tensors, self.sampler, batch_size, pin_memory, split.rows)
         else:
             self.train_data = DataLoader(
                 job.train_dataset,

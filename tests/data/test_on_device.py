@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, SequentialSampler, Subset, TensorDataset
 
 from app.cli import DDPAppCLI
 from app.data.base import ResumableDataLoader
@@ -121,7 +121,11 @@ def test_only_a_plain_tensor_dataset_is_batched_by_indexing() -> None:
             return tuple(tensor[index].flip(0) for tensor in self.tensors)
 
     rows = torch.arange(12.0).reshape(4, 3)
-    assert in_memory_tensors(TensorDataset(rows))[0] is rows
-    assert torch.equal(in_memory_tensors(Subset(TensorDataset(rows), [3, 1]))[0], rows[[3, 1]])
+    assert in_memory_tensors(TensorDataset(rows)).tensors[0] is rows
+    subset = in_memory_tensors(Subset(Subset(TensorDataset(rows), [3, 1, 2]), [2, 0]))
+    assert subset.tensors[0] is rows and subset.rows.tolist() == [2, 3]  # an index, not a copy
+    assert torch.equal(subset.gathered()[0], rows[[2, 3]])
+    loader = TensorBatchLoader(subset.tensors, SequentialSampler(range(2)), batch_size=2, rows=subset.rows)
+    assert torch.equal(next(iter(loader))[0], rows[[2, 3]])
     assert in_memory_tensors(Flipped(rows)) is None
     assert torch.equal(materialize(Flipped(rows), "train")[0], rows.flip(1))  # read as its samples are
