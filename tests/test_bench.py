@@ -117,6 +117,6 @@ def test_per_call_bench_times_every_cut_before_and_after(capsys: pytest.CaptureF
 
     main(["--calls", "50", "--repeats", "1"])
     rows = {line[:18].strip(): line[18:].split() for line in capsys.readouterr().out.splitlines()[1:]}
-    assert set(rows) == {"train accuracy", "NaN-guard grads", "profiler"}
+    assert set(rows) == {"train accuracy", "NaN-guard grads", "profiler", "hook name", "DDP 1 rank"}
     for before, after, _ in rows.values():
         assert float(before) > 0 and float(after) > 0

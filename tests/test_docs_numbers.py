@@ -372,6 +372,13 @@ def test_performance_doc_states_the_digits_cost_measured_after_the_gpu_round() -
     text = " ".join(PERFORMANCE.read_text().split())
     added = f"{one['median']:+.2f} ms ({one['min']:+.2f} to {one['max']:+.2f})"
     assert f"the reference's step {reference:.2f} ms): {added}" in text
+    indexed = bench("bench_digits_indexed")["by_world_size"]["1"]
+    steps = {side: indexed[side]["step_ms"]["median"] for side in ("reference", "lightning")}
+    after = indexed["lightning_added_ms_per_step"]
+    assert (
+        f"the reference's step {steps['reference']:.2f} ms and Lightning's {steps['lightning']:.2f} ms, added "
+        f"{after['median']:+.2f} ms ({after['min']:+.2f} to {after['max']:+.2f})"
+    ) in text
 
 
 def test_performance_doc_states_the_re_measured_digits_cost() -> None:
@@ -447,3 +454,11 @@ def test_performance_doc_quotes_the_h100_runs_on_the_training_stream() -> None:
     assert f"GPU-bound step ({side('bench_gpu_ondev', 1)['bare']['step_ms']['median']:.2f} ms)" in prose
     profile = (REPO / "docs" / "profile_gpu_bf16.txt").read_text()
     assert "profile: lightning" in profile and "profile: reference" in profile
+
+
+def test_performance_doc_quotes_the_per_call_cuts() -> None:
+    rows = json.loads((REPO / "docs" / "bench_per_call.json").read_text())
+    prose = " ".join(PERFORMANCE.read_text().split())
+    ddp, hook = rows["DDP 1 rank"], rows["hook name"]
+    assert f"took {ddp['before_us']:.0f} us with the broadcast and {ddp['after_us']:.0f} us without" in prose
+    assert f"{hook['before_us']:.2f} against {hook['after_us']:.2f} us per assignment" in prose

@@ -81,10 +81,11 @@ def test_reference_imports_only_models_datasets_and_helpers() -> None:
     # ranks has one definition, which both trainers follow (so that parity can check it).
     # app.data.on_device: how a split held as tensors is batched (by indexing), the same on both sides,
     # so that the benchmark's Lightning / reference compares trainers, not data paths.
+    # app.cluster.ddp_buffers: DDP's arguments at one rank, the same on both sides.
     allowed = {
         "app.reference", "app.models.nets", "app.data.datasets",
         "app.cluster.preflight", "app.cluster.slurm_env", "app.cluster.threads",
-        "app.elastic", "app.data.samplers", "app.data.on_device",
+        "app.elastic", "app.data.samplers", "app.data.on_device", "app.cluster.ddp_buffers",
     }  # fmt: skip
     for path in (APP / "reference").glob("*.py"):
         for imported in imports_of(path):

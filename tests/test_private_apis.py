@@ -246,6 +246,7 @@ def test_a_fit_wraps_the_model_in_ddp_with_the_strategys_arguments_through_the_r
     [wrapped] = seen
     assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
     assert (wrapped.bucket_bytes_cap, wrapped.static_graph) == (2**20, True), "DDP lost the strategy's arguments"
+    assert not wrapped.will_sync_module_buffers()  # one rank: nothing to broadcast to (app/cluster/ddp_buffers.py)
     assert cli.trainer.global_step == 3
 
 

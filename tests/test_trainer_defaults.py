@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import warnings
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,23 @@ def test_train_accuracy_is_the_accuracy_over_every_training_sample(tmp_path: Pat
         expected = (cli.model(inputs).argmax(dim=1) == targets).double().mean()
     assert int(cli.model._train_seen) == len(targets)
     assert torch.isclose(cli.trainer.callback_metrics["train_acc"].double(), expected)
+
+
+def test_ddp_broadcasts_buffers_only_where_there_is_another_rank_to_reach() -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from app.cluster.ddp_buffers import without_single_rank_broadcast
+
+    given = {"bucket_cap_mb": 1, "broadcast_buffers": True}
+    assert without_single_rank_broadcast(given, 2) == given
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # and no deprecation warning for the switch it uses
+            one_rank = DistributedDataParallel(net, **without_single_rank_broadcast(given, 1))
+        assert not one_rank.will_sync_module_buffers()
+        assert DistributedDataParallel(net).will_sync_module_buffers()  # DDP's default, kept on more ranks
+    finally:
+        dist.destroy_process_group()

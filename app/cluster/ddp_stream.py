@@ -9,7 +9,8 @@ record and a stream wait per gradient, and the DDP hooks on the side stream). to
 about it at the first backward ("The AccumulateGrad node's stream does not match ..."). The
 plain-PyTorch reference builds DDP on the default stream. Lightning fixed this upstream (Lightning
 PR #21746, after 2.6); until the pinned version has it, `build_ddp_on_the_current_stream` builds
-the wrapper the way Lightning does, with the same arguments, minus the side stream.
+the wrapper the way Lightning does, with the same arguments, minus the side stream (and, at one
+rank, minus the buffer broadcast that reaches no one: app/cluster/ddp_buffers.py).
 
 Private (docs/private_apis.md); tests/test_private_apis.py says when Lightning no longer needs it.
 """
@@ -20,6 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
+from app.cluster.ddp_buffers import without_single_rank_broadcast
 from app.private_apis import require
 
 # The DDPStrategy method that wraps the model, and the attribute holding DDP's own arguments.
@@ -42,7 +44,7 @@ def build_ddp_on_the_current_stream(strategy: object) -> None:
 
     def wrap_on_the_current_stream(model: Module) -> DistributedDataParallel:
         # Read when the model is wrapped, as Lightning does: the strategy's arguments may change until then.
-        ddp_kwargs = getattr(strategy, LIGHTNING_DDP_KWARGS)
+        ddp_kwargs = without_single_rank_broadcast(getattr(strategy, LIGHTNING_DDP_KWARGS), strategy.world_size)
         return DistributedDataParallel(module=model, device_ids=strategy.determine_ddp_device_ids(), **ddp_kwargs)
 
     setattr(strategy, LIGHTNING_DDP_WRAP, wrap_on_the_current_stream)

@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSG
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from app.cluster.ddp_buffers import without_single_rank_broadcast
 from app.cluster.preflight import detect_launch, resolve_devices
 from app.cluster.slurm_env import master_address_and_port
 from app.cluster.threads import configure_cpu_threads
@@ -181,7 +182,8 @@ class Trainer:
         model = job.net.to(device)
         # One device per process: device_ids=[local index]; on CPU, DDP takes no device_ids.
         # ddp_kwargs: bucket_cap_mb, gradient_as_bucket_view, ... from the config's DDPStrategy.
-        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **job.ddp_kwargs)
+        ddp_kwargs = without_single_rank_broadcast(job.ddp_kwargs, world_size)  # as the Lightning side
+        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
         register_compression(self.model, job.compression)
         self.optimizer = job.optimizer(self.model.parameters())
         self.scheduler = job.scheduler(self.optimizer)
