@@ -140,7 +140,7 @@ class TensorBatchLoader:
         rows: torch.Tensor | None = None,
     ) -> None:
         self.tensors = tuple(tensors)
-        self.rows = rows  # sample i is row rows[i] of the tensors (a Subset's indices), on their device
+        self.rows = rows  # sample i is row rows[i] of the tensors (a Subset's indices), in host memory
         self.sampler = sampler
         self.batch_sampler = None  # a DataLoader's attribute too: Lightning reads both to tell whether it shuffles
         self.batch_size = batch_size
@@ -156,7 +156,9 @@ class TensorBatchLoader:
         if self.rows is not None:
             order = self.rows[order]
         if self.device.type == "cuda":
-            order = order.pin_memory().to(self.device, non_blocking=True)
+            order = order.pin_memory()
+        if self.device.type != "cpu":
+            order = order.to(self.device, non_blocking=True)
         for start in range(0, len(indices), self.batch_size):
             rows = order[start : start + self.batch_size]
             yield [self._gather(tensor, rows) for tensor in self.tensors]
