@@ -161,9 +161,10 @@ def main(argv: list[str] | None = None) -> None:
         "costliest functions per step (app/bench/profiles.py; profiled runs are slower)",
     )
     args = parser.parse_args(argv)
+    profile_steps = None
     if args.profile is not None:
         try:
-            parse_profile_steps(args.profile)
+            profile_steps = parse_profile_steps(args.profile)
         except ValueError:
             parser.error(f"--profile takes FIRST:COUNT, such as 10:20; got {args.profile!r}")
     if not args.config.is_file():
@@ -172,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     report = run_bench(args)
     print(format_table(report))
-    if args.profile is not None:
-        print_profiles(args.out, parse_profile_steps(args.profile)[1])
+    if profile_steps is not None:
+        print_profiles(args.out, profile_steps[1])
     json_path = args.json or args.out / "bench.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=2))

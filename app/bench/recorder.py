@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
+from app.bench.profiles import parse_profile_steps
+
 DIR_VARIABLE = "APP_BENCH_DIR"
 LAUNCH_TIME_VARIABLE = "APP_BENCH_LAUNCH_TIME"
-# "FIRST:COUNT" (`python -m app.bench --profile`): rank 0 runs cProfile on its main thread from the
-# start of step FIRST to the start of step FIRST + COUNT, and writes `<side>-rank0.prof`.
+# "FIRST:COUNT" (`python -m app.bench --profile`): rank 0 runs cProfile, started in its main thread,
+# from the start of step FIRST to the start of step FIRST + COUNT, and writes `<side>-rank0.prof`.
 PROFILE_VARIABLE = "APP_BENCH_PROFILE"
 
 
@@ -49,7 +51,7 @@ class StepRecorder:
         self.uses_cuda: bool | None = None
         self.gpu_events: list[torch.cuda.Event] = []
         profile = os.environ.get(PROFILE_VARIABLE) if rank == 0 else None
-        self.profile_steps = tuple(int(part) for part in profile.split(":")) if profile else None
+        self.profile_steps = parse_profile_steps(profile) if profile else None
         self.profiler: cProfile.Profile | None = None
 
     @classmethod
