@@ -44,10 +44,10 @@ class NonFiniteGuard(L.Callback):
 
     def __init__(self) -> None:
         self._parameters: list[torch.nn.Parameter] = []
-        # On the training device: the optimizer steps checked since train start, and the index of
-        # the first bad one among them (-1: none).
-        self._steps_checked: torch.Tensor | None = None
-        self._first_bad: torch.Tensor | None = None
+        # On the training device: whether every checked step so far was finite, and how many were;
+        # once a step is bad, the count stops, so it is the index of the first bad step.
+        self._all_finite: torch.Tensor | None = None
+        self._finite_steps: torch.Tensor | None = None
         self._first_step = 0  # trainer.global_step at train start: step index i is global step _first_step + i
         self._unread = False  # steps were checked since the last read
 
@@ -58,8 +58,8 @@ class NonFiniteGuard(L.Callback):
         if getattr(trainer.precision_plugin, "scaler", None) is not None:  # MixedPrecision's public attribute
             self._parameters = []
         device = trainer.strategy.root_device
-        self._steps_checked = torch.zeros((), dtype=torch.long, device=device)
-        self._first_bad = torch.full((), -1, dtype=torch.long, device=device)
+        self._all_finite = torch.ones((), dtype=torch.bool, device=device)
+        self._finite_steps = torch.zeros((), dtype=torch.long, device=device)
         self._first_step = trainer.global_step
         self._unread = False
 
@@ -67,14 +67,14 @@ class NonFiniteGuard(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         grads = [parameter.grad for parameter in self._parameters if parameter.grad is not None]
-        if not grads or self._first_bad is None:
+        if not grads or self._all_finite is None or self._finite_steps is None:
             return
         # One norm over all gradients: it is finite exactly when every gradient is (short of an
-        # overflow past 1e19 in the sum of squares, itself a diverged run).
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        bad_now = ~torch.isfinite(norm) & (self._first_bad < 0)
-        self._first_bad = torch.where(bad_now, self._steps_checked, self._first_bad)
-        self._steps_checked += 1
+        # overflow past 1e19 in the sum of squares, itself a diverged run). Then two in-place
+        # updates: the finite flag and, while it holds, the count of finite steps.
+        total = torch.nn.utils.get_total_norm(grads, foreach=True)
+        self._all_finite.logical_and_(total.isfinite())
+        self._finite_steps.add_(self._all_finite)
         self._unread = True
 
     def on_train_batch_end(
@@ -92,10 +92,10 @@ class NonFiniteGuard(L.Callback):
 
     def raise_if_diverged(self, trainer: L.Trainer) -> None:
         """The one host read of the verdict; raises if a checked step had non-finite gradients."""
-        if not self._unread or self._first_bad is None:
+        if not self._unread or self._all_finite is None or self._finite_steps is None:
             return
         self._unread = False
-        first_bad = int(self._first_bad.item())
+        first_bad = int(torch.where(self._all_finite, -1, self._finite_steps).item())
         if first_bad < 0:
             return
         last = find_last_checkpoint(trainer) or "none written yet"

@@ -16,6 +16,7 @@ import os
 import random
 import sys
 import warnings
+from collections.abc import MutableMapping
 from typing import NoReturn
 
 from app.cli import ConfigParsed, DDPAppCLI
@@ -49,6 +50,7 @@ def run(args: list[str]) -> int:
     """
     keep_hang_records(os.environ)
     STOP_SIGNAL_FLAG.install(PREEMPTION_SIGNALS)
+    allow_plain_cuda_availability_checks(os.environ)
     try:
         DDPAppCLI(args=args)
     except Stopped as stopped:
@@ -68,6 +70,24 @@ def run(args: list[str]) -> int:
             raise
         return code
     return 0
+
+
+NVML_BASED_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def allow_plain_cuda_availability_checks(env: MutableMapping[str, str]) -> None:
+    """In a rank, let `torch.cuda.is_available()` ask the CUDA runtime again, as it does by default.
+
+    Importing Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1, so that asking whether CUDA is
+    available does not initialise CUDA in a process that forks workers which use it afterwards (the
+    launcher keeps it: `refuse_cuda_before_fork`). A rank forks nothing that uses CUDA. With the
+    variable set, every `torch.cuda.is_available()` in a process where CUDA never initialises
+    (training on the CPU with torch's CUDA build, pip's default on Linux, and no
+    CUDA_VISIBLE_DEVICES="") loads the NVML library through ctypes again and fails: 52 against 2 us
+    on a 2-core VM, and `torch.optim.Optimizer.step` asks at every step. On a GPU, CUDA is
+    initialised by the first step and torch caches the answer either way.
+    """
+    env.pop(NVML_BASED_CUDA_CHECK, None)
 
 
 def report_user_error(error: Exception) -> int | None:

@@ -120,3 +120,14 @@ def test_per_call_bench_times_every_cut_before_and_after(capsys: pytest.CaptureF
     assert set(rows) == {"train accuracy", "NaN-guard grads", "profiler", "hook name", "DDP 1 rank"}
     for before, after, _ in rows.values():
         assert float(before) > 0 and float(after) > 0
+
+
+def test_floor_bench_times_plain_and_bare_lightning_on_the_same_batches(tmp_path: Path) -> None:
+    from app.bench.floor import SIDES, main
+
+    out = tmp_path / "floor.json"
+    main(["--batches", "4", "--epochs", "2", "--repeats", "1", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert list(figures["ms_per_step"]) == list(SIDES)
+    assert all(side["median"] > 0 for side in figures["ms_per_step"].values())
+    assert list(figures["added_ms_per_step"]) == list(SIDES[1:])

@@ -71,3 +71,30 @@ def test_the_nan_guard_leaves_steps_with_overflowed_gradients_to_a_gradient_scal
     trainer.fit(model, datamodule=SeededRegressionData())
     assert scaler.get_scale() < 2.0**100  # steps overflowed and were skipped by the scaler
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+class InfAtOneStep(TwoLayerRegressor):
+    """The loss of one optimizer step is made infinite; the steps before and after it are ordinary."""
+
+    def __init__(self, bad_step: int) -> None:
+        super().__init__()
+        self.bad_step = bad_step
+
+    def training_step(self, batch: tuple, batch_idx: int):  # type: ignore[override]
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if self.global_step == self.bad_step else loss
+
+
+def test_the_nan_guard_reads_its_verdict_later_and_names_the_first_bad_step(tmp_path: Path) -> None:
+    """The verdict stays on the device and is read every log_every_n_steps steps: the error, raised at
+    that read, names the first bad step, not the step of the read."""
+    from app.callbacks import NonFiniteGuard
+    from app.errors import NonFiniteLossError
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        log_every_n_steps=5, callbacks=[NonFiniteGuard()],
+    )  # fmt: skip
+    with pytest.raises(NonFiniteLossError, match=r"non-finite gradients at global step 3 \(seen at step 5,"):
+        trainer.fit(InfAtOneStep(bad_step=3), datamodule=SeededRegressionData())

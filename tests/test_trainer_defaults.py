@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import warnings
 from pathlib import Path
 
@@ -116,3 +117,22 @@ def train_three_steps(broadcast: bool) -> dict[str, torch.Tensor]:
         optimizer.step()
         optimizer.zero_grad()
     return {name: value.detach().clone() for name, value in net.state_dict().items()}
+
+
+@pytest.mark.distributed
+def test_ranks_check_cuda_through_the_runtime_not_nvml_at_every_optimizer_step(tmp_path: Path) -> None:
+    """Lightning's import sets PYTORCH_NVML_BASED_CUDA_CHECK=1 (for processes that fork afterwards);
+    a rank unsets it, or each `Optimizer.step` on a CPU with torch's CUDA build reloads NVML (52 us)."""
+    from app.entry import NVML_BASED_CUDA_CHECK
+    from tests.helpers.run import ddp_app
+
+    record = tmp_path / "environment"
+    result = ddp_app(
+        "fit", "--config", DIGITS, "--trainer.devices=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+        "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks+=tests.helpers.rank_environment.RecordEnvironment",
+        f"--trainer.callbacks.dirpath={record}", f"--trainer.callbacks.names=[{NVML_BASED_CUDA_CHECK}]",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = [json.loads((record / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen == [{NVML_BASED_CUDA_CHECK: None}] * 2

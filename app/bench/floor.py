@@ -1,0 +1,214 @@
+"""`python -m app.bench.floor [--config configs/digits.yaml] [--repeats 5] [--json F]`: Lightning's own cost per step.
+
+What a training step costs in Lightning's training loop itself, on this machine, measured without
+anything `ddp-app` adds: one process, one thread, no DDP, no data loading (the same batches, built
+once, in a list), the config's network, loss and optimizer. Each repeat runs, in turn:
+
+  plain              the tutorials' loop: zero_grad, forward, loss, backward, optimizer step
+  lightning          a bare `Trainer` (no logger, checkpointing, progress bar, model summary or
+                     sanity check) fitting a LightningModule that has only `training_step` and
+                     `configure_optimizers`, as Lightning ships it
+  + NoProfiler       the same with ddp-app's `NoProfiler` (app/cli.py) instead of Lightning's
+                     default "no profiler"
+  + N callbacks      the same plus N callbacks that override no hook: Lightning calls every hook
+                     of every callback at every step (ddp-app's digits job has 11 callbacks)
+
+and reports each side's time per step (the median over epochs of the epoch's mean, from one
+step's start to the next, the first epoch left out), and each Lightning side minus plain, paired
+within a repeat: median [min, max] over repeats. This is the floor under `python -m app.bench`'s
+"lightning added": no per-step work ddp-app could drop makes Lightning's step cheaper than this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from app.bench.report import spread
+from app.cli import NoProfiler
+from app.cluster.threads import configure_cpu_threads
+
+NOOP_CALLBACKS = 10
+
+
+def instantiate(spec: dict[str, Any], *args: Any) -> Any:
+    """A `class_path` / `init_args` entry of a config, built with `args` first (an optimizer's parameters)."""
+    module, _, name = spec["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name)(*args, **(spec.get("init_args") or {}))
+
+
+def config_parts(config: dict[str, Any], batches: int) -> tuple[torch.nn.Module, torch.nn.Module, dict, list]:
+    """(network, loss, optimizer entry, training batches) from a ddp-app config: the model's `net`
+    and `criterion` (app.models), and the first `batches` batches of its training split, in order."""
+    model = instantiate(config["model"])
+    data = instantiate(config["data"])
+    data.setup("fit")
+    loader = DataLoader(data.train_dataset, batch_size=data.batch_size, shuffle=False, drop_last=True)
+    batches_list = []
+    for batch in loader:
+        batches_list.append(batch)
+        if len(batches_list) == batches:
+            break
+    return model.net, model.criterion, config["optimizer"], batches_list
+
+
+class Batches:
+    """The batches as one iterable with a length (Lightning reads a plain list as a list of loaders)."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+
+class BareModule(L.LightningModule):
+    """What a user writes first: the step and the optimizer, nothing else."""
+
+    def __init__(self, net: torch.nn.Module, criterion: torch.nn.Module, optimizer: dict) -> None:
+        super().__init__()
+        self.net = net
+        self.criterion = criterion
+        self.optimizer = optimizer
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return self.criterion(self.net(inputs), targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return instantiate(self.optimizer, self.parameters())
+
+
+class StepClock(L.Callback):
+    """Each epoch's mean step time, from the first step's start to the epoch's end."""
+
+    def __init__(self) -> None:
+        self.epoch_ms: list[float] = []
+        self._started = 0.0
+        self._steps = 0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._steps = 0
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._steps == 0:
+            self._started = time.perf_counter()
+        self._steps += 1
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epoch_ms.append((time.perf_counter() - self._started) / self._steps * 1e3)
+
+
+def plain_ms(
+    net: torch.nn.Module, criterion: torch.nn.Module, optimizer: dict, batches: list, epochs: int
+) -> list[float]:
+    net = copy.deepcopy(net)
+    opt = instantiate(optimizer, net.parameters())
+    epoch_ms = []
+    for _ in range(epochs):
+        started = time.perf_counter()
+        for inputs, targets in batches:
+            opt.zero_grad()
+            criterion(net(inputs), targets).backward()
+            opt.step()
+        epoch_ms.append((time.perf_counter() - started) / len(batches) * 1e3)
+    return epoch_ms
+
+
+def lightning_ms(
+    net: torch.nn.Module, criterion: torch.nn.Module, optimizer: dict, batches: list, epochs: int, **options: Any
+) -> list[float]:
+    clock = StepClock()
+    idle = [L.Callback() for _ in range(options.get("callbacks", 0))]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        profiler=options.get("profiler"), callbacks=[clock, *idle],
+    )  # fmt: skip
+    trainer.fit(BareModule(copy.deepcopy(net), criterion, optimizer), train_dataloaders=Batches(batches))
+    return clock.epoch_ms
+
+
+SIDES = ("plain", "lightning", "+ NoProfiler", f"+ {NOOP_CALLBACKS} callbacks")
+
+
+def run_side(side: str, parts: tuple, epochs: int) -> float:
+    """The median over epochs (the first left out) of the epoch's mean step time, ms."""
+    if side == "plain":
+        epoch_ms = plain_ms(*parts, epochs)
+    elif side == "lightning":
+        epoch_ms = lightning_ms(*parts, epochs)
+    elif side == "+ NoProfiler":
+        epoch_ms = lightning_ms(*parts, epochs, profiler=NoProfiler())
+    else:
+        epoch_ms = lightning_ms(*parts, epochs, profiler=NoProfiler(), callbacks=NOOP_CALLBACKS)
+    return statistics.median(epoch_ms[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.bench.floor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", type=Path, default=Path("configs/digits.yaml"))
+    parser.add_argument("--batches", type=int, default=37, help="training batches per epoch")
+    parser.add_argument("--epochs", type=int, default=8, help="epochs per side and repeat (the first is left out)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of all sides, the order rotating")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    configure_cpu_threads()
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
+    parts = config_parts(yaml.safe_load(args.config.read_text()), args.batches)
+    ms: dict[str, list[float]] = {side: [] for side in SIDES}
+    for repeat in range(args.repeats):
+        order = SIDES[repeat % len(SIDES) :] + SIDES[: repeat % len(SIDES)]  # no side always runs first
+        for side in order:
+            ms[side].append(run_side(side, parts, args.epochs))
+        done = ", ".join(f"{side} {ms[side][-1]:.3f}" for side in SIDES)
+        print(f"repeat {repeat + 1}/{args.repeats}, ms/step: {done}", file=sys.stderr)
+    added = {side: [ms[side][r] - ms["plain"][r] for r in range(args.repeats)] for side in SIDES[1:]}
+    per_callback_us = [(ms[SIDES[3]][r] - ms["+ NoProfiler"][r]) / NOOP_CALLBACKS * 1e3 for r in range(args.repeats)]
+    print(f"{args.config}: {len(parts[3])} batches of {len(parts[3][0][0])}, {args.repeats} repeats, 1 CPU thread")
+    print(f"{'':<18}{'ms/step':>10}{'added ms (paired) median [min, max]':>40}")
+    for side in SIDES:
+        line = f"{side:<18}{statistics.median(ms[side]):>10.3f}"
+        if side in added:
+            s = spread(added[side])
+            line += f"{s['median']:>+19.3f} [{s['min']:+.3f}, {s['max']:+.3f}]"
+        print(line)
+    s = spread(per_callback_us)
+    print(f"one callback that overrides no hook: {s['median']:.1f} us per step [{s['min']:.1f}, {s['max']:.1f}]")
+    if args.json is not None:
+        command = " ".join(["python -m app.bench.floor", *(argv if argv is not None else sys.argv[1:])])
+        result = {
+            "command": command,
+            "torch": torch.__version__,
+            "lightning": L.__version__,
+            "ms_per_step": {side: spread(ms[side]) for side in SIDES},
+            "added_ms_per_step": {side: spread(values) for side, values in added.items()},
+            "noop_callback_us_per_step": s,
+        }
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
