@@ -107,6 +107,9 @@ class LastCheckpoint(Checkpoint):
         self.check_interval_s = check_interval_s
         self.dirpath: str | None = None
         self.last_model_path = ""
+        # True while last.ckpt is written: the save `--ckpt_path last` resumes from, unlike a
+        # ModelCheckpoint's step-N or best-k file (app/tracking/run.py settles values on it only).
+        self.saving = False
         self._signals = STOP_SIGNAL_FLAG
         self._taken_signals: tuple[int, ...] = ()  # those the flag handles since on_train_start, not before
         self._group: Any = None
@@ -241,7 +244,11 @@ class LastCheckpoint(Checkpoint):
     def _save(self, trainer: L.Trainer) -> None:
         path = Path(self.dirpath or checkpoint_directory(trainer)) / LAST_NAME
         self.last_model_path = str(path)
-        trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank 0 writes (atomically)
+        self.saving = True
+        try:
+            trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank 0 writes (atomically)
+        finally:
+            self.saving = False
         self._saved_step = trainer.global_step
         self._last_save = time.monotonic()
 

@@ -4,9 +4,11 @@ Every `log_metrics` call of rank 0 is a *call*: a sequence number, the logger's 
 and its values. It is appended to `journal.jsonl` in the run's log directory before anything else
 sees it, beside the two events that decide which calls are final:
 
-- `saved` (seq, step): a checkpoint holding the run as of call `seq` is on disk; `step` is the
-  largest step the attempt had logged by then;
-- `resumed` (seq, step): an attempt continues from such a checkpoint.
+- `saved` (seq, step): last.ckpt, holding the run as of call `seq`, is on disk; `step` is the
+  largest step the attempt had logged by then. Only last.ckpt counts: `--ckpt_path last` resumes
+  from it, and a user's ModelCheckpoint may hold a later step (`every_n_train_steps`), whose values
+  a resume from last.ckpt redoes;
+- `resumed` (seq, step): an attempt continues from a checkpoint holding the run as of call `seq`.
 
 A resume redoes what came after its checkpoint, so a call logged after the last completed save is
 *pending* while its attempt lives and *provisional* once an attempt resumes from an earlier

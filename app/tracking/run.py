@@ -38,6 +38,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from app.checkpoints.io import atomic_write
+from app.checkpoints.last import LastCheckpoint
 from app.cluster.preemption import Stopped
 from app.errors import UserFacingError
 from app.tracking.history import SETTLED, Call, Journal, RunHistory, mark_sent, replay, sent_seqs
@@ -503,15 +504,22 @@ class Tracking(L.Callback):
         run = self.run
         if run is None:
             return
-        self._settle_save(trainer)  # two saves in one step (best-k, then last.ckpt): the first is on disk
+        self._settle_save(trainer)  # two saves in one step (last.ckpt, then another file): the first is on disk
         seq, step = run.history.last_seq, run.history.attempt_max_step
+        # Every checkpoint says where in the journal it stands, so an attempt resumed from any of them
+        # (`--ckpt_path <file>`) continues the run and redoes what came after it.
         checkpoint[CHECKPOINT_KEY] = {
             "run_id": run.identity["run_id"],
             "log_version": run.identity["log_version"],
             "seq": seq,
             "step": step,
         }
-        self._save_in_flight = (seq, step)
+        # Only last.ckpt settles values: `--ckpt_path last` resumes from it, and a user's
+        # ModelCheckpoint (every_n_train_steps, best-k) can hold a later step than last.ckpt does. A
+        # save of that file settled the values logged up to it, which a resume from the older
+        # last.ckpt then logged a second time.
+        if is_last_checkpoint_save(trainer):
+            self._save_in_flight = (seq, step)
 
     def _settle_save(self, trainer: L.Trainer) -> None:
         """The hook after a save: the file is on disk, what it holds is final."""
@@ -600,6 +608,12 @@ class Tracking(L.Callback):
         if self._status == "success":
             tags.update(final_metrics(trainer))
         run.close(self._status, tags)
+
+
+def is_last_checkpoint_save(trainer: L.Trainer) -> bool:
+    """Whether the checkpoint being saved is last.ckpt, the one `--ckpt_path last` resumes from
+    (app/checkpoints/last.py), rather than another callback's file."""
+    return any(isinstance(callback, LastCheckpoint) and callback.saving for callback in trainer.checkpoint_callbacks)
 
 
 def checkpoint_tags(trainer: L.Trainer) -> dict[str, str]:
