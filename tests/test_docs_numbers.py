@@ -466,3 +466,30 @@ def test_performance_doc_quotes_the_per_call_cuts() -> None:
     ddp, hook = rows["DDP 1 rank"], rows["hook name"]
     assert f"took {ddp['before_us']:.0f} us with the broadcast and {ddp['after_us']:.0f} us without" in prose
     assert f"{hook['before_us']:.2f} against {hook['after_us']:.2f} us per assignment" in prose
+
+
+def floor_table() -> str:
+    """performance.md's table of `python -m app.bench.floor` (docs/bench_floor.json)."""
+    figures = bench("bench_floor")
+    lines = ["| side | ms per step | added to the plain loop, ms (median [min, max] of 5 rounds) |", "|---|---|---|"]
+    for side, ms in figures["ms_per_step"].items():
+        added = figures["added_ms_per_step"].get(side)
+        shown = f"{added['median']:+.3f} [{added['min']:+.3f}, {added['max']:+.3f}]" if added else ""
+        lines.append(f"| {side} | {ms['median']:.3f} | {shown} |")
+    return "\n".join(lines)
+
+
+def test_performance_doc_quotes_lightnings_floor() -> None:
+    text = PERFORMANCE.read_text()
+    assert floor_table() in text, floor_table()
+    figures = bench("bench_floor")
+    prose = " ".join(text.split())
+    assert f"a bare Lightning Trainer adds {figures['added_ms_per_step']['lightning']['median']:+.2f} ms" in prose
+    assert f"costs about {figures['noop_callback_us_per_step']['median']:.0f} us per step here" in prose
+    digits = bench("bench_digits_nov26_floor")["by_world_size"]["1"]
+    added = digits["lightning_added_ms_per_step"]
+    assert (
+        f"the reference's step {digits['reference']['step_ms']['median']:.2f} ms, Lightning's "
+        f"{digits['lightning']['step_ms']['median']:.2f} ms): {added['median']:+.2f} ms "
+        f"({added['min']:+.2f} to {added['max']:+.2f})"
+    ) in prose
