@@ -58,7 +58,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # Rows every 2 steps; saves every 3 steps land on steps with and without a row, every 7 as in the matrix.
-@pytest.mark.parametrize("every_n_train_steps", [3, 7])
+# The quick tier runs the matrix's cadence; the default run also the one whose saves land on steps without a row.
+@pytest.mark.parametrize("every_n_train_steps", [pytest.param(3, marks=pytest.mark.more_cases), 7])
 def test_a_resume_from_last_ckpt_logs_every_value_once_whatever_the_users_checkpoints_saved(
     uninterrupted: Path, tmp_path: Path, every_n_train_steps: int
 ) -> None:
