@@ -83,7 +83,7 @@ def allow_plain_cuda_availability_checks(env: MutableMapping[str, str]) -> None:
     launcher keeps it: `refuse_cuda_before_fork`). A rank forks nothing that uses CUDA. With the
     variable set, every `torch.cuda.is_available()` in a process where CUDA never initialises
     (training on the CPU with torch's CUDA build, pip's default on Linux, and no
-    CUDA_VISIBLE_DEVICES="") loads the NVML library through ctypes again and fails: 52 against 2 us
+    CUDA_VISIBLE_DEVICES="") loads the NVML library through ctypes again and fails: 52 against 3 us
     on a 2-core VM, and `torch.optim.Optimizer.step` asks at every step. On a GPU, CUDA is
     initialised by the first step and torch caches the answer either way.
     """

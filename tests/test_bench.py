@@ -122,7 +122,7 @@ def test_per_call_bench_times_every_cut_before_and_after(capsys: pytest.CaptureF
         assert float(before) > 0 and float(after) > 0
 
 
-def test_floor_bench_times_plain_and_bare_lightning_on_the_same_batches(tmp_path: Path) -> None:
+def test_floor_bench_reports_every_side_and_what_each_lightning_side_adds(tmp_path: Path) -> None:
     from app.bench.floor import SIDES, main
 
     out = tmp_path / "floor.json"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import json
 import logging
 import statistics
@@ -41,19 +40,15 @@ from torch.utils.data import DataLoader
 from app.bench.report import spread
 from app.cli import NoProfiler
 from app.cluster.threads import configure_cpu_threads
+from app.reference.config import instantiate
 
 NOOP_CALLBACKS = 10
 
 
-def instantiate(spec: dict[str, Any], *args: Any) -> Any:
-    """A `class_path` / `init_args` entry of a config, built with `args` first (an optimizer's parameters)."""
-    module, _, name = spec["class_path"].rpartition(".")
-    return getattr(importlib.import_module(module), name)(*args, **(spec.get("init_args") or {}))
-
-
 def config_parts(config: dict[str, Any], batches: int) -> tuple[torch.nn.Module, torch.nn.Module, dict, list]:
-    """(network, loss, optimizer entry, training batches) from a ddp-app config: the model's `net`
-    and `criterion` (app.models), and the first `batches` batches of its training split, in order."""
+    """(network, loss, optimizer entry, training batches) from a ddp-app config whose model is one of
+    app.models (its `net` and `criterion`) and whose data is one of app.data (its `train_dataset` and
+    `batch_size`): the first `batches` batches of the training split, in order."""
     model = instantiate(config["model"])
     data = instantiate(config["data"])
     data.setup("fit")
@@ -168,7 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m app.bench.floor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", type=Path, default=Path("configs/digits.yaml"))
+    parser.add_argument(
+        "--config", type=Path, default=Path("configs/digits.yaml"), help="model from app.models, data from app.data"
+    )
     parser.add_argument("--batches", type=int, default=37, help="training batches per epoch")
     parser.add_argument("--epochs", type=int, default=8, help="epochs per side and repeat (the first is left out)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of all sides, the order rotating")

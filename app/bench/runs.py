@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import signal
@@ -80,6 +81,7 @@ def command(side: str, config: Path, world_size: int, run_dir: Path) -> list[str
     return [sys.executable, "-m", "app", "fit", "--config", str(config), f"--trainer.default_root_dir={run_dir}"]
 
 
+@functools.cache
 def gpus_present() -> bool:
     """Whether this machine shows CUDA devices (the bench's own process; the runs are other processes)."""
     import torch
