@@ -188,7 +188,9 @@ class LogLineProgressBar(ProgressBar):
     `| tee` is one unreadable multi-megabyte line. The values are the progress-bar metrics (what
     `self.log(..., prog_bar=True)` shows in the bar), samples/s is over all ranks since the previous
     line. Per step this costs one clock read and a comparison: no collective, no formatting.
-    Global rank 0 prints; Lightning disables the bar on the other ranks.
+    Global rank 0 prints; Lightning disables the bar on the other ranks. Within an epoch the line
+    reads Lightning's step values only (reduced when they were logged); the epoch's line is printed
+    where every rank has reduced the epoch's values (`print_epoch_line`).
     """
 
     def __init__(self, interval_s: float = 30.0) -> None:
@@ -235,8 +237,10 @@ class LogLineProgressBar(ProgressBar):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._validation_s += time.monotonic() - self._validation_start
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Validation has run by now, so the line carries this epoch's val_* values.
+    def print_epoch_line(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The epoch's line, called by `app.coordinator.RunCoordinator` at the epoch's end on every
+        rank, after every rank has reduced the epoch's logged values: reading them here (on rank 0
+        only) reduces nothing. Validation has run by now, so the line carries this epoch's val_* values."""
         if self._enabled:
             self._print_line(trainer, pl_module)
 

@@ -69,6 +69,7 @@ from app.config_checks import (
     command_line_model_keys,
     drop_static_graph_for_accumulation,
 )
+from app.coordinator import RunCoordinator
 from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, summarize_parser_error
 from app.models.compiling import compile_networks
@@ -360,23 +361,43 @@ class DDPAppCLI(LightningCLI):
             # SIGUSR1 handler, which saves inside the signal handler (Lightning #21406).
             plugins.append(SLURMEnvironment(auto_requeue=False))
         kwargs["plugins"] = plugins
-        callbacks = config["trainer"].get("callbacks") or []
-        callbacks = [
-            config["exact_resume"],
-            config["tracking"],
-            *(callbacks if isinstance(callbacks, list) else [callbacks]),
-            config["gradient_compression"],
-        ]
-        if config["trainer"].get("enable_checkpointing") is not False:
-            callbacks.append(config["last_checkpoint"])
+        user_callbacks = config["trainer"].get("callbacks") or []
+        user_callbacks = user_callbacks if isinstance(user_callbacks, list) else [user_callbacks]
+        compression: GradientCompression = config["gradient_compression"]
+        # The order of what ddp-app installs, and why (a user's callbacks, anywhere in their list, change
+        # nothing of what ours do):
+        # - ExactResume first: at a resumed run's first hooks it restores the random state before any
+        #   other callback (the user's included) draws from it, and its log flush precedes any save.
+        # - Tracking second: the tracked run is open before a user's callback logs.
+        # - GradientCompression (only when it compresses) registers its DDP hook at train start; it talks
+        #   to other ranks only inside DDP's backward and inside saves, which every rank reaches together.
+        # - RunCoordinator last: the one owner of ddp-app's exchanges between ranks (app/coordinator.py).
+        #   Lightning keeps `Checkpoint` callbacks after every other, so its hooks run after everything
+        #   else of the same hook.
+        # NonFiniteGuard and HangReport come from `trainer_defaults`; they talk to no other rank during
+        # training (HangReport once, at setup, on every rank).
+        callbacks = [config["exact_resume"], config["tracking"], *user_callbacks]
+        if compression.method != "none":
+            callbacks.append(compression)
+        saves_last = config["trainer"].get("enable_checkpointing") is not False
+        coordinator = None
+        if self.subcommand in (None, "fit"):  # no subcommand (`run=False`): the caller may fit
+            coordinator = RunCoordinator(config["last_checkpoint"] if saves_last else None, config["tracking"])
+            if saves_last:  # a Checkpoint callback: Lightning adds no default ModelCheckpoint beside it
+                callbacks.append(coordinator)
         kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
+        if coordinator is not None and not saves_last:
+            # After the Trainer is built: `enable_checkpointing: false` refuses any Checkpoint callback at
+            # construction, and the coordinator is one (for its place in the hooks) that then saves nothing.
+            trainer.callbacks.append(coordinator)
+        if trainer.world_size == 1:  # no peer to hang on or to ask
+            trainer.callbacks = [callback for callback in trainer.callbacks if not isinstance(callback, HangReport)]
         keep_lightning_off_stop_signals(trainer)
         build_ddp_on_the_current_stream(trainer.strategy)
-        # Only fit's LastCheckpoint acts on stop signals recorded since `run` started (no subcommand:
-        # `run=False`, the caller may fit); otherwise a stop signal ends this process, as by default.
-        has_last_checkpoint = any(isinstance(callback, LastCheckpoint) for callback in trainer.callbacks)
-        if self.subcommand not in (None, "fit") or not has_last_checkpoint:
+        # Only fit's coordinator acts on stop signals recorded since `run` started, and only where it
+        # saves last.ckpt; otherwise a stop signal ends this process, as by default.
+        if self.subcommand not in (None, "fit") or not saves_last:
             STOP_SIGNAL_FLAG.release()
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if self.launch is not None and self.launch.global_rank == 0 and environment is not None:

@@ -37,6 +37,7 @@ import re
 import socket
 import sys
 import sysconfig
+import threading
 import time
 import traceback
 from collections.abc import MutableMapping
@@ -49,6 +50,8 @@ import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from app.cluster.exit_codes import HANG_EXIT_CODE
+from app.cluster.launch import end_rank
 from app.errors import PEER_LOST
 from app.private_apis import require
 
@@ -56,6 +59,9 @@ from app.private_apis import require
 FLIGHT_RECORDER_ENTRIES = 2000
 # How long a waiting rank waits for each other rank's answer: a stopped rank never answers.
 ASK_TIMEOUT_S = 10.0
+# How often each rank looks for a certain deadlock (`MismatchWatch`): it compares its newest collective
+# with the other ranks' once it has entered no new one for this long.
+MISMATCH_CHECK_S = 5.0
 # PyTorch's debug endpoint handlers (torch/csrc/distributed/c10d/control_plane/Handlers.cpp).
 STACKS_HANDLER = "dump_traceback"
 COLLECTIVES_HANDLER = "fr_trace_json"
@@ -249,6 +255,28 @@ def entry_of(recorder: dict[str, Any], group: str, seq: int) -> Collective | Non
     return None
 
 
+def newest_collectives(recorder: dict[str, Any] | None) -> list[Collective]:
+    """Per process group, the last collective this rank entered (from its flight recorder)."""
+    newest: list[Collective] = []
+    for group_id, status in ((recorder or {}).get("pg_status") or {}).items():
+        seq = int(status.get("last_enqueued_collective", -1))
+        entry = entry_of(recorder or {}, group_id, seq) if seq >= 0 else None
+        if entry is not None:
+            newest.append(entry)
+    return newest
+
+
+def mismatched(mine: Collective, others: dict[int, dict[str, Any] | None]) -> dict[int, Collective]:
+    """The ranks (of `others`: rank -> flight recorder) whose collective at `mine`'s sequence number on
+    `mine`'s group is another operation: a certain deadlock, as neither will ever complete."""
+    found: dict[int, Collective] = {}
+    for rank, recorder in others.items():
+        theirs = entry_of(recorder or {}, mine.group, mine.seq)
+        if theirs is not None and theirs.op != mine.op:
+            found[rank] = theirs
+    return found
+
+
 def main_thread_frames(stacks: str) -> list[Frame]:
     """The main thread's frames, innermost last, from a faulthandler dump (the thread whose
     outermost frame is a `<module>`: the program's entry point)."""
@@ -326,6 +354,7 @@ def describe_hang(
     waited_s: float,
     answers: list[Answer],
     directory: str,
+    note: str = "",
 ) -> str:
     """The one line: who did not arrive, where it is, and the collective the others wait in."""
     reasons = {answer.address: where_it_is(answer, waiting, reporter.host) for answer in answers}
@@ -344,7 +373,8 @@ def describe_hang(
     else:
         story = "; ".join(f"{address} did not arrive at {what}: {reason}" for address, reason in culprits)
         story += f"; {waited}"
-    return f"ddp-app: hang: {story}. Stacks and last collectives: {directory}"
+    note = f" {note}" if note else ""
+    return f"ddp-app: hang: {story}.{note} Stacks and last collectives: {directory}"
 
 
 def exception_frames(exception: BaseException) -> list[Frame]:
@@ -364,14 +394,18 @@ def is_collective_timeout(exception: BaseException) -> bool:
 
 
 class HangReport(Callback):
-    """Runs PyTorch's debug endpoint on every rank, and turns a collective timeout into the one line
-    that names the rank that did not arrive (see the module docstring). Added by `ddp-app` to every
-    multi-process run."""
+    """Runs PyTorch's debug endpoint on every rank, turns a collective timeout into the one line
+    that names the rank that did not arrive (see the module docstring), and reports a certain
+    deadlock (two ranks in different collectives at the same sequence number) without waiting for
+    the timeout (`_watch_for_mismatch`). Added by `ddp-app` to every multi-process run."""
 
-    def __init__(self, ask_timeout_s: float = ASK_TIMEOUT_S) -> None:
+    def __init__(self, ask_timeout_s: float = ASK_TIMEOUT_S, mismatch_check_s: float = MISMATCH_CHECK_S) -> None:
         self.ask_timeout_s = ask_timeout_s
+        self.mismatch_check_s = mismatch_check_s
         self.peers: list[RankAddress] = []
         self._server: Any = None
+        self._watch_stop = threading.Event()
+        self._watch: threading.Thread | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.peers or trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
@@ -382,8 +416,15 @@ class HangReport(Callback):
         everyone: list[Any] = [None] * trainer.world_size
         dist.all_gather_object(everyone, mine)
         self.peers = everyone
+        if port and self.mismatch_check_s > 0:
+            self._watch_stop.clear()
+            self._watch = threading.Thread(
+                target=self._watch_for_mismatch, args=(trainer,), name="ddp-app-mismatch-watch", daemon=True
+            )
+            self._watch.start()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._watch_stop.set()
         self._stop_server()
 
     def _stop_server(self) -> None:
@@ -393,6 +434,7 @@ class HangReport(Callback):
             self._server = None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._watch_stop.set()
         if not self.peers:
             return
         lost, timed_out = is_broken_connection(exception), is_collective_timeout(exception)
@@ -402,7 +444,8 @@ class HangReport(Callback):
             self._let_reporting_peers_finish(trainer.global_rank)
         if not timed_out:
             return
-        line = self.report(trainer, exception)
+        own = "".join(traceback.format_exception(exception))
+        line = self.report(trainer, exception_frames(exception), f"Where it waited (the timeout's traceback):\n{own}")
         # Read by `app.entry.run`, which prints it instead of the timeout's traceback (that is in the directory).
         # The endpoint stays up until the process ends: a peer that timed out too may still ask.
         exception.ddp_app_hang_report = line  # type: ignore[attr-defined]
@@ -416,8 +459,62 @@ class HangReport(Callback):
         while time.monotonic() < deadline and any(ask(peer, "ping", 1.0)[0] == "pong" for peer in others):
             time.sleep(0.2)
 
-    def report(self, trainer: L.Trainer, exception: BaseException) -> str:
-        """Ask every rank, write the directory, return the line."""
+    def _watch_for_mismatch(self, trainer: L.Trainer) -> None:
+        """A thread: every `mismatch_check_s`, if this rank entered no new collective since the last look,
+        compare its newest one on each group with what the other ranks called at the same sequence
+        number. Another operation there is a certain deadlock (neither collective can ever complete):
+        the lowest of the ranks involved writes the report, and every rank involved ends its process.
+
+        A rank that has not reached that sequence number yet (slow: rank 0 writing a large checkpoint
+        while the others wait in a barrier) is no evidence of anything: the others keep waiting,
+        up to `collective_timeout_s`. Cost: one flight-recorder read of this rank per interval, and
+        one of each other rank only while no new collective was entered for an interval.
+        """
+        me = self.peers[trainer.global_rank]
+        others = [peer for peer in self.peers if peer.rank != me.rank]
+        previous: list[Collective] = []
+        with ThreadPoolExecutor(max_workers=len(others)) as pool:
+            while not self._watch_stop.wait(self.mismatch_check_s):
+                body, _ = ask(me, COLLECTIVES_HANDLER, self.ask_timeout_s)
+                try:
+                    newest = newest_collectives(json.loads(body or ""))
+                except (TypeError, ValueError):
+                    continue
+                if newest != previous or not newest:  # progress since the last look, or nothing entered yet
+                    previous = newest
+                    continue
+                bodies = pool.map(lambda peer: ask(peer, COLLECTIVES_HANDLER, self.ask_timeout_s)[0], others)
+                recorders: dict[int, dict[str, Any] | None] = {}
+                for peer, answer in zip(others, bodies, strict=True):
+                    with contextlib.suppress(TypeError, ValueError):
+                        recorders[peer.rank] = json.loads(answer or "")
+                for mine in previous:
+                    conflicting = mismatched(mine, recorders)
+                    if conflicting and not self._watch_stop.is_set():
+                        self._end_mismatch(trainer, me, min([me.rank, *conflicting]))
+
+    def _end_mismatch(self, trainer: L.Trainer, me: RankAddress, reporter: int) -> None:
+        """End this rank, which waits in a collective that can never complete (main thread blocked)."""
+        main = sys._current_frames().get(threading.main_thread().ident or 0)
+        frames = [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack(main)] if main else []
+        _waited["frames"] = [[frame.filename, frame.lineno, frame.name] for frame in frames]
+        if me.rank == reporter:
+            text = "".join(traceback.format_list(traceback.extract_stack(main))) if main else ""
+            note = (
+                "Found by comparing the ranks' collectives, without waiting for collective_timeout_s: the first "
+                "one that differs comes at or after the culprit, usually a collective that only some ranks call "
+                "(under `if trainer.is_global_zero:`, in a progress bar or a print)."
+            )
+            line = self.report(trainer, frames, f"Where it waits (its main thread now):\n{text}", note)
+            print(line, file=sys.stderr, flush=True)
+        else:  # the reporter asks this rank for its stack: stay until it has ended, at most two asks' time
+            self._let_reporting_peers_finish(me.rank)
+        # From this thread: the main thread is blocked in native code and cannot be interrupted; the
+        # exit handlers run (as at any exit of a rank), Lightning's teardown does not.
+        end_rank(HANG_EXIT_CODE)
+
+    def report(self, trainer: L.Trainer, frames: list[Frame], where_text: str, note: str = "") -> str:
+        """Ask every rank, write the directory, return the line. `frames`: where this rank waits."""
         me = self.peers[trainer.global_rank]
         timed_out_ns = time.time_ns()
         with ThreadPoolExecutor(max_workers=len(self.peers)) as pool:
@@ -425,19 +522,17 @@ class HangReport(Callback):
         own = answers[me.rank]
         waiting = waited_collective(own.collectives)
         stage = trainer.state.stage.value if trainer.state.stage is not None else "run"
-        context = f"{call_site(exception_frames(exception))}, {stage} step {trainer.global_step}"
+        context = f"{call_site(frames)}, {stage} step {trainer.global_step}"
         waited_s = (timed_out_ns - waiting.created_ns) / 1e9 if waiting.created_ns else float("nan")
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         directory = Path(trainer.default_root_dir) / f"hang-{stamp}-rank{me.rank}"
         others = [answer for answer in answers if answer.address.rank != me.rank]
-        line = describe_hang(me, waiting, context, waited_s, others, f"{directory}/")
-        write_hang_directory(directory, line, answers, me.rank, exception)
+        line = describe_hang(me, waiting, context, waited_s, others, f"{directory}/", note)
+        write_hang_directory(directory, line, answers, me.rank, where_text)
         return line
 
 
-def write_hang_directory(
-    directory: Path, line: str, answers: list[Answer], reporter: int, exception: BaseException
-) -> None:
+def write_hang_directory(directory: Path, line: str, answers: list[Answer], reporter: int, where_text: str) -> None:
     """summary.txt, and rank<R>-stacks.txt and rank<R>-collectives.json of every rank that answered."""
     with contextlib.suppress(OSError):  # the line is printed even where the directory cannot be written
         directory.mkdir(parents=True, exist_ok=True)
@@ -447,10 +542,9 @@ def write_hang_directory(
             summary.append(f"{answer.address} at {answer.address.ip}:{answer.address.port}: {state}")
             if answer.stacks is not None:
                 stacks = answer.stacks
-                # A rank whose own collective timed out is writing its report now: where it waited comes first.
+                # The reporting rank has left the place where it waited to write this: that place comes first.
                 if answer.address.rank == reporter:
-                    waited = "".join(traceback.format_exception(exception))
-                    stacks = f"Where it waited (the timeout's traceback):\n{waited}\nEvery thread now:\n{stacks}"
+                    stacks = f"{where_text}\nEvery thread now:\n{stacks}"
                 elif answer.waited:
                     waited = "".join(f'  File "{f.filename}", line {f.lineno} in {f.name}\n' for f in answer.waited)
                     stacks = f"Where it waited (its own collective timed out):\n{waited}\nEvery thread now:\n{stacks}"

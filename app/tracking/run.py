@@ -38,11 +38,11 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from app.checkpoints.io import atomic_write
-from app.checkpoints.last import LastCheckpoint
 from app.cluster.preemption import Stopped
+from app.coordinator import RunCoordinator
 from app.errors import UserFacingError
 from app.tracking.history import SETTLED, Call, Journal, RunHistory, mark_sent, replay, sent_seqs
-from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, RUN_FILE, SAMPLES_PER_S, latest_run
+from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, RUN_FILE, latest_run
 from app.tracking.sinks import CsvView, MlflowSink, RunFacts, TensorBoardSink, WandbSink
 
 CHECKPOINT_KEY = "ddp_app_run"
@@ -573,15 +573,19 @@ class Tracking(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)
+
+    def epoch_samples_per_s(self) -> float | None:
+        """This rank's samples times the world size (every rank trains on as many) over this rank's
+        time, for the epoch that ends now, over every attempt; None if not measured.
+
+        From the first training batch's start to the last one's end: the loader's start and the
+        epoch-end validation are outside. `app.coordinator.RunCoordinator` averages it over the
+        ranks in its epoch-end exchange and logs it as `samples_per_s`.
+        """
         samples, seconds = self._epoch_so_far()
-        if self._measuring and samples and seconds > 0:
-            # This rank's samples times the world size (every rank trains on as many) over this rank's
-            # time, averaged over the ranks (one all-reduce per epoch; every rank decides alike: the
-            # same batches, the same restored state). From the first training batch's start to the
-            # last one's end: the loader's start and the epoch-end validation are outside.
-            pl_module.log(SAMPLES_PER_S, samples / seconds, on_step=False, on_epoch=True, sync_dist=True)
-        self._epoch_start, self._epoch_samples = None, 0
-        self._earlier = {"samples": 0.0, "seconds": 0.0}
+        if not self._measuring or not samples or seconds <= 0:
+            return None
+        return samples / seconds
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)
@@ -613,7 +617,7 @@ class Tracking(L.Callback):
 def is_last_checkpoint_save(trainer: L.Trainer) -> bool:
     """Whether the checkpoint being saved is last.ckpt, the one `--ckpt_path last` resumes from
     (app/checkpoints/last.py), rather than another callback's file."""
-    return any(isinstance(callback, LastCheckpoint) and callback.saving for callback in trainer.checkpoint_callbacks)
+    return any(isinstance(callback, RunCoordinator) and callback.saving for callback in trainer.checkpoint_callbacks)
 
 
 def checkpoint_tags(trainer: L.Trainer) -> dict[str, str]:

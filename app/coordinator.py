@@ -1,0 +1,308 @@
+"""The one place where ddp-app's ranks talk to each other during `fit`: `RunCoordinator`.
+
+Every rank must issue the same collectives in the same order. A collective issued from a hook is
+only safe if every rank reaches that hook at the same point of the same run, whatever callbacks the
+user passes and whatever its rank; and a collective that one rank issues where another rank issues
+a different one hangs both. So everything ddp-app's ranks must agree on during training is
+exchanged here, in one message per fixed point, and nowhere else:
+
+- **training start** (`on_train_start`): a stop signal recorded during setup;
+- **a check step** (`on_train_batch_end`, about every `last_checkpoint.check_interval_s` seconds of
+  training, at the same step on every rank): a stop signal, whether a time-interval save of
+  last.ckpt is due, and the step of the next check (the smallest any rank proposes);
+- **the epoch's end** (`on_train_epoch_end`, after every other callback and the module): a stop
+  signal and the epoch's training samples/s.
+
+Each message is one `all_gather` of a small float64 record per rank (`Record`), on a CPU (gloo)
+group; every rank then reads the same table the same way (`agree`). One rank never decides alone,
+and nothing that runs on one rank only (the progress line, console output, tracker sends, rank-0
+file writes) issues a collective.
+
+Lightning's own collectives are the other half of the protocol. A value logged with
+`sync_dist=True` on epoch level is reduced lazily, by whoever first reads the metrics: a progress
+bar reading them on rank 0 alone (Lightning's own bars do, at every epoch end) reduces them there
+while the other ranks reduce them later, when Lightning logs the epoch. That is harmless as long as
+no other collective comes in between on some rank. So before the epoch-end exchange, and before the
+saves that follow it, every rank reads the metrics here (`settle_logged_values`): what a rank-0
+reader already reduced is cached there and reduced now on the others, in the same order. The
+epoch's progress line is printed after that, from values every rank has reduced.
+
+Why the epoch end is here and not in a callback of its own: Lightning calls the epoch-end hooks of
+plain callbacks, then the module's, then those of EarlyStopping and `Checkpoint` callbacks, and
+always keeps `Checkpoint` callbacks after every other callback (`_reorder_callbacks`). As a
+`Checkpoint` appended after the Trainer is built, this one runs last in every hook: its save of
+last.ckpt holds the best-k state a ModelCheckpoint updated in the same hook, and its epoch-end
+exchange follows every value the user's callbacks and module log there. The order of everything
+ddp-app installs is stated once, in `app/cli.py` `DDPAppCLI.instantiate_trainer`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Checkpoint
+
+from app.callbacks import LogLineProgressBar
+from app.checkpoints.last import LastCheckpoint, checkpoint_directory
+from app.cluster.preemption import (
+    LIGHTNING_PER_STEP_SIGTERM_BROADCAST,
+    STOP_SIGNAL_FLAG,
+    STOP_SIGNALS,
+    Stopped,
+    steps_between_checks,
+    stop_message,
+)
+from app.private_apis import require
+from app.tracking.layout import SAMPLES_PER_S
+
+if TYPE_CHECKING:
+    from app.tracking.run import Tracking
+
+# samples_per_s is reduced by the epoch-end exchange itself and logged on every rank with the same
+# value; Lightning's hint to log epoch values with sync_dist=True does not apply to it.
+warnings.filterwarnings("ignore", message=rf".*self\.log\('{SAMPLES_PER_S}', \.\.\., sync_dist=True\)")
+
+
+@dataclass(frozen=True)
+class Record:
+    """What one rank sends at a fixed point. `samples_per_s` < 0: not measured."""
+
+    signal: int = 0
+    save_due: bool = False
+    next_check_in: int = 1
+    samples_per_s: float = -1.0
+
+    def as_tensor(self) -> torch.Tensor:
+        values = [float(self.signal), float(self.save_due), float(self.next_check_in), self.samples_per_s]
+        return torch.tensor(values, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank does next, read the same way from every rank's `Record`."""
+
+    signal: int  # the largest stop signal any rank got (0: none)
+    save_due: bool  # any rank's time interval has passed
+    next_check_in: int  # steps to the next check: the smallest proposal
+    samples_per_s: float | None  # the mean over the ranks of each rank's samples/s; None unless all measured
+
+
+def agree(table: torch.Tensor) -> Agreement:
+    """The decision from the table of every rank's record (one row per rank)."""
+    rates = table[:, 3]
+    measured = bool((rates >= 0).all())
+    return Agreement(
+        signal=int(table[:, 0].max()),
+        save_due=bool(table[:, 1].max() > 0),
+        next_check_in=int(table[:, 2].min()),
+        samples_per_s=float(rates.mean()) if measured else None,
+    )
+
+
+def settle_logged_values(trainer: L.Trainer) -> None:
+    """Reduce, on this rank, every value logged with `sync_dist=True` that no one has reduced yet.
+
+    Called at the same point on every rank. Reading the metrics is what makes Lightning reduce
+    them (one collective per value, in the order they were first logged); a value a rank-0-only
+    reader (a progress bar) reduced earlier is cached there and not reduced again.
+    """
+    trainer.callback_metrics  # noqa: B018 (the read is the point)
+
+
+class RunCoordinator(Checkpoint):
+    """Owns every exchange between ddp-app's ranks during `fit` (see the module docstring): stop
+    signals, last.ckpt's time-interval saves and the epoch's samples/s. Installed by `ddp-app` in
+    every fit; with checkpointing off (`trainer.enable_checkpointing: false`) it saves nothing and
+    leaves stop signals to their default action.
+
+    Args:
+        last_checkpoint: the writer of last.ckpt and its settings; None: no last.ckpt.
+        tracking: where the epoch's per-rank samples and seconds come from; None: no samples/s.
+    """
+
+    def __init__(self, last_checkpoint: LastCheckpoint | None = None, tracking: Tracking | None = None) -> None:
+        self.last_checkpoint = last_checkpoint
+        self.tracking = tracking
+        self.check_interval_s = last_checkpoint.check_interval_s if last_checkpoint is not None else 1.0
+        self._signals = STOP_SIGNAL_FLAG
+        self._taken_signals: tuple[int, ...] = ()  # those the flag handles since on_train_start, not before
+        self._group: Any = None
+        self._world_size = 1
+        self._steps_until_check = 1
+        self._steps_since_check = 0
+        self._last_check = time.monotonic()
+        self._step_at_previous_batch = -1
+        self._pending: tuple[int, bool] = (0, False)  # (stop signal, interval save due) agreed, not yet done
+        self._stop_due = 0  # a stop signal: training stops at the next hook, after the save
+        self._save_due = False  # a save decided at a step's end, done at the next hook
+        self._stop_at: tuple[int, int] | None = None  # (step, epoch) of a stop agreed at an epoch's end
+
+    # What Lightning and ddp-app read of a Checkpoint callback (`find_last_checkpoint`, checkpoint tags).
+    @property
+    def dirpath(self) -> str | None:
+        return self.last_checkpoint.dirpath if self.last_checkpoint is not None else None
+
+    @property
+    def last_model_path(self) -> str:
+        return self.last_checkpoint.last_model_path if self.last_checkpoint is not None else ""
+
+    @property
+    def saving(self) -> bool:
+        """Whether last.ckpt is being written now."""
+        return self.last_checkpoint is not None and self.last_checkpoint.saving
+
+    # ----- the exchange -----
+
+    def _exchange(self, record: Record) -> Agreement:
+        """One message: every rank's record to every rank, and the decision all of them read from it."""
+        if self._group is None:  # one process: nobody to agree with
+            return agree(record.as_tensor().unsqueeze(0))
+        mine = record.as_tensor()
+        table = [torch.empty_like(mine) for _ in range(self._world_size)]
+        dist.all_gather(table, mine, group=self._group)
+        return agree(torch.stack(table))
+
+    def _check(self, samples_per_s: float = -1.0) -> Agreement:
+        """Exchange this rank's signal, due save and proposed next check; fixes the step of the next check."""
+        now = time.monotonic()
+        saves = self.last_checkpoint
+        record = Record(
+            signal=(self._signals.received or 0) if saves is not None else 0,
+            save_due=saves is not None and saves.interval_due(now),
+            next_check_in=steps_between_checks(now - self._last_check, self._steps_since_check, self.check_interval_s),
+            samples_per_s=samples_per_s,
+        )
+        self._steps_since_check, self._last_check = 0, now
+        agreement = self._exchange(record)
+        self._steps_until_check = agreement.next_check_in
+        return agreement
+
+    # ----- the fixed points -----
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.last_checkpoint is not None and self.last_checkpoint.dirpath is None:
+            self.last_checkpoint.dirpath = str(checkpoint_directory(trainer))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.last_checkpoint is not None:
+            # `app.entry.run` recorded SIGUSR1 and SIGTERM since the rank started; Ctrl-C is recorded from here on.
+            self._taken_signals = self._signals.install(STOP_SIGNALS)
+            self.last_checkpoint.start(trainer)
+        self._world_size = trainer.world_size
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        epoch_loop = trainer.fit_loop.epoch_loop
+        # Private (docs/private_apis.md): Lightning broadcasts rank 0's SIGTERM flag before every
+        # step, a collective per step outside this protocol; ddp-app's own handlers own SIGTERM
+        # (`keep_lightning_off_stop_signals`), so that flag is never set. A Lightning without it
+        # stops here in one line rather than train with a collective per step.
+        require(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, "lightning", "ddp-app's stop signals")
+        setattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, lambda: None)
+        self._steps_until_check, self._steps_since_check, self._last_check = 1, 0, time.monotonic()
+        self._step_at_previous_batch = trainer.global_step
+        self._pending = (0, False)
+        self._stop_due = 0
+        self._save_due = False
+        self._stop_at = None
+        # A signal during setup (data, rendezvous, sanity check) stops every rank here, together,
+        # with nothing new to save: last.ckpt, if any, is the state training would start from.
+        agreement = self._check()
+        if agreement.signal:
+            self._stop(trainer, agreement.signal, saved=False)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        saves = self.last_checkpoint
+        if saves is None:  # nothing to save and no signal to act on: no check
+            return
+        self._steps_since_check += 1
+        self._steps_until_check -= 1
+        if self._steps_until_check <= 0:
+            agreement = self._check()
+            self._pending = (max(self._pending[0], agreement.signal), self._pending[1] or agreement.save_due)
+        stepped = trainer.global_step != self._step_at_previous_batch
+        self._step_at_previous_batch = trainer.global_step
+        if not stepped:  # between accumulated micro-batches: the gradients so far are in no checkpoint
+            return
+        signum, due = self._pending
+        if signum or due or saves.step_due(trainer.global_step):
+            self._pending = (0, False)
+            # Saved at the next hook, after Lightning has logged this step's metrics (it does so after
+            # on_train_batch_end) and nothing else has run: the checkpoint never holds a step whose log
+            # row a kill during the save could lose. A stop signal stops right after that save.
+            self._save_due = True
+        if signum:
+            self._stop_due = signum
+
+    def _save_and_stop_if_due(self, trainer: L.Trainer) -> None:
+        if self._save_due and self.last_checkpoint is not None:
+            self._save_due = False
+            self.last_checkpoint.save(trainer)
+        if self._stop_due:
+            self._stop(trainer, self._stop_due)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._save_and_stop_if_due(trainer)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._save_and_stop_if_due(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        settle_logged_values(trainer)
+        self._save_due = False  # the epoch-end save below supersedes a step save still due
+        rate = self.tracking.epoch_samples_per_s() if self.tracking is not None else None
+        agreement = self._check(samples_per_s=rate if rate is not None else -1.0)
+        if agreement.samples_per_s is not None:
+            # Reduced by the exchange: the same value on every rank, so no sync_dist (no collective
+            # left for whoever reads the metrics next).
+            pl_module.log(SAMPLES_PER_S, agreement.samples_per_s, on_step=False, on_epoch=True)
+        signum = max(agreement.signal, self._pending[0], self._stop_due)
+        self._pending = (0, False)
+        if self.last_checkpoint is not None:
+            # Always, even right after an interval save at the last batch: validation and the epoch's end
+            # have changed the state since (best-k, epoch counters), and a resume starts the next epoch.
+            self.last_checkpoint.save(trainer)
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, LogLineProgressBar):  # enabled on global rank 0 only
+            bar.print_epoch_line(trainer, pl_module)
+        if signum:
+            # Stopped at the next hook (the next epoch's start, or the end of training), not here:
+            # Lightning logs the epoch's `on_epoch=True` values (train_acc, ...) after this hook, and
+            # a resume from this checkpoint starts the next epoch, which never logs them again.
+            self._stop_due = signum
+            self._stop_at = (trainer.global_step, trainer.current_epoch)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stop_due:  # agreed at the previous epoch's end, after its save
+            self._stop(trainer, self._stop_due)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stop_due:  # the signal came at the run's last step: saved, and nothing left to stop
+            self._save_and_stop_if_due(trainer)
+        # A stop signal from here on is recorded and left alone: training is over and last.ckpt saved.
+        self._signals.restore(self._taken_signals)
+        saves = self.last_checkpoint
+        if saves is not None and trainer.global_step != saves.saved_step:  # stopped mid-epoch by max_steps or max_time
+            saves.save(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Keep the flag-only handlers while a stopped job exits: after a requeue SLURM sends SIGTERM to
+        # every task, which must not end a rank midway (under `app.entry.run` they stay until the exit).
+        if not isinstance(exception, Stopped):
+            self._signals.restore(self._taken_signals)
+
+    def _stop(self, trainer: L.Trainer, signum: int, saved: bool = True) -> None:
+        path = self.last_model_path if saved else None
+        step, epoch = self._stop_at or (trainer.global_step, trainer.current_epoch)
+        message, exit_code = stop_message(signum, step, epoch, path, trainer.is_global_zero)
+        raise Stopped(message, exit_code, trainer.is_global_zero)
