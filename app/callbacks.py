@@ -203,6 +203,9 @@ class LogLineProgressBar(ProgressBar):
         # Seconds of validation inside the window: samples/s is a training speed.
         self._validation_s = 0.0
         self._validation_start = 0.0
+        # Who prints the epoch's line: `app.coordinator.RunCoordinator` sets itself here in a ddp-app fit
+        # (after every rank has reduced the epoch's values); None: this bar, in its on_train_epoch_end.
+        self.epoch_lines_by: Any = None
 
     def disable(self) -> None:
         self._enabled = False
@@ -236,6 +239,11 @@ class LogLineProgressBar(ProgressBar):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._validation_s += time.monotonic() - self._validation_start
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # In a Trainer without ddp-app's coordinator (a plain Lightning one), as Lightning's own bars do.
+        if self.epoch_lines_by is None:
+            self.print_epoch_line(trainer, pl_module)
 
     def print_epoch_line(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The epoch's line, called by `app.coordinator.RunCoordinator` at the epoch's end on every

@@ -26,7 +26,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvir
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import DoublePrecision
@@ -409,10 +409,16 @@ class DDPAppCLI(LightningCLI):
             # that does nothing during fit still costs time per step.
             trainer.callbacks.append(PredictionWriter())
         bar = trainer.progress_bar_callback
-        if type(bar) is TQDMProgressBar and bar.refresh_rate == 1:  # the Trainer's default: redraws every step
-            # Not a terminal (sbatch log, CI, `| tee`): tqdm's carriage-return redraws are unreadable there.
+        if bar is not None and not any(isinstance(callback, ProgressBar) for callback in user_callbacks):
+            # The Trainer's default (TQDMProgressBar, or RichProgressBar where `rich` is installed) redraws
+            # every step, and a log file (sbatch, CI, `| tee`) gets its redraws as one unreadable line.
             replacement = ThrottledProgressBar() if sys.stdout.isatty() else LogLineProgressBar()
             trainer.callbacks[trainer.callbacks.index(bar)] = replacement
+        for index, callback in enumerate(trainer.callbacks):
+            if type(callback) is RichModelSummary and callback not in user_callbacks:
+                # Lightning's default where `rich` is installed: the plain table a log reads the same
+                # whatever the environment has installed.
+                trainer.callbacks[index] = ModelSummary()  # both default to max_depth=1
         for callback in trainer.checkpoint_callbacks:
             # A fixed directory (not inside the versioned log dir) lets `--ckpt_path last` find the
             # previous run's last.ckpt after a crash or a requeue.

@@ -195,6 +195,9 @@ class RunCoordinator(Checkpoint):
             self._taken_signals = self._signals.install(STOP_SIGNALS)
             self.last_checkpoint.start(trainer)
         self._world_size = trainer.world_size
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, LogLineProgressBar):
+            bar.epoch_lines_by = self  # printed here at the epoch's end (on_train_epoch_end), not by the bar
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         epoch_loop = trainer.fit_loop.epoch_loop

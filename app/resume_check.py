@@ -272,6 +272,7 @@ class Runner:
     epochs: int = 3
     timeout: float = 300.0
     variants: dict[str, list[str]] = field(default_factory=lambda: {"default": []})
+    progress_bar: bool = False  # the runs' progress display (a line per epoch in a log)
     _baselines: dict[str, Path] = field(default_factory=dict)
 
     def _args(self, variant: str, root: Path) -> list[str]:
@@ -280,7 +281,7 @@ class Runner:
             *self.base_args,
             *self.variants[variant],
             f"--trainer.default_root_dir={root}",
-            "--trainer.enable_progress_bar=false",
+            f"--trainer.enable_progress_bar={str(self.progress_bar).lower()}",
             # Stop signals are compared at every step, so a SIGTERM stops at the step it arrives in.
             "--last_checkpoint.check_interval_s=0",
         ]

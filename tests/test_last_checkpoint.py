@@ -15,6 +15,7 @@ from app.cli import DDPAppCLI
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from app.cluster.launch import run_local_ranks
 from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped, resume_command
+from app.coordinator import RunCoordinator
 from tests.helpers.run import REPO
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
@@ -74,13 +75,18 @@ def test_a_due_time_interval_saves_at_the_next_check_and_never_between_accumulat
     assert steps == sorted(steps) and max(steps) == 2 * 14  # 40 batches = 13 full groups + a tail of 1
 
 
-def test_no_last_checkpoint_when_checkpointing_is_off(tmp_path: Path) -> None:
+def test_checkpointing_off_writes_no_last_checkpoint_and_keeps_the_coordinator(tmp_path: Path) -> None:
     cli = DDPAppCLI(
         args=["--config", DIGITS, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1",
-              "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]"],
+              "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]", "--trainer.max_epochs=1",
+              "--trainer.logger=false", "--trainer.enable_progress_bar=false"],
         run=False,
     )  # fmt: skip
-    assert not any(isinstance(callback, LastCheckpoint) for callback in cli.trainer.callbacks)
+    coordinators = [callback for callback in cli.trainer.callbacks if isinstance(callback, RunCoordinator)]
+    assert len(coordinators) == 1 and coordinators[0].last_checkpoint is None
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == STEPS_PER_EPOCH
+    assert not list(tmp_path.rglob("*.ckpt"))
 
 
 def test_a_bad_interval_is_one_line_naming_the_key() -> None:

@@ -272,3 +272,30 @@ def test_a_host_whose_link_goes_down_is_named(two_hosts: object, tmp_path: Path)
     assert lines["hgt-node2"].startswith(
         f"ddp-app: hang: no other rank is reachable from rank 1 (host hgt-node2, pid {rank1})"
     ), lines["hgt-node2"]
+
+
+def test_a_collective_only_rank_0_calls_ends_every_rank_well_before_the_collective_timeout(tmp_path: Path) -> None:
+    """A user callback's barrier on rank 0 only, with the default collective_timeout_s (30 minutes): the
+    ranks meet different collectives at one sequence number, which never completes, so every rank ends
+    within 60 s of the first epoch end, with one report that names both collectives."""
+    root, log_path = tmp_path / "run", tmp_path / "job.log"
+    job = start_job(
+        root, log_path, *FIT, f"--trainer.default_root_dir={root}",
+        "--trainer.callbacks+=tests.helpers.user_callbacks.RankZeroBarrier",
+    )  # fmt: skip
+    try:
+        wait_for(lambda: (root / "checkpoints").exists() or "epoch=0" in log_path.read_text(), job, log_path, 120, "")
+        elapsed = wait_until_gone(job, time.monotonic(), 60)
+    finally:
+        kill_job(job.pid)
+        job.wait()
+    output = log_path.read_text()
+    reports = [line for line in output.splitlines() if line.startswith("ddp-app: hang: ")]
+    print(f"every process gone {elapsed:.1f} s after the first epoch's end; the report:\n{reports}")
+    assert job.returncode == HANG_EXIT_CODE, output[-3000:]
+    assert len(reports) == 1, output[-3000:]
+    assert re.search(
+        r"did not arrive at (barrier|all_reduce|all_gather) #(\d+) .*it called (\w+) #\2 .*instead", reports[0]
+    )
+    assert "without waiting for collective_timeout_s" in reports[0]
+    check_hang_directory(reports[0], root, {0: "", 1: ""})
