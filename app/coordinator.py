@@ -39,9 +39,8 @@ ddp-app installs is stated once, in `app/cli.py` `DDPAppCLI.instantiate_trainer`
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning as L
 import torch
@@ -59,14 +58,14 @@ from app.cluster.preemption import (
     stop_message,
 )
 from app.private_apis import require
-from app.tracking.layout import SAMPLES_PER_S
 
-if TYPE_CHECKING:
-    from app.tracking.run import Tracking
 
-# samples_per_s is reduced by the epoch-end exchange itself and logged on every rank with the same
-# value; Lightning's hint to log epoch values with sync_dist=True does not apply to it.
-warnings.filterwarnings("ignore", message=rf".*self\.log\('{SAMPLES_PER_S}', \.\.\., sync_dist=True\)")
+class MeasuresThroughput(Protocol):
+    """What the coordinator asks of the tracked run (`app.tracking.run.Tracking`) at an epoch's end."""
+
+    def epoch_samples_per_s(self) -> float | None: ...
+
+    def log_samples_per_s(self, pl_module: L.LightningModule, samples_per_s: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -78,9 +77,8 @@ class Record:
     next_check_in: int = 1
     samples_per_s: float = -1.0
 
-    def as_tensor(self) -> torch.Tensor:
-        values = [float(self.signal), float(self.save_due), float(self.next_check_in), self.samples_per_s]
-        return torch.tensor(values, dtype=torch.float64)
+    def as_row(self) -> list[float]:
+        return [float(self.signal), float(self.save_due), float(self.next_check_in), self.samples_per_s]
 
 
 @dataclass(frozen=True)
@@ -93,15 +91,14 @@ class Agreement:
     samples_per_s: float | None  # the mean over the ranks of each rank's samples/s; None unless all measured
 
 
-def agree(table: torch.Tensor) -> Agreement:
-    """The decision from the table of every rank's record (one row per rank)."""
-    rates = table[:, 3]
-    measured = bool((rates >= 0).all())
+def agree(rows: list[list[float]]) -> Agreement:
+    """The decision from every rank's record (one row per rank, as `Record.as_row`)."""
+    rates = [row[3] for row in rows]
     return Agreement(
-        signal=int(table[:, 0].max()),
-        save_due=bool(table[:, 1].max() > 0),
-        next_check_in=int(table[:, 2].min()),
-        samples_per_s=float(rates.mean()) if measured else None,
+        signal=int(max(row[0] for row in rows)),
+        save_due=any(row[1] > 0 for row in rows),
+        next_check_in=int(min(row[2] for row in rows)),
+        samples_per_s=sum(rates) / len(rates) if all(rate >= 0 for rate in rates) else None,
     )
 
 
@@ -126,7 +123,9 @@ class RunCoordinator(Checkpoint):
         tracking: where the epoch's per-rank samples and seconds come from; None: no samples/s.
     """
 
-    def __init__(self, last_checkpoint: LastCheckpoint | None = None, tracking: Tracking | None = None) -> None:
+    def __init__(
+        self, last_checkpoint: LastCheckpoint | None = None, tracking: MeasuresThroughput | None = None
+    ) -> None:
         self.last_checkpoint = last_checkpoint
         self.tracking = tracking
         self.check_interval_s = last_checkpoint.check_interval_s if last_checkpoint is not None else 1.0
@@ -162,11 +161,11 @@ class RunCoordinator(Checkpoint):
     def _exchange(self, record: Record) -> Agreement:
         """One message: every rank's record to every rank, and the decision all of them read from it."""
         if self._group is None:  # one process: nobody to agree with
-            return agree(record.as_tensor().unsqueeze(0))
-        mine = record.as_tensor()
+            return agree([record.as_row()])
+        mine = torch.tensor(record.as_row(), dtype=torch.float64)  # on the CPU: gloo, no device sync
         table = [torch.empty_like(mine) for _ in range(self._world_size)]
         dist.all_gather(table, mine, group=self._group)
-        return agree(torch.stack(table))
+        return agree(torch.stack(table).tolist())
 
     def _check(self, samples_per_s: float = -1.0) -> Agreement:
         """Exchange this rank's signal, due save and proposed next check; fixes the step of the next check."""
@@ -265,10 +264,8 @@ class RunCoordinator(Checkpoint):
         self._save_due = False  # the epoch-end save below supersedes a step save still due
         rate = self.tracking.epoch_samples_per_s() if self.tracking is not None else None
         agreement = self._check(samples_per_s=rate if rate is not None else -1.0)
-        if agreement.samples_per_s is not None:
-            # Reduced by the exchange: the same value on every rank, so no sync_dist (no collective
-            # left for whoever reads the metrics next).
-            pl_module.log(SAMPLES_PER_S, agreement.samples_per_s, on_step=False, on_epoch=True)
+        if agreement.samples_per_s is not None and self.tracking is not None:
+            self.tracking.log_samples_per_s(pl_module, agreement.samples_per_s)
         signum = max(agreement.signal, self._pending[0], self._stop_due)
         self._pending = (0, False)
         if self.last_checkpoint is not None:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,17 +39,21 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from app.checkpoints.io import atomic_write
+from app.checkpoints.last import LastCheckpoint
 from app.cluster.preemption import Stopped
-from app.coordinator import RunCoordinator
 from app.errors import UserFacingError
 from app.tracking.history import SETTLED, Call, Journal, RunHistory, mark_sent, replay, sent_seqs
-from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, RUN_FILE, latest_run
+from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, RUN_FILE, SAMPLES_PER_S, latest_run
 from app.tracking.sinks import CsvView, MlflowSink, RunFacts, TensorBoardSink, WandbSink
 
 CHECKPOINT_KEY = "ddp_app_run"
 # Keys of the config that are not settings of the run: every attempt passes its own.
 NOT_PARAMS = ("ckpt_path", "config")
 EXTRAS = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
+# samples_per_s is reduced by the coordinator's epoch-end exchange and logged on every rank with the
+# same value (`Tracking.log_samples_per_s`): Lightning's hint to log epoch values with sync_dist=True
+# does not apply to it.
+warnings.filterwarnings("ignore", message=rf".*self\.log\('{SAMPLES_PER_S}', \.\.\., sync_dist=True\)")
 
 
 @dataclass
@@ -587,6 +592,11 @@ class Tracking(L.Callback):
             return None
         return samples / seconds
 
+    def log_samples_per_s(self, pl_module: L.LightningModule, samples_per_s: float) -> None:
+        """Log the mean over the ranks, which the coordinator's exchange reduced: the same value on
+        every rank, so no `sync_dist` (no collective left for whoever reads the metrics next)."""
+        pl_module.log(SAMPLES_PER_S, samples_per_s, on_step=False, on_epoch=True)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)
         if self.run is not None:
@@ -617,7 +627,8 @@ class Tracking(L.Callback):
 def is_last_checkpoint_save(trainer: L.Trainer) -> bool:
     """Whether the checkpoint being saved is last.ckpt, the one `--ckpt_path last` resumes from
     (app/checkpoints/last.py), rather than another callback's file."""
-    return any(isinstance(callback, RunCoordinator) and callback.saving for callback in trainer.checkpoint_callbacks)
+    writers = [getattr(callback, "last_checkpoint", None) for callback in trainer.checkpoint_callbacks]
+    return any(isinstance(writer, LastCheckpoint) and writer.saving for writer in writers)
 
 
 def checkpoint_tags(trainer: L.Trainer) -> dict[str, str]:
