@@ -43,7 +43,7 @@ def run(args: list[str]) -> int:
     """Run the CLI in this process (a rank, or a run without DDP); returns the exit code.
 
     A preemption signal (SIGUSR1, SIGTERM) is recorded from the start: during `fit`'s setup it
-    stops every rank together when training starts (`LastCheckpoint.on_train_start`), instead of
+    stops every rank together when training starts (`RunCoordinator.on_train_start`), instead of
     killing one rank while the others wait for it. The handlers stay until the process exits: a
     signal after training (in the teardown or the exit handlers) is recorded and ignored, as the
     work is saved; a rank killed then would turn a finished job into a failed one.

@@ -465,7 +465,7 @@ class ExactResume(L.Callback):
             length = self._epoch_length(trainer)
             if length is not None and self.batches_done >= length:
                 # The generators as the epoch's training ends: a save made later, at the start of
-                # validation (LastCheckpoint saves at the next hook), must hold these, because building
+                # validation (the coordinator saves last.ckpt at the next hook), must hold these, because building
                 # validation's loader iterator has drawn a seed from them since, and a resumed run
                 # builds it again after restoring them.
                 self._rng_after_training = capture_rng_state()

@@ -45,7 +45,7 @@ DOC = "see docs/private_apis.md"
 def test_training_epoch_loop_broadcasts_sigterm_through_the_method_last_checkpoint_replaces() -> None:
     method = getattr(_TrainingEpochLoop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, None)
     assert callable(method), (
-        f"Lightning removed _TrainingEpochLoop.{LIGHTNING_PER_STEP_SIGTERM_BROADCAST}: LastCheckpoint.on_train_start "
+        f"Lightning removed _TrainingEpochLoop.{LIGHTNING_PER_STEP_SIGTERM_BROADCAST}: RunCoordinator.on_train_start "
         f"no longer switches off the per-step SIGTERM broadcast; find its replacement ({DOC})"
     )
     assert f"self.{LIGHTNING_PER_STEP_SIGTERM_BROADCAST}()" in inspect.getsource(_TrainingEpochLoop.advance), (

@@ -312,7 +312,13 @@ def call_site(frames: list[Frame]) -> str:
     if not outside_torch:
         return "an unknown place"
     frame = outside_torch[-1]
-    return f"{frame.name} at {short_path(frame.filename)}:{frame.lineno}"
+    place = f"{frame.name} at {short_path(frame.filename)}:{frame.lineno}"
+    # Inside a library: the hook it runs in says which callback (Lightning's ModelCheckpoint reading
+    # the metrics at the epoch's end, say).
+    hook = next((hook for hook in reversed(outside_torch) if hook.name.startswith("on_")), None)
+    if hook is not None and hook is not frame:
+        place += f", in {hook.name} at {short_path(hook.filename)}:{hook.lineno}"
+    return place
 
 
 def short_path(filename: str) -> str:

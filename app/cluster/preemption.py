@@ -3,7 +3,7 @@
 SLURM sends SIGUSR1 ahead of the time limit (`#SBATCH --signal=SIGUSR1@90`) and SIGTERM before it
 kills a job; a user presses Ctrl-C. Lightning's own SIGUSR1 handler saves the checkpoint inside the
 handler, which can hang intermittently (Lightning #21406), and its Ctrl-C handling saves nothing.
-Here a handler records the signal; `app.checkpoints.last.LastCheckpoint` acts on it at the next
+Here a handler records the signal; `app.coordinator.RunCoordinator` acts on it at the next
 step boundary, on every rank at the same step: it saves `last.ckpt` and raises `Stopped`.
 A second Ctrl-C while that is under way ends the process at once: the previous `last.ckpt` stays
 intact because checkpoints are replaced atomically (`app.checkpoints.io.atomic_torch_save`).
@@ -29,7 +29,7 @@ STOP_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)
 
 # Lightning 2.6 broadcasts rank 0's SIGTERM flag before every training step
 # (`_TrainingEpochLoop._broadcast_sigterm_tensor`: a collective and an `.item()` per step, with no
-# switch to turn it off). `LastCheckpoint` owns SIGTERM during training, so that flag is never set.
+# switch to turn it off). `RunCoordinator` owns SIGTERM during training, so that flag is never set.
 LIGHTNING_PER_STEP_SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 # Lightning 2.6's method that installs its signal handlers; `keep_lightning_off_stop_signals` replaces it.
 LIGHTNING_SIGNAL_HANDLER_INSTALL = "register_signal_handlers"
@@ -65,7 +65,7 @@ class StopSignalFlag:
 
     `app.entry.run` installs it for SIGUSR1 and SIGTERM as a rank starts, so that a preemption during
     setup (imports, data, rendezvous, sanity check) is recorded instead of killing the rank, and
-    `LastCheckpoint` adds SIGINT when training starts (before that, Ctrl-C raises at once).
+    `RunCoordinator` adds SIGINT when training starts (before that, Ctrl-C raises at once).
     """
 
     def __init__(self) -> None:

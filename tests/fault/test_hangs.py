@@ -283,15 +283,16 @@ def test_a_collective_only_rank_0_calls_ends_every_rank_well_before_the_collecti
         root, log_path, *FIT, f"--trainer.default_root_dir={root}",
         "--trainer.callbacks+=tests.helpers.user_callbacks.RankZeroBarrier",
     )  # fmt: skip
+    started = time.monotonic()
     try:
-        wait_for(lambda: (root / "checkpoints").exists() or "epoch=0" in log_path.read_text(), job, log_path, 120, "")
-        elapsed = wait_until_gone(job, time.monotonic(), 60)
+        # The first epoch ends a few seconds after the launch (20 digits steps), well inside this bound.
+        elapsed = wait_until_gone(job, started, 75)
     finally:
         kill_job(job.pid)
         job.wait()
     output = log_path.read_text()
     reports = [line for line in output.splitlines() if line.startswith("ddp-app: hang: ")]
-    print(f"every process gone {elapsed:.1f} s after the first epoch's end; the report:\n{reports}")
+    print(f"every process gone {elapsed:.1f} s after the launch; the report:\n{reports}")
     assert job.returncode == HANG_EXIT_CODE, output[-3000:]
     assert len(reports) == 1, output[-3000:]
     assert re.search(
