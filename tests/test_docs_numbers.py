@@ -493,3 +493,26 @@ def test_performance_doc_quotes_lightnings_floor() -> None:
         f"{digits['lightning']['step_ms']['median']:.2f} ms): {added['median']:+.2f} ms "
         f"({added['min']:+.2f} to {added['max']:+.2f})"
     ) in prose
+
+
+def test_performance_doc_quotes_ddp_apps_own_cost_per_step() -> None:
+    """The floor bench's ddp-app sides, and the 1- and 2-rank added times, as the JSON has them."""
+    text = PERFORMANCE.read_text()
+    figures = bench("bench_floor_nov27")
+    lines = ["| side | ms per step | added to the plain loop, ms (median [min, max] of 5 rounds) |", "|---|---|---|"]
+    for side, ms in figures["ms_per_step"].items():
+        added = figures["added_ms_per_step"].get(side)
+        shown = f"{added['median']:+.3f} [{added['min']:+.3f}, {added['max']:+.3f}]" if added else ""
+        lines.append(f"| {side} | {ms['median']:.3f} | {shown} |")
+    assert "\n".join(lines) in text
+    own = figures["ddp_app_own_ms_per_step"]
+    prose = " ".join(text.split())
+    assert (
+        f"ddp-app's own cost over a bare Trainer: {own['median']:+.3f} ms per step "
+        f"({own['min']:+.3f} to {own['max']:+.3f})"
+    ) in prose
+    by_size = bench("bench_digits_nov27")["by_world_size"]
+    one, two = (by_size[size]["lightning_added_ms_per_step"] for size in ("1", "2"))
+    assert f"{one['median']:+.2f} ms per step over the reference at 1 rank" in prose
+    assert f"and {two['median']:+.2f} ms at 2 ranks" in prose
+    assert two["median"] <= one["median"] + 0.2

@@ -11,22 +11,34 @@ once, in a list), the config's network, loss and optimizer. Each repeat runs, in
   + NoProfiler       the same with ddp-app's `NoProfiler` (app/cli.py) instead of Lightning's
                      default "no profiler"
   + N callbacks      the same plus N callbacks that override no hook: Lightning calls every hook
-                     of every callback at every step (ddp-app's digits job has 11 callbacks)
+                     of every callback at every step
+  ddp-app            the Trainer and LightningModule `ddp-app fit --config ...` builds (its callbacks,
+                     profiler, loggers, progress line and the config's module), on the same batches;
+                     validation and the sanity check off, and the config's other choices (strategy
+                     at one device, determinism, scheduler, callbacks, logging cadence) as on the
+                     bare side: `SAME_CHOICES_AS_BARE`
+  ddp-app as configured   the same with the config's own choices
 
 and reports each side's time per step (the median over epochs of the epoch's mean, from one
 step's start to the next, the first epoch left out), and each Lightning side minus plain, paired
-within a repeat: median [min, max] over repeats. This is the floor under `python -m app.bench`'s
-"lightning added": no per-step work ddp-app could drop makes Lightning's step cheaper than this.
+within a repeat: median [min, max] over repeats. "lightning" is the floor under `python -m
+app.bench`'s "lightning added": no per-step work ddp-app could drop makes Lightning's step cheaper
+than this; "ddp-app's own cost" (ddp-app minus + NoProfiler, paired) is what ddp-app itself adds
+per step. The epoch-end work (last.ckpt's save) is outside the clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import json
 import logging
+import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -40,6 +52,7 @@ from torch.utils.data import DataLoader
 from app.bench.report import spread
 from app.cli import NoProfiler
 from app.cluster.threads import configure_cpu_threads
+from app.entry import allow_plain_cuda_availability_checks
 from app.reference.config import instantiate
 
 NOOP_CALLBACKS = 10
@@ -143,12 +156,50 @@ def lightning_ms(
     return clock.epoch_ms
 
 
-SIDES = ("plain", "lightning", "+ NoProfiler", f"+ {NOOP_CALLBACKS} callbacks")
+# What a config chooses beside the model, priced by Lightning and PyTorch the same with or without
+# ddp-app: the `ddp-app` side runs with the bare side's choices, so that its difference is what
+# ddp-app itself adds; `ddp-app as configured` runs with the config's own.
+SAME_CHOICES_AS_BARE = (
+    "--trainer.strategy=auto",  # one device, no DDP wrapper (DDP over one process: about 0.26 ms per step)
+    "--trainer.deterministic=false",
+    "--lr_scheduler=null",
+    "--trainer.callbacks=[]",  # the config's own callbacks (a ModelCheckpoint)
+    "--trainer.log_every_n_steps=50",  # Lightning's default cadence
+)
 
 
-def run_side(side: str, parts: tuple, epochs: int) -> float:
+def ddp_app_ms(config: Path, batches: list, epochs: int, overrides: tuple[str, ...] = ()) -> list[float]:
+    """The Trainer and module `ddp-app fit --config config` builds, fitted on `batches` in this process
+    (validation and the sanity check off, as on the bare side; loggers, progress line and every
+    callback of ddp-app's on)."""
+    from app.cli import DDPAppCLI  # the whole CLI: only these sides need it
+
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as root, contextlib.redirect_stdout(io.StringIO()):
+        cli = DDPAppCLI(
+            args=[
+                "--config", str(config), "--trainer.devices=1", "--trainer.num_nodes=1",
+                f"--trainer.max_epochs={epochs}", f"--trainer.default_root_dir={root}",
+                "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
+                "--trainer.enable_model_summary=false", *overrides,
+            ],
+            run=False,
+        )  # fmt: skip
+        cli.trainer.callbacks.insert(0, clock)
+        cli.trainer.fit(cli.model, train_dataloaders=Batches(batches))
+    return clock.epoch_ms
+
+
+SIDES = ("plain", "lightning", "+ NoProfiler", f"+ {NOOP_CALLBACKS} callbacks", "ddp-app", "ddp-app as configured")
+
+
+def run_side(side: str, parts: tuple, epochs: int, config: Path) -> float:
     """The median over epochs (the first left out) of the epoch's mean step time, ms."""
-    if side == "plain":
+    if side == "ddp-app":
+        epoch_ms = ddp_app_ms(config, parts[3], epochs, SAME_CHOICES_AS_BARE)
+    elif side == "ddp-app as configured":
+        epoch_ms = ddp_app_ms(config, parts[3], epochs)
+    elif side == "plain":
         epoch_ms = plain_ms(*parts, epochs)
     elif side == "lightning":
         epoch_ms = lightning_ms(*parts, epochs)
@@ -172,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     configure_cpu_threads()
+    allow_plain_cuda_availability_checks(os.environ)  # as every ddp-app rank does (app/entry.py)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="lightning")
     parts = config_parts(yaml.safe_load(args.config.read_text()), args.batches)
@@ -179,21 +231,24 @@ def main(argv: list[str] | None = None) -> None:
     for repeat in range(args.repeats):
         order = SIDES[repeat % len(SIDES) :] + SIDES[: repeat % len(SIDES)]  # no side always runs first
         for side in order:
-            ms[side].append(run_side(side, parts, args.epochs))
+            ms[side].append(run_side(side, parts, args.epochs, args.config))
         done = ", ".join(f"{side} {ms[side][-1]:.3f}" for side in SIDES)
         print(f"repeat {repeat + 1}/{args.repeats}, ms/step: {done}", file=sys.stderr)
     added = {side: [ms[side][r] - ms["plain"][r] for r in range(args.repeats)] for side in SIDES[1:]}
     per_callback_us = [(ms[SIDES[3]][r] - ms["+ NoProfiler"][r]) / NOOP_CALLBACKS * 1e3 for r in range(args.repeats)]
     print(f"{args.config}: {len(parts[3])} batches of {len(parts[3][0][0])}, {args.repeats} repeats, 1 CPU thread")
-    print(f"{'':<18}{'ms/step':>10}{'added ms (paired) median [min, max]':>40}")
+    print(f"{'':<24}{'ms/step':>10}{'added ms (paired) median [min, max]':>40}")
     for side in SIDES:
-        line = f"{side:<18}{statistics.median(ms[side]):>10.3f}"
+        line = f"{side:<24}{statistics.median(ms[side]):>10.3f}"
         if side in added:
             s = spread(added[side])
             line += f"{s['median']:>+19.3f} [{s['min']:+.3f}, {s['max']:+.3f}]"
         print(line)
     s = spread(per_callback_us)
     print(f"one callback that overrides no hook: {s['median']:.1f} us per step [{s['min']:.1f}, {s['max']:.1f}]")
+    own = spread([ms["ddp-app"][r] - ms["+ NoProfiler"][r] for r in range(args.repeats)])
+    between = f"[{own['min']:+.3f}, {own['max']:+.3f}]"
+    print(f"ddp-app's own cost over a bare Trainer (the same choices): {own['median']:+.3f} ms per step {between}")
     if args.json is not None:
         command = " ".join(["python -m app.bench.floor", *(argv if argv is not None else sys.argv[1:])])
         result = {
@@ -203,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
             "ms_per_step": {side: spread(ms[side]) for side in SIDES},
             "added_ms_per_step": {side: spread(values) for side, values in added.items()},
             "noop_callback_us_per_step": s,
+            "ddp_app_own_ms_per_step": own,
+            "same_choices_as_bare": list(SAME_CHOICES_AS_BARE),
         }
         args.json.write_text(json.dumps(result, indent=2))
 
