@@ -25,6 +25,10 @@ class UserFacingError(RuntimeError):
     """An error whose message already says what is wrong and how to fix it."""
 
 
+class ResumeError(UserFacingError):
+    """A checkpoint whose position cannot be continued exactly by this run; one line says why."""
+
+
 class InvalidConfigError(UserFacingError, ValueError):
     """A config value out of its range. Also a ValueError, which is what callers validating input expect."""
 

@@ -27,13 +27,9 @@ sample's augmentation is the same whichever worker, rank or resumed process load
 from __future__ import annotations
 
 import copy
-import dataclasses
-import functools
 import math
 import random
 import sys
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning as L
@@ -41,89 +37,22 @@ import numpy as np
 import torch
 
 from app.checkpoints.io import gather_per_rank
-from app.elastic import ElasticLayout
-from app.errors import UserFacingError
+from app.elastic import (
+    ElasticLayout,
+    check_elastic_loader,
+    elastic_layout_for,
+    elastic_summary,
+    rebatched_position,
+    unweigh_losses,
+    weigh_losses,
+)
+from app.errors import ResumeError
+from app.metric_state import load_per_rank_module_state, per_rank_module_state
+from app.position import POSITION_KEY, DataPosition
 from app.private_apis import require
 from app.user_code import USER_CODE_DIRECTORIES
 
-POSITION_KEY = "ddp_app_data_position"
 RNG_KEY = "rng_states_per_rank"
-
-
-class ResumeError(UserFacingError):
-    """A checkpoint whose position cannot be continued exactly by this run; one line says why."""
-
-
-@dataclass(frozen=True)
-class DataPosition:
-    """Where a training run stands in its data, as written into every checkpoint.
-
-    `batches_done` counts this epoch's (micro-)batches whose optimizer step completed: a save never
-    falls between accumulated micro-batches. `epoch_end_done` is true once the epoch's last batch,
-    its validation and its epoch-end callbacks have run: the run then continues with epoch + 1.
-    """
-
-    epoch: int
-    batches_done: int
-    epoch_end_done: bool
-    batches_per_epoch: int | None  # None: a stream without length, before its end was seen
-    global_step: int
-    seed: int
-    world_size: int
-    per_rank_batch_size: int | None  # the configured one (the loader's, unless resumed elastically)
-    accumulate_grad_batches: int
-    # The run's sample order: the world size and per-rank batch it started with (kept by elastic resumes).
-    order_world_size: int | None = None
-    order_batch_size: int | None = None
-    # The global micro-batch, where a resume accepted a new one (exact_resume.global_batch_size).
-    order_micro_batch: int | None = None
-    dataset_length: int | None = None  # the training set's, where ddp-app built its loader
-
-    @property
-    def order(self) -> tuple[int, int | None]:
-        """(world size, per-rank batch) whose order and global batch this run follows."""
-        return (self.order_world_size or self.world_size, self.order_batch_size or self.per_rank_batch_size)
-
-    @property
-    def micro_batch(self) -> int | None:
-        """Samples of one micro-step over all ranks."""
-        if self.order_micro_batch is not None:
-            return self.order_micro_batch
-        world_size, batch_size = self.order
-        return None if batch_size is None else world_size * batch_size
-
-    @property
-    def global_batch_size(self) -> int | None:
-        micro_batch = self.micro_batch
-        return None if micro_batch is None else micro_batch * self.accumulate_grad_batches
-
-    @property
-    def next_epoch(self) -> int:
-        """The epoch whose batches come next."""
-        return self.epoch + 1 if self.epoch_end_done else self.epoch
-
-    @property
-    def batches_to_skip(self) -> int:
-        """Batches of `next_epoch` already trained."""
-        return 0 if self.epoch_end_done else self.batches_done
-
-    def describe(self) -> str:
-        if self.epoch_end_done:
-            return f"the start of epoch {self.epoch + 1}"
-        if self.batches_done == 0:
-            return f"the start of epoch {self.epoch}"
-        if self.batches_per_epoch is not None and self.batches_done >= self.batches_per_epoch:
-            return f"the end of epoch {self.epoch} (its validation and epoch end still to run)"
-        of = self.batches_per_epoch if self.batches_per_epoch is not None else "?"
-        return f"epoch {self.epoch} after {self.batches_done} of {of} batches"
-
-    def to_checkpoint(self) -> dict[str, Any]:
-        return {**asdict(self), "global_batch_size": self.global_batch_size}
-
-    @classmethod
-    def from_checkpoint(cls, record: dict[str, Any]) -> DataPosition:
-        fields = {name: record[name] for name in cls.__dataclass_fields__ if name in record}
-        return cls(**fields)
 
 
 def _counters(ready: int, started: int, processed: int, completed: int) -> dict[str, int]:
@@ -214,39 +143,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def per_rank_module_state(pl_module: L.LightningModule) -> dict[str, Any]:
-    """What a rank accumulates during an epoch outside the state_dict: every torchmetrics metric's
-    state, and what the module returns from `per_rank_state()` if it has one (our classifiers' training
-    accuracy counts). Resumed mid-epoch, the epoch's metrics then cover the whole epoch."""
-    from torchmetrics import Metric
-
-    metrics = {
-        name: {key: copy.deepcopy(value) for key, value in module.metric_state.items()}
-        | {"_update_count": module._update_count}
-        for name, module in pl_module.named_modules()
-        if isinstance(module, Metric)
-    }
-    own = pl_module.per_rank_state() if hasattr(pl_module, "per_rank_state") else {}
-    return {"metrics": metrics, "own": own}
-
-
-def load_per_rank_module_state(pl_module: L.LightningModule, state: dict[str, Any]) -> None:
-    modules = dict(pl_module.named_modules())
-    for name, values in state.get("metrics", {}).items():
-        metric = modules.get(name)
-        if metric is None:
-            continue
-        for key, value in values.items():
-            if key == "_update_count":
-                metric._update_count = value
-            elif isinstance(value, list):
-                setattr(metric, key, [item.to(pl_module.device) for item in value])
-            else:
-                setattr(metric, key, value.to(pl_module.device))
-    if state.get("own") and hasattr(pl_module, "load_per_rank_state"):
-        pl_module.load_per_rank_state(state["own"])
 
 
 def _training_batch_size(trainer: L.Trainer) -> int | None:
@@ -405,10 +301,18 @@ class ExactResume(L.Callback):
             self._pending_rng = None
         self._check_resume_fits(trainer, resumed)
         if self.layout is not None:
-            self._check_elastic(trainer, pl_module, resumed)
-            self._weigh_losses(trainer, pl_module)
+            sampler = getattr(trainer.train_dataloader, "sampler", None)
+            automatic = pl_module.automatic_optimization
+            layout_of_sampler = getattr(sampler, "layout", None)
+            check_elastic_loader(
+                resumed, self.layout, trainer.world_size, layout_of_sampler, bool(self.streams), automatic
+            )
+            length = len(trainer.train_dataloader.sampler.dataset)
+            if weigh_losses(pl_module, self.layout, length, trainer.global_rank):
+                self._unweighted_step = pl_module
         if (trainer.world_size != resumed.world_size or self._rebatched_from is not None) and trainer.is_global_zero:
-            print(f"ddp-app: {self._elastic_summary(trainer, resumed)}", file=sys.stderr, flush=True)
+            summary = elastic_summary(resumed, self.layout, trainer.world_size, self._rebatched_from)
+            print(f"ddp-app: {summary}", file=sys.stderr, flush=True)
         if trainer.current_epoch != resumed.next_epoch:
             raise AssertionError(
                 f"ddp-app bug: Lightning restored epoch {trainer.current_epoch}, the data position says "
@@ -516,7 +420,7 @@ class ExactResume(L.Callback):
         position = DataPosition.from_checkpoint(record)
         if self.global_batch_size is not None and self.global_batch_size != position.global_batch_size:
             self._rebatched_from = position
-            position = self._with_new_global_batch(trainer, position)
+            position = rebatched_position(position, self.global_batch_size, trainer.world_size)
         loops = checkpoint.get("loops") or {}
         if "fit_loop" in loops:
             loops["fit_loop"] = canonical_fit_loop_state(
@@ -534,7 +438,7 @@ class ExactResume(L.Callback):
         order_world_size, order_batch_size = position.order
         natural = None if order_batch_size is None else order_world_size * order_batch_size
         changed = trainer.world_size != order_world_size or position.micro_batch != natural
-        self.layout = self._elastic_layout(trainer, position) if changed else None
+        self.layout = elastic_layout_for(position, trainer.world_size, self.elastic) if changed else None
         states = checkpoint.get(RNG_KEY)
         # Per-rank states belong to the ranks that saved them: on another number of ranks, random
         # draws in the step (dropout) and per-rank metric accumulators start afresh (docs/resume.md).
@@ -542,130 +446,10 @@ class ExactResume(L.Callback):
             self._pending_rng = states[trainer.global_rank]
             self._pending_streams = list(self._pending_rng.pop("streams", []))
 
-    def _with_new_global_batch(self, trainer: L.Trainer, saved: DataPosition) -> DataPosition:
-        """The position in units of the global batch this resume accepts (exact_resume.global_batch_size):
-        the same samples consumed, rounded down to a whole new micro-batch."""
-        new, steps = int(self.global_batch_size or 0), saved.accumulate_grad_batches
-        fix = "Fix: unset exact_resume.global_batch_size to keep the checkpoint's global batch"
-        if saved.micro_batch is None or saved.dataset_length is None:
-            raise ResumeError(
-                "exact_resume.global_batch_size needs a training loader ddp-app builds (a plain DataLoader over a "
-                f"map-style dataset), so that the samples already trained can be counted. {fix}."
-            )
-        if new % steps or new // steps < trainer.world_size:
-            raise ResumeError(
-                f"exact_resume.global_batch_size={new} cannot be split into {steps} accumulated micro-steps over "
-                f"{trainer.world_size} ranks. Fix: a multiple of {steps} that is at least "
-                f"{steps * trainer.world_size}, or unset it."
-            )
-        micro_batch = new // steps
-        padded = -(-saved.dataset_length // saved.order[0]) * saved.order[0]
-        per_epoch = -(-padded // micro_batch)
-        consumed = min(saved.batches_done * saved.micro_batch, padded)
-        done = per_epoch if saved.epoch_end_done or consumed >= padded else consumed // micro_batch
-        return dataclasses.replace(saved, batches_done=done, batches_per_epoch=per_epoch, order_micro_batch=micro_batch)
-
-    def _elastic_layout(self, trainer: L.Trainer, saved: DataPosition) -> ElasticLayout:
-        """How a run continues on another number of ranks or with a new global batch (app.elastic)."""
-        order_world_size, _ = saved.order
-        if not self.elastic and trainer.world_size != order_world_size:
-            raise ResumeError(
-                f"this checkpoint was written by a {saved.world_size}-rank run and this run has {trainer.world_size} "
-                "ranks, and exact_resume.elastic is false. Fix: resume with the devices and num_nodes it was "
-                "trained with, or set exact_resume.elastic: true."
-            )
-        if saved.micro_batch is None:
-            raise ResumeError(
-                f"this checkpoint was written by a {saved.world_size}-rank run whose training loader has no batch "
-                f"size, so its global batch cannot be split over {trainer.world_size} ranks. Fix: resume with "
-                f"{saved.world_size} ranks (devices x num_nodes)."
-            )
-        layout = ElasticLayout(order_world_size, saved.micro_batch, trainer.world_size)
-        if layout.micro_batch < trainer.world_size:
-            raise ResumeError(
-                f"the global batch of this run ({layout.micro_batch} samples per micro-step) cannot be split over "
-                f"{trainer.world_size} ranks. Fix: resume on at most {layout.micro_batch} ranks (devices x num_nodes), "
-                f"or accept a new global batch knowingly: --exact_resume.global_batch_size N (at least "
-                f"{trainer.world_size * saved.accumulate_grad_batches}; steps per epoch change from there)."
-            )
-        return layout
-
-    def _elastic_summary(self, trainer: L.Trainer, saved: DataPosition) -> str:
-        layout = self.layout or ElasticLayout(saved.order[0], saved.micro_batch or 0, trainer.world_size)
-        split = "+".join(str(size) for size in layout.per_rank_sizes())
-        steps = saved.accumulate_grad_batches
-        accumulation = f", {steps} micro-steps each" if steps > 1 else ""
-        ranks = f"a {saved.world_size}-rank run on {trainer.world_size} ranks"
-        before = self._rebatched_from
-        if before is None:
-            kept = f"global batch {saved.global_batch_size} kept ({split} per micro-step{accumulation})"
-            return f"resuming {ranks}: {kept}, sample order kept"
-        trained = before.batches_done * (before.micro_batch or 0)
-        where = (
-            f"the start of epoch {saved.next_epoch}"
-            if saved.batches_to_skip == 0 or saved.batches_to_skip >= (saved.batches_per_epoch or 0)
-            else f"sample {saved.batches_to_skip * (saved.micro_batch or 0)} of epoch {saved.epoch} "
-            f"({trained - saved.batches_to_skip * (saved.micro_batch or 0)} trained samples read again)"
-        )
-        return (
-            f"resuming {ranks} with global batch {saved.global_batch_size} instead of {before.global_batch_size} "
-            f"(exact_resume.global_batch_size; {split} per micro-step{accumulation}): sample order kept, "
-            f"continuing at {where}; {saved.batches_per_epoch} batches per epoch instead of {before.batches_per_epoch}"
-        )
-
-    def _weigh_losses(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Scale this rank's loss where the global micro-batch is split unevenly (ElasticLayout.weight).
-
-        DDP averages the ranks' gradients; with per-rank batches of different sizes the average of
-        per-rank means is not the mean over the global batch unless each rank's loss (a mean over its
-        batch, as Lightning's losses are) is weighted by ranks x its samples / global samples.
-        """
-        layout, rank = self.layout, trainer.global_rank
-        assert layout is not None
-        length = len(trainer.train_dataloader.sampler.dataset)
-        weights = [layout.weight(length, block, rank) for block in range(layout.blocks(length))]
-        if all(weight == 1.0 for weight in weights):
-            return
-        original = pl_module.training_step
-
-        @functools.wraps(original)
-        def weighted_training_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
-            output = original(batch, batch_idx, *args, **kwargs)
-            weight = weights[batch_idx]
-            if weight == 1.0 or output is None:
-                return output
-            if isinstance(output, torch.Tensor):
-                return output * weight
-            if isinstance(output, Mapping) and "loss" in output:
-                return {**output, "loss": output["loss"] * weight}
-            return output
-
-        pl_module.training_step = weighted_training_step  # on the instance: DDP's wrapper calls it there
-        self._unweighted_step = pl_module
-
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._unweighted_step is not None:
-            vars(self._unweighted_step).pop("training_step", None)
+            unweigh_losses(self._unweighted_step)
             self._unweighted_step = None
-
-    def _check_elastic(self, trainer: L.Trainer, pl_module: L.LightningModule, saved: DataPosition) -> None:
-        """A resume on another number of ranks: every piece that splits the global batch must be ours."""
-        layout = self.layout
-        assert layout is not None
-        sampler = getattr(trainer.train_dataloader, "sampler", None)
-        if self.streams or getattr(sampler, "layout", None) != layout:
-            raise ResumeError(
-                f"this checkpoint was written by a {saved.world_size}-rank run and this run has {trainer.world_size} "
-                "ranks, but its training loader is not one ddp-app builds (a stream, a sampler or loader class of "
-                "its own), so its global batch and sample order cannot be kept. Fix: resume with "
-                f"{saved.world_size} ranks, or use a plain DataLoader(shuffle=...) over a map-style dataset."
-            )
-        if not pl_module.automatic_optimization:
-            raise ResumeError(
-                f"a resume on {trainer.world_size} instead of {saved.world_size} ranks splits the global batch "
-                "unevenly and weights each rank's loss, which needs automatic optimization. Fix: resume with "
-                f"{saved.world_size} ranks."
-            )
 
     def _check_resume_fits(self, trainer: L.Trainer, saved: DataPosition) -> None:
         """The data and the run's shape must be those the position was counted in."""
