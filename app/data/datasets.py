@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset, Subset, TensorDataset
 from torchvision import datasets, transforms
 
@@ -90,6 +88,11 @@ def digits_splits(val_fraction: float = 0.15, test_fraction: float = 0.15, split
             f"data.val_fraction ({val_fraction}) and data.test_fraction ({test_fraction}) must each "
             "lie in (0, 1) and sum to less than 1."
         )
+    # Imported here, not at the top: scikit-learn costs about 0.5 s to import, and `ddp-app` imports
+    # every DataModule to parse a config (the launcher's check of bad input, every rank), digits or not.
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     images, labels = load_digits(return_X_y=True)
     indices = list(range(len(labels)))
     train_val, test = train_test_split(indices, test_size=test_fraction, stratify=labels, random_state=split_seed)

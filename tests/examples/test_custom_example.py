@@ -58,7 +58,8 @@ def validate(ranks: int, checkpoint: Path, root: Path, cwd: Path = REPO, config:
 
 
 def printed_metrics(output: str) -> dict[str, str]:
-    return dict(re.findall(r"(val_\w+)\s+([-\d.e]+)", output))
+    """Lightning's results table, plain or drawn by `rich` where it is installed (then with │ between cells)."""
+    return dict(re.findall(r"(val_\w+)[\s│|]+([-\d.e]+)", output))
 
 
 def test_validation_metrics_are_identical_at_1_2_and_3_ranks(baseline, tmp_path: Path) -> None:
