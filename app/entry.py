@@ -114,6 +114,25 @@ def main(args: list[str] | None = None) -> None:
         raise
 
 
+def check_before_launch(args: list[str]) -> ConfigParsed:
+    """The launcher's parse-only pass: the whole config parsed and checked against this machine and
+    launch, once, before any rank exists. Bad input ends here: one line on stderr and SystemExit with
+    its code (tests/fault/test_bad_input.py runs its cases through this function in-process)."""
+    try:
+        DDPAppCLI(args=args, parse_only=True)
+    except ConfigParsed as checked:
+        return checked
+    except KeyboardInterrupt:
+        print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+    except Exception as error:
+        code = report_user_error(error)
+        if code is None:
+            raise
+        raise SystemExit(code) from None
+    raise AssertionError("DDPAppCLI(parse_only=True) returned without parsing")
+
+
 def launch_and_run(args: list[str] | None) -> NoReturn:
     """Run this rank (torchrun, srun), or parse and check the config, fork the ranks and supervise them."""
     configure_cpu_threads()
@@ -127,18 +146,8 @@ def launch_and_run(args: list[str] | None) -> NoReturn:
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     if already_launched(os.environ):  # torchrun, srun or a launcher started this rank
         raise SystemExit(run(args))
-    try:
-        DDPAppCLI(args=args, parse_only=True)
-    except ConfigParsed as checked:
-        plan, num_nodes, restarts = checked.plan, checked.num_nodes, checked.config["restarts"]
-    except KeyboardInterrupt:
-        print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
-        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
-    except Exception as error:
-        code = report_user_error(error)
-        if code is None:
-            raise
-        raise SystemExit(code) from None
+    checked = check_before_launch(args)
+    plan, num_nodes, restarts = checked.plan, checked.num_nodes, checked.config["restarts"]
     if not plan.processes:
         raise SystemExit(run(args))
     try:

@@ -1,7 +1,10 @@
 """Bad input: every case exits non-zero in bounded time with one clear line, and destroys nothing.
 
-Each case runs the real `ddp-app fit` command against a run directory that already holds a
-checkpoint and a metrics log from an earlier run; their bytes must be unchanged afterwards.
+Each case runs `ddp-app fit` against a run directory that already holds a checkpoint and a metrics
+log from an earlier run; their bytes must be unchanged afterwards. Input the launcher refuses in its
+parse-only pass, before any rank exists (`app.entry.check_before_launch`), is tested there, in this
+process, through that same function (`LAUNCHER_CASES`); the rest, and a few of those for the real
+exit code and output of the command, run the real `ddp-app` command (`COMMAND_CASES`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.run import clean_env, ddp_app, train
+from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
+from app.cluster.launch import env_without_launcher
+from app.entry import check_before_launch
+from tests.helpers.run import REPO, clean_env, ddp_app, train
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]  # a module fixture trains a 2-rank run
 
@@ -168,16 +174,12 @@ CASES: dict[str, Case] = {
     "unknown_strategy": Case(["--trainer.strategy=nonsense"], "invalid value 'nonsense' for trainer.strategy"),
     "unknown_precision": Case(["--trainer.precision=17"], "invalid value '17' for trainer.precision"),
     "num_nodes_zero": Case(["--trainer.num_nodes=0"], "invalid value 0 for trainer.num_nodes"),
-    "limit_train_batches_negative": Case(
-        ["--trainer.limit_train_batches=-1"], "invalid value -1.0 for trainer.limit_train_batches"
-    ),
+    "limit_train_batches_negative": Case(["--trainer.limit_train_batches=-1"], "invalid value -1"),
     # Taken by Lightning's Trainer, then a ZeroDivisionError in every rank or silently ignored.
     "accumulate_grad_batches_zero": Case(
         ["--trainer.accumulate_grad_batches=0"], "invalid value 0 for trainer.accumulate_grad_batches"
     ),
-    "gradient_clip_val_negative": Case(
-        ["--trainer.gradient_clip_val=-1"], "invalid value -1.0 for trainer.gradient_clip_val"
-    ),
+    "gradient_clip_val_negative": Case(["--trainer.gradient_clip_val=-1"], "invalid value -1"),
     "val_check_interval_zero": Case(
         ["--trainer.val_check_interval=0"], "invalid value 0 for trainer.val_check_interval"
     ),
@@ -238,8 +240,22 @@ def assert_one_clear_line(result: subprocess.CompletedProcess[str], expect: str)
     assert expect in errors[0], errors[0]
 
 
-# The cases that run through `test_bad_input` (the other two need a live socket or a mount of their own).
-PLAIN_CASES = [name for name in CASES if name not in ("master_port_in_use", "disk_full_while_saving")]
+# Refused by the launcher's parse-only pass: tested in this process (`test_refused_before_any_rank`).
+LAUNCHER_CASES = [
+    "unknown_key_cli", "unknown_key_yaml", "wrong_type", "malformed_yaml", "missing_config", "unknown_model_class",
+    "negative_lr", "max_epochs_zero", "max_epochs_negative", "devices_zero", "more_cpu_devices_than_cores",
+    "num_nodes_without_other_nodes", "unwritable_root_dir", "truncated_ckpt", "malicious_ckpt",
+    "unknown_accelerator", "devices_not_a_number", "devices_a_fraction", "unknown_strategy", "unknown_precision",
+    "num_nodes_zero", "limit_train_batches_negative", "accumulate_grad_batches_zero", "gradient_clip_val_negative",
+    "val_check_interval_zero", "log_every_n_steps_negative", "gpu_on_a_machine_without_one",
+    "precision_the_device_cannot_run",
+]  # fmt: skip
+# Run as the real command (`test_bad_input`): what only ranks can find, and one launcher refusal of each
+# kind (the parser, a checkpoint, Lightning's own check of the Trainer) for the command's exit code and
+# output. The other two cases need a live socket or a mount of their own.
+OWN_TESTS = ("master_port_in_use", "disk_full_while_saving")
+COMMAND_CASES = [name for name in CASES if name not in LAUNCHER_CASES and name not in OWN_TESTS]
+COMMAND_CASES += ["unknown_key_cli", "truncated_ckpt", "unknown_accelerator"]
 
 
 @pytest.fixture(scope="module")
@@ -256,16 +272,41 @@ def case_results(
         return name, (run_case(CASES[name], previous_run, scratch), scratch)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return before, dict(pool.map(run_one, PLAIN_CASES))
+        return before, dict(pool.map(run_one, COMMAND_CASES))
 
 
-@pytest.mark.parametrize("name", PLAIN_CASES)
+@pytest.mark.parametrize("name", COMMAND_CASES)
 def test_bad_input(name: str, previous_run: Path, case_results) -> None:
     before, results = case_results
     result, scratch = results[name]
     assert_one_clear_line(result, CASES[name].expect)
     assert unchanged(before, digest(previous_run)), "an existing checkpoint or log was changed"
     assert not (scratch / "PWNED").exists(), "unpickling the checkpoint ran code"
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CASES)
+def test_refused_before_any_rank(
+    name: str, previous_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The launcher's own pass over the command line, in this process: exit code 2, one line that names
+    the problem, the previous run untouched, nothing unpickled."""
+    case = CASES[name]
+    monkeypatch.chdir(REPO)
+    for variable in set(os.environ) - set(env_without_launcher(os.environ)):
+        monkeypatch.delenv(variable)
+    before = digest(previous_run)
+    extra = case.prepare(tmp_path) if case.prepare else []
+    args = [
+        "fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={previous_run}",
+        "--trainer.enable_progress_bar=false", *extra, *case.args,
+    ]  # fmt: skip
+    with pytest.raises(SystemExit) as refused:
+        check_before_launch(args)
+    assert refused.value.code == BAD_INPUT_EXIT_CODE
+    captured = capsys.readouterr()
+    assert_one_clear_line(subprocess.CompletedProcess(args, 2, captured.out, captured.err), case.expect)
+    assert unchanged(before, digest(previous_run)), "an existing checkpoint or log was changed"
+    assert not (tmp_path / "PWNED").exists(), "unpickling the checkpoint ran code"
 
 
 def test_master_port_in_use(previous_run: Path, tmp_path: Path) -> None:
@@ -310,8 +351,9 @@ def test_disk_full_while_saving_keeps_the_old_checkpoint(previous_run: Path, tmp
         subprocess.run(["umount", str(small)], check=False)
 
 
-def test_there_are_at_least_25_cases() -> None:
+def test_there_are_at_least_25_cases_and_each_is_tested() -> None:
     assert len(CASES) >= 25
+    assert set(LAUNCHER_CASES) | set(COMMAND_CASES) | set(OWN_TESTS) == set(CASES)
 
 
 def test_malicious_checkpoint_is_really_malicious(tmp_path: Path) -> None:
