@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed
@@ -48,3 +49,13 @@ def restore_distributed_state() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def digits_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default job (configs/digits.yaml) trained on 2 ranks for 3 epochs, once per test session:
+    its run directory (`checkpoints/last.ckpt`, logs). Read it only: `tests.helpers.run.copy_of`
+    gives a test a directory of its own to write into."""
+    root = tmp_path_factory.mktemp("digits_trained")
+    run.train("configs/digits.yaml", root, epochs=3)
+    return root

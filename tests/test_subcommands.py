@@ -9,14 +9,15 @@ import torch
 
 from app.data import DigitsDataModule
 from app.models import MLPClassifier
-from tests.helpers.run import ddp_app, train
+from tests.helpers.run import ddp_app
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train("configs/digits.yaml", tmp_path_factory.mktemp("trained"), epochs=3)
+def trained(digits_trained: Path) -> Path:
+    """The session's digits run's last.ckpt (read only)."""
+    return digits_trained / "checkpoints" / "last.ckpt"
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test"])

@@ -25,7 +25,7 @@ import torch
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
 from app.cluster.launch import env_without_launcher
 from app.entry import check_before_launch
-from tests.helpers.run import REPO, clean_env, ddp_app, train
+from tests.helpers.run import REPO, clean_env, copy_of, ddp_app
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]  # a module fixture trains a 2-rank run
 
@@ -209,10 +209,10 @@ def digest(directory: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def previous_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A finished run (2 epochs) whose checkpoint and logs every case must leave untouched."""
-    root = tmp_path_factory.mktemp("previous_run")
-    os.environ["BAD_INPUT_LAST_CKPT"] = str(train("configs/digits.yaml", root, epochs=2))
+def previous_run(digits_trained: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A finished run (the session's digits run, copied) whose checkpoint and logs every case must leave untouched."""
+    root = copy_of(digits_trained, tmp_path_factory.mktemp("previous_run") / "run")
+    os.environ["BAD_INPUT_LAST_CKPT"] = str(root / "checkpoints" / "last.ckpt")
     yield root
     os.environ.pop("BAD_INPUT_LAST_CKPT", None)
 

@@ -37,7 +37,7 @@ from app.checkpoints.io import (
 from app.config_checks import command_line_model_keys
 from app.export import main as export_main
 from tests.fault.test_bad_input import malicious_checkpoint
-from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, train
+from tests.helpers.run import BIN, REPO, clean_env, copy_of, ddp_app, kill_job, train
 
 pytestmark = pytest.mark.fault
 
@@ -270,11 +270,9 @@ def test_an_exported_weights_file_is_named_as_such(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 1-epoch digits run (MLPClassifier, hidden=256), shared by the cases below."""
-    root = tmp_path_factory.mktemp("digits_run")
-    train("configs/digits.yaml", root, epochs=1)
-    return root
+def digits_run(digits_trained: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished digits run (MLPClassifier, hidden=256; the session's, copied), shared by the cases below."""
+    return copy_of(digits_trained, tmp_path_factory.mktemp("digits_run") / "run")
 
 
 def exported_weights(run: Path, scratch: Path) -> list[str]:

@@ -300,3 +300,17 @@ def test_a_collective_only_rank_0_calls_ends_every_rank_well_before_the_collecti
     )
     assert "without waiting for collective_timeout_s" in reports[0]
     check_hang_directory(reports[0], root, {0: "", 1: ""})
+
+
+def test_a_rank_that_is_only_slow_is_waited_for(tmp_path: Path) -> None:
+    """Rank 0 busy for 12 s at an epoch's end (two looks of the deadlock check) while rank 1 waits in the
+    next collective: no deadlock is declared, the run completes."""
+    result = subprocess.run(
+        [
+            str(BIN / "ddp-app"), *FIT[:-2], "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.callbacks+=tests.helpers.user_callbacks.SlowRankZero",
+        ],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hang" not in result.stderr, result.stderr[-3000:]

@@ -7,42 +7,17 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from app.checkpoints.io import CheckpointError, safe_load
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
-from tests.fault.test_resume import fit, resume_and_compare, start_fit, stop_with_signal, wait_for_step
+from tests.fault.conftest import EPOCHS
+from tests.fault.test_resume import resume_and_compare, start_fit, stop_with_signal, wait_for_step
 from tests.helpers.run import kill_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
-
-EPOCHS = 40  # 20 steps each on digits at 2 ranks: 800 steps
-# A user's config with only a monitored ModelCheckpoint(save_last=True). mode=min on val_acc makes
-# an early epoch the best one, after which Lightning alone never rewrites last.ckpt again.
-MONITORED_ONLY = f"""
-trainer:
-  max_epochs: {EPOCHS}
-  enable_progress_bar: false
-  logger: false
-  callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args: {{monitor: val_acc, mode: min, save_top_k: 1, save_last: true, filename: "best-{{epoch}}"}}
-"""
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
-    root = tmp_path_factory.mktemp("uninterrupted")
-    overlay = root / "monitored-only.yaml"
-    overlay.write_text(MONITORED_ONLY)
-    result = fit("configs/digits.yaml", overlay, root / "run")
-    assert result.returncode == 0, result.stderr[-3000:]
-    last = root / "run" / "checkpoints" / "last.ckpt"
-    assert safe_load(last)["global_step"] == EPOCHS * 20
-    yield overlay, last
 
 
 def newest_step_seen(last: Path, process, until_step: int, timeout: float = 120) -> int:

@@ -13,7 +13,6 @@ import pytest
 from app.bench.recovery import KILL_AT_STEP, clock_arguments, kill_rank
 from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.cluster.launch import free_port
-from tests.fault.test_last_checkpoint import uninterrupted  # noqa: F401 (the shared baseline run)
 from tests.fault.test_resume import assert_same_weights, start_fit, wait_for_step
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, rank_pids
 
@@ -31,7 +30,7 @@ def kill_rank_1_and_wait(process: subprocess.Popen, last: Path) -> None:
         process.wait()
 
 
-def test_torchrun_restarts_the_group_after_kill_9_and_ends_bit_exact(uninterrupted, tmp_path: Path) -> None:  # noqa: F811
+def test_torchrun_restarts_the_group_after_kill_9_and_ends_bit_exact(uninterrupted, tmp_path: Path) -> None:
     overlay, expected = uninterrupted
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     command = [
@@ -51,7 +50,7 @@ def test_torchrun_restarts_the_group_after_kill_9_and_ends_bit_exact(uninterrupt
     assert_same_weights(expected, last)
 
 
-def test_torchrun_with_two_agents_restarts_after_kill_9_and_ends_bit_exact(uninterrupted, tmp_path: Path) -> None:  # noqa: F811
+def test_torchrun_with_two_agents_restarts_after_kill_9_and_ends_bit_exact(uninterrupted, tmp_path: Path) -> None:
     """Two agents, one rank each, meeting at a c10d rendezvous as on two nodes (torchrun.sbatch): the
     agent whose rank died counts a restart, the other does not, and the ranks still meet."""
     overlay, expected = uninterrupted
@@ -88,7 +87,7 @@ def test_torchrun_with_two_agents_restarts_after_kill_9_and_ends_bit_exact(unint
     assert_same_weights(expected, last)
 
 
-def test_the_launcher_restarts_every_rank_from_last_after_kill_9(uninterrupted, tmp_path: Path) -> None:  # noqa: F811
+def test_the_launcher_restarts_every_rank_from_last_after_kill_9(uninterrupted, tmp_path: Path) -> None:
     overlay, expected = uninterrupted
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     process = start_fit("configs/digits.yaml", overlay, tmp_path / "run", "--restarts=1")

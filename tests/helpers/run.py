@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,3 +153,9 @@ def train(config: str, root: Path, epochs: int, *overrides: str, timeout: float 
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "checkpoints" / "last.ckpt"
+
+
+def copy_of(run_directory: Path, destination: Path) -> Path:
+    """A writable copy of a shared run directory (a test that runs ddp-app in it, or changes a file)."""
+    shutil.copytree(run_directory, destination)
+    return destination

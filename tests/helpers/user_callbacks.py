@@ -6,6 +6,8 @@ issued from another hook, or a rank-0-only read of the metrics (issue 31).
 
 from __future__ import annotations
 
+import time
+
 import lightning as L
 import torch
 
@@ -37,3 +39,15 @@ class RankZeroBarrier(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero:
             trainer.strategy.barrier("rank 0 only")
+
+
+class SlowRankZero(L.Callback):
+    """Rank 0 busy for `seconds` at the first epoch's end (a large checkpoint written to slow storage)
+    while the others go on and wait for it in the next collective."""
+
+    def __init__(self, seconds: float = 12.0) -> None:
+        self.seconds = seconds
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and trainer.current_epoch == 0:
+            time.sleep(self.seconds)

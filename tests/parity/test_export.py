@@ -11,13 +11,13 @@ from sklearn.datasets import load_digits
 
 from app.models import MLPClassifier
 from tests.helpers.isolated import predict_in_isolation
-from tests.helpers.run import REPO, run, train
+from tests.helpers.run import REPO, run
 
 
 @pytest.fixture(scope="module")
-def last(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default job, trained on 2 ranks for 5 epochs; its last.ckpt."""
-    return train("configs/digits.yaml", tmp_path_factory.mktemp("digits"), epochs=5)
+def last(digits_trained: Path) -> Path:
+    """The default job, trained on 2 ranks for 3 epochs (the session's run); its last.ckpt."""
+    return digits_trained / "checkpoints" / "last.ckpt"
 
 
 @pytest.mark.distributed
