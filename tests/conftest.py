@@ -26,6 +26,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not any(item.get_closest_marker(name) for name in NOT_QUICK):
             item.add_marker(pytest.mark.quick)
+        # Under pytest-xdist's `--dist loadgroup` (README, Tests) a module runs on one worker, so its
+        # module-scoped runs are trained once; the Slurm tier shares one cluster, on one worker.
+        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
