@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set everything up in .venv (idempotent), then run the default training job or the test suite.
 #   ./quickstart.sh train [extra ddp-app overrides...]
-#   ./quickstart.sh test  [extra pytest arguments...]
+#   ./quickstart.sh test  [extra pytest arguments...]   (two workers; -n 0: one process)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -31,7 +31,9 @@ case "${1:-}" in
     test)
         shift
         setup
-        exec "$VENV/bin/python" -m pytest "$@"
+        # Two workers (pytest-xdist), a module per worker at a time (tests/conftest.py): most tests wait
+        # on processes they started. `-n 0` runs in this one process.
+        exec "$VENV/bin/python" -m pytest -n 2 --dist loadgroup "$@"
         ;;
     setup)
         setup

@@ -20,6 +20,7 @@ from tests.helpers import run
 NOT_QUICK = ("distributed", "slurm", "parity", "slow", "gpu", "more_cases")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own hook of the same name)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`quick`: every in-process test, plus the few marked `quick` by hand (one real 2-rank fit,
     one Lightning-vs-reference check): the tier to run before every commit (README, Tests)."""
