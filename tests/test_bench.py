@@ -66,7 +66,9 @@ def test_bench_writes_the_table_json_and_plot(tmp_path: Path) -> None:
     assert bare["step_ms"]["median"] > 0 and bare["first_step_ms"]["median"] > 0
     for side in ("reference", "lightning"):
         fraction = report["by_world_size"]["1"]["fraction_of_framework_free"][side]["median"]
-        assert 0 < fraction < 2, (side, fraction)
+        # A ratio of two timings, not a timed test: the other test worker's load can slow either side
+        # several-fold (6x seen); the bound catches a unit mix-up (ms against s), not a slow machine.
+        assert 0 < fraction < 20, (side, fraction)
     assert report["summary"]["lightning_fraction_of_framework_free"]["n"] == 1
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for row in ("step time (ms)", "scaling efficiency", "throughput / framework-free", "first step (ms)"):
