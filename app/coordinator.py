@@ -142,7 +142,7 @@ class RunCoordinator(Checkpoint):
         self._save_due = False  # a save decided at a step's end, done at the next hook
         self._stop_at: tuple[int, int] | None = None  # (step, epoch) of a stop agreed at an epoch's end
 
-    # What Lightning and ddp-app read of a Checkpoint callback (`find_last_checkpoint`, checkpoint tags).
+    # What ddp-app reads of a Checkpoint callback (`find_last_checkpoint`, checkpoint tags).
     @property
     def dirpath(self) -> str | None:
         return self.last_checkpoint.dirpath if self.last_checkpoint is not None else None
@@ -150,11 +150,6 @@ class RunCoordinator(Checkpoint):
     @property
     def last_model_path(self) -> str:
         return self.last_checkpoint.last_model_path if self.last_checkpoint is not None else ""
-
-    @property
-    def saving(self) -> bool:
-        """Whether last.ckpt is being written now."""
-        return self.last_checkpoint is not None and self.last_checkpoint.saving
 
     # ----- the exchange -----
 

@@ -468,9 +468,9 @@ def test_performance_doc_quotes_the_per_call_cuts() -> None:
     assert f"{hook['before_us']:.2f} against {hook['after_us']:.2f} us per assignment" in prose
 
 
-def floor_table() -> str:
-    """performance.md's table of `python -m app.bench.floor` (docs/bench_floor.json)."""
-    figures = bench("bench_floor")
+def floor_table(name: str = "bench_floor") -> str:
+    """performance.md's table of a `python -m app.bench.floor` run (docs/<name>.json)."""
+    figures = bench(name)
     lines = ["| side | ms per step | added to the plain loop, ms (median [min, max] of 5 rounds) |", "|---|---|---|"]
     for side, ms in figures["ms_per_step"].items():
         added = figures["added_ms_per_step"].get(side)
@@ -499,12 +499,7 @@ def test_performance_doc_quotes_ddp_apps_own_cost_per_step() -> None:
     """The floor bench's ddp-app sides, and the 1- and 2-rank added times, as the JSON has them."""
     text = PERFORMANCE.read_text()
     figures = bench("bench_floor_nov27")
-    lines = ["| side | ms per step | added to the plain loop, ms (median [min, max] of 5 rounds) |", "|---|---|---|"]
-    for side, ms in figures["ms_per_step"].items():
-        added = figures["added_ms_per_step"].get(side)
-        shown = f"{added['median']:+.3f} [{added['min']:+.3f}, {added['max']:+.3f}]" if added else ""
-        lines.append(f"| {side} | {ms['median']:.3f} | {shown} |")
-    assert "\n".join(lines) in text
+    assert floor_table("bench_floor_nov27") in text
     own = figures["ddp_app_own_ms_per_step"]
     prose = " ".join(text.split())
     assert (

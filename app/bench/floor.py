@@ -50,7 +50,7 @@ import yaml
 from torch.utils.data import DataLoader
 
 from app.bench.report import spread
-from app.cli import NoProfiler
+from app.cli import DDPAppCLI, NoProfiler
 from app.cluster.threads import configure_cpu_threads
 from app.entry import allow_plain_cuda_availability_checks
 from app.reference.config import instantiate
@@ -172,8 +172,6 @@ def ddp_app_ms(config: Path, batches: list, epochs: int, overrides: tuple[str, .
     """The Trainer and module `ddp-app fit --config config` builds, fitted on `batches` in this process
     (validation and the sanity check off, as on the bare side; loggers, progress line and every
     callback of ddp-app's on)."""
-    from app.cli import DDPAppCLI  # the whole CLI: only these sides need it
-
     clock = StepClock()
     with tempfile.TemporaryDirectory() as root, contextlib.redirect_stdout(io.StringIO()):
         cli = DDPAppCLI(

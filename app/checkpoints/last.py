@@ -105,9 +105,7 @@ class LastCheckpoint:
         self.last_save = time.monotonic()
 
     def start(self, trainer: L.Trainer) -> None:
-        """At training start: where last.ckpt goes; a resumed run starts from a checkpoint of this very step."""
-        if self.dirpath is None:
-            self.dirpath = str(checkpoint_directory(trainer))
+        """At training start: a resumed run starts from a checkpoint of this very step."""
         self.saved_step = trainer.global_step
         self.last_save = time.monotonic()
 
