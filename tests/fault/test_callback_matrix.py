@@ -88,6 +88,20 @@ def test_any_callback_setup_completes_fresh_and_resumes_exactly(runner: Runner, 
     assert outcome.exact, f"{setup}: {outcome.detail or outcome} (log: {runner.workdir})"
 
 
+def test_a_users_own_module_without_callbacks_completes_and_resumes_exactly(tmp_path: Path) -> None:
+    """The same on a user's plain LightningModule and DataModule (examples/custom, issue 31's second
+    acceptance command): no callbacks, the progress line on, a kill of rank 1 mid-epoch."""
+    runner = Runner(
+        base_args=["--config", str(REPO / "examples" / "custom" / "config.yaml"), "--trainer.callbacks=[]"],
+        workdir=tmp_path,
+        epochs=EPOCHS,
+        timeout=240.0,
+        progress_bar=True,
+    )
+    outcome = runner.run(Case("kill-rank1", "mid-epoch", epoch=1))
+    assert outcome.exact, f"{outcome.detail or outcome} (log: {tmp_path})"
+
+
 @pytest.mark.slow
 def test_checkpointing_off_completes_and_writes_no_checkpoint(tmp_path: Path) -> None:
     result = subprocess.run(
