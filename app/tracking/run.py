@@ -14,18 +14,24 @@ Rank 0 does all of this; the other ranks log nothing.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
 import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +51,7 @@ from app.errors import UserFacingError
 from app.tracking.history import SETTLED, Call, Journal, RunHistory, mark_sent, replay, sent_seqs
 from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, RUN_FILE, SAMPLES_PER_S, latest_run
 from app.tracking.sinks import CsvView, MlflowSink, RunFacts, TensorBoardSink, WandbSink
+from app.tracking.worker import TrackerThread
 
 CHECKPOINT_KEY = "ddp_app_run"
 # Keys of the config that are not settings of the run: every attempt passes its own.
@@ -54,6 +61,26 @@ EXTRAS = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
 # same value (`Tracking.log_samples_per_s`): Lightning's hint to log epoch values with sync_dist=True
 # does not apply to it.
 warnings.filterwarnings("ignore", message=rf".*self\.log\('{SAMPLES_PER_S}', \.\.\., sync_dist=True\)")
+# How long the end of an attempt waits for its trackers to take what is queued (the last values,
+# tags, the run's status). A tracker still busy after that is left behind: what it did not confirm
+# is in the journal and the next attempt sends it. Bounded so that a preempted job still exits
+# well inside the launcher's STOP_GRACE_S (60 s, app/cluster/launch.py), after which it kills the
+# rank, and inside the 90 s the sbatch scripts' `--signal=SIGUSR1@90` leave before the time limit.
+CLOSE_WAIT_S = 30.0
+# A tracker call that has not returned after this long is reported (once, training goes on):
+# MLflow's client retries a server that went away for about 4 minutes before it fails.
+STALL_WARNING_S = 30.0
+# The open of an MLflow run is a probe: a wrong URI or a server that is down ends the launch within
+# seconds, instead of after MLflow's retries (7 with exponential backoff: about 4 minutes per
+# request). MLflow reads these variables at every request (mlflow/utils/rest_utils.py
+# `http_request`), so they hold for the open only; every later call, on the tracker thread, uses
+# MLflow's defaults (or the user's values). One immediate retry forgives a dropped connection.
+MLFLOW_OPEN_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "4"}
+# The whole open of a run on a remote store (find or create the experiment, create or resume the run).
+MLFLOW_OPEN_DEADLINE_S = 10.0
+# Stores on this machine: opening one can take seconds the first time (SQLite's schema migrations),
+# and it cannot be unreachable; no deadline.
+LOCAL_SCHEMES = ("", "file", "sqlite")
 
 
 @dataclass
@@ -94,6 +121,34 @@ def require_tracker(extra: str) -> None:
             f"tracking.{extra} is set but the {extra} package is not installed. "
             f"Fix: pip install -e '.[{EXTRAS[extra]}]' (or pip install {extra}), or remove tracking.{extra}."
         )
+
+
+def one_line(error: BaseException) -> str:
+    """An error of a tracker library as a short reason: the system's word for a failed connection
+    ("Connection refused", "Name or service not known"), else the first line of its message."""
+    text = str(error)
+    system = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
+    if system:
+        return system.group(1).strip()
+    if "timed out" in text.lower():
+        return "no answer: timed out"
+    first = text.splitlines()[0] if text else repr(error)
+    return first if len(first) <= 200 else first[:197] + "..."
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block; restore them after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, str]:
@@ -180,19 +235,49 @@ def batch_size_of(batch: Any) -> int:
     return 0
 
 
-class TrackedRun:
-    """Rank 0's side of a run's attempt: the journal, metrics.csv and the trackers."""
+class _Outbox:
+    """What one tracker still has to be sent (the tracker thread's own state): this attempt's
+    start, settled calls in step order, the latest tags, and the calls it holds but has not made
+    durable yet (W&B, until `finish`)."""
 
-    def __init__(self, log_dir: Path, identity: dict[str, Any], sinks: list[Any]) -> None:
+    def __init__(self, start: RunFacts) -> None:
+        self.start: RunFacts | None = start
+        self.calls: list[Call] = []
+        self.tags: dict[str, str] = {}
+        self.unconfirmed: list[Call] = []
+
+
+class TrackedRun:
+    """Rank 0's side of a run's attempt: the journal, metrics.csv and the trackers.
+
+    The journal and metrics.csv are written on the training thread; every tracker call runs on the
+    run's tracker thread (app/tracking/worker.py), which the training thread only hands work to, so
+    a tracker that hangs or went away never holds training (nor the other ranks, waiting for rank 0
+    in a collective, nor a stop signal). What to send is decided on the training thread, from the
+    history it alone touches; the tracker thread gets copies of those calls, keeps what a tracker
+    did not take in that tracker's outbox, in step order, and tries again at the next save. A
+    call is written to `sent-<tracker>.txt` only once the tracker confirmed it, so what an attempt
+    leaves unsent (a tracker still down when it ends) is sent by the next attempt.
+    """
+
+    def __init__(
+        self, log_dir: Path, identity: dict[str, Any], sinks: list[Any], worker: TrackerThread | None = None
+    ) -> None:
         self.log_dir, self.identity, self.sinks = log_dir, identity, sinks
+        self.worker = worker or TrackerThread()
         self.history: RunHistory = replay(log_dir / JOURNAL_FILE)
         self.journal = Journal(log_dir / JOURNAL_FILE)
         self.csv = CsvView(log_dir)
-        self._failed: set[str] = set()
-        self._sent_values: dict[str, set[tuple[str, int]]] = {}  # per tracker: (name, step) it has
-        self._unconfirmed: dict[str, list[Call]] = {}  # sent to a tracker that makes them durable at close
-        self._sent_seqs: dict[str, set[int]] = {}  # per tracker: the calls it has been sent (sent-*.txt)
         self._finished = False
+        # Training thread only: per tracker, the calls and (name, step) values handed to it.
+        self._sent_values: dict[str, set[tuple[str, int]]] = {}
+        self._sent_seqs: dict[str, set[int]] = {}
+        # Tracker thread only.
+        self._outboxes: dict[str, _Outbox] = {}
+        self._calling: str | None = None  # the tracker the thread is waiting on (read by the training thread)
+        # Trackers the user was told are failing or not answering; both threads report, under the lock.
+        self._warned: set[str] = set()
+        self._warned_lock = threading.Lock()
 
     def begin(self, seq: int, step: int, facts: dict[str, Any], tracker_facts: RunFacts) -> None:
         """Start this attempt: after a resume, the dead attempts' later values become provisional."""
@@ -202,7 +287,7 @@ class TrackedRun:
         self.journal.append({"attempt": facts})
         self.csv.rewrite(self.history.view())
         for sink in self.sinks:
-            sink.start(tracker_facts)
+            self.worker.submit(functools.partial(self._open_outbox, sink.name, tracker_facts))
         self._send(self.history.settled())  # what earlier attempts settled but did not send
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -225,14 +310,18 @@ class TrackedRun:
         self._send(self.history.settled())
 
     def close(self, status: str, tags: dict[str, str]) -> None:
+        """Hand each tracker its last values, tags and the run's status, and wait for them at most
+        CLOSE_WAIT_S; then leave (a tracker still busy is abandoned, its thread a daemon)."""
         for sink in self.sinks:
-            try:
-                sink.note(tags)
-                sink.close(status)
-            except Exception as error:  # the run's outcome stands; the tracker is told later or never
-                print(f"ddp-app: tracking: {sink.name} could not be closed ({error!r})", file=sys.stderr)
-            else:
-                mark_sent(self._sent_file(sink), self._unconfirmed.pop(sink.name, []))
+            self.worker.submit(functools.partial(self._close_sink, sink, status, tags))
+        if not self.worker.drain(CLOSE_WAIT_S):
+            print(
+                f"ddp-app: tracking: {self._calling or 'a tracker'} did not answer within {CLOSE_WAIT_S:.0f} s; "
+                "leaving without it. The values it did not confirm are in the journal; the next attempt of this "
+                "run (--ckpt_path last) sends them.",
+                file=sys.stderr,
+                flush=True,
+            )
         self.journal.close()
 
     def _sent_file(self, sink: Any) -> Path:
@@ -252,13 +341,12 @@ class TrackedRun:
         return min(max(settled, default=-1), min(open_steps, default=math.inf))
 
     def _send(self, settled: list[Call], tags: dict[str, str] | None = None) -> None:
-        """Each tracker gets the settled calls it has not had yet, one value per name and step
-        (Lightning repeats `epoch` in every call of a step: the first one sent stands). One that
-        fails is retried at the next save (its backlog stays in the journal); training goes on."""
+        """Hand each tracker the settled calls it has not had yet, one value per name and step
+        (Lightning repeats `epoch` in every call of a step: the first one sent stands), in step
+        order; returns at once (the tracker thread sends them)."""
         for sink in self.sinks:
-            path = self._sent_file(sink)
             if sink.name not in self._sent_seqs:  # read once per attempt, kept in memory after
-                self._sent_seqs[sink.name] = sent_seqs(path)
+                self._sent_seqs[sink.name] = sent_seqs(self._sent_file(sink))
             sent = self._sent_seqs[sink.name]
             if sink.name not in self._sent_values:
                 self._sent_values[sink.name] = {
@@ -277,28 +365,96 @@ class TrackedRun:
                 sent_values.update((name, call.step) for name in values)
                 unsent.append(Call(call.seq, call.step, call.time, values, call.state))
             sent.update(call.seq for call in unsent)
-            try:
-                if unsent:
-                    sink.send([call for call in unsent if call.values])
-                    if sink.durable_on_send:
-                        mark_sent(path, unsent)
-                    else:
-                        self._unconfirmed.setdefault(sink.name, []).extend(unsent)
-                if tags:
-                    sink.note(tags)
-            except Exception as error:
-                sent_values.difference_update((name, call.step) for call in unsent for name in call.values)
-                sent.difference_update(call.seq for call in unsent)
-                if sink.name not in self._failed:
-                    print(
-                        f"ddp-app: tracking: sending to {sink.name} failed ({error!r}); training goes on, "
-                        "the values are kept and sent again at the next checkpoint.",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                self._failed.add(sink.name)
-            else:
-                self._failed.discard(sink.name)
+            if unsent or tags:
+                self.worker.submit(functools.partial(self._deliver, sink, unsent, dict(tags or {})))
+        self._warn_if_stalled()
+
+    # ----- on the tracker thread -----
+
+    def _open_outbox(self, name: str, facts: RunFacts) -> None:
+        self._outboxes[name] = _Outbox(facts)
+
+    def _deliver(self, sink: Any, calls: list[Call], tags: dict[str, str]) -> None:
+        outbox = self._outboxes[sink.name]
+        outbox.calls.extend(calls)
+        outbox.tags.update(tags)
+        self._flush(sink, outbox)
+
+    def _flush(self, sink: Any, outbox: _Outbox) -> bool:
+        """Send a tracker its outbox (this attempt's start first); whether it took all of it. One
+        that fails keeps its outbox for the next try (the next save, or the close)."""
+        self._calling = sink.name
+        called = False  # a tracker that had nothing to take has not shown that it answers again
+        try:
+            if outbox.start is not None:
+                called = True
+                sink.start(outbox.start)
+                outbox.start = None
+            if outbox.calls:
+                called = True
+                calls = outbox.calls
+                sink.send([call for call in calls if call.values])
+                outbox.calls = []
+                if sink.durable_on_send:
+                    mark_sent(self._sent_file(sink), calls)
+                else:
+                    outbox.unconfirmed.extend(calls)
+            if outbox.tags:
+                called = True
+                sink.note(outbox.tags)
+                outbox.tags = {}
+        except Exception as error:
+            self._warn(
+                sink.name,
+                f"sending to {sink.name} failed ({one_line(error)}); training goes on, the values are kept and "
+                "sent again at the next checkpoint.",
+            )
+            return False
+        finally:
+            self._calling = None
+        with self._warned_lock:
+            answered_again = called and sink.name in self._warned
+            if called:
+                self._warned.discard(sink.name)
+        if answered_again:
+            print(f"ddp-app: tracking: {sink.name} answers again; it has been sent what it missed.", file=sys.stderr)
+        return True
+
+    def _close_sink(self, sink: Any, status: str, tags: dict[str, str]) -> None:
+        outbox = self._outboxes[sink.name]
+        outbox.tags.update(tags)
+        if not self._flush(sink, outbox):
+            return  # warned; the next attempt sends the rest and sets the run's status
+        self._calling = sink.name
+        try:
+            sink.close(status)
+        except Exception as error:  # the run's outcome stands; the tracker is told later or never
+            self._warn(sink.name, f"{sink.name} could not be closed ({one_line(error)})")
+        else:
+            mark_sent(self._sent_file(sink), outbox.unconfirmed)
+            outbox.unconfirmed = []
+        finally:
+            self._calling = None
+
+    # ----- telling the user, once per outage -----
+
+    def _warn(self, name: str, message: str) -> None:
+        with self._warned_lock:
+            if name in self._warned:
+                return
+            self._warned.add(name)
+        print(f"ddp-app: tracking: {message}", file=sys.stderr, flush=True)
+
+    def _warn_if_stalled(self) -> None:
+        """A tracker call that has not returned for STALL_WARNING_S (MLflow retrying a server that
+        went away) is said once, while training goes on."""
+        waited, name = self.worker.busy_for(), self._calling
+        if name is not None and waited >= STALL_WARNING_S:
+            self._warn(
+                name,
+                f"{name} has not answered for {waited:.0f} s (is the server up?); training goes on, the values "
+                "are kept and sent when it answers.",
+            )
 
 
 class RunLogger(CSVLogger):
@@ -365,6 +521,7 @@ class Tracking(L.Callback):
         self.wandb = wandb
         self.tensorboard = tensorboard
         self.run: TrackedRun | None = None
+        self._viewing: list[str] = []
         self._save_in_flight: tuple[int, int] | None = None
         self._status = "failed"
         # samples/s per epoch, on every rank of a fit that logs: this attempt's share of the epoch
@@ -387,7 +544,12 @@ class Tracking(L.Callback):
         config_yaml: str,
         resumed_from: str | None,
     ) -> RunLogger:
-        """The logger for this attempt; on rank 0 also the run: a new one, or the one it continues."""
+        """The logger for this attempt; on rank 0 also the run: a new one, or the one it continues.
+
+        The tracker that can fail to open (MLflow: a wrong URI, a server that is down) is reached
+        first, within seconds, before anything is written: a launch it stops leaves no log version.
+        On rank 0 it prints one line per tracker: the run and how to see it (`viewing_lines`).
+        """
         root = Path(trainer.default_root_dir)
         logs = root / LOGS_NAME
         self._measuring = True
@@ -395,28 +557,35 @@ class Tracking(L.Callback):
             return RunLogger(str(root), resume_state.get("log_version") if resume_state else None, None)
         identity, seq, step = self._identity(logs, resume_state, continue_latest)
         log_dir = logs / identity["log_version"]
+        run_name = f"{root.name}/{identity['log_version']}"
+        worker = TrackerThread()
+        mlflow_sink = self._open_mlflow(root, log_dir, identity, run_name, worker) if self.mlflow is not None else None
         log_dir.mkdir(parents=True, exist_ok=True)
         attempts = identity.setdefault("attempts", [])
         facts = attempt_facts(trainer, len(attempts) + 1, resumed_from, step)
         attempts.append(facts)
-        sinks = self._sinks(root, log_dir, identity)
+        sinks = self._sinks(log_dir, identity, run_name, mlflow_sink)
         params = run_params(config_yaml)
         tags = {**versions(), **git_state(Path.cwd()), "ddp_app.run_id": identity["run_id"]}
         tags[f"attempt.{facts['attempt']}"] = json.dumps(facts)
-        self.run = TrackedRun(log_dir, identity, sinks)
+        self.run = TrackedRun(log_dir, identity, sinks, worker)
         self._write_identity(log_dir, identity)
         self.run.begin(seq, step, facts, RunFacts(facts["attempt"], max(step, 0), params, tags, config_yaml))
+        self._viewing = [sink.viewing_line() for sink in sinks]
         if facts["attempt"] > 1:
-            print(
-                f"ddp-app: tracking: attempt {facts['attempt']} of run {identity['run_id']} "
-                f"(logs: {log_dir}{self._tracker_names()})",
-                flush=True,
-            )
+            names = f"; {', '.join(sink.name for sink in sinks)}" if sinks else ""
+            print(f"ddp-app: tracking: attempt {facts['attempt']} of run {identity['run_id']} (logs: {log_dir}{names})")
+        for line in self._viewing:
+            print(f"ddp-app: tracking: {line}")
+        sys.stdout.flush()
         return RunLogger(str(root), identity["log_version"], self.run)
 
-    def _tracker_names(self) -> str:
-        names = [sink.name for sink in (self.run.sinks if self.run else [])]
-        return f"; {', '.join(names)}" if names else ""
+    def viewing_lines(self) -> list[str]:
+        """One line per tracker of this attempt: its run and how to see it (`mlflow: run <id>
+        (experiment <name>): <the server's page, or the mlflow ui command>`, `wandb: offline run <id>
+        in <folder>: wandb sync <folder>`, `tensorboard: tensorboard --logdir <dir>`), without a
+        prefix. Rank 0, from the open on, and still after the run closed; empty elsewhere."""
+        return list(self._viewing)
 
     @staticmethod
     def _identity(
@@ -434,9 +603,8 @@ class Tracking(L.Callback):
                 identity = json.loads(run_file.read_text())
                 if identity.get("run_id") == state.get("run_id"):
                     return identity, seq, step
-        logs.mkdir(parents=True, exist_ok=True)
         job_id = os.environ.get("SLURM_JOB_ID")
-        taken = {path.name for path in logs.iterdir()}
+        taken = {path.name for path in logs.iterdir()} if logs.is_dir() else set()
         version = f"slurm-{job_id}" if job_id and f"slurm-{job_id}" not in taken else None
         if version is None:
             numbers = [
@@ -457,40 +625,64 @@ class Tracking(L.Callback):
         text = json.dumps(identity, indent=1).encode()
         atomic_write(log_dir / RUN_FILE, lambda file: file.write(text))
 
-    def _sinks(self, root: Path, log_dir: Path, identity: dict[str, Any]) -> list[Any]:
+    def _open_mlflow(
+        self, root: Path, log_dir: Path, identity: dict[str, Any], run_name: str, worker: TrackerThread
+    ) -> MlflowSink:
+        """Create or resume the run's MLflow run, on the tracker thread, within
+        MLFLOW_OPEN_DEADLINE_S for a remote store; one line that names the URI if it cannot."""
+        assert self.mlflow is not None
+        uri = self.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        local = uri is None
+        uri = uri or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+        known = identity.get("mlflow") or {}
+        if known.get("tracking_uri") not in (None, uri):
+            raise UserFacingError(
+                f"tracking.mlflow.tracking_uri is {uri}, but this run's MLflow run {known.get('run_id')} is at "
+                f"{known['tracking_uri']} ({log_dir / RUN_FILE}). Fix: the first attempt's tracking_uri, or "
+                "start a new run (without --ckpt_path)."
+            )
+        import mlflow  # noqa: F401  here, not within the deadline: an import takes seconds on a busy machine
+
+        if local:
+            root.mkdir(parents=True, exist_ok=True)  # the default store's directory
+        experiment, artifacts = self.mlflow.experiment, (root / "mlartifacts").resolve().as_uri() if local else None
+
+        def open_run() -> MlflowSink:
+            sink = MlflowSink(uri, experiment, artifacts)
+            sink.open_run(known.get("run_id"), run_name)
+            return sink
+
+        deadline = None if urllib.parse.urlparse(uri).scheme in LOCAL_SCHEMES else MLFLOW_OPEN_DEADLINE_S
+        fix = "Fix: start the server, or correct tracking.mlflow.tracking_uri, or remove tracking.mlflow."
+        try:
+            with environment(MLFLOW_OPEN_ENV):
+                sink = worker.call(open_run, deadline)
+        except UserFacingError:
+            raise
+        except TimeoutError as error:
+            raise UserFacingError(
+                f"tracking.mlflow: the MLflow store at {uri} did not answer within {deadline:.0f} s. {fix}"
+            ) from error
+        except Exception as error:
+            raise UserFacingError(
+                f"tracking.mlflow: cannot open the MLflow run at {uri} ({one_line(error)}). {fix}"
+            ) from error
+        identity["mlflow"] = {"tracking_uri": uri, "experiment": experiment, "run_id": sink.run_id}
+        return sink
+
+    def _sinks(
+        self, log_dir: Path, identity: dict[str, Any], run_name: str, mlflow_sink: MlflowSink | None
+    ) -> list[Any]:
+        """The attempt's trackers: TensorBoard and W&B (files in the log directory, opened here) and
+        MLflow (already open)."""
         sinks: list[Any] = []
-        run_name = f"{root.name}/{identity['log_version']}"
         tensorboard = self.tensorboard
         if tensorboard is None:
             tensorboard = importlib.util.find_spec("tensorboard") is not None
         if tensorboard:
             sinks.append(TensorBoardSink(log_dir))
-        if self.mlflow is not None:
-            uri = self.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-            local = uri is None
-            uri = uri or f"sqlite:///{(root / 'mlflow.db').resolve()}"
-            known = identity.get("mlflow") or {}
-            if known.get("tracking_uri") not in (None, uri):
-                raise UserFacingError(
-                    f"tracking.mlflow.tracking_uri is {uri}, but this run's MLflow run {known.get('run_id')} is at "
-                    f"{known['tracking_uri']} ({log_dir / RUN_FILE}). Fix: the first attempt's tracking_uri, or "
-                    "start a new run (without --ckpt_path)."
-                )
-            try:
-                sink = MlflowSink(
-                    uri, self.mlflow.experiment, (root / "mlartifacts").resolve().as_uri() if local else None
-                )
-                run_id = sink.open_run(known.get("run_id"), run_name)
-            except UserFacingError:
-                raise
-            except Exception as error:
-                reason = str(error).splitlines()[0] if str(error) else repr(error)
-                raise UserFacingError(
-                    f"tracking.mlflow: cannot open the MLflow run at {uri}: {reason}. "
-                    "Fix: check tracking.mlflow.tracking_uri (is the server up?) or remove tracking.mlflow."
-                ) from error
-            identity["mlflow"] = {"tracking_uri": uri, "experiment": self.mlflow.experiment, "run_id": run_id}
-            sinks.append(sink)
+        if mlflow_sink is not None:
+            sinks.append(mlflow_sink)
         if self.wandb is not None:
             mode = self.wandb.mode or os.environ.get("WANDB_MODE") or "offline"
             if mode not in ("offline", "online"):

@@ -5,8 +5,9 @@ then redoes would stay beside the redone one (MLflow's history, TensorBoard's ev
 block it (W&B drops a step lower than its current one). They are therefore sent settled values only
 (app/tracking/history.py), each once: `sent-<tracker>.txt` in the log directory records what each
 has been sent, so an attempt that starts after a crash sends what the previous one settled but had
-not sent yet. A tracker that fails during training (a server restarting) warns once and is sent the
-backlog at the next save; training goes on.
+not sent yet. Every call of a tracker after its open runs on the run's tracker thread
+(app/tracking/worker.py), never on the training thread; one that fails during training (a server
+restarting) warns once and is sent the backlog at the next save; training goes on.
 
 The tracker libraries are imported only when configured (optional extras, see pyproject.toml).
 """
@@ -18,6 +19,7 @@ import csv
 import io
 import logging
 import os
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,6 +118,9 @@ class TensorBoardSink:
     def close(self, status: str) -> None:
         self.writer.close()
 
+    def viewing_line(self) -> str:
+        return f"tensorboard: tensorboard --logdir {Path(self.writer.log_dir).parent}"
+
 
 class MlflowSink:
     """One MLflow run per training run, resumed by id in every attempt."""
@@ -127,7 +132,7 @@ class MlflowSink:
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None) -> None:
         from mlflow import MlflowClient
 
-        self.tracking_uri = tracking_uri
+        self.tracking_uri, self.experiment = tracking_uri, experiment
         with quiet_loggers("mlflow", "alembic"):
             self.client = MlflowClient(tracking_uri=tracking_uri)
             found = self.client.get_experiment_by_name(experiment)
@@ -198,6 +203,17 @@ class MlflowSink:
                 self.run_id, status={"success": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED")
             )
 
+    def viewing_line(self) -> str:
+        """The run id and where to see it: the server's page of the run, or the command that serves
+        a local store."""
+        run = f"mlflow: run {self.run_id} (experiment {self.experiment})"
+        scheme = urllib.parse.urlparse(self.tracking_uri).scheme
+        if scheme in ("http", "https"):
+            return f"{run}: {self.tracking_uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        if scheme.startswith("databricks"):
+            return f"{run} in {self.tracking_uri}"
+        return f"{run}: mlflow ui --backend-store-uri {self.tracking_uri}"
+
 
 class WandbSink:
     """One W&B run per training run (its id is the run id), resumed in every attempt.
@@ -224,6 +240,7 @@ class WandbSink:
     def __init__(self, log_dir: Path, project: str, entity: str | None, mode: str) -> None:
         self.log_dir, self.project, self.entity, self.mode = log_dir, project, entity, mode
         self.run: Any = None
+        self.run_id = ""
 
     def open_run(self, run_id: str, run_name: str, config: dict[str, Any]) -> None:
         import wandb
@@ -248,6 +265,14 @@ class WandbSink:
             config=config,
             settings=settings,
         )
+        self.run_id = run_id
+
+    def viewing_line(self) -> str:
+        """Offline: the run's folder and the command that uploads it; online: the run's page."""
+        if self.mode == "offline":
+            folder = self.run.settings.sync_dir
+            return f"wandb: offline run {self.run_id} in {folder}: wandb sync {folder}"
+        return f"wandb: run {self.run_id}: {self.run.settings.run_url or self.project}"
 
     def start(self, run: RunFacts) -> None:
         self.run.config.update(run.params, allow_val_change=True)
