@@ -19,7 +19,7 @@ from typing import Any
 from jsonargparse import Namespace
 from lightning.pytorch.strategies import StrategyRegistry
 
-from app.checkpoints.io import refuse_url
+from app.checkpoints.io import not_a_checkpoint, refuse_url
 from app.cluster.preflight import devices_as_written_count, on_gpu, resolve_devices, resolve_strategy, visible_gpus
 from app.errors import UserFacingError
 from app.tracking.run import require_tracker
@@ -82,6 +82,27 @@ def check_paths_are_local(config: Any) -> None:
         dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
         refuse_url(dirpath or "", f"trainer.callbacks[{index}].init_args.dirpath")
     refuse_url(config.get("ckpt_path") or "", "ckpt_path", to_read=True)
+    check_ckpt_path_is_a_file(config.get("ckpt_path"))
+
+
+# The ckpt_path values Lightning resolves itself instead of reading a file of that name.
+NAMED_CHECKPOINTS = ("last", "best", "hpc", "registry")
+
+
+def check_ckpt_path_is_a_file(ckpt_path: str | None) -> None:
+    """A directory at --ckpt_path is refused here, naming the checkpoint inside it if there is one:
+    LightningCLI skips reading it, and every rank would fail on it later."""
+    if not ckpt_path or str(ckpt_path) in NAMED_CHECKPOINTS or not Path(ckpt_path).is_dir():
+        return
+    directory = Path(ckpt_path)
+    inside = (directory / "last.ckpt", directory / "checkpoints" / "last.ckpt")
+    found = next((candidate for candidate in inside if candidate.is_file()), None)
+    fix = (
+        f"--ckpt_path {found}, the last checkpoint in it."
+        if found
+        else "give the path of a .ckpt file, such as <trainer.default_root_dir>/checkpoints/last.ckpt."
+    )
+    raise not_a_checkpoint(f"--ckpt_path {ckpt_path}", "a directory", fix)
 
 
 def check_compression_fits(config: Any) -> None:

@@ -137,8 +137,15 @@ def refuse_url(path: Any, key: str, to_read: bool = False) -> None:
     )
 
 
-def safe_load(path: str | Path, map_location: Any = "cpu") -> Any:
-    """`torch.load` with `weights_only=True` for files and http(s) URLs, and one-line errors."""
+def safe_load(path: str | Path, map_location: Any = "cpu", name: str | None = None) -> Any:
+    """`torch.load` with `weights_only=True` for files and http(s) URLs, and one-line errors.
+
+    A file that torch.save did not write (text, YAML, an empty file, a zip of something else) is
+    refused from its first bytes, before torch.load reads it: torch's unpickler would fail on it with
+    a KeyError or, worse, a warning advising weights_only=False. `name`: how the one line names a
+    checkpoint (`--ckpt_path x.ckpt`); without it, the file is named by its path, as one torch.save
+    wrote (a data set's tensor file, too).
+    """
     source: str | Path | io.BytesIO = path
     if str(path).startswith(("http://", "https://")):
         try:
@@ -146,12 +153,94 @@ def safe_load(path: str | Path, map_location: Any = "cpu") -> Any:
                 source = io.BytesIO(response.read())
         except OSError as error:
             raise CheckpointError(f"could not download checkpoint {path}: {_first_line(error)}") from error
+        refuse_other_formats(source, path, name)
+    elif Path(path).is_dir():
+        raise not_torch_save(path, name, "a directory")
     elif not Path(path).is_file():
         raise CheckpointError(f"checkpoint {path} does not exist. Fix: check the path (or use ckpt_path=last).")
+    else:
+        with open(path, "rb") as file:
+            refuse_other_formats(file, path, name)
     try:
         return torch.load(source, map_location=map_location, weights_only=True)
     except Exception as error:
         raise as_checkpoint_error(path, error) from error
+
+
+# torch.save writes a zip archive (since torch 1.6) or, with `_use_new_zipfile_serialization=False`, a
+# pickle stream that starts with this magic number (torch/serialization.py MAGIC_NUMBER, a LONG1 opcode).
+ZIP_MAGIC = b"PK\x03\x04"
+PICKLE_PROTOCOL_OPCODE = b"\x80"
+TORCH_LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+SNIFFED_BYTES = 4096
+
+
+def not_a_checkpoint(name: str, what: str, fix: str | None = None) -> CheckpointError:
+    """The one line for a file that is not a checkpoint at all; `what` says what it is instead."""
+    return CheckpointError(
+        f"{name} is not a checkpoint ({what}; a checkpoint is a file written by torch.save, like "
+        "runs/digits/checkpoints/last.ckpt). Fix: "
+        + (fix or "give the path of a .ckpt file, such as <trainer.default_root_dir>/checkpoints/last.ckpt.")
+    )
+
+
+def describe_other_format(file: BinaryIO, suffix: str = "") -> str | None:
+    """What a file is when torch.save did not write it ("a text file", ...), from its first bytes;
+    None when it has torch.save's format (a truncated or corrupt one is torch.load's to report)."""
+    start = file.read(SNIFFED_BYTES)
+    if not start:
+        return "an empty file"
+    if start.startswith(ZIP_MAGIC):
+        names = _zip_names(file, start)
+        if not names or any(name.endswith("/data.pkl") for name in names):
+            if any("/code/" in name or name.endswith("/constants.pkl") for name in names):
+                return "a TorchScript model written by torch.jit.save, which torch.jit.load reads"
+            return None
+        return f"a zip archive of other files: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+    if start.startswith(PICKLE_PROTOCOL_OPCODE):
+        if TORCH_LEGACY_MAGIC in start[:32]:
+            return None
+        return "a Python pickle written by pickle.dump, not by torch.save"
+    if start.startswith(b"\x1f\x8b"):
+        return "a gzip-compressed file"
+    if start[4:8] == b"\0\0\0\0" and start[8:10] == b'{"':  # a little-endian header length, then JSON
+        return "a safetensors file"
+    if b"\0" not in start:
+        try:
+            start.decode("utf-8")
+        except UnicodeDecodeError as error:
+            if error.start < len(start) - 3:  # not just a character cut by the read
+                return "a binary file in another format"
+        kind = {".yaml": "a YAML file", ".yml": "a YAML file", ".json": "a JSON file"}.get(suffix.lower())
+        return kind or "a text file"
+    return "a binary file in another format"
+
+
+def _zip_names(file: BinaryIO, start: bytes) -> list[str]:
+    """The names in a zip archive; for one whose end is cut off (a truncated save), its first name,
+    from the first local file header (its name length at offset 26, the name at 30)."""
+    try:
+        file.seek(0)
+        return zipfile.ZipFile(file).namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        if len(start) < 30:
+            return []
+        length = int.from_bytes(start[26:28], "little")
+        return [start[30 : 30 + length].decode("utf-8", "replace")]
+
+
+def refuse_other_formats(file: BinaryIO, path: str | Path, name: str | None) -> None:
+    """Raise the one-line CheckpointError for a file that torch.save did not write; rewinds `file`."""
+    what = describe_other_format(file, Path(str(path)).suffix)
+    file.seek(0)
+    if what is not None:
+        raise not_torch_save(path, name, what)
+
+
+def not_torch_save(path: str | Path, name: str | None, what: str) -> CheckpointError:
+    if name is not None:
+        return not_a_checkpoint(name, what)
+    return CheckpointError(f"{path} is not a file written by torch.save ({what}). Fix: check the path.")
 
 
 def as_checkpoint_error(path: str | Path, error: BaseException) -> BaseException:
@@ -160,7 +249,8 @@ def as_checkpoint_error(path: str | Path, error: BaseException) -> BaseException
     if "Weights only load failed" in message or "Unsupported global" in message:
         return CheckpointError(
             f"refused to load {path}: it holds objects other than tensors and plain data, and unpickling "
-            "it could run code. Only a file you trust may be loaded with torch.load(weights_only=False)."
+            "it could run code. Fix: give a checkpoint written by ddp-app fit, or save this one again holding "
+            "only tensors and plain data."
         )
     if isinstance(error, (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, pickle.UnpicklingError)):
         return CheckpointError(
@@ -222,13 +312,15 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     A file that is not a Lightning checkpoint is refused here: Lightning itself fails on it deep
     inside every rank (`KeyError: 'pytorch-lightning_version'`).
     """
-    checkpoint = safe_load(path)
-    if not isinstance(checkpoint, dict) or not {"state_dict", "pytorch-lightning_version"} <= checkpoint.keys():
-        if (
-            isinstance(checkpoint, dict)
-            and checkpoint
-            and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
-        ):
+    checkpoint = safe_load(path, name=f"--ckpt_path {path}")
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(
+            f"--ckpt_path {path} is not a checkpoint: torch.save wrote {_described(checkpoint)} there, where a "
+            "Lightning checkpoint is a dict (state_dict, pytorch-lightning_version, ...). Fix: give --ckpt_path a "
+            ".ckpt written by ddp-app fit, such as <trainer.default_root_dir>/checkpoints/last.ckpt."
+        )
+    if not {"state_dict", "pytorch-lightning_version"} <= checkpoint.keys():
+        if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
             raise CheckpointError(
                 f"{path} is an exported weights file (a bare state_dict, as `python -m app.export` "
                 "writes), not a Lightning checkpoint: load it into the network with "
@@ -250,6 +342,15 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
         shapes(checkpoint["state_dict"]),
         run if isinstance(run, dict) else None,
     )
+
+
+def _described(saved: object) -> str:
+    """What torch.save saved, for a user: "a tensor of shape (3,)", "a list of 2 items"."""
+    if isinstance(saved, torch.Tensor):
+        return f"a tensor of shape {tuple(saved.shape)}"
+    if isinstance(saved, (list, tuple)):
+        return f"a {type(saved).__name__} of {len(saved)} items"
+    return f"a {type(saved).__name__}"
 
 
 def _resolve_class(class_path: str) -> object:

@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -93,6 +94,34 @@ def malicious_checkpoint(scratch: Path) -> list[str]:
     return ["--ckpt_path", str(scratch / "evil.ckpt")]
 
 
+def yaml_at_ckpt_path(scratch: Path) -> list[str]:
+    return ["--ckpt_path", str(write(scratch / "config.yaml", "trainer:\n  max_epochs: 3\n"))]
+
+
+def zip_of_text_at_ckpt_path(scratch: Path) -> list[str]:
+    with zipfile.ZipFile(scratch / "notes.zip", "w") as archive:
+        archive.writestr("notes.txt", "not a checkpoint")
+    return ["--ckpt_path", str(scratch / "notes.zip")]
+
+
+def empty_file_at_ckpt_path(scratch: Path) -> list[str]:
+    return ["--ckpt_path", str(write(scratch / "empty.ckpt", ""))]
+
+
+def directory_at_ckpt_path(scratch: Path) -> list[str]:
+    return ["--ckpt_path", str(scratch)]
+
+
+def tensor_at_ckpt_path(scratch: Path) -> list[str]:
+    torch.save(torch.zeros(3), scratch / "tensor.ckpt")
+    return ["--ckpt_path", str(scratch / "tensor.ckpt")]
+
+
+def list_at_ckpt_path(scratch: Path) -> list[str]:
+    torch.save([1, 2], scratch / "list.ckpt")
+    return ["--ckpt_path", str(scratch / "list.ckpt")]
+
+
 def nan_data(scratch: Path) -> list[str]:
     inputs = torch.randn(64, 64)
     inputs[17, 3] = float("nan")
@@ -137,6 +166,16 @@ CASES: dict[str, Case] = {
     "truncated_ckpt": Case([], "truncated or corrupt", prepare=truncated_checkpoint),
     "checkpoint_of_another_model": Case([], "net.", prepare=other_model_checkpoint),
     "malicious_ckpt": Case([], "refused to load", prepare=malicious_checkpoint),
+    # Files torch.save did not write, told apart by their first bytes before torch.load reads them.
+    "text_file_at_ckpt_path": Case(["--ckpt_path=README.md"], "--ckpt_path README.md is not a checkpoint (a text file"),
+    "yaml_file_at_ckpt_path": Case([], "is not a checkpoint (a YAML file", prepare=yaml_at_ckpt_path),
+    "zip_of_text_at_ckpt_path": Case(
+        [], "is not a checkpoint (a zip archive of other files: notes.txt", prepare=zip_of_text_at_ckpt_path
+    ),
+    "empty_file_at_ckpt_path": Case([], "is not a checkpoint (an empty file", prepare=empty_file_at_ckpt_path),
+    "directory_at_ckpt_path": Case([], "is not a checkpoint (a directory", prepare=directory_at_ckpt_path),
+    "tensor_at_ckpt_path": Case([], "torch.save wrote a tensor of shape (3,) there", prepare=tensor_at_ckpt_path),
+    "list_at_ckpt_path": Case([], "torch.save wrote a list of 2 items there", prepare=list_at_ckpt_path),
     "nan_in_input_data": Case([], "NaN", prepare=nan_data),
     "nan_loss": Case(["--optimizer=torch.optim.SGD", "--optimizer.init_args.lr=1e30"], "diverged"),
     "torchrun_world_size_mismatch": Case(
@@ -245,6 +284,8 @@ LAUNCHER_CASES = [
     "unknown_key_cli", "unknown_key_yaml", "wrong_type", "malformed_yaml", "missing_config", "unknown_model_class",
     "negative_lr", "max_epochs_zero", "max_epochs_negative", "devices_zero", "more_cpu_devices_than_cores",
     "num_nodes_without_other_nodes", "unwritable_root_dir", "truncated_ckpt", "malicious_ckpt",
+    "text_file_at_ckpt_path", "yaml_file_at_ckpt_path", "zip_of_text_at_ckpt_path", "empty_file_at_ckpt_path",
+    "directory_at_ckpt_path", "tensor_at_ckpt_path", "list_at_ckpt_path",
     "unknown_accelerator", "devices_not_a_number", "devices_a_fraction", "unknown_strategy", "unknown_precision",
     "num_nodes_zero", "limit_train_batches_negative", "accumulate_grad_batches_zero", "gradient_clip_val_negative",
     "val_check_interval_zero", "log_every_n_steps_negative", "gpu_on_a_machine_without_one",
@@ -307,6 +348,45 @@ def test_refused_before_any_rank(
     assert_one_clear_line(subprocess.CompletedProcess(args, 2, captured.out, captured.err), case.expect)
     assert unchanged(before, digest(previous_run)), "an existing checkpoint or log was changed"
     assert not (tmp_path / "PWNED").exists(), "unpickling the checkpoint ran code"
+
+
+def test_a_lightning_checkpoint_still_loads(
+    previous_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The format check lets a real checkpoint through, in either of torch.save's formats."""
+    monkeypatch.chdir(REPO)
+    last = previous_run / "checkpoints" / "last.ckpt"
+    args = ["fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    assert check_before_launch([*args, f"--ckpt_path={last}"]).config["ckpt_path"] == str(last)
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save(torch.load(last, weights_only=True), legacy, _use_new_zipfile_serialization=False)
+    assert check_before_launch([*args, f"--ckpt_path={legacy}"]).config["ckpt_path"] == str(legacy)
+
+
+def test_files_torch_save_did_not_write_are_told_apart(tmp_path: Path) -> None:
+    """What `describe_other_format` says, from the first bytes, of files a user might pass by mistake."""
+    import pickle
+
+    from app.checkpoints.io import describe_other_format
+
+    def described(name: str, content: bytes) -> str | None:
+        (tmp_path / name).write_bytes(content)
+        with open(tmp_path / name, "rb") as file:
+            return describe_other_format(file, Path(name).suffix)
+
+    assert (
+        described("a.pkl", pickle.dumps({"a": 1}, protocol=4))
+        == "a Python pickle written by pickle.dump, not by torch.save"
+    )
+    assert described("a.gz", b"\x1f\x8b\x08\x00") == "a gzip-compressed file"
+    assert described("a.json", b'{"a": 1}') == "a JSON file"
+    assert described("a.bin", bytes(range(256))) == "a binary file in another format"
+    truncated = (REPO / "README.md").read_bytes()[:0]
+    assert described("b.ckpt", truncated) == "an empty file"
+    script = torch.jit.script(torch.nn.Linear(2, 2))
+    torch.jit.save(script, tmp_path / "model.pt")
+    with open(tmp_path / "model.pt", "rb") as file:
+        assert "TorchScript" in (describe_other_format(file) or "")
 
 
 def test_master_port_in_use(previous_run: Path, tmp_path: Path) -> None:
