@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -76,6 +77,8 @@ from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
 from app.private_apis import require
 from app.resume import ExactResume
+from app.run_dir import RunLock, acquire, refuse_if_busy, refuse_overwrite
+from app.summary import STARTED_VARIABLE, EvaluationThroughput, evaluation_summary, fit_summary
 from app.tracking.run import Tracking
 from app.trainer_check import LEFT_OUT, check_trainer_arguments
 from app.user_code import add_user_code_directories
@@ -178,6 +181,11 @@ class DDPAppCLI(LightningCLI):
         require(LightningCLI, "_parse_ckpt_path", "lightning", "the one-line error for an unreadable ckpt_path")
         self.parse_only = parse_only
         self.check_machine = check_machine
+        # The wall time the end-of-run summary reports: from the launcher's start (app/entry.py), so it
+        # includes the imports, the forks and every restart.
+        self.started = float(os.environ.get(STARTED_VARIABLE) or time.time())
+        self.run_lock: RunLock | None = None  # this fit's hold on its directory (app/run_dir.py)
+        self.evaluation_throughput: EvaluationThroughput | None = None
         self.command_line: list[str] = []
         self.checkpoint: CheckpointSummary | None = None  # the --ckpt_path file, when it is one
         self.resume_checkpoint: CheckpointSummary | None = None  # that, or the one `--ckpt_path last` finds
@@ -196,13 +204,17 @@ class DDPAppCLI(LightningCLI):
                 "plugins": [{"class_path": "app.cli.SafeCheckpointIO"}],
             },
         )
-        super().__init__(
-            L.LightningModule,
-            L.LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            **kwargs,
-        )
+        try:
+            super().__init__(
+                L.LightningModule,
+                L.LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                **kwargs,
+            )
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -290,7 +302,15 @@ class DDPAppCLI(LightningCLI):
         if self.parse_only:  # the plan follows the config as written (before the changes below)
             plan = self._rank_plan(config["trainer"])
             self._check_trainer_arguments(config["trainer"], plan)
-            raise ConfigParsed(config, plan, self.launch.num_nodes if self.launch else 1)
+            if self.subcommand == "fit":  # last: a typo in the command is named before the directory's state
+                self._claim_run_directory(config)
+            raise ConfigParsed(
+                config,
+                plan,
+                self.launch.num_nodes if self.launch else 1,
+                self.subcommand,
+                is_global_rank_zero(self.launch, os.environ),
+            )
         if self.launch is not None and self.launch.launcher == "torchrun":
             fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
         self._follow_the_launchers_nodes(config["trainer"])
@@ -300,6 +320,21 @@ class DDPAppCLI(LightningCLI):
         # Every rank parses the config and makes the same change; one line in the log is enough.
         if notice and is_global_rank_zero(self.launch, os.environ):
             print(notice, flush=True)
+        if self.subcommand == "fit":
+            self._claim_run_directory(config)
+
+    def _claim_run_directory(self, config: Any) -> None:
+        """One run per directory (app/run_dir.py): a fit that another one is training into, or that
+        would write over another run's checkpoints, stops here in one line, before anything is
+        written; global rank 0 of a rank launched by torchrun or srun (or an in-process fit) then
+        holds the directory's lock. The launcher takes it for the ranks it forks (app/entry.py)."""
+        root = Path(config["trainer"]["default_root_dir"] or os.getcwd())
+        rank_zero = is_global_rank_zero(self.launch, os.environ)
+        if rank_zero:
+            refuse_if_busy(root, os.environ)
+        refuse_overwrite(root, configured_checkpoint_dirs(root, config["trainer"]), config.get("ckpt_path"))
+        if rank_zero and not self.parse_only:
+            self.run_lock = acquire(root, os.environ)
 
     def _follow_the_launchers_nodes(self, trainer_config: Any) -> None:
         """A torchrun round (--nnodes=MIN:MAX) or a requeued Slurm job may run on another number of
@@ -408,6 +443,9 @@ class DDPAppCLI(LightningCLI):
             # Only here: Lightning calls every hook of every callback at every step, so a callback
             # that does nothing during fit still costs time per step.
             trainer.callbacks.append(PredictionWriter())
+        if self.subcommand in ("validate", "test", "predict"):
+            self.evaluation_throughput = EvaluationThroughput()
+            trainer.callbacks.append(self.evaluation_throughput)
         bar = trainer.progress_bar_callback
         if bar is not None and not any(isinstance(callback, ProgressBar) for callback in user_callbacks):
             # The Trainer's default (TQDMProgressBar, or RichProgressBar where `rich` is installed) redraws
@@ -464,6 +502,22 @@ class DDPAppCLI(LightningCLI):
 
     before_fit = before_validate = before_test = before_predict = _before_run
 
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            tracking: Tracking = self.config_init[self.subcommand]["tracking"]
+            lines = fit_summary(self.trainer, time.time() - self.started, getattr(tracking, "viewing_lines", list)())
+            print("\n".join(lines), flush=True)
+
+    def _after_evaluation(self) -> None:
+        if self.trainer.is_global_zero:
+            ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+            lines = evaluation_summary(
+                self.subcommand, self.trainer, time.time() - self.started, ckpt_path, self.evaluation_throughput
+            )
+            print("\n".join(lines), flush=True)
+
+    after_validate = after_test = after_predict = _after_evaluation
+
     def _open_tracked_run(self, config: Any, asked_for_last: bool) -> None:
         """fit logs through the run's identity (app/tracking/run.py): a resume continues the run of
         its checkpoint, `--ckpt_path last` with no checkpoint yet the directory's latest run."""
@@ -488,11 +542,28 @@ class DDPAppCLI(LightningCLI):
 class ConfigParsed(Exception):  # noqa: N818 (control flow, not an error)
     """Raised by a parse-only DDPAppCLI once the whole config is parsed (and checked): what to launch."""
 
-    def __init__(self, config: Any, plan: RankPlan, num_nodes: int) -> None:
+    def __init__(
+        self, config: Any, plan: RankPlan, num_nodes: int, subcommand: str | None = None, rank_zero: bool = True
+    ) -> None:
         super().__init__("config parsed")
         self.config = config
         self.plan = plan
         self.num_nodes = num_nodes
+        self.subcommand = subcommand
+        self.rank_zero = rank_zero  # this launcher starts global rank 0 (node 0 of a multi-node launch)
+
+
+def configured_checkpoint_dirs(root: Path, trainer_config: Any) -> list[Path]:
+    """Where a fit with this trainer config writes checkpoints: `<root>/checkpoints` (ddp-app's last.ckpt
+    and every ModelCheckpoint without a dirpath) and the dirpath of any configured callback that has one."""
+    dirs = [root / "checkpoints"]
+    callbacks = trainer_config.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        init_args = getattr(callback, "init_args", None) if not isinstance(callback, ModelCheckpoint) else None
+        dirpath = callback.dirpath if isinstance(callback, ModelCheckpoint) else (init_args or {}).get("dirpath")
+        if dirpath:
+            dirs.append(Path(dirpath))
+    return dirs
 
 
 def parse_config(args: list[str]) -> Any:

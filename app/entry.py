@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 import warnings
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import NoReturn
 
 from app.cli import ConfigParsed, DDPAppCLI
@@ -37,6 +39,8 @@ from app.cluster.requeue import forbid_requeue
 from app.cluster.threads import configure_cpu_threads
 from app.console import quiet_console
 from app.errors import UserFacingError, failed_because_a_peer_died, user_message
+from app.run_dir import LOCK_VARIABLE, acquire
+from app.summary import STARTED_VARIABLE
 
 
 def run(args: list[str]) -> int:
@@ -135,6 +139,7 @@ def check_before_launch(args: list[str]) -> ConfigParsed:
 
 def launch_and_run(args: list[str] | None) -> NoReturn:
     """Run this rank (torchrun, srun), or parse and check the config, fork the ranks and supervise them."""
+    os.environ.setdefault(STARTED_VARIABLE, str(time.time()))  # the run's wall time (app/summary.py)
     configure_cpu_threads()
     quiet_console(os.environ)  # the forked ranks inherit it; torchrun's and srun's pass here too
     args = list(sys.argv[1:] if args is None else args)
@@ -147,6 +152,25 @@ def launch_and_run(args: list[str] | None) -> NoReturn:
     if already_launched(os.environ):  # torchrun, srun or a launcher started this rank
         raise SystemExit(run(args))
     checked = check_before_launch(args)
+    lock = None
+    # One run per directory (app/run_dir.py): the launcher holds the lock for every round below.
+    if checked.subcommand == "fit" and checked.rank_zero:
+        root = Path(checked.config["trainer"]["default_root_dir"] or os.getcwd())
+        try:
+            lock = acquire(root, os.environ)
+        except UserFacingError as error:
+            raise SystemExit(report_user_error(error)) from None
+        if lock is not None:
+            os.environ[LOCK_VARIABLE] = str(lock.path)
+    try:
+        launch_checked(args, checked)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def launch_checked(args: list[str], checked: ConfigParsed) -> NoReturn:
+    """Run the checked config in this process, or fork its ranks and supervise them, restarts included."""
     plan, num_nodes, restarts = checked.plan, checked.num_nodes, checked.config["restarts"]
     if not plan.processes:
         raise SystemExit(run(args))

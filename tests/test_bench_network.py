@@ -21,7 +21,7 @@ from app.bench import netns
 from app.bench.netns import INTERFACES, LOCK_FILE, NAMESPACES, Link, parse_link, tx_bytes
 from app.bench.network import build_schedule, main
 from app.bench.network_report import build_report, setting_key
-from tests.helpers.run import REPO, clean_env, run
+from tests.helpers.run import REPO, clean_env, run, start
 
 CONFIG = "configs/bench_cnn.yaml"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
@@ -224,15 +224,9 @@ def test_a_stopped_bench_or_a_dead_rank_ends_every_rank_and_removes_the_namespac
     stop: str, exit_code: int, message: str, tmp_path: Path
 ) -> None:
     """SIGTERM to the bench (CI's cancel), or a rank killed, while a long bench runs at 100 Mbit/s."""
-    process = subprocess.Popen(
+    process = start(
         [sys.executable, "-m", "app.bench.network", "--config", CONFIG, "--links", "100mbit", "--methods", "none"]
-        + ["--repeats", "5", "--out", str(tmp_path / "out")],
-        cwd=REPO,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        + ["--repeats", "5", "--out", str(tmp_path / "out")]
     )
     try:
         assert process.stdout is not None

@@ -32,6 +32,19 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start a command in the background in its own session (its output piped); stop it with `kill_job`."""
+    return subprocess.Popen(
+        args,
+        cwd=REPO,
+        env=env or clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def run(
     args: list[str], timeout: float = 300, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
