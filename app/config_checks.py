@@ -29,12 +29,7 @@ def check_config(config: Any) -> None:
     """Refuse values that Lightning or PyTorch would accept silently or reject deep inside a rank."""
     check_paths_are_local(config)
     trainer = config["trainer"]
-    max_epochs = trainer.get("max_epochs")
-    if max_epochs is not None and max_epochs < 1:
-        raise UserFacingError(
-            f"trainer.max_epochs must be >= 1, got {max_epochs}. Fix: a positive number of epochs "
-            "(for a run bounded by steps or time, set trainer.max_steps or trainer.max_time instead)."
-        )
+    check_training_length(trainer)
     optimizer = config.get("optimizer")
     lr = (optimizer or {}).get("init_args", {}).get("lr") if optimizer else None
     if isinstance(lr, (int, float)) and lr <= 0:
@@ -70,6 +65,33 @@ def check_config(config: Any) -> None:
         )
     if os.environ.get("LOCAL_RANK", "0") == "0":
         check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
+
+
+def check_training_length(trainer: Any) -> None:
+    """How long fit trains, as Lightning defines it: max_epochs -1 lifts the epoch limit, max_steps -1
+    (the default) the step limit. Refused: a length that trains nothing (0), a value below -1, and
+    neither limit nor max_time (a run that never ends)."""
+    max_epochs, max_steps, max_time = trainer.get("max_epochs"), trainer.get("max_steps"), trainer.get("max_time")
+    if max_steps is not None and (max_steps == 0 or max_steps < -1):
+        raise UserFacingError(
+            f"trainer.max_steps must be >= 1, or -1 for no step limit, got {max_steps}"
+            + (" (0 steps would train nothing)" if max_steps == 0 else "")
+            + ". Fix: a positive number of optimizer steps, or leave trainer.max_steps out (-1) to train by epochs."
+        )
+    if max_epochs == -1:
+        if (max_steps is None or max_steps == -1) and not max_time:
+            raise UserFacingError(
+                "trainer.max_epochs=-1 (no epoch limit) with trainer.max_steps=-1 (no step limit) would train "
+                "forever. Fix: set one of them, e.g. --trainer.max_steps 1000 or --trainer.max_epochs 10 "
+                "(or set trainer.max_time)."
+            )
+        return
+    if max_epochs is not None and max_epochs < 1:
+        raise UserFacingError(
+            f"trainer.max_epochs must be >= 1, or -1 for no epoch limit, got {max_epochs}. Fix: a positive "
+            "number of epochs, or -1 with trainer.max_steps or trainer.max_time set to bound the run by steps "
+            "or time."
+        )
 
 
 def check_paths_are_local(config: Any) -> None:

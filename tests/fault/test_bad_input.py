@@ -149,6 +149,9 @@ CASES: dict[str, Case] = {
     "batch_size_zero": Case(["--data.init_args.batch_size=0"], "batch_size"),
     "max_epochs_zero": Case(["--trainer.max_epochs=0"], "trainer.max_epochs"),
     "max_epochs_negative": Case(["--trainer.max_epochs=-3"], "trainer.max_epochs"),
+    # -1 is Lightning's "no epoch limit": with no step limit either (max_steps' default), a run without end.
+    "no_epoch_limit_and_no_step_limit": Case(["--trainer.max_epochs=-1"], "Fix: set one of them"),
+    "max_steps_zero": Case(["--trainer.max_steps=0"], "trainer.max_steps must be >= 1, or -1 for no step limit, got 0"),
     "devices_zero": Case(["--trainer.devices=0"], "trainer.devices"),
     "more_cpu_devices_than_cores": Case([f"--trainer.devices={(os.cpu_count() or 1) + 1}"], "oversubscribe"),
     "num_nodes_without_other_nodes": Case(["--trainer.num_nodes=2"], "num_nodes"),
@@ -282,7 +285,8 @@ def assert_one_clear_line(result: subprocess.CompletedProcess[str], expect: str)
 # Refused by the launcher's parse-only pass: tested in this process (`test_refused_before_any_rank`).
 LAUNCHER_CASES = [
     "unknown_key_cli", "unknown_key_yaml", "wrong_type", "malformed_yaml", "missing_config", "unknown_model_class",
-    "negative_lr", "max_epochs_zero", "max_epochs_negative", "devices_zero", "more_cpu_devices_than_cores",
+    "negative_lr", "max_epochs_zero", "max_epochs_negative", "no_epoch_limit_and_no_step_limit", "max_steps_zero",
+    "devices_zero", "more_cpu_devices_than_cores",
     "num_nodes_without_other_nodes", "unwritable_root_dir", "truncated_ckpt", "malicious_ckpt",
     "text_file_at_ckpt_path", "yaml_file_at_ckpt_path", "zip_of_text_at_ckpt_path", "empty_file_at_ckpt_path",
     "directory_at_ckpt_path", "tensor_at_ckpt_path", "list_at_ckpt_path",
@@ -361,6 +365,22 @@ def test_a_lightning_checkpoint_still_loads(
     legacy = tmp_path / "legacy.ckpt"
     torch.save(torch.load(last, weights_only=True), legacy, _use_new_zipfile_serialization=False)
     assert check_before_launch([*args, f"--ckpt_path={legacy}"]).config["ckpt_path"] == str(legacy)
+
+
+@pytest.mark.parametrize(
+    "length",
+    [
+        ["--trainer.max_epochs=-1", "--trainer.max_steps=20"],
+        ["--trainer.max_epochs=-1", "--trainer.max_time=00:00:01:00"],
+    ],
+)
+def test_no_epoch_limit_is_taken_with_a_step_or_time_limit(
+    length: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_epochs -1 is Lightning's "no epoch limit", legal when max_steps or max_time ends the run."""
+    monkeypatch.chdir(REPO)
+    args = ["fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={tmp_path}", *length]
+    assert check_before_launch(args).config["trainer"]["max_epochs"] == -1
 
 
 def test_files_torch_save_did_not_write_are_told_apart(tmp_path: Path) -> None:
