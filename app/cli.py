@@ -505,7 +505,7 @@ class DDPAppCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
             tracking: Tracking = self.config_init[self.subcommand]["tracking"]
-            lines = fit_summary(self.trainer, time.time() - self.started, getattr(tracking, "viewing_lines", list)())
+            lines = fit_summary(self.trainer, time.time() - self.started, tracking.viewing_lines())
             print("\n".join(lines), flush=True)
 
     def _after_evaluation(self) -> None:
