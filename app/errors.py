@@ -70,10 +70,7 @@ def summarize_parser_error(message: str) -> str:
     if "unrecognized arguments" in message:
         return f"{message.strip()}: no such key. Fix: check its spelling and nesting (init_args)."
     if "Problems parsing config" in message or "while parsing" in message or "while scanning" in message:
-        detail = (
-            " ".join(message.split()).replace('in "<unicode string>", ', "").replace("Problems parsing config: ", "")
-        )
-        return f"a config file is not valid YAML ({detail[:240]}). Fix: correct the YAML syntax there."
+        return _yaml_syntax_error(message, _config_file_being_read())
     reasons = [
         line.strip()[2:]
         for line in message.splitlines()
@@ -82,6 +79,35 @@ def summarize_parser_error(message: str) -> str:
     if reasons:
         return reasons[0] if not path or path in reasons[0] else f"{path}: {reasons[0]}"
     return " ".join(message.split())
+
+
+def _yaml_syntax_error(message: str, config_file: str | None) -> str:
+    """`configs/x.yaml is not valid YAML: line 2, column 15: while parsing a flow sequence; ...`."""
+    parts, lines = [], []
+    for line in message.replace("Problems parsing config: ", "").splitlines():
+        mark = re.match(r'\s*in "[^"]*", line (\d+), column (\d+)', line)
+        if mark:
+            lines.append(mark.group(1))
+            parts[-1:] = [f"line {mark.group(1)}, column {mark.group(2)}: {parts[-1]}" if parts else ""]
+        elif line.strip():
+            parts.append(line.strip())
+    detail = "; ".join(part for part in parts if part)[:240]
+    where = config_file or "a config file"
+    at = f" at line {lines[-1]}" if lines else ""
+    fix_in = f" of {config_file}" if config_file and at else (f" in {config_file}" if config_file else " there")
+    return f"{where} is not valid YAML: {detail}. Fix: correct the YAML syntax{at}{fix_in}."
+
+
+def _config_file_being_read() -> str | None:
+    """The config file jsonargparse was reading when it reported a YAML error (the error names only
+    "<unicode string>"): the innermost file of jsonargparse's stack of config files being loaded,
+    still set while its parser reports the error. `jsonargparse._util.config_load_stack` is private
+    (docs/private_apis.md); if a release drops it, the line names no file and
+    tests/test_errors.py fails."""
+    util = sys.modules.get("jsonargparse._util")
+    stack_variable = getattr(util, "config_load_stack", None)
+    stack = stack_variable.get() if stack_variable is not None else ()
+    return stack[-1][1] if stack else None
 
 
 def _class_path_error(path: str | None, message: str) -> str | None:

@@ -65,3 +65,22 @@ def test_every_checkpoint_path_key_refuses_an_object_store_url(override: str, na
     with pytest.raises(UserFacingError) as refused:
         DDPAppCLI(args=[*args, *override.split()], parse_only=True)
     assert str(refused.value).startswith(named) and "Fix:" in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_yaml_syntax_error_names_the_file_and_the_line(
+    nested: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """YAML's own error names "<unicode string>": the line names the config file instead (through
+    jsonargparse's private `config_load_stack`, app/errors.py `_config_file_being_read`), also when
+    the broken file is the second of two --config files."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.yaml").write_text("trainer:\n  max_epochs: 3\n  devices: [2\n  logger: false\n")
+    configs = ["--config", str(REPO / "configs" / "digits.yaml")] if nested else []
+    with pytest.raises(SystemExit) as refused:
+        DDPAppCLI(args=["fit", *configs, "--config", "broken.yaml", f"--trainer.default_root_dir={tmp_path}"])
+    assert refused.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1, errors
+    assert "broken.yaml is not valid YAML: line 3, column 12: while parsing a flow sequence" in errors[0], errors[0]
+    assert "Fix: correct the YAML syntax at line 4 of broken.yaml" in errors[0], errors[0]
