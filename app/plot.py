@@ -1,6 +1,17 @@
 """`python -m app.plot RUN_DIR [--out curves.png] [--source csv|mlflow]`: a run's learning curves, one PNG.
 
-Plots the losses and the other metrics against the step, with the epochs marked on the top axis.
+Plots every logged metric against the step, the epochs named on the top axis as the console names
+them (the logged `epoch`, from 0, each label centred over the steps of its epoch). One panel per kind
+of quantity, in this order: losses (a name containing "loss"), metrics in [0, 1] (every value in
+[0, 1]: accuracies, F1, AUROC...; one logged as a percentage is "other"), throughput (a name ending
+in `per_s`, `per_sec`, `per_second` or `/s`), the learning rate (`lr`, `lr-<optimizer>`,
+`learning_rate`), then anything else. Within a kind, a series joins the first panel on which it and
+the series already there stay readable (app/plotting.py `readable`: each spans at least a tenth of
+the y axis, or is flat in fact at a level the axis shows), else it gets a panel of its own: no axis
+holds series whose scales differ by more than about 10x. Losses and learning rates that are all
+positive and span a factor of 10 or more have a log y axis; every other panel is linear. The PNG
+records its panels and series as text metadata (app/plotting.py).
+
 RUN_DIR is a run's `trainer.default_root_dir`. ddp-app logs each training run, with all its
 restarts, into one version directory (`lightning_logs/version_N`, under Slurm `slurm-<jobid>`;
 app/tracking/run.py); the run started last is plotted, or `--version`.
@@ -19,11 +30,15 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from app.errors import UserFacingError
+from app.plotting import fits_one_axis, save
 from app.tracking.layout import latest_run
 
 METRICS_FILE = "metrics.csv"
@@ -98,23 +113,97 @@ def join_versions(versions: list[Series], resumed: list[bool] | None = None) -> 
     return dict(sorted(joined.items()))
 
 
-def epoch_starts(series: Series) -> dict[int, int]:
-    """{epoch: the step at which it starts}: one past the last step logged in the previous epoch."""
+def epoch_spans(series: Series) -> dict[int, tuple[int, int]]:
+    """{epoch: (its first step, one past its last)}: an epoch starts one past the last step logged in
+    the previous one (the first at step 0) and ends one past its own last logged step."""
     last_step: dict[int, int] = {}
     for step, values in series.items():
         if "epoch" in values:
             last_step[int(values["epoch"])] = step
-    starts: dict[int, int] = {}
+    spans: dict[int, tuple[int, int]] = {}
     previous_end = -1
     for epoch in sorted(last_step):
-        starts[epoch] = previous_end + 1
+        spans[epoch] = (previous_end + 1, last_step[epoch] + 1)
         previous_end = last_step[epoch]
-    return starts
+    return spans
 
 
 def curve(series: Series, name: str) -> tuple[list[int], list[float]]:
-    steps = [step for step, values in series.items() if name in values]
+    steps = [step for step, values in series.items() if name in values and math.isfinite(values[name])]
     return steps, [series[step][name] for step in steps]
+
+
+KIND_TITLES = {
+    "loss": "losses",
+    "bounded": "metrics in [0, 1]",
+    "throughput": "throughput (per second)",
+    "lr": "learning rate",
+    "other": "other metrics",
+}
+THROUGHPUT = re.compile(r"(per_?s|per_?sec|per_?second|/s)(_step|_epoch)?$")
+LEARNING_RATE = re.compile(r"(^|/)(lr|learning_rate)($|[-_/])")
+LOG_RATIO = 10.0  # values spanning this factor or more are drawn on a log axis
+
+
+def kind_of(name: str, values: list[float]) -> str:
+    """Which panel kind a series goes on (the module's docstring lists the kinds)."""
+    lowered = name.lower()
+    if "loss" in lowered:
+        return "loss"
+    if THROUGHPUT.search(lowered):
+        return "throughput"
+    if LEARNING_RATE.search(lowered):
+        return "lr"
+    return "bounded" if all(0.0 <= value <= 1.0 for value in values) else "other"
+
+
+@dataclass
+class Panel:
+    kind: str
+    names: list[str]
+    log: bool = False
+
+
+def log_axis(kind: str, values: list[float]) -> bool:
+    """Losses and learning rates fall by orders of magnitude: a log axis keeps the late epochs readable.
+    Other kinds stay linear, so that series of different scales are split, not stacked by decade."""
+    return kind in ("loss", "lr") and min(values) > 0 and max(values) / min(values) >= LOG_RATIO
+
+
+def panels_of(curves: dict[str, list[float]]) -> list[Panel]:
+    """The panels, in kind order: each series on the first panel of its kind that stays readable
+    with it (`fits_one_axis`), else on a new one."""
+    kinds = {name: kind_of(name, values) for name, values in curves.items()}
+    panels: list[Panel] = []
+    for name in sorted(curves, key=lambda name: (list(KIND_TITLES).index(kinds[name]), name)):
+        for panel in (panel for panel in panels if panel.kind == kinds[name]):
+            names = [*panel.names, name]
+            log = log_axis(panel.kind, [value for member in names for value in curves[member]])
+            if fits_one_axis([(min(curves[member]), max(curves[member])) for member in names], log):
+                panel.names, panel.log = names, log
+                break
+        else:
+            panels.append(Panel(kinds[name], [name], log_axis(kinds[name], curves[name])))
+    return panels
+
+
+def mark_epochs(axes: list[Any], spans: dict[int, tuple[int, int]], logged_steps: list[int]) -> None:
+    """Epoch boundaries as faint vertical lines on every panel; the top panel names each epoch, as
+    the console does, over the middle of its steps (at most about 15 names). The x range holds every
+    epoch from its first step (epoch 0 from step 0, before the first logged value) and every step."""
+    first = min(min(start for start, _ in spans.values()), *logged_steps)
+    last = max(max(end for _, end in spans.values()), *logged_steps)
+    boundaries = sorted({start for start, _ in spans.values()} | {last})
+    for axis in axes:
+        axis.set_xlim(first - 0.02 * (last - first), last + 0.02 * (last - first))
+        axis.set_xticks(boundaries, minor=True)
+        axis.grid(which="minor", axis="x", alpha=0.15)
+    named = sorted(spans)[:: max(1, math.ceil(len(spans) / 15))]
+    top = axes[0].secondary_xaxis("top")
+    top.set_xticks([(spans[epoch][0] + spans[epoch][1] - 1) / 2 for epoch in named], labels=[str(e) for e in named])
+    top.tick_params(axis="x", length=0)
+    top.set_xticks(boundaries, minor=True)
+    top.set_xlabel("epoch (as the console numbers it)")
 
 
 def plot(series: Series, out: Path, title: str, version_starts: list[int]) -> None:
@@ -125,34 +214,31 @@ def plot(series: Series, out: Path, title: str, version_starts: list[int]) -> No
     matplotlib.use("Agg")  # files only: no display needed, also on a cluster node
     import matplotlib.pyplot as plt
 
-    columns = sorted({name for values in series.values() for name in values} - {"epoch"})
-    losses = [name for name in columns if "loss" in name]
-    others = [name for name in columns if "loss" not in name]
-    panels = [names for names in (losses, others) if names]
-    figure, axes = plt.subplots(len(panels), 1, sharex=True, figsize=(8, 3.2 * len(panels)), squeeze=False)
-    for axis, names in zip(axes[:, 0], panels, strict=True):
-        for name in names:
+    names = sorted({name for values in series.values() for name in values} - {"epoch"})
+    curves = {name: values for name in names if (values := curve(series, name)[1])}
+    if not curves:
+        raise PlotError(f"{title} has logged steps but no finite values. Fix: plot after a logged metric.")
+    panels = panels_of(curves)
+    figure, axes = plt.subplots(
+        len(panels), 1, sharex=True, figsize=(8, 1.2 + 2.6 * len(panels)), squeeze=False, layout="constrained"
+    )
+    for axis, panel in zip(axes[:, 0], panels, strict=True):
+        for name in panel.names:
             steps, values = curve(series, name)
             axis.plot(steps, values, marker="." if len(steps) < 60 else None, label=name)
         for start in version_starts:  # where a resumed version took over
             axis.axvline(start, color="grey", linestyle=":", linewidth=1)
-        if names is losses and all(value > 0 for name in names for value in curve(series, name)[1]):
-            axis.set_yscale("log")  # losses fall by orders of magnitude; the late epochs stay readable
+        if panel.log:
+            axis.set_yscale("log")
+        axis.set_ylabel(KIND_TITLES[panel.kind])
         axis.grid(alpha=0.3)
         axis.legend(loc="best", fontsize="small")
     resumed = "; dotted: a resumed version starts" if version_starts else ""
     axes[-1, 0].set_xlabel(f"step (optimizer steps{resumed})")
-    starts = epoch_starts(series)
-    if starts:
-        shown = sorted(starts)[:: max(1, len(starts) // 12)]  # at most about a dozen epoch ticks
-        top = axes[0, 0].secondary_xaxis("top")
-        top.set_xticks([starts[epoch] for epoch in shown], labels=[str(epoch) for epoch in shown])
-        top.set_xlabel("epoch (ticks at its first step)")
+    if spans := epoch_spans(series):
+        mark_epochs(list(axes[:, 0]), spans, list(series))
     figure.suptitle(title)
-    figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=100)
-    plt.close(figure)
+    save(figure, out, dpi=100)
 
 
 def run_version(run_dir: Path, version: str | None) -> Path | None:

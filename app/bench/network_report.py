@@ -9,6 +9,7 @@ from typing import Any
 
 from app.bench.netns import Link
 from app.bench.report import spread
+from app.plotting import save
 
 # The targets for PowerSGD against no hook on the CNN at 100 Mbit/s, and for auto at every link.
 POWERSGD_SPEEDUP_TARGET = 4.0
@@ -223,9 +224,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         right.legend(fontsize="small")
     figure.suptitle(f"{report['config']}: DDP over a rate-limited link, 2 ranks, gloo")
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path, dpi=110)
 
 
 def markdown_tables(report: dict[str, Any]) -> str:

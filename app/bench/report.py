@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from app.bench.runs import BARE, RunResult
+from app.plotting import save
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -251,6 +252,4 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.legend()
     figure.suptitle(f"{report['config']} on {report['accelerator']}: reference DDP vs Lightning DDP")
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path, dpi=110)

@@ -16,6 +16,7 @@ from typing import Any
 
 from app.checkpoints.io import atomic_write
 from app.plot import METRICS_FILE, read_metrics, run_version
+from app.plotting import save
 from app.sweep.spec import SweepSpec
 from app.sweep.store import Point, SweepStore, shown_state
 from app.tracking.layout import SAMPLES_PER_S
@@ -102,7 +103,7 @@ def plot_results(path: Path, spec: SweepSpec, points: list[Point], rows: list[di
         pairs = [(x, y) for x, y in pairs if y is not None]
         numeric = all(_as_number(x) is not None for x, _ in pairs)
         xs = [_as_number(x) if numeric else x for x, _ in pairs]
-        axis.scatter(xs, [y for _, y in pairs])
+        axis.scatter(xs, [y for _, y in pairs], label=f"best {spec.metric}")
         if numeric and xs and min(xs) > 0 and max(xs) / min(xs) >= 10:
             axis.set_xscale("log")
         axis.set_xlabel(key.split(".")[-1] if len(key) > 30 else key)
@@ -124,5 +125,4 @@ def plot_results(path: Path, spec: SweepSpec, points: list[Point], rows: list[di
         axis.grid(alpha=0.3)
     figure.suptitle(f"{spec.metric} ({spec.direction}), {len(rows)} points")
     figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    save(figure, path, dpi=90)
