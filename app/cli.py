@@ -453,10 +453,12 @@ class DDPAppCLI(LightningCLI):
             replacement = ThrottledProgressBar() if sys.stdout.isatty() else LogLineProgressBar()
             trainer.callbacks[trainer.callbacks.index(bar)] = replacement
         for index, callback in enumerate(trainer.callbacks):
-            if type(callback) is RichModelSummary and callback not in user_callbacks:
-                # Lightning's default where `rich` is installed: the plain table a log reads the same
-                # whatever the environment has installed.
-                trainer.callbacks[index] = ModelSummary()  # both default to max_depth=1
+            if type(callback) in (ModelSummary, RichModelSummary) and callback not in user_callbacks:
+                # Lightning's default (RichModelSummary where `rich` is installed): the plain table a log
+                # reads the same whatever the environment has installed, without a column of zero FLOPs.
+                from app.console import model_summary
+
+                trainer.callbacks[index] = model_summary()  # max_depth=1, as Lightning's
         for callback in trainer.checkpoint_callbacks:
             # A fixed directory (not inside the versioned log dir) lets `--ckpt_path last` find the
             # previous run's last.ckpt after a crash or a requeue.

@@ -5,12 +5,20 @@ user's own code and config, and errors (tests/test_console.py pins the shapes). 
 PyTorch print more, some of it once per rank. Each item is turned off at its source with a public
 switch scoped to it, so that anything new still shows:
 
-- Lightning's product tip ("Tip: ... litlogger") and "TPU available": a filter on the logger that
-  also says "`Trainer.fit` stopped", which stays;
+- Lightning's product tip ("Tip: ... litlogger"), "GPU available: ..., used: ..." and "TPU
+  available" (the launch line says where the ranks run), and the 100-dash rules and
+  "distributed_backend=gloo" of the banner said when the ranks meet: a filter on Lightning's
+  rank-zero logger, which also says "`Trainer.fit` stopped", which stays. Of the banner, its one
+  line "All distributed processes registered. Starting with N processes" stays: ddp-app's launch
+  line ("world size N = nodes x processes") comes before the rendezvous, and this line is the sign
+  that every node joined it (docs/slurm.md);
 - "Seed set to 42" and "Initializing distributed: GLOBAL_RANK: r, MEMBER: r+1/N" from every rank
-  (and "LOCAL_RANK: r - CUDA_VISIBLE_DEVICES" on GPUs): those loggers at WARNING. The seed is in the
-  config.yaml saved beside the logs; rank 0's "All distributed processes registered. Starting with
-  N processes" says the second once;
+  (and "LOCAL_RANK: r - CUDA_VISIBLE_DEVICES" on GPUs), and from every parse of the config
+  (`python -m app.sweep` parses it once per swept value): those loggers at WARNING. The seed is in
+  the config.yaml saved beside the logs;
+- the model summary's FLOPs column and "Total Flops" line when every count is 0, as they are for a
+  module without `example_input_array` (Lightning 2.6 counts FLOPs on that input only):
+  `PlainModelSummary`, the ModelSummary callback `app.cli` gives every run;
 - Lightning's hint that `srun` exists but was not used: app/cluster/preflight.py decides the launch
   and refuses, in one line, a Slurm job started without srun;
 - the deprecation warning Lightning's own `_pytree.py` triggers in PyTorch, once per rank;
@@ -19,19 +27,29 @@ switch scoped to it, so that anything new still shows:
   when it loads, so `app.__main__` sets it for the `ddp-app` process (and the ranks it forks)
   before anything imports torch. A TORCH_CPP_LOG_LEVEL the user set wins.
 
-This module imports neither torch nor Lightning: `quiet_native_logs` runs before they load.
+This module imports neither torch nor Lightning: `quiet_native_logs` runs before they load
+(`model_summary` imports Lightning when it is called).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import warnings
 from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 VERBOSE_VARIABLE = "DDP_APP_VERBOSE"
 
 # Lightning's rank-zero logger says these and the lines that matter ("`Trainer.fit` stopped: ...").
-LIGHTNING_NOTICES = ("💡 Tip:", "TPU available:")
+LIGHTNING_NOTICES = ("💡 Tip:", "GPU available:", "TPU available:")
+# The banner is one message: a rule of 100 dashes, "distributed_backend=...", this line, a rule.
+RENDEZVOUS_BANNER = "-" * 100 + "\ndistributed_backend="
+RENDEZVOUS_LINE = "All distributed processes registered."
+# Lightning's rank-zero logger: lightning_utilities' one `rank_zero_info`, whose logger is the rank_zero
+# module imported last (Lightning's, after Fabric's); both get the filter.
+RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 # Loggers whose INFO lines every rank repeats.
 PER_RANK_LOGGERS = (
     "lightning.fabric.utilities.seed",
@@ -52,7 +70,12 @@ def quiet_native_logs(env: MutableMapping[str, str]) -> None:
 
 class _DropNotices(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(LIGHTNING_NOTICES)
+        message = record.getMessage()
+        if message.startswith(RENDEZVOUS_BANNER):  # a filter may rewrite the record it passes
+            record.msg = next((line for line in message.splitlines() if line.startswith(RENDEZVOUS_LINE)), "")
+            record.args = ()
+            return bool(record.msg)
+        return not message.startswith(LIGHTNING_NOTICES)
 
 
 _DROP_NOTICES = _DropNotices()
@@ -62,7 +85,8 @@ def quiet_console(env: Mapping[str, str]) -> None:
     """Turn off, in this process and the ranks it forks, what the module docstring lists (unless verbose)."""
     if is_verbose(env):
         return
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DROP_NOTICES)  # once: same object
+    for name in RANK_ZERO_LOGGERS:
+        logging.getLogger(name).addFilter(_DROP_NOTICES)  # once: same object
     for name in PER_RANK_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings(
@@ -72,3 +96,61 @@ def quiet_console(env: Mapping[str, str]) -> None:
     )
     for category in (DeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=category, module=r"lightning\.pytorch\.utilities\._pytree")
+
+
+# The summary table's column and line of FLOPs counts (Lightning 2.6 `ModelSummary`).
+FLOPS_COLUMN = "FLOPs"
+TOTAL_FLOPS_LINE = "Total Flops"
+
+
+def model_summary() -> Any:
+    """The ModelSummary callback of every run (max_depth=1, as Lightning's): `PlainModelSummary`."""
+    return _plain_model_summary_class()()
+
+
+@functools.cache
+def _plain_model_summary_class() -> type:
+    # Defined on first use: Lightning must not load with this module (see the module docstring).
+    from lightning.pytorch.callbacks import ModelSummary
+
+    class PlainModelSummary(ModelSummary):
+        """Lightning's plain summary table, without the FLOPs column and "Total Flops" line when every
+        count is 0 (unless verbose). `summarize` is the callback's hook for how the table is shown
+        (RichModelSummary overrides it too)."""
+
+        @staticmethod
+        def summarize(
+            summary_data: list[tuple[str, list[str]]],
+            total_parameters: int,
+            trainable_parameters: int,
+            model_size: float,
+            total_training_modes: dict[str, int],
+            total_flops: int,
+            **summarize_kwargs: Any,
+        ) -> None:
+            if total_flops or is_verbose(os.environ):
+                ModelSummary.summarize(
+                    summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                    total_flops, **summarize_kwargs,
+                )  # fmt: skip
+                return
+            columns = [column for column in summary_data if column[0] != FLOPS_COLUMN]
+            table_logger = logging.getLogger(ModelSummary.__module__)
+            table_logger.addFilter(_drop_total_flops_line)
+            try:
+                ModelSummary.summarize(
+                    columns, total_parameters, trainable_parameters, model_size, total_training_modes,
+                    total_flops, **summarize_kwargs,
+                )  # fmt: skip
+            finally:
+                table_logger.removeFilter(_drop_total_flops_line)
+
+    return PlainModelSummary
+
+
+def _drop_total_flops_line(record: logging.LogRecord) -> bool:
+    """Lightning's table ends with the total FLOPs line; a filter may rewrite the record it passes."""
+    lines = record.getMessage().splitlines()
+    if lines and lines[-1].split() == ["0", *TOTAL_FLOPS_LINE.split()]:
+        record.msg, record.args = "\n".join(lines[:-1]), ()
+    return True

@@ -15,10 +15,12 @@ guarantee of one (exact resume, one tracker run). Results: DIR/results.csv, resu
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+from app.console import quiet_console
 from app.errors import UserFacingError
 from app.sweep.results import markdown_table, write_results
 from app.sweep.spec import SweepError, SweepSpec, build_spec, check_keys
@@ -151,6 +153,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    quiet_console(os.environ)  # `check_keys` parses the config once per swept value: no "Seed set to 42" each time
     args, rest = parser().parse_known_args(argv)
     try:
         if args.command != "run" and rest:

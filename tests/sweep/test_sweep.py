@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,30 @@ def test_a_trial_below_the_median_is_pruned_at_an_epoch_end_by_every_rank(tmp_pa
     assert study.trials[2].state == optuna.trial.TrialState.PRUNED
     assert sorted(study.trials[2].intermediate_values) == [0, 1]
     assert write_results(store, spec)[0]["state"] == "pruned"
+
+
+@pytest.fixture
+def logging_as_it_was() -> Iterator[None]:
+    """`main` quiets this process's loggers (app.console.quiet_console); put them back afterwards."""
+    from app.console import PER_RANK_LOGGERS, RANK_ZERO_LOGGERS
+
+    loggers = [logging.getLogger(name) for name in (*PER_RANK_LOGGERS, *RANK_ZERO_LOGGERS)]
+    saved = [(logger, logger.level, list(logger.filters)) for logger in loggers]
+    try:
+        yield
+    finally:
+        for logger, level, filters in saved:
+            logger.setLevel(level)
+            logger.filters[:] = filters
+
+
+def test_checking_the_swept_values_says_no_seed_per_value(
+    logging_as_it_was: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`run` parses the config once per swept value (the first two parse; the third is refused):
+    Lightning's "Seed set to 42" is not said for each (DDP_APP_VERBOSE=1 brings it back)."""
+    monkeypatch.delenv("DDP_APP_VERBOSE", raising=False)
+    with pytest.raises(SystemExit):
+        main(["run", "--config", CONFIG, "--out", str(tmp_path / "s"), "--grid", "trainer.max_epochs=1,2,x"])
+    output = capfd.readouterr()
+    assert "Seed set" not in output.out + output.err, output.err
