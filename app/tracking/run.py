@@ -548,7 +548,8 @@ class Tracking(L.Callback):
 
         The tracker that can fail to open (MLflow: a wrong URI, a server that is down) is reached
         first, within seconds, before anything is written: a launch it stops leaves no log version.
-        On rank 0 it prints one line per tracker: the run and how to see it (`viewing_lines`).
+        On rank 0 a run with a `tracking:` section prints one line per tracker: the run and how to
+        see it (`viewing_lines`).
         """
         root = Path(trainer.default_root_dir)
         logs = root / LOGS_NAME
@@ -575,8 +576,11 @@ class Tracking(L.Callback):
         if facts["attempt"] > 1:
             names = f"; {', '.join(sink.name for sink in sinks)}" if sinks else ""
             print(f"ddp-app: tracking: attempt {facts['attempt']} of run {identity['run_id']} (logs: {log_dir}{names})")
-        for line in self._viewing:
-            print(f"ddp-app: tracking: {line}")
+        if self.mlflow is not None or self.wandb is not None or self.tensorboard:
+            # A run that asked for trackers; TensorBoard's files alone (on by default) are not worth
+            # a line at every start (the end of the run says where they are).
+            for line in self._viewing:
+                print(f"ddp-app: tracking: {line}")
         sys.stdout.flush()
         return RunLogger(str(root), identity["log_version"], self.run)
 

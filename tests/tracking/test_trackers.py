@@ -5,15 +5,11 @@ from the last attempt), and params equal to its config."""
 
 from __future__ import annotations
 
-import contextlib
-import csv
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +21,7 @@ from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.cluster.launch import free_port
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job
 from tests.helpers.wandb_files import wandb_history
+from tests.tracking.mlflow_helpers import csv_values, histories, only_run, start_mlflow_server, stop_mlflow_server
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 mlflow = pytest.importorskip("mlflow")
@@ -41,45 +38,12 @@ TIMING = {"samples_per_s"}  # measured, not computed: differs between any two ru
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`mlflow server` with a SQLite backend on 127.0.0.1 and a free port, as a team would run one."""
-    directory = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    command = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}",
-               "--artifacts-destination", str(directory / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-               "--workers", "1"]  # fmt: skip
-    with open(directory / "server.log", "w") as log:
-        server = subprocess.Popen(command, cwd=directory, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(tmp_path_factory.mktemp("mlflow-server"), port)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, (directory / "server.log").read_text()[-3000:]
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
-                    break
-            assert time.monotonic() < deadline, "mlflow server did not start in 120 s"
-            time.sleep(0.5)
-        yield uri
+        yield f"http://127.0.0.1:{port}"
     finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-
-
-def only_run(uri: str, experiment: str):
-    client = mlflow.MlflowClient(uri)
-    found = client.get_experiment_by_name(experiment)
-    assert found is not None, f"no MLflow experiment {experiment}"
-    runs = client.search_runs([found.experiment_id])
-    assert len(runs) == 1, f"{len(runs)} MLflow runs for one training run"
-    return client, runs[0]
-
-
-def histories(client, run) -> dict[str, list[tuple[int, float]]]:
-    """{metric: [(step, value), ...]} as MLflow's client returns them, in step order."""
-    return {
-        name: sorted((metric.step, metric.value) for metric in client.get_metric_history(run.info.run_id, name))
-        for name in run.data.metrics
-    }
+        stop_mlflow_server(server)
 
 
 def flat_config(path: Path) -> dict[str, str]:
@@ -95,19 +59,6 @@ def flat_config(path: Path) -> dict[str, str]:
     return {
         key: value for key, value in walk(yaml.safe_load(path.read_text()), "") if key not in ("ckpt_path", "config")
     }
-
-
-def csv_values(log_dir: Path) -> dict[tuple[str, int], float]:
-    """metrics.csv as {(name, step): value}; fails on a name logged twice at one step."""
-    seen: dict[tuple[str, int], float] = {}
-    with (log_dir / "metrics.csv").open() as file:
-        for row in csv.DictReader(file):
-            for name, value in row.items():
-                if name != "step" and value and name != "epoch":
-                    key = (name, int(row["step"]))
-                    assert key not in seen, f"metrics.csv holds {key} twice"
-                    seen[key] = float(value)
-    return seen
 
 
 @pytest.fixture(scope="module")
