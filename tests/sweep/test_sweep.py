@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from app.checkpoints.io import safe_load
-from app.sweep.__main__ import main
+from app.sweep.__main__ import default_directory, main, parse
+from app.sweep.spec import SweepError, build_spec
 from tests.helpers.run import REPO, clean_env, ddp_app, kill_job
 
 CONFIG = str(REPO / "configs" / "digits.yaml")
@@ -207,3 +208,42 @@ def test_checking_the_swept_values_says_no_seed_per_value(
         main(["run", "--config", CONFIG, "--out", str(tmp_path / "s"), "--grid", "trainer.max_epochs=1,2,x"])
     output = capfd.readouterr()
     assert "Seed set" not in output.out + output.err, output.err
+
+
+@pytest.mark.parametrize("command", ["run", "status", "resume", "worker"])
+def test_every_subcommand_takes_the_directory_as_its_first_argument_or_with_out(command: str) -> None:
+    spec = ["--config", CONFIG, "--grid", "optimizer.init_args.lr=0.1,1"] if command == "run" else []
+    for given in (
+        ["runs/sweeps/lr", *spec],
+        [*spec, "--out", "runs/sweeps/lr"],
+        ["runs/sweeps/lr", "--out", "runs/sweeps/lr", *spec],
+    ):
+        args, rest = parse([command, *given])
+        assert args.out == Path("runs/sweeps/lr") and rest == spec[:2], given  # --config goes to ddp-app fit
+
+
+@pytest.mark.parametrize("command", ["run", "status", "resume", "worker"])
+def test_two_different_directories_are_one_line(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main([command, "runs/sweeps/a", "--out", "runs/sweeps/b"])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert (
+        error.count("\n") == 1
+        and "two sweep directories: runs/sweeps/a (first argument) and --out runs/sweeps/b" in error
+    )
+
+
+def test_a_sweep_without_a_directory_goes_under_runs(tmp_path: Path) -> None:
+    """`run` without DIR: runs/sweeps/<config>-<swept keys>, a new one beside an earlier sweep of that name;
+    the other subcommands need to be told which sweep."""
+    spec = build_spec(["--config", CONFIG], ["optimizer.init_args.lr=0.1,1", "trainer.max_epochs=1,2"], [], None,
+                      None, None, "median", 0)  # fmt: skip
+    assert parse(["run", "--config", CONFIG])[0].out is None
+    assert default_directory(spec) == Path("runs/sweeps/digits-lr-max_epochs")
+    first = default_directory(spec, tmp_path)
+    first.mkdir()
+    (first / "sweep.json").write_text("{}")
+    assert default_directory(spec, tmp_path) == tmp_path / "digits-lr-max_epochs-2"
+    with pytest.raises(SweepError, match=r"status: which sweep\? Fix: python -m app.sweep status DIR"):
+        parse(["status"])
