@@ -48,7 +48,6 @@ import torch
 import yaml
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
-from tqdm import tqdm
 
 from app.checkpoints.io import load_net_weights, net_state_dict, safe_load
 from app.cluster.launch import env_without_launcher
@@ -319,35 +318,77 @@ def variant_config(base: dict[str, Any], optimizer: str, epochs: int, world_size
     return config
 
 
+# What run_parity runs for each optimizer, in order (`step_seconds` in parity.json sums each over them).
+STEPS = [
+    "config",
+    "lightning fit",
+    "reference mp.spawn",
+    "P2 single process",
+    "P3 eval",
+    "P4 interop, export",
+    "P5 torchrun",
+    "P6 accumulation",
+    "P7 compression",
+]
+# Processes started per optimizer, each a launch of ddp-app or the reference (or app.export):
+# Lightning and reference (P1), two evaluations (P3), the export (P4), both under torchrun (P5) and
+# both accumulating (P6). For the interop optimizer also: P4's continuation and P8's elastic resume
+# and continuation (two each), and P7's Lightning and reference per compression method.
+LAUNCHES_PER_OPTIMIZER = 9
+# The measured figure (docs/parity.md): the command's 30 launches on configs/digits.yaml, 2 ranks,
+# 3 epochs, took 267 s on an idle 2-core VM, about 9 s each (mostly starting Python, torch and the
+# ranks); tests/parity/test_parity.py has seen up to 560 s on a busy one.
+SECONDS_PER_LAUNCH = 9
+
+
+def launches(optimizers: list[str]) -> int:
+    """How many processes (each 1 to world size + 1 ranks) run_parity launches for `optimizers`."""
+    return LAUNCHES_PER_OPTIMIZER * len(optimizers) + 6 + 2 * len(COMPRESSION_CHECKED)
+
+
+def start_line(config_path: Path, world_size: int, epochs: int, optimizers: list[str]) -> str:
+    """What `python -m app.parity` says before it starts: what it runs and roughly for how long."""
+    count = launches(optimizers)
+    minutes = count * SECONDS_PER_LAUNCH / 60
+    return (
+        f"app.parity: {config_path} with Lightning and with the reference, for {' and '.join(optimizers)}: "
+        f"{len(STEPS) * len(optimizers)} stages, {count} launches of {world_size}-{world_size + 1} ranks "
+        f"({epochs} epochs each); about {minutes:.1f} min ({SECONDS_PER_LAUNCH} s a launch on an idle 2-core "
+        "machine with configs/digits.yaml), up to twice that on a busy one or longer for a bigger config."
+    )
+
+
+class Progress:
+    """One line per stage as it starts, so a log shows where a run of several minutes is; and the
+    seconds per step (summed over the optimizers: where the time goes)."""
+
+    def __init__(self, optimizers: list[str]) -> None:
+        self.total = len(STEPS) * len(optimizers)
+        self.done = 0
+        self.seconds = dict.fromkeys(STEPS, 0.0)
+        self.started = self.clock = time.perf_counter()
+
+    def stage(self, what: str) -> None:
+        elapsed = time.perf_counter() - self.started
+        print(f"app.parity: [{self.done + 1}/{self.total}] {what} ({elapsed:.0f} s so far)", flush=True)
+
+    def step_done(self, step: str) -> None:
+        now = time.perf_counter()
+        self.seconds[step] += now - self.clock
+        self.clock = now
+        self.done += 1
+
+
 def run_parity(
     config_path: Path, world_size: int, epochs: int, out_dir: Path, optimizers: list[str]
 ) -> tuple[list[Check], dict[str, float]]:
     base = load_config(config_path)
     checks: list[Check] = []
-    steps = [
-        "config",
-        "lightning fit",
-        "reference mp.spawn",
-        "P2 single process",
-        "P3 eval",
-        "P4 interop, export",
-        "P5 torchrun",
-        "P6 accumulation",
-        "P7 compression",
-    ]
     # P4's continuation is two more launches (about 15 s here); it runs for one optimizer, Adam's:
     # the conversion moves every optimizer's state the same way, and Adam has the most of it.
     interop_optimizer = "adam" if "adam" in optimizers else optimizers[0]
-    progress = tqdm(total=len(steps) * len(optimizers), desc="parity", unit="step", file=sys.stderr)
-    seconds = dict.fromkeys(steps, 0.0)  # per step, summed over the optimizers: where the time goes
-    clock = time.perf_counter()
-
-    def step_done(step: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[step] += now - clock
-        clock = now
-        progress.update()
+    progress = Progress(optimizers)
+    step_done = progress.step_done
 
     for optimizer in optimizers:
         work = out_dir / optimizer
@@ -356,17 +397,17 @@ def run_parity(
         config = variant_config(base, optimizer, epochs, world_size, variant_path)
         step_done("config")
 
-        progress.set_postfix_str(f"{optimizer}: lightning fit")
+        progress.stage(f"{optimizer}: lightning fit")
         lightning = lightning_fit(variant_path, work / "lightning", "ddp-app", world_size)
         step_done("lightning fit")
-        progress.set_postfix_str(f"{optimizer}: reference")
+        progress.stage(f"{optimizer}: reference")
         reference = reference_fit(variant_path, work / "reference", "mp.spawn", world_size)
         checks.append(
             state_check("P1", optimizer, f"Lightning DDP vs reference DDP, {world_size} ranks", reference, lightning)
         )
         step_done("reference mp.spawn")
 
-        progress.set_postfix_str(f"{optimizer}: single process")
+        progress.stage(f"{optimizer}: single process")
         accumulated = single_process_fit(config, world_size, "accumulate")
         checks.append(
             state_check(
@@ -390,7 +431,7 @@ def run_parity(
         )
         step_done("P2 single process")
 
-        progress.set_postfix_str(f"{optimizer}: evaluation")
+        progress.stage(f"{optimizer}: evaluation")
         (last,) = (work / "lightning").rglob("last.ckpt")
         at_one = lightning_eval(variant_path, last, 1, work / "eval_1.json")
         at_n = lightning_eval(variant_path, last, world_size, work / f"eval_{world_size}.json")
@@ -419,18 +460,18 @@ def run_parity(
         step_done("P3 eval")
 
         if optimizer == interop_optimizer:
-            progress.set_postfix_str(f"{optimizer}: reference -> Lightning")
+            progress.stage(f"{optimizer}: reference -> Lightning")
             checks.append(
                 reference_continued_by_lightning(variant_path, work, optimizer, world_size, epochs, config, last)
             )
-            progress.set_postfix_str(f"{optimizer}: elastic resume")
+            progress.stage(f"{optimizer}: elastic resume")
             checks.append(elastic_check(variant_path, work, optimizer, world_size, job, reference))
             checks.append(
                 reference_continued_by_lightning(
                     variant_path, work, optimizer, world_size, epochs, config, last, on_ranks=world_size + 1
                 )
             )
-        progress.set_postfix_str(f"{optimizer}: export")
+        progress.stage(f"{optimizer}: export")
         exported = work / "model.pt"
         run_command(
             [sys.executable, "-m", "app.export", "--ckpt", str(last), "--out", str(exported)], work / "export.log"
@@ -450,7 +491,7 @@ def run_parity(
         )
         step_done("P4 interop, export")
 
-        progress.set_postfix_str(f"{optimizer}: torchrun")
+        progress.stage(f"{optimizer}: torchrun")
         lightning_torchrun = lightning_fit(variant_path, work / "lightning_torchrun", "torchrun", world_size)
         reference_torchrun = reference_fit(variant_path, work / "reference_torchrun", "torchrun", world_size)
         checks.append(
@@ -459,7 +500,7 @@ def run_parity(
         checks.append(state_check("P5", optimizer, "reference: mp.spawn vs torchrun", reference, reference_torchrun))
         step_done("P5 torchrun")
 
-        progress.set_postfix_str(f"{optimizer}: accumulation")
+        progress.stage(f"{optimizer}: accumulation")
         batches = batches_per_epoch(job, world_size)
         micro_batches = accumulation_with_tail(batches)
         accumulate_path = work / "config_accumulate.yaml"
@@ -483,11 +524,10 @@ def run_parity(
 
         if optimizer == interop_optimizer:
             for method in COMPRESSION_CHECKED:
-                progress.set_postfix_str(f"{optimizer}: compression {method}")
+                progress.stage(f"{optimizer}: compression {method}")
                 checks.append(compression_check(config, method, work, optimizer, world_size, lightning))
         step_done("P7 compression")
-    progress.close()
-    return checks, {step: round(value, 1) for step, value in seconds.items()}
+    return checks, {step: round(value, 1) for step, value in progress.seconds.items()}
 
 
 # P7's settings: PowerSGD compresses from step 5 on at rank 2 (digits' 256x64 and 10x256 matrices
@@ -624,6 +664,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown optimizer(s) {unknown}; choose from {sorted(OPTIMIZERS)}")
     if not args.config.is_file():
         parser.error(f"config {args.config} does not exist")
+    print(start_line(args.config, args.world_size, args.epochs, optimizers), flush=True)
     started = time.perf_counter()
     checks, step_seconds = run_parity(args.config, args.world_size, args.epochs, args.out, optimizers)
     print_table(checks)

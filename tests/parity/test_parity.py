@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import app.parity
 from app.parity import (
     accumulation_with_tail,
     compare_states,
@@ -72,6 +73,8 @@ def run_parity_command(tmp_path: Path, *options: str) -> dict:
     result = run(command, timeout=900)  # SGD + Adam: about 270 s in CI, up to 560 s on a busy 2-core VM
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "P1" in result.stdout and "PASS" in result.stdout
+    assert result.stdout.startswith("app.parity: configs/digits.yaml with Lightning and with the reference")
+    assert re.search(r"^app\.parity: \[\d+/\d+\] adam: torchrun \(\d+ s so far\)$", result.stdout, re.MULTILINE)
     report = json.loads(report_path.read_text())
     checks = report["checks"]
     assert report["passed"] and all(check["passed"] for check in checks)
@@ -110,6 +113,31 @@ def test_parity_command_passes_on_digits(tmp_path: Path) -> None:
     # docs/parity.md states how many checks the command makes on this config.
     stated = re.search(r"\((\d+) distinct checks", (REPO / "docs" / "parity.md").read_text())
     assert stated and int(stated.group(1)) == len(checks), (stated, len(checks))
+
+
+def test_the_command_says_what_it_runs_and_how_long_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its first line, before minutes of training: the stages, the launches, and a time derived from them."""
+    monkeypatch.setattr(app.parity, "run_parity", lambda *args: ([], {}))
+    with pytest.raises(SystemExit):
+        app.parity.main(["--config", "configs/digits.yaml", "--out", str(tmp_path)])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(
+        "app.parity: configs/digits.yaml with Lightning and with the reference, for sgd and adam: "
+        "18 stages, 30 launches of 2-3 ranks (3 epochs each); about 4.5 min (9 s a launch"
+    ), first
+    assert app.parity.launches(["sgd"]) == 21  # the interop optimizer's extra launches are counted once
+    # The figure per launch is docs/parity.md's measurement of these 30 launches: 267 s.
+    assert "267 s on a 2-core VM" in (REPO / "docs" / "parity.md").read_text()
+    assert round(267 / app.parity.launches(["sgd", "adam"])) == app.parity.SECONDS_PER_LAUNCH
+
+
+def test_a_stage_is_one_line_with_the_time_so_far(capsys: pytest.CaptureFixture[str]) -> None:
+    progress = app.parity.Progress(["sgd"])
+    progress.step_done("config")
+    progress.stage("sgd: lightning fit")
+    assert capsys.readouterr().out == "app.parity: [2/9] sgd: lightning fit (0 s so far)\n"
 
 
 def test_a_failing_check_names_the_first_differing_tensor(capsys: pytest.CaptureFixture[str]) -> None:
