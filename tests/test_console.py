@@ -33,6 +33,13 @@ ALLOWED = [
         # The epoch's line (app.callbacks.LogLineProgressBar) and the end.
         r"epoch=0 step=20 batch=20/20 samples/s=\d+ train_loss=[\d.]+ val_loss=[\d.]+ val_acc=[\d.]+",
         r"`Trainer\.fit` stopped: `max_epochs=1` reached\.",
+        # The fit's summary (app/summary.py).
+        r"ddp-app: fit done in [\d.]+ s: 1 epochs, 20 steps on 2 processes, [\d,]+ samples/s \(last epoch\)",
+        r"  last: (\w+=[\d.e+-]+ ?)+",
+        r"  best val_acc=[\d.]+ \(max\): \S+\.ckpt",
+        r"  last checkpoint: \S+/last\.ckpt \(continue: --ckpt_path last\)",
+        r"  logs: \S+ \(curves: python -m app\.plot \S+\)",
+        r"  tensorboard: tensorboard --logdir \S+",
     )
 ]
 
