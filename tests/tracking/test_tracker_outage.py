@@ -5,9 +5,11 @@ missed. Real `ddp-app fit` runs, a real `mlflow server` stopped with kill -9 and
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,10 @@ pytest.importorskip("mlflow")
 
 FIT = ["--config", "configs/digits.yaml", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 STEPS_PER_EPOCH = 20  # digits at 2 ranks x 32
+# Epochs of digits take 0.2 s: enough of them that the run is still training when the server has
+# taken epoch 1 and is killed, and a few epochs later (on a loaded machine the server, sharing its
+# cores, had taken epoch 1 by epoch 21).
+EPOCHS = 60
 
 
 def test_an_unreachable_mlflow_uri_ends_every_rank_in_one_line_within_seconds(tmp_path: Path) -> None:
@@ -68,6 +74,18 @@ def clock_times(clock: Path) -> dict[int, float]:
     return times
 
 
+def wait_for_mlflow_step(uri: str, metric: str, step: int, alive: Callable[[], bool], timeout: float = 120) -> None:
+    """Until the MLflow server at `uri` holds `metric` at `step` in its only run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        with contextlib.suppress(AssertionError):
+            client, run = only_run(uri, "outage")
+            if any(value.step >= step for value in client.get_metric_history(run.info.run_id, metric)):
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"MLflow has no {metric} at step {step} (the run ended, or {timeout} s passed)")
+
+
 # 1.5 to 2.5 min on a busy 2-core machine: two server starts, two runs, and the first run's wait for
 # the gone server at its end (CLOSE_WAIT_S).
 @pytest.mark.slow
@@ -79,8 +97,8 @@ def test_a_server_that_goes_away_costs_no_training_time_and_the_next_attempt_sen
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     tracking = [f"--tracking.mlflow.tracking_uri={uri}", "--tracking.mlflow.experiment=outage"]
-    command = [str(BIN / "ddp-app"), "fit", *FIT, "--trainer.max_epochs=8", f"--trainer.default_root_dir={root}",
-               *tracking, *clock_arguments(clock)]  # fmt: skip
+    command = [str(BIN / "ddp-app"), "fit", *FIT, f"--trainer.max_epochs={EPOCHS}",
+               f"--trainer.default_root_dir={root}", *tracking, *clock_arguments(clock)]  # fmt: skip
     server = start_mlflow_server(store, port)
     try:
         with open(tmp_path / "first.log", "w") as log:
@@ -88,11 +106,12 @@ def test_a_server_that_goes_away_costs_no_training_time_and_the_next_attempt_sen
                                        start_new_session=True)  # fmt: skip
         try:
             alive = lambda: process.poll() is None  # noqa: E731
-            wait_for_clock_step(clock, 2 * STEPS_PER_EPOCH + 5, alive)  # epoch 1 ended and was sent
+            wait_for_mlflow_step(uri, "val_acc", 2 * STEPS_PER_EPOCH - 1, alive)  # MLflow has epoch 1
             stop_mlflow_server(server)
+            gone_at = max(clock_times(clock)) // STEPS_PER_EPOCH + 1  # the first epoch to end without it
             # The training thread hands the trackers its values and goes on; the tracker thread
             # retries the gone server for minutes (MLflow's default backoff).
-            wait_for_clock_step(clock, 5 * STEPS_PER_EPOCH + 5, alive)
+            wait_for_clock_step(clock, (gone_at + 3) * STEPS_PER_EPOCH + 5, alive)
             process.send_signal(signal.SIGTERM)  # a preemption while MLflow's client retries
             stopping = time.monotonic()
             process.wait(timeout=STOP_GRACE_S + 60)
@@ -110,16 +129,18 @@ def test_a_server_that_goes_away_costs_no_training_time_and_the_next_attempt_sen
         warnings = [line for line in output.splitlines() if line.startswith("ddp-app: tracking: mlflow ")]
         assert warnings and len(warnings) <= 2 and "did not answer within" in warnings[-1], output[-3000:]
         times = clock_times(clock)
+        # An epoch's time, from one epoch's last step to the next one's: its start, training steps,
+        # validation and save (where the values are handed to the trackers).
         up = times[2 * STEPS_PER_EPOCH] - times[STEPS_PER_EPOCH]  # epoch 1, the server up
-        down = (times[5 * STEPS_PER_EPOCH] - times[3 * STEPS_PER_EPOCH]) / 2  # epochs 3 and 4, the server gone
-        assert down < 2 * up + 2, f"an epoch took {down:.1f} s with the server gone, {up:.1f} s with it up"
+        down = (times[(gone_at + 3) * STEPS_PER_EPOCH] - times[(gone_at + 1) * STEPS_PER_EPOCH]) / 2
+        assert down < 2 * up + 2, f"an epoch took {down:.2f} s with the server gone, {up:.2f} s with it up"
         (log_dir,) = (root / "lightning_logs").iterdir()
         steps = sorted({step for _, step in csv_values(log_dir)})
-        assert steps[-1] >= 5 * STEPS_PER_EPOCH, "metrics.csv has every value the training logged"
+        assert steps[-1] >= (gone_at + 3) * STEPS_PER_EPOCH, "metrics.csv has every value the training logged"
 
         server = start_mlflow_server(store, port)  # the same store: the run is there, with what it got
-        result = ddp_app("fit", *FIT, "--trainer.max_epochs=8", f"--trainer.default_root_dir={root}", *tracking,
-                         "--ckpt_path=last")  # fmt: skip
+        result = ddp_app("fit", *FIT, f"--trainer.max_epochs={EPOCHS}", f"--trainer.default_root_dir={root}",
+                         *tracking, "--ckpt_path=last")  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"ddp-app: tracking: mlflow: run {run_id} " in result.stdout
         client, run = only_run(uri, "outage")
@@ -129,6 +150,6 @@ def test_a_server_that_goes_away_costs_no_training_time_and_the_next_attempt_sen
             (name, step): value for name, values in history.items() if name != "epoch" for step, value in values
         }
         assert from_mlflow == csv_values(log_dir), "MLflow's history is metrics.csv's"
-        assert max(step for _, step in from_mlflow) == 8 * STEPS_PER_EPOCH - 1
+        assert max(step for _, step in from_mlflow) == EPOCHS * STEPS_PER_EPOCH - 1
     finally:
         stop_mlflow_server(server)
