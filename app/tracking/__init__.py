@@ -4,6 +4,7 @@ run identity across every restart of a training run.
 - `app/tracking/layout.py`: where a run's files are;
 - `app/tracking/history.py`: the journal of logged values and which of them are final;
 - `app/tracking/sinks.py`: metrics.csv and the trackers;
+- `app/tracking/worker.py`: the thread that makes every tracker call after the open;
 - `app/tracking/run.py`: the `tracking:` config section, the run identity and Lightning's logger.
 
 docs/tracking.md says what a user sees and why.
