@@ -6,9 +6,13 @@ from __future__ import annotations
 def main() -> None:
     import os
     import sys
+    import time
 
-    from app.console import quiet_native_logs
+    from app.console import STARTED_VARIABLE, quiet_native_logs
 
+    # The run's wall time, which its summary reports (app/summary.py), counts from here: the imports
+    # below take seconds.
+    os.environ.setdefault(STARTED_VARIABLE, str(time.time()))
     quiet_native_logs(os.environ)  # before anything below imports torch, which reads it once
 
     if sys.argv[1:2] == ["resume-check"]:  # not a LightningCLI subcommand: it runs ddp-app fit itself

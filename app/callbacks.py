@@ -257,7 +257,9 @@ class LogLineProgressBar(ProgressBar):
     def _print_line(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         now = time.monotonic()
         batches = batches_done_this_epoch(trainer)
-        total = self.total_train_batches
+        # The epoch's batches; not `total_train_batches`, which with max_epochs=-1 is the steps left to
+        # max_steps as of the moment it is read (`batch=20/5` at an epoch's end).
+        total = trainer.num_training_batches
         fields = [f"epoch={trainer.current_epoch}", f"step={trainer.global_step}"]
         fields.append(f"batch={batches}/{total if math.isfinite(total) else '?'}")
         training_s = now - self._window[0] - self._validation_s if self._window is not None else 0.0

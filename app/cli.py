@@ -70,6 +70,7 @@ from app.config_checks import (
     command_line_model_keys,
     drop_static_graph_for_accumulation,
 )
+from app.console import STARTED_VARIABLE
 from app.coordinator import RunCoordinator
 from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, summarize_parser_error
@@ -78,7 +79,7 @@ from app.models.sync_check import warn_on_per_rank_means
 from app.private_apis import require
 from app.resume import ExactResume
 from app.run_dir import RunLock, acquire, refuse_if_busy, refuse_overwrite
-from app.summary import STARTED_VARIABLE, EvaluationThroughput, evaluation_summary, fit_summary
+from app.summary import EvaluationThroughput, evaluation_summary, fit_summary
 from app.tracking.run import Tracking
 from app.trainer_check import LEFT_OUT, check_trainer_arguments
 from app.user_code import add_user_code_directories

@@ -41,6 +41,8 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 VERBOSE_VARIABLE = "DDP_APP_VERBOSE"
+# When `ddp-app` started (time.time()), for the ranks it forks too: the wall time in a run's summary.
+STARTED_VARIABLE = "DDP_APP_STARTED"
 
 # Lightning's rank-zero logger says these and the lines that matter ("`Trainer.fit` stopped: ...").
 LIGHTNING_NOTICES = ("💡 Tip:", "GPU available:", "TPU available:")

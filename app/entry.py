@@ -37,10 +37,9 @@ from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped
 from app.cluster.preflight import already_launched
 from app.cluster.requeue import forbid_requeue
 from app.cluster.threads import configure_cpu_threads
-from app.console import quiet_console
+from app.console import STARTED_VARIABLE, quiet_console
 from app.errors import UserFacingError, failed_because_a_peer_died, user_message
 from app.run_dir import LOCK_VARIABLE, acquire
-from app.summary import STARTED_VARIABLE
 
 
 def run(args: list[str]) -> int:

@@ -24,9 +24,6 @@ from app.checkpoints.last import LAST_NAME, checkpoint_directory
 from app.tracking.layout import SAMPLES_PER_S
 from app.tracking.run import batch_size_of
 
-# When `ddp-app` started (time.time()), set by its entry for the ranks it forks: a run's wall time.
-STARTED_VARIABLE = "DDP_APP_STARTED"
-
 
 def duration(seconds: float) -> str:
     """`8.2 s`, `3 min 05 s`, `2 h 04 min`: as a person reads a wall time."""

@@ -90,7 +90,8 @@ class MLflowSettings:
     Args:
         tracking_uri: where MLflow keeps runs (`http://host:5000`, `sqlite:///path/runs.db`, a
             `databricks` profile, ...). None: the `MLFLOW_TRACKING_URI` variable, else
-            `sqlite:///<default_root_dir>/mlflow.db` (artifacts in `<default_root_dir>/mlartifacts`).
+            `sqlite:///<default_root_dir>/mlflow.db`. With a local store (SQLite, a file URI) the artifacts
+            go to `<default_root_dir>/mlartifacts`, not to MLflow's default `./mlruns`.
         experiment: the MLflow experiment the run belongs to (created if missing).
     """
 
@@ -649,7 +650,11 @@ class Tracking(L.Callback):
 
         if local:
             root.mkdir(parents=True, exist_ok=True)  # the default store's directory
-        experiment, artifacts = self.mlflow.experiment, (root / "mlartifacts").resolve().as_uri() if local else None
+        # A local store (the default SQLite, or a sqlite:// or file: URI of the user's) keeps its artifacts
+        # beside the run: MLflow's own default for it is ./mlruns in whatever directory ddp-app runs in.
+        stored_here = local or urllib.parse.urlparse(uri).scheme in LOCAL_SCHEMES
+        experiment = self.mlflow.experiment
+        artifacts = (root / "mlartifacts").resolve().as_uri() if stored_here else None
 
         def open_run() -> MlflowSink:
             sink = MlflowSink(uri, experiment, artifacts)

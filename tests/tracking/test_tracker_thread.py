@@ -174,3 +174,23 @@ def test_an_unreachable_mlflow_server_stops_the_open_in_seconds_and_writes_nothi
     assert report_user_error(raised.value) == 2
     assert not (tmp_path / "run").exists()
     assert tracking.viewing_lines() == []
+
+
+def test_a_local_mlflow_store_keeps_its_artifacts_beside_the_run_not_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow's default artifact location for a SQLite store is ./mlruns, wherever ddp-app runs."""
+    pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "run"
+    trainer = SimpleNamespace(
+        default_root_dir=str(root), is_global_zero=True, world_size=1, num_nodes=1, checkpoint_callbacks=[],
+        callback_metrics={},
+    )  # fmt: skip
+    tracking = Tracking(mlflow=MLflowSettings(tracking_uri=f"sqlite:///{tmp_path / 'elsewhere.db'}"), tensorboard=False)
+    logger = tracking.open(trainer, None, False, "seed_everything: 1\n", None)
+    logger.run.log(0, {"loss": 1.0})
+    tracking.on_train_end(trainer, None)
+    tracking.teardown(trainer, None, "fit")
+    assert not (tmp_path / "mlruns").exists()
+    assert (root / "mlartifacts").is_dir()
