@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.run import BIN, REPO, clean_env, kill_job
+from tests.helpers.run import BIN, REPO, clean_env, kill_job, start
 
 pytestmark = pytest.mark.distributed
 
@@ -27,7 +27,7 @@ SECTION = ("## Quick start", "## Where things are")
 # (5 to 9 minutes; 4 even with one epoch and one optimizer) has its own test in the slow tier
 # (tests/parity/test_parity.py).
 NOT_RUN = ("sbatch slurm/", "python -m app.parity --config configs/digits.yaml")
-TIMEOUT_S = 900
+TIMEOUT_S = 540  # under pytest-timeout's 600 s, so that a stuck tour says where it stopped
 
 
 def tour_commands(readme: str) -> list[str]:
@@ -80,15 +80,7 @@ def test_the_readme_tour_works_typed_in_order(tmp_path: Path) -> None:
     # A newcomer's shell: no virtual environment on the PATH until the tour activates it.
     env["PATH"] = os.pathsep.join(part for part in env["PATH"].split(os.pathsep) if Path(part) != BIN)
     env.pop("VIRTUAL_ENV", None)
-    process = subprocess.Popen(
-        ["bash", str(tmp_path / "tour.sh")],
-        cwd=repo,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    process = start(["bash", str(tmp_path / "tour.sh")], env=env, cwd=repo)
     try:
         stdout, stderr = process.communicate(timeout=TIMEOUT_S)
     finally:

@@ -32,11 +32,11 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def start(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen[str]:
     """Start a command in the background in its own session (its output piped); stop it with `kill_job`."""
     return subprocess.Popen(
         args,
-        cwd=REPO,
+        cwd=cwd or REPO,
         env=env or clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
