@@ -83,6 +83,10 @@ def test_the_readme_tour_works_typed_in_order(tmp_path: Path) -> None:
     process = start(["bash", str(tmp_path / "tour.sh")], env=env, cwd=repo)
     try:
         stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # the assertion below names the command it stopped at
+        kill_job(process.pid)
+        process.kill()
+        stdout, stderr = process.communicate()
     finally:
         kill_job(process.pid)
         if process.poll() is None:
