@@ -80,7 +80,7 @@ from app.private_apis import require
 from app.resume import ExactResume
 from app.run_dir import RunLock, acquire, refuse_if_busy, refuse_overwrite
 from app.summary import EvaluationThroughput, evaluation_summary, fit_summary
-from app.tracking.run import Tracking
+from app.tracking.run import Tracking, check_remote_mlflow_answers
 from app.trainer_check import LEFT_OUT, check_trainer_arguments
 from app.user_code import add_user_code_directories
 
@@ -305,6 +305,8 @@ class DDPAppCLI(LightningCLI):
             self._check_trainer_arguments(config["trainer"], plan)
             if self.subcommand == "fit":  # last: a typo in the command is named before the directory's state
                 self._claim_run_directory(config)
+                if config["tracking"] and config["tracking"].get("mlflow") is not None:
+                    check_remote_mlflow_answers(config["tracking"]["mlflow"].get("tracking_uri"))
             raise ConfigParsed(
                 config,
                 plan,

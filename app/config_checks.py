@@ -9,6 +9,7 @@ calls them once the config is parsed.
 from __future__ import annotations
 
 import datetime
+import errno
 import importlib
 import inspect
 import os
@@ -216,10 +217,16 @@ def apply_collective_timeout(trainer_config: Any, seconds: float, world_size: in
 
 
 def check_writable(directory: Path) -> None:
-    """Fail before training, not at the first checkpoint an hour later."""
+    """Fail before training, not at the first checkpoint an hour later. Leaves nothing behind: a
+    directory that does not exist yet is made by the run, so the probe goes into its nearest existing
+    parent (a refused run creates no empty run directory)."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-"):
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-probe-"):
             pass
     except OSError as error:
         raise UserFacingError(

@@ -50,7 +50,7 @@ from app.cluster.preemption import Stopped
 from app.errors import UserFacingError
 from app.tracking.history import SETTLED, Call, Journal, RunHistory, mark_sent, replay, sent_seqs
 from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, RUN_FILE, SAMPLES_PER_S, latest_run
-from app.tracking.sinks import CsvView, MlflowSink, RunFacts, TensorBoardSink, WandbSink
+from app.tracking.sinks import CsvView, MlflowSink, RunFacts, TensorBoardSink, WandbSink, quiet_loggers
 from app.tracking.worker import TrackerThread
 
 CHECKPOINT_KEY = "ddp_app_run"
@@ -135,6 +135,39 @@ def one_line(error: BaseException) -> str:
         return "no answer: timed out"
     first = text.splitlines()[0] if text else repr(error)
     return first if len(first) <= 200 else first[:197] + "..."
+
+
+def mlflow_unreachable(uri: str, error: Exception, deadline: float | None) -> UserFacingError:
+    """The one line for an MLflow store that did not answer, or refused: the same from the launcher's
+    check and from rank 0's open."""
+    fix = "Fix: start the server, or correct tracking.mlflow.tracking_uri, or remove tracking.mlflow."
+    if isinstance(error, TimeoutError) and deadline is not None:
+        return UserFacingError(
+            f"tracking.mlflow: the MLflow store at {uri} did not answer within {deadline:.0f} s. {fix}"
+        )
+    return UserFacingError(f"tracking.mlflow: cannot open the MLflow run at {uri} ({one_line(error)}). {fix}")
+
+
+def check_remote_mlflow_answers(tracking_uri: str | None) -> None:
+    """The launcher's check, before any rank starts (app/cli.py): a remote MLflow store (a server,
+    Databricks) that does not answer stops the launch in one line, within MLFLOW_OPEN_DEADLINE_S,
+    instead of after the ranks started. It only reads (lists one experiment). A local store (the
+    default SQLite, a sqlite: or file: URI) is not looked at here: opening it creates it, which only
+    rank 0's open may do. Ranks started by torchrun or srun skip this; rank 0's open checks the same."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri is None or urllib.parse.urlparse(uri).scheme in LOCAL_SCHEMES:
+        return
+    from mlflow import MlflowClient
+
+    def ask() -> None:
+        with quiet_loggers("mlflow"):
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+    try:
+        with environment(MLFLOW_OPEN_ENV):
+            TrackerThread().call(ask, MLFLOW_OPEN_DEADLINE_S)
+    except Exception as error:
+        raise mlflow_unreachable(uri, error, MLFLOW_OPEN_DEADLINE_S) from error
 
 
 @contextlib.contextmanager
@@ -662,20 +695,13 @@ class Tracking(L.Callback):
             return sink
 
         deadline = None if urllib.parse.urlparse(uri).scheme in LOCAL_SCHEMES else MLFLOW_OPEN_DEADLINE_S
-        fix = "Fix: start the server, or correct tracking.mlflow.tracking_uri, or remove tracking.mlflow."
         try:
             with environment(MLFLOW_OPEN_ENV):
                 sink = worker.call(open_run, deadline)
         except UserFacingError:
             raise
-        except TimeoutError as error:
-            raise UserFacingError(
-                f"tracking.mlflow: the MLflow store at {uri} did not answer within {deadline:.0f} s. {fix}"
-            ) from error
         except Exception as error:
-            raise UserFacingError(
-                f"tracking.mlflow: cannot open the MLflow run at {uri} ({one_line(error)}). {fix}"
-            ) from error
+            raise mlflow_unreachable(uri, error, deadline) from error
         identity["mlflow"] = {"tracking_uri": uri, "experiment": experiment, "run_id": sink.run_id}
         return sink
 

@@ -281,17 +281,19 @@ def exported_weights(run: Path, scratch: Path) -> list[str]:
 
 
 def without_hyperparameters(run: Path, scratch: Path) -> list[str]:
-    """As a module without save_hyperparameters() writes it: only the shapes can tell."""
+    """As a module without save_hyperparameters() writes it: only the shapes can tell. Saved among the
+    run's own checkpoints, so the fit continues that run (a fit from a file elsewhere may not write
+    into the run's directory: app/run_dir.py) and reaches the ranks, where the shapes are compared."""
     checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     del checkpoint["hyper_parameters"]
-    torch.save(checkpoint, scratch / "no-hparams.ckpt")
+    torch.save(checkpoint, run / "checkpoints" / "no-hparams.ckpt")
     return [
         "fit",
         "--config",
         "configs/digits.yaml",
         "--model.hidden=128",
         "--ckpt_path",
-        str(scratch / "no-hparams.ckpt"),
+        str(run / "checkpoints" / "no-hparams.ckpt"),
     ]
 
 

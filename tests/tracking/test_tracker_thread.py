@@ -14,12 +14,13 @@ from types import SimpleNamespace
 import pytest
 
 from app.cluster.launch import free_port
-from app.entry import report_user_error
+from app.entry import check_before_launch, report_user_error
 from app.errors import UserFacingError
 from app.tracking import run as tracking_run
 from app.tracking.history import Call, sent_seqs
 from app.tracking.run import MLflowSettings, TrackedRun, Tracking
 from app.tracking.sinks import RunFacts
+from tests.helpers.run import REPO
 
 # Any call of the training thread that hands work to the tracker thread returns within this.
 AT_ONCE_S = 0.5
@@ -194,3 +195,25 @@ def test_a_local_mlflow_store_keeps_its_artifacts_beside_the_run_not_in_the_work
     tracking.teardown(trainer, None, "fit")
     assert not (tmp_path / "mlruns").exists()
     assert (root / "mlartifacts").is_dir()
+
+
+def test_the_launcher_refuses_an_unreachable_mlflow_server_before_any_rank_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ddp-app fit ... --tracking.mlflow.tracking_uri http://...` with nothing listening: the launcher's
+    check says so in one line (exit 2) before it starts a rank, and writes nothing."""
+    pytest.importorskip("mlflow")
+    monkeypatch.chdir(REPO)
+    uri = f"http://127.0.0.1:{free_port()}/"
+    root = tmp_path / "run"
+    args = ["fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={root}"]
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as refused:
+        check_before_launch([*args, f"--tracking.mlflow.tracking_uri={uri}"])
+    assert time.monotonic() - started < tracking_run.MLFLOW_OPEN_DEADLINE_S
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"ddp-app: error: tracking.mlflow: cannot open the MLflow run at {uri} (Connection refused). Fix: start the "
+        "server, or correct tracking.mlflow.tracking_uri, or remove tracking.mlflow."
+    ]
+    assert not root.exists() and not (tmp_path / "mlruns").exists()
