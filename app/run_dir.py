@@ -70,7 +70,7 @@ class Holder:
     started: str  # UTC, ISO 8601, seconds
     process_start: str | None  # the kernel's start time of `pid` (Linux), so a reused pid is told apart
     job: str | None  # "slurm:<job id>" or "torchrun:<run id>": whose attempts may take it over
-    attempt: str | None  # SLURM_RESTART_COUNT or TORCHELASTIC_RESTART_COUNT
+    attempt: str | None  # "<SLURM_RESTART_COUNT>.<TORCHELASTIC_RESTART_COUNT>"
 
     def describe(self) -> str:
         job = f", {self.job.replace(':', ' job ', 1) if self.job.startswith('slurm') else self.job}" if self.job else ""
@@ -103,13 +103,15 @@ def process_runs(pid: int) -> bool:
 
 
 def job_of(env: Mapping[str, str]) -> tuple[str | None, str | None]:
-    """(job, attempt) of this process: a Slurm job id with its restart count, or a torchrun run id
-    with its restart count. A requeued job keeps its id; torchrun restarts keep their run id."""
+    """(job, attempt) of this process: a Slurm job id, else a torchrun run id, and the restart counts
+    of both (torchrun inside Slurm restarts within one job attempt). A requeued job keeps its id;
+    torchrun restarts keep their run id."""
+    attempt = f"{env.get('SLURM_RESTART_COUNT', '0')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if env.get("SLURM_JOB_ID"):
-        return f"slurm:{env['SLURM_JOB_ID']}", env.get("SLURM_RESTART_COUNT", "0")
+        return f"slurm:{env['SLURM_JOB_ID']}", attempt
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
-        return f"torchrun:{run_id}", env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return f"torchrun:{run_id}", attempt
     return None, None
 
 
@@ -136,7 +138,7 @@ def why_gone(holder: Holder, silent_s: float, env: Mapping[str, str]) -> str | N
         return None
     job, attempt = job_of(env)
     if holder.job is not None and holder.job == job and holder.attempt != attempt:
-        return f"it was attempt {holder.attempt} of this {holder.job.split(':')[0]} job"
+        return f"it ran an earlier attempt of this {holder.job.split(':')[0]} job"
     if silent_s > STALE_AFTER_S:
         return f"it has not touched the lock for {silent_s:.0f} s"
     return None

@@ -97,6 +97,10 @@ def test_a_requeued_slurm_job_takes_over_its_earlier_attempts_lock_at_once(tmp_p
     refuse_if_busy(tmp_path, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})
     with pytest.raises(RunDirectoryBusy, match="slurm job 77"):  # another job: its heartbeat is fresh
         refuse_if_busy(tmp_path, {"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "0"})
+    # torchrun inside the job restarted its ranks (rank 0 may now be on another node): taken over too.
+    refuse_if_busy(tmp_path, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0", "TORCHELASTIC_RESTART_COUNT": "1"})
+    with pytest.raises(RunDirectoryBusy):  # the same attempt on another node: its heartbeat is fresh
+        refuse_if_busy(tmp_path, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"})
 
 
 def test_the_ranks_of_a_launcher_that_holds_the_lock_do_not_take_it_again(tmp_path: Path) -> None:
