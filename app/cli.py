@@ -79,7 +79,7 @@ from app.models.sync_check import warn_on_per_rank_means
 from app.private_apis import require
 from app.resume import ExactResume
 from app.run_dir import RunLock, acquire, refuse_if_busy, refuse_overwrite
-from app.summary import EvaluationThroughput, evaluation_summary, fit_summary
+from app.summary import EvaluationThroughput, evaluation_summary, fit_summary, scalar_metrics
 from app.tracking.run import Tracking, check_remote_mlflow_answers
 from app.trainer_check import LEFT_OUT, check_trainer_arguments
 from app.user_code import add_user_code_directories
@@ -508,16 +508,19 @@ class DDPAppCLI(LightningCLI):
     before_fit = before_validate = before_test = before_predict = _before_run
 
     def after_fit(self) -> None:
+        metrics = scalar_metrics(self.trainer)  # on every rank: it may reduce (app/summary.py)
         if self.trainer.is_global_zero:
             tracking: Tracking = self.config_init[self.subcommand]["tracking"]
-            lines = fit_summary(self.trainer, time.time() - self.started, tracking.viewing_lines())
+            lines = fit_summary(self.trainer, metrics, time.time() - self.started, tracking.viewing_lines())
             print("\n".join(lines), flush=True)
 
     def _after_evaluation(self) -> None:
+        metrics = scalar_metrics(self.trainer)  # on every rank: it may reduce (app/summary.py)
         if self.trainer.is_global_zero:
             ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+            elapsed_s = time.time() - self.started
             lines = evaluation_summary(
-                self.subcommand, self.trainer, time.time() - self.started, ckpt_path, self.evaluation_throughput
+                self.subcommand, self.trainer, metrics, elapsed_s, ckpt_path, self.evaluation_throughput
             )
             print("\n".join(lines), flush=True)
 

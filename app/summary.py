@@ -6,8 +6,10 @@ checkpoints, the log folder, predictions), where the tracker shows it and how to
 long it took (wall time and samples per second). Lightning's last line ("`Trainer.fit` stopped:
 `max_epochs=15` reached.") says why it stopped; this block comes after it.
 
-Reading `trainer.callback_metrics` here computes nothing: every epoch's values were reduced at the
-epoch's end on every rank (app/coordinator.py), and evaluation's at the end of the loop.
+`scalar_metrics` reads `trainer.callback_metrics`, which reduces any value logged with
+`sync_dist=True` that nobody has read yet (one a user's callback logged after the last epoch's
+end, say): app/cli.py calls it on every rank, so those collectives are issued everywhere, and only
+rank 0 prints.
 """
 
 from __future__ import annotations
@@ -72,9 +74,8 @@ def log_folder(trainer: L.Trainer) -> str | None:
     return str(logger.log_dir) if logger is not None and getattr(logger, "log_dir", None) else None
 
 
-def fit_summary(trainer: L.Trainer, elapsed_s: float, tracker_lines: list[str]) -> list[str]:
-    """The block after a fit: see the module docstring."""
-    metrics = scalar_metrics(trainer)
+def fit_summary(trainer: L.Trainer, metrics: dict[str, float], elapsed_s: float, tracker_lines: list[str]) -> list[str]:
+    """The block after a fit: see the module docstring. `metrics`: `scalar_metrics`, read on every rank."""
     processes = f"{trainer.world_size} process{'es' if trainer.world_size > 1 else ''}"
     head = (
         f"ddp-app: fit done in {duration(elapsed_s)}: {trainer.current_epoch} epochs, "
@@ -126,6 +127,7 @@ class EvaluationThroughput(L.Callback):
 def evaluation_summary(
     subcommand: str,
     trainer: L.Trainer,
+    metrics: dict[str, float],
     elapsed_s: float,
     ckpt_path: str | None,
     throughput: EvaluationThroughput | None,
@@ -141,7 +143,7 @@ def evaluation_summary(
     lines = [head]
     lines.append(f"  checkpoint: {ckpt_path}" if ckpt_path else "  checkpoint: none (the model as initialised)")
     if subcommand != "predict":
-        shown = metric_fields(scalar_metrics(trainer))
+        shown = metric_fields(metrics)
         if shown:
             lines.append(f"  metrics: {shown}")
         logs = log_folder(trainer)

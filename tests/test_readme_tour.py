@@ -106,3 +106,5 @@ def test_the_readme_tour_works_typed_in_order(tmp_path: Path) -> None:
     assert (runs / "tracked" / "mlflow.db").is_file() and "mlflow ui --backend-store-uri" in stdout
     assert (runs / "sweeps" / "lr" / "results.csv").is_file()
     assert stdout.count("ddp-app: fit done in") >= 6  # quick start, tour (3), custom, tracked
+    assert "ddp-app: validate done in" in stdout and "  metrics: val_acc=" in stdout
+    assert "  predictions: runs/digits/predictions.pt" in stdout

@@ -33,7 +33,7 @@ STEPS_PER_EPOCH = 20  # digits at 2 ranks x 32
 EPOCHS = 60
 
 
-def test_an_unreachable_mlflow_uri_ends_every_rank_in_one_line_within_seconds(tmp_path: Path) -> None:
+def test_an_unreachable_mlflow_uri_ends_the_run_in_one_line_before_any_rank_starts(tmp_path: Path) -> None:
     uri = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
     command = [str(BIN / "ddp-app"), "fit", *FIT, "--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path}",
                f"--tracking.mlflow.tracking_uri={uri}"]  # fmt: skip
@@ -49,7 +49,7 @@ def test_an_unreachable_mlflow_uri_ends_every_rank_in_one_line_within_seconds(tm
         process.wait()
     output = "\n".join(line for _, line in lines)
     assert process.returncode == 2, output[-3000:]
-    # One line from every rank together (Lightning's own "GPU available" line aside), no traceback.
+    # One line, no traceback.
     errors = [(at, line) for at, line in lines if "error" in line.lower()]
     assert [line for _, line in errors] == [
         f"ddp-app: error: tracking.mlflow: cannot open the MLflow run at {uri} (Connection refused). Fix: start "
@@ -57,11 +57,12 @@ def test_an_unreachable_mlflow_uri_ends_every_rank_in_one_line_within_seconds(tm
     ], output[-3000:]
     assert "Traceback" not in output
     assert not (tmp_path / "lightning_logs").exists()
-    # The tracker's share: from rank 0's first line (its trainer is built) to the error. The launch
-    # before it takes 4 s on an idle 2-core machine (5 s in all to the error), and up to 17 s while
-    # other tests load it: the share is what the open decides.
-    (launched_at,) = [at for at, line in lines if line.startswith("ddp-app: launched")]
-    assert errors[0][0] - launched_at < MLFLOW_OPEN_DEADLINE_S, f"{errors[0][0] - launched_at:.1f} s to the error"
+    # The launcher asks the server before it starts a rank (app/tracking/run.py
+    # `check_remote_mlflow_answers`): no rank was launched. About 5 s in all on an idle 2-core machine,
+    # most of it importing Lightning; the bound is against the 258 s of MLflow's own retries, on a
+    # machine other tests load. Rank 0's own open (torchrun, srun) is tests/tracking/test_tracker_thread.py.
+    assert not any(line.startswith("ddp-app: launched") for _, line in lines), output[-3000:]
+    assert errors[0][0] < 4 * MLFLOW_OPEN_DEADLINE_S, f"{errors[0][0]:.1f} s to the error"
 
 
 def clock_times(clock: Path) -> dict[int, float]:
