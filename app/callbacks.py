@@ -3,17 +3,20 @@ output, and the progress display (a bar on a terminal, lines in a log). Exact re
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary, ProgressBar, TQDMProgressBar
 
 from app.checkpoints.io import atomic_torch_save
 from app.checkpoints.last import find_last_checkpoint
+from app.console import is_verbose
 from app.errors import NonFiniteLossError
 
 
@@ -287,3 +290,52 @@ class LogLineProgressBar(ProgressBar):
         except (AttributeError, TypeError):
             per_rank = math.inf
         return min(batches * batch_size, per_rank) * trainer.world_size
+
+
+# The summary table's column and line of FLOPs counts (Lightning 2.6 `ModelSummary`).
+FLOPS_COLUMN = "FLOPs"
+TOTAL_FLOPS_LINE = "Total Flops"
+
+
+class PlainModelSummary(ModelSummary):
+    """The model summary of every run (app/cli.py; max_depth=1, as Lightning's): Lightning's plain
+    table, the same in a log whatever the environment has installed (RichModelSummary where `rich`
+    is), without the FLOPs column and "Total Flops" line when every count is 0, which it is for a
+    module without `example_input_array` (Lightning 2.6 counts FLOPs on that input only), unless
+    `DDP_APP_VERBOSE=1`. `summarize` is the callback's hook for how the table is shown
+    (RichModelSummary overrides it too)."""
+
+    @staticmethod
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        if total_flops or is_verbose(os.environ):
+            ModelSummary.summarize(
+                summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                total_flops, **summarize_kwargs,
+            )  # fmt: skip
+            return
+        columns = [column for column in summary_data if column[0] != FLOPS_COLUMN]
+        table_logger = logging.getLogger(ModelSummary.__module__)
+        table_logger.addFilter(_drop_total_flops_line)
+        try:
+            ModelSummary.summarize(
+                columns, total_parameters, trainable_parameters, model_size, total_training_modes,
+                total_flops, **summarize_kwargs,
+            )  # fmt: skip
+        finally:
+            table_logger.removeFilter(_drop_total_flops_line)
+
+
+def _drop_total_flops_line(record: logging.LogRecord) -> bool:
+    """Lightning's table ends with the total FLOPs line; a filter may rewrite the record it passes."""
+    lines = record.getMessage().splitlines()
+    if lines and lines[-1].split() == ["0", *TOTAL_FLOPS_LINE.split()]:
+        record.msg, record.args = "\n".join(lines[:-1]), ()
+    return True

@@ -36,7 +36,13 @@ from lightning.pytorch.utilities import rank_zero_only
 
 import app.data
 import app.models.lightning  # noqa: F401  (registers the LightningModules for short `class_path` names)
-from app.callbacks import LogLineProgressBar, NonFiniteGuard, PredictionWriter, ThrottledProgressBar
+from app.callbacks import (
+    LogLineProgressBar,
+    NonFiniteGuard,
+    PlainModelSummary,
+    PredictionWriter,
+    ThrottledProgressBar,
+)
 from app.checkpoints.io import (
     CheckpointSummary,
     as_checkpoint_error,
@@ -459,9 +465,7 @@ class DDPAppCLI(LightningCLI):
             if type(callback) in (ModelSummary, RichModelSummary) and callback not in user_callbacks:
                 # Lightning's default (RichModelSummary where `rich` is installed): the plain table a log
                 # reads the same whatever the environment has installed, without a column of zero FLOPs.
-                from app.console import model_summary
-
-                trainer.callbacks[index] = model_summary()  # max_depth=1, as Lightning's
+                trainer.callbacks[index] = PlainModelSummary()  # max_depth=1, as Lightning's
         for callback in trainer.checkpoint_callbacks:
             # A fixed directory (not inside the versioned log dir) lets `--ckpt_path last` find the
             # previous run's last.ckpt after a crash or a requeue.

@@ -18,7 +18,7 @@ switch scoped to it, so that anything new still shows:
   the config.yaml saved beside the logs;
 - the model summary's FLOPs column and "Total Flops" line when every count is 0, as they are for a
   module without `example_input_array` (Lightning 2.6 counts FLOPs on that input only):
-  `PlainModelSummary`, the ModelSummary callback `app.cli` gives every run;
+  `app.callbacks.PlainModelSummary`, the ModelSummary callback `app.cli` gives every run;
 - Lightning's hint that `srun` exists but was not used: app/cluster/preflight.py decides the launch
   and refuses, in one line, a Slurm job started without srun;
 - the deprecation warning Lightning's own `_pytree.py` triggers in PyTorch, once per rank;
@@ -29,18 +29,14 @@ switch scoped to it, so that anything new still shows:
   when it loads, so `app.__main__` sets it for the `ddp-app` process (and the ranks it forks)
   before anything imports torch. A TORCH_CPP_LOG_LEVEL the user set wins.
 
-This module imports neither torch nor Lightning: `quiet_native_logs` runs before they load
-(`model_summary` imports Lightning when it is called).
+This module imports neither torch nor Lightning: `quiet_native_logs` runs before they load.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import warnings
 from collections.abc import Mapping, MutableMapping
-from typing import Any
 
 VERBOSE_VARIABLE = "DDP_APP_VERBOSE"
 # When `ddp-app` started (time.time()), for the ranks it forks too: the wall time in a run's summary.
@@ -107,61 +103,3 @@ def quiet_console(env: Mapping[str, str]) -> None:
     )
     for category in (DeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=category, module=r"lightning\.pytorch\.utilities\._pytree")
-
-
-# The summary table's column and line of FLOPs counts (Lightning 2.6 `ModelSummary`).
-FLOPS_COLUMN = "FLOPs"
-TOTAL_FLOPS_LINE = "Total Flops"
-
-
-def model_summary() -> Any:
-    """The ModelSummary callback of every run (max_depth=1, as Lightning's): `PlainModelSummary`."""
-    return _plain_model_summary_class()()
-
-
-@functools.cache
-def _plain_model_summary_class() -> type:
-    # Defined on first use: Lightning must not load with this module (see the module docstring).
-    from lightning.pytorch.callbacks import ModelSummary
-
-    class PlainModelSummary(ModelSummary):
-        """Lightning's plain summary table, without the FLOPs column and "Total Flops" line when every
-        count is 0 (unless verbose). `summarize` is the callback's hook for how the table is shown
-        (RichModelSummary overrides it too)."""
-
-        @staticmethod
-        def summarize(
-            summary_data: list[tuple[str, list[str]]],
-            total_parameters: int,
-            trainable_parameters: int,
-            model_size: float,
-            total_training_modes: dict[str, int],
-            total_flops: int,
-            **summarize_kwargs: Any,
-        ) -> None:
-            if total_flops or is_verbose(os.environ):
-                ModelSummary.summarize(
-                    summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
-                    total_flops, **summarize_kwargs,
-                )  # fmt: skip
-                return
-            columns = [column for column in summary_data if column[0] != FLOPS_COLUMN]
-            table_logger = logging.getLogger(ModelSummary.__module__)
-            table_logger.addFilter(_drop_total_flops_line)
-            try:
-                ModelSummary.summarize(
-                    columns, total_parameters, trainable_parameters, model_size, total_training_modes,
-                    total_flops, **summarize_kwargs,
-                )  # fmt: skip
-            finally:
-                table_logger.removeFilter(_drop_total_flops_line)
-
-    return PlainModelSummary
-
-
-def _drop_total_flops_line(record: logging.LogRecord) -> bool:
-    """Lightning's table ends with the total FLOPs line; a filter may rewrite the record it passes."""
-    lines = record.getMessage().splitlines()
-    if lines and lines[-1].split() == ["0", *TOTAL_FLOPS_LINE.split()]:
-        record.msg, record.args = "\n".join(lines[:-1]), ()
-    return True

@@ -89,7 +89,7 @@ COLUMNS = [(" ", ["0"]), ("Name", ["net"]), ("Type", ["Linear"]), ("Params", ["6
 def test_the_summary_shows_flops_only_when_counted_or_verbose(
     flops: int, verbose: str, shown: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from app.console import model_summary
+    from app.callbacks import PlainModelSummary
 
     monkeypatch.setenv("DDP_APP_VERBOSE", verbose)
     table_logger = logging.getLogger("lightning.pytorch.callbacks.model_summary")
@@ -99,7 +99,7 @@ def test_the_summary_shows_flops_only_when_counted_or_verbose(
     table_logger.addHandler(handler)
     try:
         with patch_level(table_logger, logging.INFO):
-            model_summary().summarize(
+            PlainModelSummary().summarize(
                 [*COLUMNS, ("FLOPs", [str(flops)])], 650, 650, 0.0026, {"train": 1, "eval": 0}, flops
             )
     finally:
