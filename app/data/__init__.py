@@ -17,6 +17,7 @@ DATA_MODULES = {
     "TensorFileDataModule": "app.data.tensor_file",
     "CIFAR10DataModule": "app.data.vision",
     "FakeImageDataModule": "app.data.vision",
+    "ImageFolderDataModule": "app.data.imagefolder",
     "MNISTDataModule": "app.data.vision",
     "DataNotFoundError": "app.data.datasets",
 }

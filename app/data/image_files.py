@@ -1,0 +1,270 @@
+"""Your own images in the ImageFolder layout (`train/<class>/<file>`), without Lightning.
+
+`imagefolder_splits` lists the files once per rank (deterministic, nothing written), checks the
+layout and the first bytes of every file, and returns datasets that decode and augment one image
+per `__getitem__`, in the DataLoader workers. The random crop and flip draw from torch's global
+generator, which `PerSampleSeeded` seeds from (seed, epoch, index): a sample's augmentation does not
+depend on the worker, the rank, `num_workers` or a resume.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset, Subset
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
+
+from app.data.datasets import DataNotFoundError, Splits
+from app.errors import InvalidConfigError, UserFacingError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# What torchvision.io.decode_image reads, by name; other files in a class folder are not images to us.
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".webp")
+SKIP_HINT = "set data.init_args.skip_bad_files=true to skip and count unreadable images instead"
+
+
+class UnreadableImageError(UserFacingError):
+    """An image file that cannot be decoded; the message names it."""
+
+
+def image_format_problem(path: Path) -> str | None:
+    """Why `path` cannot be an image decode_image reads (None: it starts like one).
+
+    Reads the first 12 bytes only: a whole decode of every file on every rank would cost a pass
+    over the data set before the first step. A file whose body is damaged fails when it is decoded.
+    """
+    try:
+        with path.open("rb") as file:
+            head = file.read(12)
+    except OSError as error:
+        return f"cannot be read ({error.strerror})"
+    if not head:
+        return "is empty (0 bytes)"
+    if (
+        head.startswith(b"\xff\xd8\xff")
+        or head.startswith(b"\x89PNG")
+        or head.startswith(b"GIF8")
+        or (head.startswith(b"RIFF") and head[8:12] == b"WEBP")
+    ):
+        return None
+    return f"is not a JPEG, PNG, GIF or WebP image (it starts with {head[:4]!r})"
+
+
+def class_folders(root: Path) -> list[str]:
+    return sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
+
+
+def list_images(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
+    """(file, class index) for every image under `root/<class>/`, sorted; an empty class folder is an error."""
+    samples = []
+    for index, name in enumerate(classes):
+        files = sorted(
+            Path(folder) / file
+            for folder, _, names in os.walk(root / name, followlinks=True)
+            for file in names
+            if file.lower().endswith(EXTENSIONS)
+        )
+        if not files:
+            raise DataNotFoundError(
+                f"class folder {root / name} holds no image ({', '.join(EXTENSIONS)}). "
+                "Fix: add its images, or remove the folder so that it is not a class."
+            )
+        samples.extend((file, index) for file in files)
+    return samples
+
+
+def drop_unreadable(samples: list[tuple[Path, int]], skip_bad_files: bool) -> tuple[list[tuple[Path, int]], int]:
+    """The samples whose files start like an image, and how many were skipped (only if `skip_bad_files`)."""
+    kept = []
+    for path, target in samples:
+        problem = image_format_problem(path)
+        if problem is None:
+            kept.append((path, target))
+        elif not skip_bad_files:
+            raise UnreadableImageError(f"{path} {problem}. Fix: remove or replace it, or {SKIP_HINT}.")
+    return kept, len(samples) - len(kept)
+
+
+class ImageFiles(Dataset):
+    """Image files with their class indices, decoded to RGB and transformed one per `__getitem__`.
+
+    With `skip_bad_files`, a file that fails to decode is replaced by the next one that decodes
+    (by index, so every rank, worker and resume sees the same substitute); otherwise it is an error
+    that names it.
+    """
+
+    def __init__(self, samples: list[tuple[Path, int]], transform: v2.Transform, skip_bad_files: bool = False) -> None:
+        self.samples = samples
+        self.transform = transform
+        self.skip_bad_files = skip_bad_files
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _decode(self, path: Path) -> torch.Tensor:
+        try:
+            return decode_image(str(path), mode=ImageReadMode.RGB)
+        except (RuntimeError, OSError) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise UnreadableImageError(
+                f"{path} cannot be decoded ({reason}). Fix: remove or replace it, or {SKIP_HINT}."
+            ) from error
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        for offset in range(len(self.samples)):
+            path, target = self.samples[(index + offset) % len(self.samples)]
+            try:
+                image = self._decode(path)
+            except UnreadableImageError:
+                if not self.skip_bad_files:
+                    raise
+                continue
+            return self.transform(image), target
+        raise UnreadableImageError(
+            f"no image of {len(self.samples)} could be decoded (the first is {self.samples[0][0]})."
+        )
+
+
+def train_transform(
+    image_size: int,
+    crop_scale: tuple[float, float],
+    horizontal_flip: bool,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+) -> v2.Transform:
+    """The standard ImageNet training augmentation: random resized crop, horizontal flip, normalize."""
+    steps: list[v2.Transform] = [v2.RandomResizedCrop(image_size, scale=tuple(crop_scale), antialias=True)]
+    if horizontal_flip:
+        steps.append(v2.RandomHorizontalFlip())
+    return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
+
+
+def eval_transform(image_size: int, resize_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Transform:
+    """Resize the short side, then the central crop: no randomness."""
+    return v2.Compose(
+        [
+            v2.Resize(resize_size, antialias=True),
+            v2.CenterCrop(image_size),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(list(mean), list(std)),
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class ImageFolderLayout:
+    """The class names and the image files of each split, as found on disk."""
+
+    classes: list[str]
+    train: list[tuple[Path, int]]
+    val: list[tuple[Path, int]] | None  # None: no val/ folder, split off train
+    test: list[tuple[Path, int]] | None  # None: no test/ folder, the val split serves
+    skipped: int
+
+
+def read_layout(data_dir: str, skip_bad_files: bool = False) -> ImageFolderLayout:
+    root = Path(data_dir)
+    if not (root / "train").is_dir():
+        where = f"{root.resolve()} does not exist" if not root.exists() else f"{root.resolve()} has no train/ folder"
+        raise DataNotFoundError(
+            f"ImageFolder data not found: {where}. Fix: point data.init_args.data_dir at a folder holding "
+            "train/<class>/<image> (and optionally val/<class>/<image>)."
+        )
+    classes = class_folders(root / "train")
+    if not classes:
+        raise DataNotFoundError(
+            f"{root / 'train'} holds no class folder. Fix: put each class's images in train/<class>/."
+        )
+    splits: dict[str, list[tuple[Path, int]] | None] = {}
+    for split in ("val", "test"):
+        if not (root / split).is_dir():
+            splits[split] = None
+            continue
+        found = class_folders(root / split)
+        if found != classes:
+            missing, extra = sorted(set(classes) - set(found)), sorted(set(found) - set(classes))
+            difference = "; ".join(
+                part
+                for part in (
+                    f"missing from {split}/: {', '.join(missing)}" if missing else "",
+                    f"not in train/: {', '.join(extra)}" if extra else "",
+                )
+                if part
+            )
+            raise DataNotFoundError(
+                f"{root / split} has other classes than {root / 'train'} ({difference}). "
+                f"Fix: give {split}/ exactly train/'s class folders."
+            )
+        splits[split] = list_images(root / split, classes)
+    train = list_images(root / "train", classes)
+    skipped = 0
+    train, count = drop_unreadable(train, skip_bad_files)
+    skipped += count
+    for split in ("val", "test"):
+        if splits[split] is not None:
+            splits[split], count = drop_unreadable(splits[split], skip_bad_files)
+            skipped += count
+    return ImageFolderLayout(classes, train, splits["val"], splits["test"], skipped)
+
+
+def imagefolder_splits(
+    data_dir: str = "data/imagenet",
+    val_fraction: float = 0.1,
+    split_seed: int = 0,
+    image_size: int = 224,
+    crop_scale: tuple[float, float] = (0.08, 1.0),
+    horizontal_flip: bool = True,
+    resize_size: int = 256,
+    mean: tuple[float, ...] = IMAGENET_MEAN,
+    std: tuple[float, ...] = IMAGENET_STD,
+    skip_bad_files: bool = False,
+) -> Splits:
+    """(train, val, test) from `data_dir`: train/ augmented; val/ (or `val_fraction` of train/ when there is
+    no val/) and test/ (or the val split) resized and center-cropped."""
+    check_split_settings(val_fraction, crop_scale)
+    layout = read_layout(data_dir, skip_bad_files)
+    augmented = train_transform(image_size, crop_scale, horizontal_flip, mean, std)
+    plain = eval_transform(image_size, resize_size, mean, std)
+    return layout_splits(layout, val_fraction, split_seed, augmented, plain, skip_bad_files)
+
+
+def check_split_settings(val_fraction: float, crop_scale: tuple[float, float]) -> None:
+    if not 0 < val_fraction < 1:
+        raise InvalidConfigError(f"data.val_fraction must lie in (0, 1), got {val_fraction}.")
+    if not 0 < crop_scale[0] <= crop_scale[1] <= 1:
+        raise InvalidConfigError(
+            f"data.crop_scale must be [low, high] with 0 < low <= high <= 1, got {list(crop_scale)}."
+        )
+
+
+def layout_splits(
+    layout: ImageFolderLayout,
+    val_fraction: float,
+    split_seed: int,
+    augmented: v2.Transform,
+    plain: v2.Transform,
+    skip_bad_files: bool,
+) -> Splits:
+    """The datasets of a layout already read: train/ with `augmented`, the evaluation splits with `plain`."""
+    train_full = ImageFiles(layout.train, augmented, skip_bad_files)
+    if layout.val is not None:
+        train: Dataset = train_full
+        val: Dataset = ImageFiles(layout.val, plain, skip_bad_files)
+    else:
+        total = len(layout.train)
+        val_size = int(total * val_fraction)
+        if not 0 < val_size < total:
+            raise InvalidConfigError(
+                f"data.val_fraction={val_fraction} of {total} training images leaves no val or no train image. "
+                "Fix: a larger fraction, or a val/ folder."
+            )
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(split_seed)).tolist()
+        train = Subset(train_full, order[val_size:])
+        val = Subset(ImageFiles(layout.train, plain, skip_bad_files), order[:val_size])
+    test = ImageFiles(layout.test, plain, skip_bad_files) if layout.test is not None else val
+    return train, val, test
