@@ -571,8 +571,10 @@ def configured_checkpoint_dirs(root: Path, trainer_config: Any) -> list[Path]:
     dirs = [root / "checkpoints"]
     callbacks = trainer_config.get("callbacks") or []
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
-        init_args = getattr(callback, "init_args", None) if not isinstance(callback, ModelCheckpoint) else None
-        dirpath = callback.dirpath if isinstance(callback, ModelCheckpoint) else (init_args or {}).get("dirpath")
+        if isinstance(callback, ModelCheckpoint):  # an object given in Python, not a config entry
+            dirpath = callback.dirpath
+        else:
+            dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
         if dirpath:
             dirs.append(Path(dirpath))
     return dirs

@@ -49,15 +49,7 @@ def run(
     args: list[str], timeout: float = 300, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run a command in its own process group; on timeout kill the whole group (all ranks)."""
-    process = subprocess.Popen(
-        args,
-        cwd=cwd or REPO,
-        env=env or clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    process = start(args, env=env, cwd=cwd)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
