@@ -1,15 +1,28 @@
 """Your own images in the ImageFolder layout (`train/<class>/<file>`), without Lightning.
 
 `imagefolder_splits` lists the files once per rank (deterministic, nothing written), checks the
-layout and the first bytes of every file, and returns datasets that decode and augment one image
-per `__getitem__`, in the DataLoader workers. The random crop and flip draw from torch's global
-generator, which `PerSampleSeeded` seeds from (seed, epoch, index): a sample's augmentation does not
-depend on the worker, the rank, `num_workers` or a resume.
+layout, and returns datasets that decode and augment one image per `__getitem__`, in the DataLoader
+workers. The random crop and flip draw from torch's global generator, which `PerSampleSeeded` seeds
+from (seed, epoch, index): a sample's augmentation does not depend on the worker, the rank,
+`num_workers` or a resume.
+
+Bad files. By default nothing reads the files before training: on ImageNet (1.28 M files) on a shared
+filesystem, a pass that opens every file costs minutes per pass, and every rank made one before its
+first step. A file that cannot be decoded is found when a worker decodes it: one line that names it
+(`UnreadableImageError`), or, with `skip_bad_files`, the next decodable file of the split in its place
+(`ImageFiles`). `check_files: true` reads the first 12 bytes of every file up front instead, in
+`SCAN_THREADS` threads (on a network filesystem each open is a round trip: threads overlap them), and
+under a Trainer on rank 0 only, which sends the result to the other ranks
+(`ImageFolderDataModule.make_splits`): one pass per run, not one per rank.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,11 +38,28 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # What torchvision.io.decode_image reads, by name; other files in a class folder are not images to us.
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".webp")
-SKIP_HINT = "set data.init_args.skip_bad_files=true to skip and count unreadable images instead"
+SKIP_HINT = "set data.init_args.skip_bad_files=true to skip unreadable images and count them"
+# Files whose first bytes `check_files` reads at once: enough to keep a network filesystem busy.
+SCAN_THREADS = 32
+# What DataLoader's re-raise of a worker's exception puts before the worker's traceback
+# (torch.utils.data._utils.worker.ExceptionWrapper: "Caught X in DataLoader worker process N.").
+WORKER_PREFIX = "Caught "
 
 
 class UnreadableImageError(UserFacingError):
-    """An image file that cannot be decoded; the message names it."""
+    """An image file that cannot be decoded; the message names it.
+
+    Raised in a loader worker, it reaches the training process as a new `UnreadableImageError` built
+    from "Caught UnreadableImageError in DataLoader worker process 0. Original Traceback ...": the
+    worker's traceback, then our line. The user reads only our line.
+    """
+
+    def __init__(self, message: str) -> None:
+        lines = message.rstrip().splitlines()
+        ours = f"{__name__}.{type(self).__name__}: "
+        if message.startswith(WORKER_PREFIX) and lines[-1].startswith(ours):
+            message = lines[-1].removeprefix(ours)
+        super().__init__(message)
 
 
 def image_format_problem(path: Path) -> str | None:
@@ -78,11 +108,32 @@ def list_images(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
     return samples
 
 
-def drop_unreadable(samples: list[tuple[Path, int]], skip_bad_files: bool) -> tuple[list[tuple[Path, int]], int]:
-    """The samples whose files start like an image, and how many were skipped (only if `skip_bad_files`)."""
+def unreadable_files(paths: list[Path]) -> dict[str, str]:
+    """{file: why} for the files of `paths` that do not start like an image (`image_format_problem`),
+    read in `SCAN_THREADS` threads, in chunks (a future per file would cost a GB for ImageNet)."""
+    chunk_size = max(1, min(1024, len(paths) // SCAN_THREADS + 1))
+    chunks = [paths[start : start + chunk_size] for start in range(0, len(paths), chunk_size)]
+
+    def scan(chunk: list[Path]) -> list[tuple[str, str]]:
+        return [(str(path), problem) for path in chunk if (problem := image_format_problem(path)) is not None]
+
+    with ThreadPoolExecutor(SCAN_THREADS) as pool:
+        return {path: problem for found in pool.map(scan, chunks) for path, problem in found}
+
+
+# How `read_layout` has the files checked: `unreadable_files` here, rank 0's result on every rank
+# under a Trainer (app/data/imagefolder.py).
+Scan = Callable[[list[Path]], dict[str, str]]
+
+
+def drop_unreadable(
+    samples: list[tuple[Path, int]], problems: dict[str, str], skip_bad_files: bool
+) -> tuple[list[tuple[Path, int]], int]:
+    """The samples whose files are not in `problems`, and how many were left out (only if `skip_bad_files`;
+    otherwise the first bad one is an error that names it)."""
     kept = []
     for path, target in samples:
-        problem = image_format_problem(path)
+        problem = problems.get(str(path))
         if problem is None:
             kept.append((path, target))
         elif not skip_bad_files:
@@ -93,15 +144,28 @@ def drop_unreadable(samples: list[tuple[Path, int]], skip_bad_files: bool) -> tu
 class ImageFiles(Dataset):
     """Image files with their class indices, decoded to RGB and transformed one per `__getitem__`.
 
-    With `skip_bad_files`, a file that fails to decode is replaced by the next one that decodes
-    (by index, so every rank, worker and resume sees the same substitute); otherwise it is an error
-    that names it.
+    A file that fails to decode is an error that names it, or, with `skip_bad_files`, the next file of
+    the split that decodes (by index) is loaded in its place, with the bad sample's seed and class
+    index replaced by the substitute's. Why a substitute rather than a shorter epoch: the sample count
+    stays what the sampler planned, so every rank trains the same number of steps (DDP's collectives
+    would otherwise wait for a rank that ran out), and the substitute is a function of the index
+    alone, so every rank, worker and resumed run loads the same one: exact resume holds.
+
+    Each replaced file is flagged in `replaced`, a tensor in shared memory that the loader workers
+    write and this process reads (`replaced_files()`); the first time a file is met (per rank) one
+    line names it.
     """
 
     def __init__(self, samples: list[tuple[Path, int]], transform: v2.Transform, skip_bad_files: bool = False) -> None:
         self.samples = samples
         self.transform = transform
         self.skip_bad_files = skip_bad_files
+        # Inherited by forked workers and passed to spawned ones as shared memory (torch.multiprocessing).
+        self.replaced = torch.zeros(len(samples) if skip_bad_files else 0, dtype=torch.uint8).share_memory_()
+
+    def replaced_files(self) -> list[Path]:
+        """The files replaced by a substitute so far, in this process or its loader workers."""
+        return [self.samples[index][0] for index in self.replaced.nonzero().flatten().tolist()]
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -111,22 +175,35 @@ class ImageFiles(Dataset):
             return decode_image(str(path), mode=ImageReadMode.RGB)
         except (RuntimeError, OSError) as error:
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            # torchvision's decoders start with the C++ place: "decode_jpeg, .../decode_jpeg.cpp:171, Image is ..."
+            reason = re.sub(r"^[\w()]+, \S+\.cpp:\d+, ", "", reason)
             raise UnreadableImageError(
                 f"{path} cannot be decoded ({reason}). Fix: remove or replace it, or {SKIP_HINT}."
             ) from error
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         for offset in range(len(self.samples)):
-            path, target = self.samples[(index + offset) % len(self.samples)]
+            position = (index + offset) % len(self.samples)
+            path, target = self.samples[position]
             try:
                 image = self._decode(path)
-            except UnreadableImageError:
+            except UnreadableImageError as error:
                 if not self.skip_bad_files:
                     raise
+                if not self.replaced[position]:
+                    self.replaced[position] = 1
+                    problem = error.args[0].split(" Fix:")[0]
+                    print(
+                        f"ddp-app: {problem} The next image of the split is trained in its place "
+                        "(data.init_args.skip_bad_files=true).",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 continue
             return self.transform(image), target
         raise UnreadableImageError(
-            f"no image of {len(self.samples)} could be decoded (the first is {self.samples[0][0]})."
+            f"no image of {len(self.samples)} could be decoded (the first is {self.samples[0][0]}). "
+            "Fix: point data.init_args.data_dir at the images (JPEG, PNG, GIF or WebP)."
         )
 
 
@@ -167,7 +244,11 @@ class ImageFolderLayout:
     skipped: int
 
 
-def read_layout(data_dir: str, skip_bad_files: bool = False) -> ImageFolderLayout:
+def read_layout(
+    data_dir: str, skip_bad_files: bool = False, check_files: bool = False, scan: Scan = unreadable_files
+) -> ImageFolderLayout:
+    """The classes and files under `data_dir`; with `check_files`, `scan` reads every file's first
+    bytes and a bad one is an error (or left out and counted, with `skip_bad_files`)."""
     root = Path(data_dir)
     if not (root / "train").is_dir():
         where = f"{root.resolve()} does not exist" if not root.exists() else f"{root.resolve()} has no train/ folder"
@@ -203,12 +284,14 @@ def read_layout(data_dir: str, skip_bad_files: bool = False) -> ImageFolderLayou
         splits[split] = list_images(root / split, classes)
     train = list_images(root / "train", classes)
     skipped = 0
-    train, count = drop_unreadable(train, skip_bad_files)
-    skipped += count
-    for split in ("val", "test"):
-        if splits[split] is not None:
-            splits[split], count = drop_unreadable(splits[split], skip_bad_files)
-            skipped += count
+    if check_files:
+        listed = [train, *(files for files in splits.values() if files is not None)]
+        problems = scan([path for files in listed for path, _ in files])
+        train, skipped = drop_unreadable(train, problems, skip_bad_files)
+        for split in ("val", "test"):
+            if splits[split] is not None:
+                splits[split], count = drop_unreadable(splits[split], problems, skip_bad_files)
+                skipped += count
     return ImageFolderLayout(classes, train, splits["val"], splits["test"], skipped)
 
 
@@ -223,11 +306,12 @@ def imagefolder_splits(
     mean: tuple[float, ...] = IMAGENET_MEAN,
     std: tuple[float, ...] = IMAGENET_STD,
     skip_bad_files: bool = False,
+    check_files: bool = False,
 ) -> Splits:
     """(train, val, test) from `data_dir`: train/ augmented; val/ (or `val_fraction` of train/ when there is
     no val/) and test/ (or the val split) resized and center-cropped."""
     check_split_settings(val_fraction, crop_scale)
-    layout = read_layout(data_dir, skip_bad_files)
+    layout = read_layout(data_dir, skip_bad_files, check_files)
     augmented = train_transform(image_size, crop_scale, horizontal_flip, mean, std)
     plain = eval_transform(image_size, resize_size, mean, std)
     return layout_splits(layout, val_fraction, split_seed, augmented, plain, skip_bad_files)

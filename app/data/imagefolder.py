@@ -1,24 +1,27 @@
 """Your own images in the ImageFolder layout (ImageNet's on disk): `data_dir/train/<class>/<file>`.
 
-The files are listed and checked in `setup` (every rank, the same way, nothing written) and decoded
-and augmented in the DataLoader workers; the datasets are built in `app.data.image_files`.
+The files are listed in `setup` (every rank, the same way, nothing written) and decoded and
+augmented in the DataLoader workers; the datasets are built in `app.data.image_files`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from app.data.base import ShardedDataModule
 from app.data.image_files import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    ImageFiles,
     check_split_settings,
     eval_transform,
     layout_splits,
     read_layout,
     train_transform,
+    unreadable_files,
 )
 
 
@@ -32,8 +35,12 @@ class ImageFolderDataModule(ShardedDataModule):
     to `image_size`. Both are normalized with `mean` and `std`. The random draws are seeded per
     sample from (seed, epoch, index), so resumes are exact with any `num_workers`.
 
-    Every file's first bytes are checked in `setup`: an unreadable one is an error that names it, or,
-    with `skip_bad_files`, is left out and counted in one line.
+    Bad files (app/data/image_files.py says why): by default none is looked for before training; a
+    file that fails to decode in a worker stops the run with one line that names it, or, with
+    `skip_bad_files`, the next image of the split is trained in its place and the replaced files are
+    counted at the end of the fit (per rank: each rank meets only its own samples). `check_files:
+    true` reads every file's first bytes in `setup`, on rank 0 only (the other ranks get its result):
+    a bad one is an error that names it on every rank, or, with `skip_bad_files`, is left out.
     """
 
     def __init__(
@@ -48,6 +55,7 @@ class ImageFolderDataModule(ShardedDataModule):
         mean: tuple[float, ...] = IMAGENET_MEAN,
         std: tuple[float, ...] = IMAGENET_STD,
         skip_bad_files: bool = False,
+        check_files: bool = False,
         **loader_options: Any,
     ) -> None:
         super().__init__(**loader_options)  # batch_size, num_workers, ...: see ShardedDataModule
@@ -62,11 +70,22 @@ class ImageFolderDataModule(ShardedDataModule):
         self.mean = tuple(mean)
         self.std = tuple(std)
         self.skip_bad_files = skip_bad_files
+        self.check_files = check_files
         self.classes: list[str] = []
         self.skipped_files = 0
 
+    def _scan_on_rank_zero(self, paths: list[Path]) -> dict[str, str]:
+        """`unreadable_files` on rank 0, its result on every rank: one pass over a shared filesystem per
+        run, not one per rank. Every rank calls this at the same point of `setup` (the broadcast is a
+        collective): the listing before it is the same everywhere."""
+        trainer = self.trainer
+        if trainer is None or trainer.world_size == 1:
+            return unreadable_files(paths)
+        problems = unreadable_files(paths) if trainer.global_rank == 0 else None
+        return trainer.strategy.broadcast(problems, src=0)
+
     def make_splits(self) -> tuple[Dataset, Dataset, Dataset]:
-        layout = read_layout(self.data_dir, self.skip_bad_files)
+        layout = read_layout(self.data_dir, self.skip_bad_files, self.check_files, self._scan_on_rank_zero)
         self.classes = layout.classes
         self.skipped_files = layout.skipped
         if layout.skipped and (self.trainer is None or self.trainer.global_rank == 0):
@@ -78,3 +97,28 @@ class ImageFolderDataModule(ShardedDataModule):
         augmented = train_transform(self.image_size, self.crop_scale, self.horizontal_flip, self.mean, self.std)
         plain = eval_transform(self.image_size, self.resize_size, self.mean, self.std)
         return layout_splits(layout, self.val_fraction, self.split_seed, augmented, plain, self.skip_bad_files)
+
+    def teardown(self, stage: str) -> None:
+        """At the end of a fit (validate, test, predict) with `skip_bad_files`: the files this rank
+        replaced, in one line (each rank decodes only its own share of the samples)."""
+        if not self.skip_bad_files:
+            return
+        splits = (self.train_dataset, self.val_dataset, self.test_dataset)
+        replaced = sorted({str(path) for split in splits for path in replaced_files(split)})
+        if not replaced:
+            return
+        multi_rank = self.trainer is not None and self.trainer.world_size > 1
+        rank = f"rank {self.trainer.global_rank}: " if multi_rank else ""
+        shown = ", ".join(replaced[:5]) + (f" and {len(replaced) - 5} more" if len(replaced) > 5 else "")
+        print(
+            f"ddp-app: {rank}{len(replaced)} unreadable image files were replaced by the next image of their "
+            f"split (data.init_args.skip_bad_files=true): {shown}. Fix: remove or replace them.",
+            flush=True,
+        )
+
+
+def replaced_files(dataset: Dataset | None) -> list[Path]:
+    """The files the `ImageFiles` under a split (a `Subset` of one without a val/ folder) replaced."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return dataset.replaced_files() if isinstance(dataset, ImageFiles) else []

@@ -3,6 +3,7 @@ augmentation that is a function of (seed, epoch, index), and a 2-rank fit killed
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,13 @@ from PIL import Image
 from torch.utils.data import DataLoader, Subset
 
 from app.checkpoints.io import safe_load
-from app.data.image_files import ImageFiles, UnreadableImageError, imagefolder_splits
+from app.data.image_files import (
+    ImageFiles,
+    UnreadableImageError,
+    image_format_problem,
+    imagefolder_splits,
+    unreadable_files,
+)
 from app.data.imagefolder import ImageFolderDataModule
 from app.data.seeding import PerSampleSeeded, SampleKey
 from app.errors import UserFacingError
@@ -99,29 +106,83 @@ def test_val_classes_that_differ_from_train_are_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("content", [b"", b"<html>404 Not Found</html>"], ids=["empty", "not-an-image"])
-def test_an_unreadable_image_is_named_or_skipped_and_counted(
+def test_check_files_names_or_skips_and_counts_an_unreadable_image(
     tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = make_image_folder(tmp_path, {"train": 4, "val": 1})
     bad = root / "train" / "dog" / "broken.jpg"
     bad.write_bytes(content)
     with pytest.raises(UnreadableImageError) as error:
-        imagefolder_splits(str(root), **SMALL)
+        imagefolder_splits(str(root), check_files=True, **SMALL)
     message = one_line(error)
     assert message.startswith(f"{bad} ") and "skip_bad_files=true" in message
-    datamodule = ImageFolderDataModule(str(root), skip_bad_files=True, **SMALL)
+    datamodule = ImageFolderDataModule(str(root), skip_bad_files=True, check_files=True, **SMALL)
     datamodule.setup("fit")
     assert len(datamodule.train_dataset) == 16 and datamodule.skipped_files == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if "skipped" in line]
     assert lines == [f"ddp-app: skipped 1 unreadable image files in {root} (data.init_args.skip_bad_files=true)"]
 
 
-def test_an_image_that_fails_to_decode_is_named_or_replaced_by_the_next(tmp_path: Path) -> None:
-    """A damaged body behind a valid JPEG header passes the setup check and fails when decoded."""
+def test_by_default_setup_reads_no_file_and_a_bad_one_is_named_when_it_is_decoded(tmp_path: Path) -> None:
+    """No scan before training (every rank of an ImageNet run would read 1.28 M files): the file that is
+    not an image is in the split, and decoding it is the one-line error."""
+    root = make_image_folder(tmp_path, {"train": 2})
+    bad = root / "train" / "dog" / "broken.jpg"
+    bad.write_bytes(b"<html>404 Not Found</html>")
+    datamodule = ImageFolderDataModule(str(root), val_fraction=0.25, **SMALL)
+    datamodule.setup("fit")
+    files = datamodule.train_dataset.dataset
+    assert len(files) == 9 and files.samples.index((bad, 1)) == 4
+    with pytest.raises(UnreadableImageError) as error:
+        files[4]
+    assert one_line(error).startswith(f"{bad} cannot be decoded")
+
+
+def test_the_scan_reads_every_file_of_a_large_folder_in_threads(tmp_path: Path) -> None:
+    """3000 files, one bad in each split: all found, and the threads make it no slower than one thread."""
+    root = make_image_folder(tmp_path, {"train": 500, "val": 250}, size=4)
+    (root / "train" / "owl" / "x.png").write_bytes(b"GIF7")
+    (root / "val" / "cat" / "y.jpg").write_bytes(b"")
+    paths = [path for path in sorted(root.rglob("*")) if path.is_file()]
+    assert len(paths) == 3002
+    started = time.perf_counter()
+    problems = unreadable_files(paths)
+    threaded = time.perf_counter() - started
+    assert problems == {
+        str(root / "train" / "owl" / "x.png"): "is not a JPEG, PNG, GIF or WebP image (it starts with b'GIF7')",
+        str(root / "val" / "cat" / "y.jpg"): "is empty (0 bytes)",
+    }
+    started = time.perf_counter()
+    assert {str(path): image_format_problem(path) for path in paths if image_format_problem(path)} == problems
+    assert threaded < 3 * (time.perf_counter() - started) + 0.5
+
+
+def test_a_worker_error_reaches_the_user_as_its_one_line(tmp_path: Path) -> None:
+    """DataLoader re-raises a worker's exception with the worker's traceback in its message: the user
+    reads our line only."""
+    root = make_image_folder(tmp_path, {"train": 2})
+    damaged = root / "train" / "cat" / "001.png"
+    damaged.write_bytes(damaged.read_bytes()[:60])
+    train, _, _ = imagefolder_splits(str(root), val_fraction=0.25, **SMALL)
+    with pytest.raises(UnreadableImageError) as error:
+        list(DataLoader(train.dataset, batch_size=2, num_workers=1))
+    message = one_line(error)
+    assert message.startswith(f"{damaged} cannot be decoded (Out of bound read in decode_png.")
+    assert message.endswith(
+        "Fix: remove or replace it, or set data.init_args.skip_bad_files=true to skip unreadable images and count them."
+    )
+    assert "Traceback" not in message and "DataLoader worker process" not in message
+
+
+def test_an_image_that_fails_to_decode_is_named_or_replaced_by_the_next(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A damaged body behind a valid JPEG header fails when decoded; with skip_bad_files the next file
+    takes its place, and the file is flagged where the loader's workers and this process both see it."""
     root = make_image_folder(tmp_path, {"train": 2})
     damaged = root / "train" / "cat" / "000.jpg"
     damaged.write_bytes(damaged.read_bytes()[:20])
-    train, _, _ = imagefolder_splits(str(root), val_fraction=0.25, **SMALL)
+    train, _, _ = imagefolder_splits(str(root), val_fraction=0.25, check_files=True, **SMALL)
     files = train.dataset
     with pytest.raises(UnreadableImageError) as error:
         files[0]
@@ -131,6 +192,15 @@ def test_an_image_that_fails_to_decode_is_named_or_replaced_by_the_next(tmp_path
     substitute = skipping[0]
     torch.manual_seed(0)
     assert torch.equal(substitute[0], skipping[1][0]) and substitute[1] == skipping[1][1]
+    assert skipping.replaced_files() == [damaged]
+    fresh = ImageFiles(files.samples, files.transform, skip_bad_files=True)
+    batches = list(DataLoader(fresh, batch_size=4, num_workers=2))
+    assert sum(len(batch[1]) for batch in batches) == 8  # the epoch keeps its length
+    assert fresh.replaced_files() == [damaged]  # flagged in a worker, read here
+    said = [line for line in capfd.readouterr().err.splitlines() if str(damaged) in line]
+    assert len(said) == 2 and said[-1].endswith(
+        "The next image of the split is trained in its place (data.init_args.skip_bad_files=true)."
+    )
 
 
 def test_a_samples_augmentation_depends_on_seed_epoch_and_index_only(tmp_path: Path) -> None:
@@ -197,3 +267,74 @@ def test_a_2_rank_fit_resumed_on_3_ranks_ends_within_rounding(runner: Runner, tm
     for name, value in weights.items():
         scale = float(value.abs().max()) or 1.0
         assert float((actual["state_dict"][name] - value).abs().max()) / scale <= 1e-5, name
+
+
+@pytest.fixture(scope="module")
+def damaged_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The resume tests' image folder with one PNG cut short after its header: found only when decoded."""
+    root = make_image_folder(tmp_path_factory.mktemp("damaged"), {"train": 64, "val": 8}, size=32)
+    damaged = root / "train" / "fish" / "013.png"
+    damaged.write_bytes(damaged.read_bytes()[:60])
+    return root, damaged
+
+
+@pytest.mark.fault
+@pytest.mark.distributed
+def test_a_file_that_fails_to_decode_in_a_worker_ends_the_2_rank_fit_with_one_line(
+    damaged_folder: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root, damaged = damaged_folder
+    started = time.monotonic()
+    result = ddp_app(
+        "fit", "--config", "tests/helpers/imagefolder.yaml", f"--data.init_args.data_dir={root}",
+        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false", timeout=120,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and time.monotonic() - started < 100, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("ddp-app: error:")]
+    assert errors == [
+        f"ddp-app: error: {damaged} cannot be decoded (Out of bound read in decode_png. Probably, the input image "
+        "is corrupted). Fix: remove or replace it, or set data.init_args.skip_bad_files=true to skip unreadable "
+        "images and count them."
+    ], output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.fault
+@pytest.mark.distributed
+@pytest.mark.slow  # 31 s on the 2-core VM: three 2-rank fits
+def test_with_skip_bad_files_a_2_rank_fit_killed_mid_epoch_resumes_to_the_same_weights(
+    damaged_folder: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The damaged file's sample is replaced by the next file on whichever rank, worker or resumed
+    process meets it: every epoch keeps its 8 steps, and the resumed run ends bit for bit."""
+    root, damaged = damaged_folder
+    config = ["--config", "tests/helpers/imagefolder.yaml", f"--data.init_args.data_dir={root}"]
+    runner = Runner([*config, "--data.init_args.skip_bad_files=true"], tmp_path, epochs=2)
+    outcome = runner.run(Case("kill-rank1", "mid-epoch", epoch=1))
+    assert outcome.exact, outcome.detail or outcome
+    assert outcome.weights_diff == 0 and outcome.steps == 16
+    log = (tmp_path / "uninterrupted-default.log").read_text()
+    summary = f"split (data.init_args.skip_bad_files=true): {damaged}. Fix: remove or replace them."
+    assert "unreadable image files were replaced by the next image of their " + summary in log, log[-3000:]
+
+
+@pytest.mark.fault
+@pytest.mark.distributed
+def test_check_files_on_2_ranks_scans_on_rank_0_and_stops_every_rank_with_one_line(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 reads the files and sends what it found; every rank raises the same line (none waits)."""
+    root = make_image_folder(tmp_path / "images", {"train": 8, "val": 2}, size=32)
+    bad = root / "val" / "owl" / "page.jpg"
+    bad.write_bytes(b"<html>404 Not Found</html>")
+    result = ddp_app(
+        "fit", "--config", "tests/helpers/imagefolder.yaml", f"--data.init_args.data_dir={root}",
+        "--data.init_args.check_files=true", f"--trainer.default_root_dir={tmp_path / 'run'}", timeout=120,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("ddp-app: error:")]
+    assert result.returncode == 2 and errors == [
+        f"ddp-app: error: {bad} is not a JPEG, PNG, GIF or WebP image (it starts with b'<htm'). Fix: remove or "
+        "replace it, or set data.init_args.skip_bad_files=true to skip unreadable images and count them."
+    ], output[-3000:]
