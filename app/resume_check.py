@@ -136,14 +136,19 @@ class Case:
     continues: str = "same"
     variant: str = "default"
     epoch: int = 1
+    # 2: the resumed run is stopped the same way one epoch later and resumed again (a second resume
+    # in a row must continue the first one's position, not its starting point). StopAt stops only.
+    stops: int = 1
 
     @property
     def name(self) -> str:
-        return f"{self.stop}@{self.moment}/e{self.epoch}->{self.continues}[{self.variant}]"
+        again = "x2" if self.stops == 2 else ""
+        return f"{self.stop}@{self.moment}/e{self.epoch}{again}->{self.continues}[{self.variant}]"
 
     def describe(self) -> str:
         where = MOMENTS[self.moment] if self.stop not in ("max_steps", "max_time") else "mid-epoch"
-        return f"{STOPS[self.stop]} {where}, epoch {self.epoch}, then {CONTINUES[self.continues]}"
+        again = f", again in epoch {self.epoch + 1}" if self.stops == 2 else ""
+        return f"{STOPS[self.stop]} {where}, epoch {self.epoch}{again}, then {CONTINUES[self.continues]}"
 
 
 @dataclass
@@ -296,6 +301,16 @@ class Runner:
             self._baselines[variant] = root
         return self._baselines[variant]
 
+    @staticmethod
+    def _stop_at(case: Case, epoch: int, steps: int, batches: int) -> list[str]:
+        """The arguments that stop a run at `case`'s moment in `epoch` (StopAt), with saves to resume from."""
+        stop_at = {"how": case.stop, "moment": case.moment, "epoch": epoch, "batch": max(1, batches // 2)}
+        return [
+            "--trainer.callbacks+=" + json.dumps({"class_path": "app.resume_check.StopAt", "init_args": stop_at}),
+            # A save every few steps, one of them on an epoch's last batch, so kills have something to resume.
+            f"--last_checkpoint.every_n_steps={max(1, steps // 2)}",
+        ]
+
     def steps_per_epoch(self, variant: str) -> tuple[int, int]:
         """(optimizer steps, batches) per epoch of the uninterrupted run."""
         record = safe_load(self.baseline(variant) / "checkpoints" / "last.ckpt")[POSITION_KEY]
@@ -321,12 +336,9 @@ class Runner:
         elif case.stop == "max_time":
             first.append("--trainer.max_time=00:00:00:04")
         else:
-            stop_at = {"how": case.stop, "moment": case.moment, "epoch": case.epoch, "batch": max(1, batches // 2)}
-            first.append(
-                "--trainer.callbacks+=" + json.dumps({"class_path": "app.resume_check.StopAt", "init_args": stop_at})
-            )
-            # A save every few steps, one of them on an epoch's last batch, so kills have something to resume.
-            first.append(f"--last_checkpoint.every_n_steps={max(1, steps // 2)}")
+            first += self._stop_at(case, case.epoch, steps, batches)
+        if case.stops == 2 and (case.stop in ("max_steps", "max_time") or case.epoch + 2 > self.epochs):
+            raise ValueError(f"{case.name}: a second stop needs a StopAt stop and an epoch after it")
         code = run_ddp_app(first, log, self.timeout)
         if case.stop in ("max_steps", "max_time") and code != 0:
             return Outcome(case, -1, math.inf, math.inf, False, f"the stopped run failed with exit code {code}")
@@ -334,6 +346,11 @@ class Runner:
             reached = safe_load(root / "checkpoints" / "last.ckpt")["global_step"]
             extra_steps = {reached - 1, reached}
         resumed = self._args(case.variant, root) + [f"--trainer.max_epochs={self.epochs}", "--ckpt_path=last"]
+        if case.stops == 2:
+            run_ddp_app(resumed + self._stop_at(case, case.epoch + 1, steps, batches), log, self.timeout)
+            reached = safe_load(root / "checkpoints" / "last.ckpt")["global_step"]
+            if reached >= total:
+                return Outcome(case, reached, math.inf, math.inf, False, "the first resumed run was not stopped")
         code = run_ddp_app(resumed, log, self.timeout)
         if code != 0:
             return Outcome(

@@ -19,6 +19,7 @@ DATA_MODULES = {
     "FakeImageDataModule": "app.data.vision",
     "ImageFolderDataModule": "app.data.imagefolder",
     "MNISTDataModule": "app.data.vision",
+    "StreamingDataModule": "app.data.streaming",
     "DataNotFoundError": "app.data.datasets",
 }
 

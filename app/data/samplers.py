@@ -8,9 +8,12 @@ samples so that it divides evenly, and those duplicates would be counted twice i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sized
+import functools
+import math
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
+import torch
 from torch.utils.data import DistributedSampler
 
 from app.data.seeding import SampleKey
@@ -43,6 +46,51 @@ class UnpaddedDistributedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+# How many chunks' samples a chunked training order shuffles together (`chunked_shard`).
+DEFAULT_SHUFFLE_CHUNKS = 4
+
+
+@functools.lru_cache(maxsize=4)
+def _chunked_order(chunk_sizes: tuple[int, ...], shuffle: bool, seed: int, epoch: int, window: int) -> list[int]:
+    """One epoch's order of a chunked data set: chunks in a permuted order, the samples of each window
+    of `window` consecutive chunks permuted together (LitData's way, a function of (seed, epoch) only)."""
+    starts = [0]
+    for size in chunk_sizes[:-1]:
+        starts.append(starts[-1] + size)
+    generator = torch.Generator().manual_seed(seed + epoch)  # as DistributedSampler seeds its permutation
+    chunks = torch.randperm(len(chunk_sizes), generator=generator).tolist() if shuffle else range(len(chunk_sizes))
+    chunks = list(chunks)
+    order: list[int] = []
+    for first in range(0, len(chunks), window):
+        samples = [
+            i
+            for chunk in chunks[first : first + window]
+            for i in range(starts[chunk], starts[chunk] + chunk_sizes[chunk])
+        ]
+        if shuffle:
+            samples = [samples[j] for j in torch.randperm(len(samples), generator=generator).tolist()]
+        order.extend(samples)
+    return order
+
+
+def chunked_shard(
+    chunk_sizes: Sequence[int], rank: int, num_replicas: int, shuffle: bool, seed: int, epoch: int, window: int
+) -> list[int]:
+    """Rank `rank`'s padded shard of a data set stored in chunks: a contiguous run of `_chunked_order`.
+
+    Each rank reads its own chunks (about 1/num_replicas of them, plus a chunk shared with each
+    neighbour), as LitData's own sharding does, instead of every rank reading every chunk.
+    Padded to equal shards by repeating the order's first samples, as DistributedSampler pads.
+    """
+    order = _chunked_order(tuple(int(size) for size in chunk_sizes), shuffle, seed, epoch, max(1, window))
+    per_rank = math.ceil(len(order) / num_replicas)
+    padded = (
+        order
+        + (order * math.ceil(per_rank * num_replicas / max(1, len(order))))[: per_rank * num_replicas - len(order)]
+    )
+    return padded[rank * per_rank : (rank + 1) * per_rank]
 
 
 # (epoch, batches of that epoch already trained) at the moment an epoch's iteration starts:
@@ -84,17 +132,27 @@ class ResumableDistributedSampler(DistributedSampler):
         if layout is not None:
             self.num_samples = layout.rank_length(len(dataset), rank)
 
-    def _order(self) -> list[int]:
-        """The whole padded order of the starting run's world size (DistributedSampler's, rank by rank interleaved)."""
-        assert self.layout is not None
-        starting = DistributedSampler(
-            self.dataset, num_replicas=self.layout.order_world_size, rank=0, shuffle=self.shuffle, seed=self.seed
+    def _shard(self, rank: int, num_replicas: int) -> list[int]:
+        """Rank `rank`'s whole padded shard of this epoch at world size `num_replicas`.
+
+        DistributedSampler's (every `num_replicas`-th sample of one permutation), or, for a data set
+        stored in chunks (`chunk_sizes`, e.g. LitData shards), `chunked_shard`'s.
+        """
+        chunk_sizes = getattr(self.dataset, "chunk_sizes", None)
+        if chunk_sizes is not None:
+            window = getattr(self.dataset, "shuffle_chunks", DEFAULT_SHUFFLE_CHUNKS)
+            return chunked_shard(chunk_sizes, rank, num_replicas, self.shuffle, self.seed, self.epoch, window)
+        sampler = DistributedSampler(
+            self.dataset, num_replicas=num_replicas, rank=rank, shuffle=self.shuffle, seed=self.seed
         )
-        starting.set_epoch(self.epoch)
-        shards = []
-        for rank in range(self.layout.order_world_size):
-            starting.rank = rank
-            shards.append(list(starting))
+        sampler.set_epoch(self.epoch)
+        return list(sampler)
+
+    def _order(self) -> list[int]:
+        """The whole padded order of the starting run's world size (its shards, rank by rank interleaved)."""
+        assert self.layout is not None
+        world_size = self.layout.order_world_size
+        shards = [self._shard(rank, world_size) for rank in range(world_size)]
         return [index for group in zip(*shards, strict=True) for index in group]
 
     def __iter__(self) -> Iterator[Any]:
@@ -105,7 +163,7 @@ class ResumableDistributedSampler(DistributedSampler):
         if self.layout is not None:
             indices = self.layout.rank_indices(self._order(), self.rank, skip)
         else:
-            indices = list(super().__iter__())[skip * self.batch_size :]
+            indices = self._shard(self.rank, self.num_replicas)[skip * self.batch_size :]
         if self.keyed:
             return iter([SampleKey(self.epoch, index) for index in indices])
         return iter(indices)

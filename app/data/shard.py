@@ -1,0 +1,265 @@
+"""`python -m app.data.shard --config C --out DIR`: write a config's data set as LitData shards.
+
+The data module of the config (`data:`, with `--data.init_args.NAME=VALUE` overrides) is built and
+set up as for training, and each of its splits is written with LitData's `optimize` into
+`DIR/train`, `DIR/val` and `DIR/test` (chunks of `--chunk-bytes`, LitData's `index.json`), plus
+`DIR/ddp_app_shards.json` saying what was written from what. `StreamingDataModule`
+(app/data/streaming.py) trains from the result, locally or after a copy to object storage.
+
+What a sample holds:
+  - image files (`ImageFolderDataModule`): the file's encoded bytes and its class index, so the
+    shards are as small as the JPEGs and decoding and augmentation stay in the training loader's
+    workers, seeded per sample as from the folder;
+  - any other map-style data set whose reading draws no random number (digits, MNIST, CIFAR-10,
+    a user's `TensorDataset`): the sample as `dataset[index]` returns it (tensors and numbers).
+A data set that augments when read is refused: its shards would freeze one random draw.
+
+The training split is written in a seeded random order (`--seed`): an ImageFolder lists its files
+class by class, and a chunk of one class would make every batch drawn from a few chunks
+one-sided (StreamingDataModule shuffles chunks and samples within a window of chunks, not the
+whole set). The other splits keep their order. Nothing is overwritten: an existing `--out` with
+files in it is refused, and a write that ends with fewer samples than the split holds is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch.utils.data import Dataset, Subset
+
+from app.data.seeding import reads_without_randomness
+from app.errors import InvalidConfigError, UserFacingError
+
+SPLITS = ("train", "val", "test")
+MANIFEST = "ddp_app_shards.json"
+DEFAULT_CHUNK_BYTES = "64MB"  # LitData's advice: chunks of tens of MB stream well from object storage
+
+
+def image_files_of(dataset: Dataset) -> tuple[list[tuple[Path, int]], list[int]] | None:
+    """(the image files with their class indices, the indices `dataset` reads of them) for a split of
+    `ImageFolderDataModule` (an `ImageFiles`, or Subsets of one); None for any other data set."""
+    from app.data.image_files import ImageFiles
+
+    indices: list[int] | None = None
+    while isinstance(dataset, Subset):
+        indices = [int(dataset.indices[i]) for i in indices] if indices is not None else list(dataset.indices)
+        dataset = dataset.dataset
+    if not isinstance(dataset, ImageFiles):
+        return None
+    return dataset.samples, indices if indices is not None else list(range(len(dataset.samples)))
+
+
+def image_record(samples: list[tuple[Path, int]], index: int) -> dict[str, Any]:
+    """One image file's sample: its encoded bytes and class index (decoded in training, app.data.streaming)."""
+    path, target = samples[index]
+    return {"image": Path(path).read_bytes(), "label": int(target)}
+
+
+def dataset_record(dataset: Dataset, index: int) -> Any:
+    """One sample as the data set returns it; tensors are made contiguous and owning (a view of a
+    whole split's tensor would otherwise be written with the split)."""
+    sample = dataset[index]
+    if isinstance(sample, torch.Tensor):
+        return sample.clone()
+    if isinstance(sample, (tuple, list)):
+        return tuple(part.clone() if isinstance(part, torch.Tensor) else part for part in sample)
+    return sample
+
+
+def split_writer(dataset: Dataset, name: str) -> tuple[Any, list[int], str]:
+    """(the function that makes sample `i`'s record, the indices to write, what a record holds)."""
+    files = image_files_of(dataset)
+    if files is not None:
+        samples, indices = files
+        return partial(image_record, samples), indices, "encoded image bytes and class index"
+    if not reads_without_randomness(dataset):
+        raise InvalidConfigError(
+            f"the {name} split ({type(dataset).__name__}) may draw random numbers when a sample is read "
+            "(augmentation), and shards would keep one draw forever. Fix: write the shards from the data set "
+            "without its random transforms (a TensorDataset of the raw samples, or an ImageFolder), and "
+            "augment in training."
+        )
+    return partial(dataset_record, dataset), list(range(len(dataset))), "the samples as the data set returns them"
+
+
+def write_split(
+    dataset: Dataset, name: str, out: Path, chunk_bytes: str, chunk_size: int | None, workers: int, seed: int
+) -> dict[str, Any]:
+    """Write one split with LitData's `optimize`; the record of what was written."""
+    from litdata import StreamingDataset, optimize
+
+    record, indices, holds = split_writer(dataset, name)
+    if name == "train":
+        order = torch.randperm(len(indices), generator=torch.Generator().manual_seed(seed)).tolist()
+        indices = [indices[position] for position in order]
+    started = time.perf_counter()
+    optimize(
+        fn=record,
+        inputs=indices,
+        output_dir=str(out),
+        chunk_bytes=None if chunk_size else chunk_bytes,
+        chunk_size=chunk_size,
+        num_workers=max(1, workers),
+        keep_data_ordered=True,  # sample i of the shards is inputs[i]: a rewrite gives the same shards
+        start_method="fork",  # the record functions and the data set need no pickling
+        verbose=False,
+    )
+    written = sum(end - start for start, end in StreamingDataset(str(out)).region_of_interest)
+    if written != len(indices):
+        raise UserFacingError(
+            f"writing the {name} split to {out} ended with {written} of its {len(indices)} samples (a LitData "
+            f"worker failed; its error is above). Fix: correct the cause, remove {out} and run again."
+        )
+    size = sum(path.stat().st_size for path in out.iterdir())
+    chunks = len(json.loads((out / "index.json").read_text())["chunks"])
+    return {
+        "samples": written,
+        "chunks": chunks,
+        "bytes": size,
+        "seconds": round(time.perf_counter() - started, 2),
+        "holds": holds,
+        "shuffled_with_seed": seed if name == "train" else None,
+    }
+
+
+def module_splits(module: Any) -> dict[str, Dataset]:
+    """The data module's train, val and test data sets: ddp-app's modules keep them as `train_dataset`,
+    ...; any other module's are its loaders' `dataset` (a test split that is the val split is left out:
+    StreamingDataModule reads val/ when there is no test/)."""
+    splits: dict[str, Dataset] = {}
+    for name in SPLITS:
+        dataset = getattr(module, f"{name}_dataset", None)
+        if dataset is None and not hasattr(module, f"{name}_dataset"):
+            try:
+                loader = getattr(module, f"{name}_dataloader")()
+            except (NotImplementedError, AttributeError, TypeError, RuntimeError, MisconfigurationException):
+                loader = None  # a module without this split (Lightning's hooks raise or are missing)
+            dataset = getattr(loader[0] if isinstance(loader, (list, tuple)) else loader, "dataset", None)
+        if dataset is not None and not any(dataset is kept for kept in splits.values()):
+            splits[name] = dataset
+    if "train" not in splits:
+        raise InvalidConfigError(
+            f"{type(module).__name__} gives no training data set (no train_dataset, no train_dataloader().dataset). "
+            "Fix: write the shards from a data module that has one."
+        )
+    return splits
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`--data.init_args.NAME=VALUE` (or `--data.init_args.NAME VALUE`) applied to the config's `data:` entry."""
+    init_args = dict(data.get("init_args") or {})
+    prefix = "--data.init_args."
+    index = 0
+    while index < len(overrides):
+        argument = overrides[index]
+        if not argument.startswith(prefix):
+            raise InvalidConfigError(
+                f"unknown argument {argument!r}. Fix: only --data.init_args.NAME=VALUE overrides the config's data."
+            )
+        name, equals, value = argument[len(prefix) :].partition("=")
+        if not equals:
+            if index + 1 >= len(overrides):
+                raise InvalidConfigError(f"{argument} has no value. Fix: {argument}=VALUE.")
+            index += 1
+            value = overrides[index]
+        init_args[name] = yaml.safe_load(value)
+        index += 1
+    return {**data, "init_args": init_args}
+
+
+def build_data_module(config: Path, overrides: list[str]) -> Any:
+    """The config's data module, set up for fit and test (its splits as training would read them)."""
+    from app.reference.config import instantiate
+
+    if not config.is_file():
+        raise InvalidConfigError(f"--config {config} does not exist. Fix: give a config file (configs/*.yaml).")
+    data = (yaml.safe_load(config.read_text()) or {}).get("data")
+    if not isinstance(data, dict) or "class_path" not in data:
+        raise InvalidConfigError(f"{config} has no data: entry with a class_path. Fix: give a training config.")
+    module = instantiate(apply_overrides(data, overrides))
+    module.setup("fit")
+    return module
+
+
+def check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InvalidConfigError(
+            f"--out {out} already holds files; nothing is overwritten. Fix: remove it, or give another --out."
+        )
+
+
+def write_shards(
+    module: Any, out: Path, chunk_bytes: str, chunk_size: int | None, workers: int, seed: int, source: str
+) -> dict[str, Any]:
+    """Write the module's train, val and test splits (test only where it is not the val split) under `out`."""
+    check_out(out)
+    splits = module_splits(module)
+    manifest: dict[str, Any] = {
+        "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "source": source,
+        "data_module": f"{type(module).__module__}.{type(module).__name__}",
+        "classes": list(getattr(module, "classes", []) or []),
+        "splits": {},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        for name, dataset in splits.items():
+            if dataset is None:
+                continue
+            print(f"ddp-app: writing the {name} split ({len(dataset)} samples) to {out / name} ...", flush=True)
+            manifest["splits"][name] = write_split(dataset, name, out / name, chunk_bytes, chunk_size, workers, seed)
+            done = manifest["splits"][name]
+            print(
+                f"ddp-app: {name}: {done['samples']} samples in {done['chunks']} chunks, "
+                f"{done['bytes'] / 1e6:.1f} MB, {done['seconds']} s",
+                flush=True,
+            )
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # never leave shards that look complete but are not
+        raise
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.data.shard",
+        description="Write a config's data set (train, val, test) as LitData shards for StreamingDataModule.",
+        epilog="Any --data.init_args.NAME=VALUE overrides the config's data entry, e.g. "
+        "--data.init_args.data_dir=/scratch/imagenet.",
+    )
+    parser.add_argument("--config", type=Path, required=True, help="a training config whose data: entry is written")
+    parser.add_argument("--out", type=Path, required=True, help="the folder to write (must not hold files)")
+    parser.add_argument("--chunk-bytes", default=DEFAULT_CHUNK_BYTES, help="chunk size, e.g. 64MB (default)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="samples per chunk instead of --chunk-bytes")
+    parser.add_argument("--workers", type=int, default=1, help="writer processes (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of the training split's written order")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        check_out(args.out)  # before the data set is read
+        module = build_data_module(args.config, overrides)
+        source = " ".join([f"--config {args.config}", *overrides])
+        manifest = write_shards(
+            module, args.out, args.chunk_bytes, args.chunk_size, args.workers, args.seed, source.strip()
+        )
+    except UserFacingError as error:
+        print(f"ddp-app: error: {error}", file=sys.stderr)
+        return 2
+    total = sum(split["samples"] for split in manifest["splits"].values())
+    print(f"ddp-app: wrote {total} samples to {args.out}; train from them with configs/streaming_resnet18.yaml "
+          f"--data.init_args.data_dir={args.out}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

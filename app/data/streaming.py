@@ -1,0 +1,161 @@
+"""Training from LitData shards (`python -m app.data.shard` writes them): `StreamingDataModule`.
+
+LitData's `StreamingDataset` reads the shards, from a local folder or object storage (s3://, gs://,
+... with a local chunk cache), and we read it by index (`dataset[i]`, LitData's random access).
+The order is ours, not LitData's `StreamingDataLoader`'s:
+
+- LitData deals chunks to ranks and to loader workers, so its sample order depends on the number of
+  ranks and of workers, and its loader's saved state runs ahead of the trained batches by the ones
+  Lightning and the workers prefetched.
+- `ResumableDistributedSampler` with `chunked_shard` (app/data/samplers.py) keeps LitData's way of
+  reading (chunks in a shuffled order, samples shuffled within a window of `shuffle_chunks` chunks,
+  each rank reading its own run of chunks) while the order stays a function of (seed, epoch, world
+  size) alone. So a resume is positioned by ddp-app's data position like every other data set here:
+  bit for bit at the same world size with any `num_workers`, and on another number of ranks with the
+  starting run's sample order and global batch (app/elastic.py), each rank then reading the samples
+  of that micro-batch wherever they are.
+
+Samples of encoded images (from an ImageFolder) are decoded and given the same transforms as
+`ImageFolderDataModule` (same config keys), drawn per sample from (seed, epoch, index); other samples
+are returned as written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from torchvision.io import ImageReadMode, decode_image
+
+from app.data.base import ShardedDataModule
+from app.data.datasets import DataNotFoundError
+from app.data.image_files import IMAGENET_MEAN, IMAGENET_STD, check_split_settings, eval_transform, train_transform
+from app.data.samplers import DEFAULT_SHUFFLE_CHUNKS
+from app.errors import InvalidConfigError, UserFacingError
+
+
+class UnreadableShardSampleError(UserFacingError):
+    """A sample in the shards that does not decode (a damaged chunk or a bad source file)."""
+
+
+def open_shards(input_dir: str, cache_dir: str | None) -> Any:
+    """LitData's `StreamingDataset` over one split's shards; one line when they are not there."""
+    try:
+        from litdata import StreamingDataset
+    except ImportError:
+        raise DataNotFoundError(
+            "reading LitData shards needs the litdata package. Fix: pip install -e '.[streaming]'."
+        ) from None
+    try:
+        return StreamingDataset(input_dir, cache_dir=cache_dir)
+    except (FileNotFoundError, AssertionError, ValueError) as error:
+        raise DataNotFoundError(
+            f"no LitData shards at {input_dir} ({str(error).splitlines()[0] if str(error) else type(error).__name__}). "
+            "Fix: write them with python -m app.data.shard --config <your config> --out <dir>, and give "
+            "--data.init_args.data_dir=<dir>."
+        ) from None
+
+
+class ShardSamples(Dataset):
+    """One split's shards as a map-style data set: sample `i` is `StreamingDataset[i]`, decoded.
+
+    `chunk_sizes` (samples per chunk, in index order) tells the training sampler how the samples lie
+    in chunks. The `StreamingDataset` opens its chunks lazily in whichever process reads, so each
+    loader worker reads with its own copy.
+    """
+
+    def __init__(self, input_dir: str, transform: Any, cache_dir: str | None, shuffle_chunks: int) -> None:
+        self.input_dir = input_dir
+        self.stream = open_shards(input_dir, cache_dir)
+        # LitData's (start, end) of each chunk's samples (`StreamingDataset.region_of_interest`,
+        # listed in docs/private_apis.md): the whole chunk unless LitData subsamples.
+        self.chunk_sizes = [end - start for start, end in self.stream.region_of_interest]
+        self.shuffle_chunks = shuffle_chunks
+        self.transform = transform
+
+    def __len__(self) -> int:
+        # Not len(self.stream): in a distributed run LitData's length is one rank's share.
+        return sum(self.chunk_sizes)
+
+    def __getitem__(self, index: int) -> Any:
+        sample = self.stream[int(index)]
+        if isinstance(sample, dict) and "image" in sample:
+            return self._decode(sample, index), int(sample["label"])
+        return sample
+
+    def _decode(self, sample: dict[str, Any], index: int) -> torch.Tensor:
+        encoded = torch.frombuffer(bytearray(sample["image"]), dtype=torch.uint8)
+        try:
+            image = decode_image(encoded, mode=ImageReadMode.RGB)
+        except RuntimeError as error:
+            raise UnreadableShardSampleError(
+                f"sample {index} of the shards at {self.input_dir} is not a readable image "
+                f"({str(error).splitlines()[0]}). Fix: rewrite the shards from intact files "
+                "(python -m app.data.shard)."
+            ) from None
+        return self.transform(image) if self.transform is not None else image
+
+
+class StreamingDataModule(ShardedDataModule):
+    """LitData shards written by `python -m app.data.shard`: `data_dir/train`, `data_dir/val` and,
+    if written, `data_dir/test` (else the val split is the test split).
+
+    `data_dir` is a local folder or a URL LitData streams from (s3://bucket/shards; chunks are then
+    cached in `cache_dir`, LitData's default cache when null). `shuffle_chunks`: the training order
+    shuffles the chunk order and then the samples within each window of this many chunks (larger
+    mixes more; every rank then has more chunks open). Samples of encoded images get the training
+    and evaluation transforms of `ImageFolderDataModule` (the same keys); other samples are used as
+    written. `batch_size`, `num_workers`, ...: see `ShardedDataModule`.
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data/shards",
+        shuffle_chunks: int = DEFAULT_SHUFFLE_CHUNKS,
+        cache_dir: str | None = None,
+        image_size: int = 224,
+        crop_scale: tuple[float, float] = (0.08, 1.0),
+        horizontal_flip: bool = True,
+        resize_size: int = 256,
+        mean: tuple[float, ...] = IMAGENET_MEAN,
+        std: tuple[float, ...] = IMAGENET_STD,
+        **loader_options: Any,
+    ) -> None:
+        super().__init__(**loader_options)
+        if shuffle_chunks < 1:
+            raise InvalidConfigError(
+                f"data.shuffle_chunks ({shuffle_chunks}) must be at least 1 (the chunks whose samples are shuffled "
+                "together). Fix: a positive number, e.g. 4."
+            )
+        check_split_settings(0.1, tuple(crop_scale))
+        self.data_dir = str(data_dir).rstrip("/")
+        self.shuffle_chunks = shuffle_chunks
+        self.cache_dir = cache_dir
+        self.image_size = image_size
+        self.crop_scale = tuple(crop_scale)
+        self.horizontal_flip = horizontal_flip
+        self.resize_size = resize_size
+        self.mean = tuple(mean)
+        self.std = tuple(std)
+
+    def _split(self, name: str, transform: Any) -> ShardSamples:
+        return ShardSamples(f"{self.data_dir}/{name}", transform, self.cache_dir, self.shuffle_chunks)
+
+    def _has_split(self, name: str) -> bool:
+        if "://" in self.data_dir:  # a remote store: test/ is opened when it is there
+            try:
+                self._split(name, None)
+            except DataNotFoundError:
+                return False
+            return True
+        return (Path(self.data_dir) / name / "index.json").is_file()
+
+    def make_splits(self) -> tuple[Dataset, Dataset, Dataset]:
+        augmented = train_transform(self.image_size, self.crop_scale, self.horizontal_flip, self.mean, self.std)
+        plain = eval_transform(self.image_size, self.resize_size, self.mean, self.std)
+        train = self._split("train", augmented)
+        val = self._split("val", plain)
+        test = self._split("test", plain) if self._has_split("test") else val
+        return train, val, test

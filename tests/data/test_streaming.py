@@ -1,0 +1,169 @@
+"""LitData shards: `python -m app.data.shard` writes a generated ImageFolder (JPEGs in class folders)
+as shards, `StreamingDataModule` trains from them with 2 loader workers, random crop and flip; a 2-rank
+fit killed twice resumes bit for bit, and resumed on 3 ranks ends within rounding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.bench.data import write_image_folder
+from app.checkpoints.io import safe_load
+from app.data.datasets import DataNotFoundError
+from app.data.image_files import read_layout
+from app.data.samplers import chunked_shard
+from app.data.shard import main as shard_main
+from app.data.streaming import StreamingDataModule
+from app.resume_check import Case, Runner
+from tests.helpers.run import clean_env, ddp_app
+
+CHUNK = 16  # samples per chunk: 200 training images in 2 writers give 2 x 7 chunks
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """200 random 32x32 JPEGs in 4 class folders under train/, one per class under val/."""
+    return write_image_folder(tmp_path_factory.mktemp("images"), images=200, classes=4, pixels=32)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
+    out = tmp_path_factory.mktemp("written") / "shards"
+    arguments = ["--config", "tests/helpers/imagefolder.yaml", "--out", str(out), "--chunk-size", str(CHUNK)]
+    assert shard_main([*arguments, "--workers", "2", f"--data.init_args.data_dir={images}"]) == 0
+    return out
+
+
+def test_the_shards_hold_every_image_file_once_with_its_class(images: Path, shards: Path) -> None:
+    from litdata import StreamingDataset
+
+    layout = read_layout(str(images))
+    for split, files in (("train", layout.train), ("val", layout.val)):
+        written = StreamingDataset(str(shards / split))
+        samples = [written[index] for index in range(len(written))]
+        source = sorted((path.read_bytes(), target) for path, target in files)
+        assert sorted((sample["image"], sample["label"]) for sample in samples) == source, split
+        if split == "val":  # evaluation splits keep their order; training is written shuffled
+            assert [sample["image"] for sample in samples] == [path.read_bytes() for path, _ in files]
+    manifest = json.loads((shards / "ddp_app_shards.json").read_text())
+    assert manifest["splits"]["train"]["samples"] == 200 and manifest["splits"]["train"]["chunks"] == 14
+    assert manifest["classes"] == [f"class_{index}" for index in range(4)]
+
+
+def test_litdata_still_describes_its_chunks_as_shard_samples_reads_them(shards: Path) -> None:
+    """`StreamingDataset.region_of_interest` (undocumented; docs/private_apis.md): one (start, end) per chunk
+    in index order, whose lengths are the chunks' sample counts in LitData's own index.json."""
+    from litdata import StreamingDataset
+
+    chunks = json.loads((shards / "train" / "index.json").read_text())["chunks"]
+    region = StreamingDataset(str(shards / "train")).region_of_interest
+    assert [end - start for start, end in region] == [chunk["chunk_size"] for chunk in chunks], (
+        "LitData's StreamingDataset.region_of_interest no longer gives each chunk's samples in index order: "
+        "ShardSamples.chunk_sizes (app/data/streaming.py) and the chunked training order depend on it "
+        "(see docs/private_apis.md)"
+    )
+
+
+def test_an_existing_output_and_an_augmenting_data_set_are_refused_in_one_line(
+    tmp_path: Path, shards: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = sorted(path.stat().st_mtime_ns for path in shards.rglob("*"))
+    assert shard_main(["--config", "tests/helpers/imagefolder.yaml", "--out", str(shards)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"ddp-app: error: --out {shards} already holds files") and "\n" not in error
+    assert sorted(path.stat().st_mtime_ns for path in shards.rglob("*")) == before  # nothing touched
+
+    assert shard_main(["--config", "tests/helpers/augmenting.yaml", "--out", str(tmp_path / "noisy")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "the train split (NoisyBlobs) may draw random numbers when a sample is read" in error, error
+    assert "\n" not in error and not (tmp_path / "noisy").exists()
+
+
+def test_missing_shards_are_one_line_naming_the_fix(tmp_path: Path) -> None:
+    module = StreamingDataModule(data_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(DataNotFoundError) as error:
+        module.setup("fit")
+    assert "\n" not in str(error.value) and "python -m app.data.shard" in str(error.value)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_chunked_shards_cover_the_set_each_rank_reading_its_own_run_of_chunks(world_size: int) -> None:
+    sizes = [16] * 12 + [8]  # 200 samples
+    starts = [sum(sizes[:chunk]) for chunk in range(len(sizes))]
+
+    def chunk_of(index: int) -> int:
+        return max(chunk for chunk, start in enumerate(starts) if start <= index)
+
+    shards = [chunked_shard(sizes, rank, world_size, True, 7, 3, 2) for rank in range(world_size)]
+    per_rank = -(-200 // world_size)
+    assert all(len(shard) == per_rank for shard in shards)
+    everything = [index for shard in shards for index in shard]
+    assert sorted(set(everything)) == list(range(200))  # all samples, the padding repeats some
+    assert len(everything) - len(set(everything)) == per_rank * world_size - 200
+    for shard in shards:  # a contiguous run of a chunk order: about 1/world_size of the chunks
+        assert len({chunk_of(index) for index in shard}) <= -(-len(sizes) // world_size) + 2
+    # The order is a function of (seed, epoch) only, changes with the epoch, and is plain without shuffle.
+    assert shards[0] == chunked_shard(sizes, 0, world_size, True, 7, 3, 2)
+    assert shards[0] != chunked_shard(sizes, 0, world_size, True, 7, 4, 2)
+    assert chunked_shard(sizes, 0, 1, False, 7, 3, 2) == list(range(200))
+
+
+def test_with_a_window_of_one_chunk_each_chunk_is_read_whole_before_the_next(shards: Path) -> None:
+    """`shuffle_chunks: 1`: the chunks in a shuffled order, each one's samples shuffled among themselves."""
+    module = StreamingDataModule(data_dir=str(shards), batch_size=16, shuffle_chunks=1, image_size=28)
+    module.setup("fit")
+    sizes = module.train_dataset.chunk_sizes
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    order = chunked_shard(sizes, 0, 1, True, 0, 0, module.shuffle_chunks)
+    chunks = [sum(index >= end for end in ends) for index in order]
+    runs = [chunk for position, chunk in enumerate(chunks) if position == 0 or chunk != chunks[position - 1]]
+    assert sorted(runs) == list(range(len(sizes)))  # one run per chunk: never back to a chunk once left
+    assert runs != sorted(runs) and order[: sizes[runs[0]]] != sorted(order[: sizes[runs[0]]])  # shuffled
+    image, label = module.train_dataset[0]
+    assert image.shape == (3, 28, 28) and image.dtype == torch.float32 and 0 <= label < 4
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory, shards: Path) -> Runner:
+    """One uninterrupted 2-rank run of 3 epochs (7 steps each), without dropout and in float64 (so that
+    the 3-rank resume's other summation order stays at rounding level)."""
+    config = [
+        "--config",
+        "tests/helpers/streaming.yaml",
+        f"--data.init_args.data_dir={shards}",
+        "--model.init_args.dropout=false",
+        "--trainer.precision=64-true",
+    ]
+    return Runner(config, tmp_path_factory.mktemp("runs"), epochs=3)
+
+
+@pytest.mark.fault
+@pytest.mark.distributed
+def test_a_2_rank_fit_killed_twice_resumes_to_the_same_weights(runner: Runner) -> None:
+    """SIGKILL of rank 1 mid-epoch 0, `--ckpt_path last`, SIGKILL again mid-epoch 1, `--ckpt_path last`:
+    the uninterrupted run's weights, optimizer state and metric history bit for bit (num_workers 2)."""
+    outcome = runner.run(Case("kill-rank1", "mid-epoch", epoch=0, stops=2))
+    assert outcome.exact, outcome.detail or outcome
+    assert outcome.weights_diff == 0 and outcome.optimizer_diff == 0 and outcome.steps == 21
+
+
+@pytest.mark.fault
+@pytest.mark.distributed
+def test_a_2_rank_fit_resumed_on_3_ranks_ends_within_rounding(runner: Runner, tmp_path: Path) -> None:
+    """Stopped by a max_steps budget mid-epoch 1, resumed on 3 ranks (global batch 32 as 11+11+10)."""
+    expected = safe_load(runner.baseline("default") / "checkpoints" / "last.ckpt")
+    env = clean_env(DDP_APP_ALLOW_OVERSUBSCRIBE="1")  # 3 ranks with 2 workers each on a 2-core machine
+    common = ["fit", *runner.base_args, f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"]
+    common.append("--trainer.max_epochs=3")
+    for extra in (["--trainer.max_steps=10"], ["--trainer.devices=3", "--ckpt_path=last"]):
+        result = ddp_app(*common, *extra, timeout=300, env=env)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "resuming a 2-rank run on 3 ranks: global batch 32 kept (11+11+10 per micro-step)" in result.stderr
+    actual = safe_load(tmp_path / "checkpoints" / "last.ckpt")
+    assert actual["global_step"] == expected["global_step"] == 21
+    for name, value in expected["state_dict"].items():
+        scale = float(value.abs().max()) or 1.0
+        assert float((actual["state_dict"][name] - value).abs().max()) / scale <= 1e-5, name
