@@ -1,4 +1,4 @@
-"""The stop matrix: resume equals the uninterrupted run from any stop, for any user code.
+"""The stop matrix: resume equals the uninterrupted run from any stop, for any user code and real data.
 
 Cases are generated, not written down: every pair of values across (how it stops, how it
 continues, where it stops, the user code) appears in at least one case (greedy pairwise cover,
@@ -6,6 +6,9 @@ continues, where it stops, the user code) appears in at least one case (greedy p
 variant on weights, optimizer and scheduler state, global step, epoch and the joined metric
 history (`app.resume_check.compare`). The default run takes `DEFAULT_SUBSET` (every value of every
 dimension at least once); `-m slow` runs the whole cover and writes its table to docs/resume.md.
+
+Rows on real data: the CNN on a generated ImageFolder (JPEGs, random crop and flip decoded in loader
+workers) and on LitData shards written from it (`DATA_SUBSET`; every stop and moment under `-m slow`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from app.bench.data import write_image_folder
+from app.data.shard import main as write_shards
 from app.resume_check import CONTINUES, MOMENTS, STOPS, Case, Outcome, Runner, format_table
 from tests.helpers.run import REPO
 from tests.helpers.wandb_files import wandb_history
@@ -158,3 +163,73 @@ def test_the_whole_pairwise_matrix_is_exact_and_written_to_the_docs(runner: Runn
 def test_every_stop_moment_on_the_default_config(tmp_path: Path, moment: str) -> None:
     runner = Runner(["--config", "configs/digits.yaml"], tmp_path, epochs=3)
     check(runner, Case("kill-rank1", moment, epoch=0 if moment in ("last-batch", "validation") else 1))
+
+
+# Real data: (config, the data_dir it reads: the generated image folder or the shards written from it).
+DATA_CONFIGS = {"imagefolder": "tests/helpers/imagefolder.yaml", "streaming": "tests/helpers/streaming.yaml"}
+DATA_VARIANTS = {  # both configs read with 2 loader workers
+    "workers2": [],
+    "workers0": ["--data.init_args.num_workers=0"],
+    "persistent": ["--data.init_args.persistent_workers=true"],
+    "accumulate3": ["--trainer.accumulate_grad_batches=3"],
+}
+# The default run's rows (one uninterrupted run each); the kill mid-epoch, twice for the shards, and the
+# resume on 3 ranks are in tests/data/test_imagefolder.py and tests/data/test_streaming.py.
+DATA_SUBSET = {
+    "imagefolder": Case("sigterm", "last-batch", "more-epochs", "workers2", epoch=0),
+    "streaming": Case("kill-rank0", "validation", "same", "workers2", epoch=0),
+}
+
+
+@pytest.fixture(scope="module")
+def data_runners(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Runner]:
+    """One Runner per data module: 200 random 32x32 JPEGs in 4 classes (7 steps an epoch on 2 ranks), and
+    their LitData shards in chunks of 16 samples."""
+    images = write_image_folder(tmp_path_factory.mktemp("images"), images=200, classes=4, pixels=32)
+    shards = tmp_path_factory.mktemp("written") / "shards"
+    assert (
+        write_shards(
+            ["--config", DATA_CONFIGS["imagefolder"], "--out", str(shards), "--chunk-size", "16"]
+            + [f"--data.init_args.data_dir={images}"]
+        )
+        == 0
+    )
+    data_dirs = {"imagefolder": images, "streaming": shards}
+    return {
+        name: Runner(
+            ["--config", config, f"--data.init_args.data_dir={data_dirs[name]}", "--tracking.wandb.project=matrix"],
+            tmp_path_factory.mktemp(name),
+            epochs=3,
+            variants=DATA_VARIANTS,
+        )
+        for name, config in DATA_CONFIGS.items()
+    }
+
+
+@pytest.mark.parametrize("data", list(DATA_SUBSET))
+def test_resume_is_exact_on_real_data(data_runners: dict[str, Runner], data: str) -> None:
+    check(data_runners[data], DATA_SUBSET[data])
+
+
+def data_cases() -> list[Case]:
+    """Every stop at mid-epoch and every moment of a kill, each with another loader variant."""
+    cases = []
+    variants = list(DATA_VARIANTS.keys() - {"accumulate3"})
+    for index, stop in enumerate(STOPS):
+        continues = "more-epochs" if stop in BUDGETS else "same"
+        cases.append(Case(stop, "mid-epoch", continues, sorted(variants)[index % len(variants)]))
+    for moment in MOMENTS:
+        variant = "accumulate3" if moment == "micro-batch" else "workers2"
+        cases.append(
+            Case("kill-rank1", moment, "same", variant, epoch=0 if moment in ("last-batch", "validation") else 1)
+        )
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # 13 cases per data module, about 30 s each here
+@pytest.mark.parametrize("data", list(DATA_CONFIGS))
+def test_every_stop_and_moment_on_real_data(data_runners: dict[str, Runner], data: str) -> None:
+    outcomes = [data_runners[data].run(case) for case in data_cases()]
+    different = [outcome for outcome in outcomes if not outcome.exact]
+    assert not different, "\n".join(f"{o.case.name}: {o.detail}" for o in different)
