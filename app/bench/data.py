@@ -9,6 +9,9 @@ model), at each of `--workers` (0, 1, 2 and 4 loader workers), from two sources:
                 per (seed, epoch, index) as in training. `--images` small JPEGs in `--classes`
                 classes are generated into a temporary folder, or `--data-dir` names your own
                 folder (its train/ split is read).
+  litdata       the same images written as LitData shards (`python -m app.data.shard`'s writer, chunks
+                of `--chunk-bytes`) and read by `StreamingDataModule`'s training split: chunk-aware
+                order, decoded from the stored JPEG bytes, the same transforms and seeding
   in memory     the same samples, decoded and transformed once beforehand, as a TensorDataset: the
                 ceiling any loader reaches with this batch size and worker count
 
@@ -19,8 +22,6 @@ from round to round; a cell is one untimed epoch (worker start-up, the page cach
 epoch of the same loader (persistent workers). "÷ model" is the loader's samples/s over the
 model's, paired within a round: below 1, the model waits for data. The loader is timed alone, so in
 training, where workers share the cores with the step, it delivers less than this on a CPU.
-
-LitData shards (issue 34, item 2) are to be added as a third source once that data module exists.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ from app.cluster.threads import configure_cpu_threads
 from app.data.imagefolder import ImageFolderDataModule
 from app.data.samplers import train_sampler
 from app.data.seeding import PerSampleSeeded, training_loader_generator
+from app.data.shard import DEFAULT_CHUNK_BYTES, write_shards
+from app.data.streaming import StreamingDataModule
 from app.reference.config import instantiate
 
-SOURCES = ("imagefolder", "in memory")
+SOURCES = ("imagefolder", "litdata", "in memory")
 
 
 def write_image_folder(root: Path, images: int, classes: int, pixels: int, seed: int = 0) -> Path:
@@ -71,8 +74,22 @@ def image_folder_module(data_dir: Path, data_options: dict[str, Any], batch_size
     return module
 
 
-def imagefolder_loader(module: ImageFolderDataModule, workers: int) -> DataLoader:
-    """The training loader `ImageFolderDataModule` gives a one-rank Trainer: per-sample seeded, shuffled."""
+def shards_module(
+    module: ImageFolderDataModule, data_options: dict[str, Any], out: Path, chunk_bytes: str
+) -> StreamingDataModule:
+    """`module`'s splits written as LitData shards under `out`, read back by a StreamingDataModule with
+    the same transforms and batch size."""
+    write_shards(module, out, chunk_bytes, None, workers=1, seed=0, source="python -m app.bench.data")
+    keys = ("image_size", "crop_scale", "horizontal_flip", "resize_size", "mean", "std", "seed")
+    options = {key: value for key, value in data_options.items() if key in keys}
+    streaming = StreamingDataModule(data_dir=str(out), batch_size=module.batch_size, **options)
+    streaming.setup("fit")
+    return streaming
+
+
+def training_loader(module: ImageFolderDataModule | StreamingDataModule, workers: int) -> DataLoader:
+    """The training loader the module gives a one-rank Trainer: per-sample seeded, shuffled (for shards,
+    in the chunk-aware order)."""
     dataset = module.train_dataset
     sampler = train_sampler(dataset, 1, 0, True, module.seed, module.batch_size, keyed=True)
     return DataLoader(
@@ -141,13 +158,14 @@ def cells(workers: list[int]) -> list[tuple[str, int]]:
     return [(source, count) for source in SOURCES for count in workers]
 
 
-def measure(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
+def measure(args: argparse.Namespace, data_dir: Path, scratch: Path) -> dict[str, Any]:
     config = yaml.safe_load(args.config.read_text())
     data_options = dict(config["data"].get("init_args") or {})
     if args.image_size is not None:
         data_options["image_size"] = args.image_size
     module = image_folder_module(data_dir, data_options, args.batch_size)
     config["model"].setdefault("init_args", {})["num_classes"] = len(module.classes)
+    shards = shards_module(module, data_options, scratch / "shards", args.chunk_bytes)
     memory = in_memory_dataset(PerSampleSeeded(module.train_dataset, module.seed))
     batch = (memory.tensors[0][: args.batch_size], memory.tensors[1][: args.batch_size])
     order = cells(args.workers)
@@ -158,7 +176,9 @@ def measure(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
         shift = round_index % len(order)
         for source, workers in order[shift:] + order[:shift]:
             if source == "imagefolder":
-                loader = imagefolder_loader(module, workers)
+                loader = training_loader(module, workers)
+            elif source == "litdata":
+                loader = training_loader(shards, workers)
             else:
                 loader = in_memory_loader(memory, args.batch_size, workers, module.seed)
             samples_per_s[(source, workers)].append(timed_epoch_samples_per_s(loader))
@@ -226,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--image-size", type=int, default=32, help="the training crop (config: data.image_size)")
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch")
     parser.add_argument("--workers", type=worker_counts, default=[0, 1, 2, 4], help="e.g. 0,1,2,4")
+    parser.add_argument("--chunk-bytes", default=DEFAULT_CHUNK_BYTES, help="LitData chunk size (default 64MB)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model-steps", type=int, default=5, help="timed model steps per round")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -237,12 +258,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench_data_") as scratch:
         data_dir = args.data_dir
         if data_dir is None:
-            data_dir = write_image_folder(Path(scratch), args.images, args.classes, args.pixels)
-        results = measure(args, data_dir)
+            data_dir = write_image_folder(Path(scratch) / "images", args.images, args.classes, args.pixels)
+        results = measure(args, data_dir, Path(scratch))
     results = {
         "command": " ".join(["python -m app.bench.data", *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"cpu_count": os.cpu_count(), "threads_per_rank": threads, "cuda": torch.cuda.is_available()},
         "generated": None if args.data_dir is not None else {"pixels": args.pixels, "format": "JPEG"},
+        "chunk_bytes": args.chunk_bytes,
         "batch_size": args.batch_size,
         "image_size": args.image_size,
         "rounds": args.rounds,
