@@ -157,11 +157,7 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
             pin_memory_device=loader.pin_memory_device,
         )
     if is_stateful_stream(dataset):
-        keeper.notices.append(
-            f"the training stream {name} runs in {loader.num_workers} loader workers, where its state cannot be "
-            "read: a run resumed mid-epoch restarts the stream at the epoch's start. With num_workers: 0 ddp-app "
-            "saves its state_dict per rank and resumes it exactly."
-        )
+        keeper.notices.append(stream_in_workers_notice(name, loader.num_workers, _has_length(dataset)))
     elif isinstance(dataset, IterableDataset):
         keeper.notices.append(
             f"the training stream {name} has no state_dict/load_state_dict: a run resumed mid-epoch restarts it at "
@@ -178,6 +174,43 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
             "state_dict/load_state_dict."
         )
     return loader
+
+
+def _has_length(dataset: Any) -> bool:
+    try:
+        len(dataset)
+    except TypeError:
+        return False
+    return True
+
+
+def stream_in_workers_notice(name: str, num_workers: int, sized: bool) -> str:
+    """What a resume mid-epoch does to a stateful stream read by loader workers, and what to use instead.
+
+    Each worker iterates its own copy of the stream, made from this process's (never iterated) object
+    when the epoch's iterator starts, so the states that count live in the workers. A resumed epoch's
+    stream starts over: Lightning counts the epoch's trained batches as done and ends the epoch at
+    `len()` (tests/fault/test_resume_streams.py runs both kinds).
+    """
+    if sized:
+        effect = (
+            "the epoch's first N batches (N: those trained before the stop) are trained again and its last N "
+            "are left out of that epoch (it ends at len())"
+        )
+    else:
+        effect = (
+            "the epoch's first N batches (N: those trained before the stop) are trained again, then the rest "
+            "of the epoch: N steps more than the uninterrupted run"
+        )
+    return (
+        f"the training stream {name} runs in {num_workers} loader workers, whose copies of its state ddp-app "
+        f"cannot read or position: a run resumed mid-epoch restarts it at the epoch's start, so {effect}; "
+        "one resumed from an epoch-end checkpoint reads the next epoch's samples as the uninterrupted run does "
+        "(without persistent_workers). For exact mid-epoch resume: num_workers: 0 (ddp-app "
+        "saves its state_dict per rank), or a map-style Dataset (__getitem__ and __len__: positioned with any "
+        "num_workers), which python -m app.data.shard can also write as LitData shards for "
+        "app.data.StreamingDataModule (positioned with workers too)."
+    )
 
 
 def _resharding(method: Callable[[], Any], run: dict[str, Any], training: bool) -> Callable[[], Any]:
