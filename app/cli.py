@@ -53,9 +53,9 @@ from app.checkpoints.io import (
     refuse_url,
     remove_stale_temporaries,
     safe_load,
-    summarize_checkpoint,
 )
 from app.checkpoints.last import LastCheckpoint, agreed_last_checkpoint
+from app.checkpoints.sharded import is_checkpoint, summarize_any
 from app.cluster.ddp_stream import build_ddp_on_the_current_stream
 from app.cluster.hangs import HangReport
 from app.cluster.launch import RankPlan, rank_plan
@@ -75,6 +75,7 @@ from app.config_checks import (
     check_config,
     command_line_model_keys,
     drop_static_graph_for_accumulation,
+    resolve_fsdp_name,
 )
 from app.console import STARTED_VARIABLE
 from app.coordinator import RunCoordinator
@@ -274,8 +275,8 @@ class DDPAppCLI(LightningCLI):
         config = self.config[subcommand] if subcommand else None
         ckpt_path = config.get("ckpt_path") if config else None
         # Lightning's own condition: "last" and "best" (and URLs) are resolved later by the Trainer.
-        if ckpt_path and Path(ckpt_path).is_file():
-            self.checkpoint = summarize_checkpoint(ckpt_path)
+        if ckpt_path and is_checkpoint(ckpt_path):
+            self.checkpoint = summarize_any(ckpt_path)
             model = config.get("model")
             if model is not None:
                 check_model_class(self.checkpoint, model.class_path)
@@ -297,6 +298,7 @@ class DDPAppCLI(LightningCLI):
         config = self._subcommand_config(self.config)
         if self.parse_only and not self.check_machine:
             raise ConfigParsed(config, RankPlan(0), 1)
+        resolve_fsdp_name(config["trainer"])
         check_config(config)
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
@@ -483,7 +485,7 @@ class DDPAppCLI(LightningCLI):
         if asked_for_last:
             config["ckpt_path"] = agreed_last_checkpoint(self.trainer)  # rank 0's answer, on every rank
             if config["ckpt_path"]:  # the checks after_instantiate_classes makes for a given file
-                self.resume_checkpoint = summarize_checkpoint(config["ckpt_path"])
+                self.resume_checkpoint = summarize_any(config["ckpt_path"])
                 check_model_class(self.resume_checkpoint, self._subcommand_config(self.config)["model"].class_path)
                 check_state_fits(self.resume_checkpoint, self.model)
             if self.trainer.is_global_zero:  # a restarted or requeued job says where it picks up
@@ -536,7 +538,7 @@ class DDPAppCLI(LightningCLI):
         ckpt_path = config.get("ckpt_path")
         summary = self.resume_checkpoint
         if ckpt_path and self.trainer.is_global_zero and (summary is None or summary.path != str(ckpt_path)):
-            summary = summarize_checkpoint(ckpt_path) if Path(ckpt_path).is_file() else None
+            summary = summarize_any(ckpt_path) if is_checkpoint(ckpt_path) else None
         resume_state = summary.run if summary is not None and ckpt_path else None
         subcommand_config = self.config[self.subcommand]
         config_yaml = self._parser(self.subcommand).dump(subcommand_config, skip_none=False)

@@ -21,6 +21,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.strategies import StrategyRegistry
 
 from app.checkpoints.io import not_a_checkpoint, refuse_url
+from app.checkpoints.sharded import is_sharded_checkpoint
 from app.cluster.preflight import devices_as_written_count, on_gpu, resolve_devices, resolve_strategy, visible_gpus
 from app.errors import UserFacingError
 from app.tracking.run import require_tracker
@@ -48,6 +49,7 @@ def check_config(config: Any) -> None:
             "is 0). Fix: --trainer.accelerator=cpu (or auto), or run on a GPU node."
         )
     check_compression_fits(config)
+    check_fsdp_combinations(config)
     check_tracking(config)
     on_cpu = not on_gpu(trainer)
     precision = str(trainer.get("precision"))
@@ -117,6 +119,8 @@ def check_ckpt_path_is_a_file(ckpt_path: str | None) -> None:
     LightningCLI skips reading it, and every rank would fail on it later."""
     if not ckpt_path or str(ckpt_path) in NAMED_CHECKPOINTS or not Path(ckpt_path).is_dir():
         return
+    if is_sharded_checkpoint(ckpt_path):  # strategy fsdp's checkpoints are directories of shards
+        return
     directory = Path(ckpt_path)
     inside = (directory / "last.ckpt", directory / "checkpoints" / "last.ckpt")
     found = next((candidate for candidate in inside if candidate.is_file()), None)
@@ -139,6 +143,43 @@ def check_compression_fits(config: Any) -> None:
             "takes one communication hook. Fix: keep gradient_compression (it also works on CPU and is checkpointed) "
             "and remove ddp_comm_hook, or set gradient_compression.method=none."
         )
+
+
+# `strategy: fsdp` in a ddp-app config: FSDP2 with every default (app/fsdp.py), not Lightning's FSDP1
+# strategy of that registered name.
+FSDP_CLASS_PATH = "app.fsdp.FSDP2Strategy"
+
+
+def resolve_fsdp_name(trainer_config: Any) -> None:
+    """`strategy: fsdp` becomes ddp-app's FSDP2 strategy with its defaults, before anything reads it."""
+    if trainer_config.get("strategy") == "fsdp":
+        trainer_config["strategy"] = Namespace(class_path=FSDP_CLASS_PATH, init_args=Namespace())
+
+
+def uses_fsdp(trainer_config: Any) -> bool:
+    strategy = trainer_config.get("strategy")
+    return strategy == "fsdp" or str(getattr(strategy, "class_path", "")).split(".")[-1] == "FSDP2Strategy"
+
+
+def check_fsdp_combinations(config: Any) -> None:
+    """What does not combine with strategy fsdp is refused here, before any rank starts, naming the key."""
+    if not uses_fsdp(config["trainer"]):
+        return
+    method = (config.get("gradient_compression") or {}).get("method", "none")
+    data_args = getattr(config.get("data"), "init_args", None) or {}
+    refused = [
+        (method != "none", f"gradient_compression.method={method}", "a DDP communication hook; FSDP2 reduce-scatters "
+         "the gradients itself", "gradient_compression.method=none"),
+        (bool(data_args.get("on_device")), "data.init_args.on_device=true", "not built for sharded models yet",
+         "data.init_args.on_device=false"),
+        (bool(config.get("compile")), "compile=true", "torch.compile of sharded units is not built yet",
+         "compile=false"),
+    ]  # fmt: skip
+    for is_set, key, why, fix in refused:
+        if is_set:
+            raise UserFacingError(
+                f"{key} does not combine with trainer.strategy fsdp ({why}). Fix: {fix}, or strategy ddp."
+            )
 
 
 def check_tracking(config: Any) -> None:

@@ -243,10 +243,11 @@ def refuse_overwrite(root: Path, checkpoint_dirs: Iterable[Path], ckpt_path: str
     """Stop in one line if a fit that does not continue the run in `root` would write over its checkpoints.
 
     Continuing means `--ckpt_path last` (or "best", "hpc": Lightning's names for this run's files),
-    or a checkpoint file inside one of `checkpoint_dirs`."""
+    or a checkpoint file inside one of `checkpoint_dirs`. A checkpoint is a file or, with strategy fsdp,
+    a link to a directory of shards (app/checkpoints/sharded.py): anything by that name counts."""
     dirs = [Path(directory) for directory in checkpoint_dirs]
     existing = sorted(
-        (path for directory in dirs if directory.is_dir() for path in directory.glob("*.ckpt") if path.is_file()),
+        (path for directory in dirs if directory.is_dir() for path in directory.glob("*.ckpt") if path.exists()),
         key=lambda path: path.stat().st_mtime,
     )
     if not existing:

@@ -89,7 +89,7 @@ def fit_summary(trainer: L.Trainer, metrics: dict[str, float], elapsed_s: float,
         lines.append(f"  last: {shown}")
     lines += [f"  {line}" for line in monitored(trainer)]
     last = checkpoint_directory(trainer) / LAST_NAME
-    if last.is_file():
+    if last.exists():  # a file, or a link to a sharded checkpoint (strategy fsdp)
         lines.append(f"  last checkpoint: {last} (continue: --ckpt_path last)")
     logs = log_folder(trainer)
     if logs:

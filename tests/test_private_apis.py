@@ -16,18 +16,21 @@ import platform
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision import datasets
 
+from app.checkpoints.sharded import DCP_INDEX, SafeFileSystemReader, SafeLoadPlanner
 from app.cli import DDPAppCLI, SafeCheckpointIO
 from app.cluster.ddp_stream import LIGHTNING_DDP_WRAP
 from app.cluster.preemption import (
@@ -354,6 +357,52 @@ def test_the_strategy_keeps_a_process_group_that_exists_when_fit_sets_up_its_env
     assert torch.distributed.group.WORLD is group, (
         f"Lightning's setup_environment replaced an existing process group: --ckpt_path last's broadcast "
         f"before fit (app/checkpoints/last.py agreed_last_checkpoint) needs another place ({DOC})"
+    )
+
+
+# ----- strategy fsdp (app/fsdp.py, app/checkpoints/sharded.py) -----
+
+
+def test_model_parallel_strategy_starts_its_process_group_in_the_method_fsdp_calls() -> None:
+    source = inspect.getsource(ModelParallelStrategy._setup_distributed)
+    assert "_init_dist_connection" in source and "self._timeout" in source, (
+        "ModelParallelStrategy._setup_distributed no longer starts the process group with the strategy's timeout: "
+        "FSDP2Strategy.setup_environment, which calls it once (before fit for --ckpt_path last), needs another "
+        f"route ({DOC})"
+    )
+
+
+def test_lightning_module_device_mesh_returns_the_attribute_fsdp_sets() -> None:
+    module, mesh = LightningModule(), object()
+    module._device_mesh = mesh
+    assert module.device_mesh is mesh, (
+        "LightningModule.device_mesh no longer returns _device_mesh: a module's own configure_model under "
+        f"strategy fsdp does not see FSDP2Strategy's mesh ({DOC})"
+    )
+
+
+def test_dcp_still_names_its_index_and_pickles_only_what_the_safe_reader_builds(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import _metadata_fn
+
+    assert _metadata_fn == DCP_INDEX, (
+        f"DCP's index is now {_metadata_fn!r}: is_sharded_checkpoint looks for {DCP_INDEX!r} ({DOC})"
+    )
+    net = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.25)
+    net(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled": one process, as meant
+        dcp.save({"state_dict": net.state_dict(), "optimizer_0": optimizer.state_dict()}, checkpoint_id=tmp_path)
+        index = SafeFileSystemReader(tmp_path).read_metadata()  # a global the allowlist lacks fails here
+        assert "state_dict.weight" in index.state_dict_metadata
+        fresh = torch.optim.AdamW(net.parameters(), lr=1.0)
+        net(torch.ones(1, 3)).sum().backward()
+        fresh.step()
+        target = {"optimizer_0": fresh.state_dict()}
+        dcp.load(target, storage_reader=SafeFileSystemReader(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
+    assert target["optimizer_0"]["param_groups"][0]["lr"] == 0.25, (
+        f"DefaultLoadPlanner.load_bytes no longer stores what SafeLoadPlanner hands it ({DOC})"
     )
 
 

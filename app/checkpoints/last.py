@@ -27,6 +27,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from app.checkpoints.sharded import is_checkpoint
 from app.errors import InvalidConfigError
 
 LAST_NAME = "last.ckpt"
@@ -45,12 +46,15 @@ def checkpoint_directory(trainer: L.Trainer) -> Path:
 def find_last_checkpoint(trainer: L.Trainer) -> str | None:
     """What `--ckpt_path last` means: the newest `last*.ckpt` of any checkpoint directory, or None.
 
+    A file, or a complete sharded checkpoint (strategy fsdp: a link to a directory of shards,
+    app/checkpoints/sharded.py); a link whose save never finished is not one.
+
     Lightning resolves "last" only among ModelCheckpoints' directories, and warns when there is
     none yet; None here means a first run, which starts fresh.
     """
     directories = {checkpoint_directory(trainer)}
     directories |= {Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
-    candidates = [path for directory in directories for path in directory.glob("last*.ckpt") if path.is_file()]
+    candidates = [path for directory in directories for path in directory.glob("last*.ckpt") if is_checkpoint(path)]
     return str(max(candidates, key=lambda path: path.stat().st_mtime)) if candidates else None
 
 

@@ -64,6 +64,7 @@ SPAWNING_STRATEGIES = {
     "ddp_fork_find_unused_parameters_true": "ddp_find_unused_parameters_true",
     "ddp_notebook_find_unused_parameters_true": "ddp_find_unused_parameters_true",
 }
+FSDP_STRATEGY = "FSDP2Strategy"  # app.fsdp.FSDP2Strategy (not imported: it imports Lightning)
 DDP_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true", *SPAWNING_STRATEGIES)
 
 # Everything a launcher (torchrun, srun, Lightning, this module) sets for a rank: a process that
@@ -94,6 +95,8 @@ def _strategy_name(strategy: Any) -> str | None:
     if isinstance(strategy, str):
         return strategy
     class_path = str(getattr(strategy, "class_path", "") or "")
+    if class_path.split(".")[-1] == FSDP_STRATEGY:  # app/fsdp.py: its ranks are started as DDP's are
+        return FSDP_STRATEGY
     if class_path.split(".")[-1] == "DDPStrategy":
         init_args = getattr(strategy, "init_args", None) or {}
         return f"DDPStrategy:{init_args.get('start_method', 'popen') or 'popen'}"
@@ -103,11 +106,12 @@ def _strategy_name(strategy: Any) -> str | None:
 def rank_plan(strategy: Any, processes_per_node: int, on_cpu: bool, devices: Any) -> RankPlan:
     """How many local ranks to fork for this (parsed) trainer config, and what they need changed.
 
-    Non-DDP strategies ("auto" on one device, or a strategy object of another kind) run in this
-    process, as Lightning would run them.
+    DDP strategies and `app.fsdp.FSDP2Strategy` fork their ranks; others ("auto" on one device, or a
+    strategy object of another kind) run in this process, as Lightning would run them.
     """
     name = _strategy_name(strategy)
-    if name is None or not (name in DDP_STRATEGIES or name.startswith("DDPStrategy:")):
+    forked = name in DDP_STRATEGIES or name.startswith("DDPStrategy:") or name == FSDP_STRATEGY if name else False
+    if not forked:
         return RankPlan(0)
     extra: list[str] = []
     notes: list[str] = []

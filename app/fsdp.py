@@ -1,0 +1,281 @@
+"""`strategy: fsdp`: fully sharded data parallel (FSDP2, `torch.distributed.fsdp.fully_shard`) for a
+model that no longer fits one device with DDP (docs/fsdp.md).
+
+    trainer:
+      strategy:
+        class_path: app.fsdp.FSDP2Strategy
+        init_args: {shard_modules: [Block], param_dtype: bfloat16}
+
+(`strategy: fsdp` is the same with every default.) Each rank keeps 1/world_size of every
+parameter, gradient and optimizer state; a shard unit's full parameters exist only while its
+forward or backward runs. Built on Lightning's `ModelParallelStrategy`, which needs the module to
+shard itself in `configure_model`; this subclass shards a plain LightningModule by itself instead,
+over a 1-D mesh of every rank (a 2-D mesh given to `fully_shard` replicates over one dimension),
+with an explicit device type (gloo + `fully_shard` failed where GPUs were visible,
+pytorch/pytorch#132471), so the same run works on CPU with gloo.
+
+Checkpoints are sharded: every rank writes its shards through DCP, and a save is published
+atomically (app/checkpoints/sharded.py); a resume on another number of ranks reshards them.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from app.checkpoints.io import CheckpointError, atomic_torch_save, safe_load
+from app.checkpoints.sharded import (
+    META_NAME,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    is_sharded_checkpoint,
+    new_shards_directory,
+    publish,
+    remove_sharded,
+    remove_unpublished,
+)
+from app.errors import UserFacingError
+from app.private_apis import require
+
+# What `strategy: fsdp` means in a ddp-app config (app/config_checks.py `resolve_fsdp_name`).
+FSDP_CLASS_PATH = "app.fsdp.FSDP2Strategy"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy with the sharding done for the user, and safe, atomic,
+    resharding checkpoints.
+
+    Args:
+        shard_modules: class names of the submodules that become their own shard units (gathered
+            one at a time, so peak memory is about one unit's full parameters), e.g. `[Block]`.
+            None: every module held in an `nn.ModuleList` (the usual place of transformer blocks).
+            Every child of the LightningModule that holds parameters is then a unit too, for the
+            parameters left outside those (embeddings, the head).
+        reshard_after_forward: free a unit's gathered parameters after its forward (and gather them
+            again for the backward): less memory, one more all-gather per unit and step.
+        param_dtype: the dtype of the gathered parameters forward and backward compute in
+            (`bfloat16` for mixed precision); None: the parameters' own (float32). The sharded
+            parameters and the optimizer stay in their own dtype.
+        reduce_dtype: the dtype gradients are reduce-scattered in; None: `param_dtype`'s.
+        process_group_backend, timeout: as for Lightning's strategies (ddp-app sets `timeout` from
+            `collective_timeout_s`).
+    """
+
+    def __init__(
+        self,
+        shard_modules: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        for key, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if value is not None and value not in DTYPES:
+                raise UserFacingError(
+                    f"trainer.strategy.init_args.{key}={value} is not a dtype FSDP computes in. Fix: one of "
+                    f"{', '.join(DTYPES)}, or null for the parameters' own dtype."
+                )
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+        self.shard_modules = list(shard_modules) if shard_modules is not None else None
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self._data_parallel_mesh: DeviceMesh | None = None
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """One dimension, "data_parallel", of every rank: what the parameters are sharded over."""
+        if self._data_parallel_mesh is None:
+            raise RuntimeError("The device mesh exists once the processes have started (setup_environment).")
+        return self._data_parallel_mesh
+
+    def setup_environment(self) -> None:
+        """The process group and the mesh, once: ddp-app starts the environment before `fit` to agree
+        on `--ckpt_path last` (app/checkpoints/last.py), and `fit` calls this again."""
+        if self._data_parallel_mesh is None:
+            require(self, "_setup_distributed", "lightning", "starting the process group of strategy fsdp")
+            self._setup_distributed()  # ModelParallelStrategy's: the process group with our timeout
+            # An explicit device type: a mesh built for "cuda" while gloo runs on CPU failed (pytorch#132471).
+            self._data_parallel_mesh = init_device_mesh(
+                self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
+            )
+        if self.lightning_module is not None:
+            # What `LightningModule.device_mesh` returns, for a module's own `configure_model`.
+            require(self.lightning_module, "_device_mesh", "lightning", "LightningModule.device_mesh under fsdp")
+            self.lightning_module._device_mesh = self._data_parallel_mesh
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Shard the module (unless its own `configure_model` did), then build the optimizers on the
+        sharded parameters, as ModelParallelStrategy does after the user's sharding."""
+        assert self.model is not None and self.accelerator is not None
+        module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise UserFacingError(
+                f"{type(module).__name__} uses manual optimization (automatic_optimization = False), which "
+                "strategy fsdp does not support here. Fix: use automatic optimization, or strategy ddp."
+            )
+        if any(isinstance(parameter, DTensor) for parameter in self.model.parameters()):
+            super().setup(trainer)  # the module's own configure_model sharded it: Lightning's path
+            return
+        self.accelerator.setup(trainer)
+        unsharded = {id(parameter): name for name, parameter in self.model.named_parameters()}
+        self.shard(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._optimize_sharded_parameters(unsharded)
+        self.setup_precision_plugin()
+
+    def _optimize_sharded_parameters(self, unsharded: dict[int, str]) -> None:
+        """Point the optimizers at the sharded parameters where they hold the unsharded ones.
+
+        `fully_shard` replaces every parameter with a sharded one (a DTensor) of the same name, and
+        LightningCLI builds the config's `optimizer:` on the module's parameters when it parses the
+        config, long before the strategy shards them: that optimizer would step parameters nothing
+        uses. Nothing has stepped it yet (a resume loads its state later), so each parameter is
+        replaced by its sharded successor, in place, keeping the groups and any scheduler bound to it.
+        """
+        assert self.model is not None
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [
+                    self.model.get_parameter(unsharded[id(parameter)]) if id(parameter) in unsharded else parameter
+                    for parameter in group["params"]
+                ]
+
+    def shard(self, module: nn.Module) -> list[str]:
+        """`fully_shard` the units bottom-up (the `shard_modules` classes, then each child of the
+        LightningModule that holds parameters); returns the units' names, outermost last."""
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if own:
+            raise UserFacingError(
+                f"{type(module).__name__} holds parameters directly ({', '.join(own[:3])}): strategy fsdp shards "
+                "submodules. Fix: keep them in a submodule (self.net = ...), or use strategy ddp."
+            )
+        classes = set(self.shard_modules) if self.shard_modules is not None else _module_list_classes(module)
+        if self.shard_modules is not None and not any(type(sub).__name__ in classes for sub in module.modules()):
+            raise UserFacingError(
+                f"trainer.strategy.init_args.shard_modules={self.shard_modules}: {type(module).__name__} has no "
+                f"submodule of these classes. Fix: class names of its submodules, e.g. "
+                f"{sorted(_class_names(module))[:5]}, or leave it out (null) for the default."
+            )
+        mesh = self.device_mesh
+        policy = MixedPrecisionPolicy(
+            param_dtype=DTYPES[self.param_dtype] if self.param_dtype else None,
+            reduce_dtype=DTYPES[self.reduce_dtype] if self.reduce_dtype else None,
+        )
+        units = [name for name, sub in module.named_modules() if name and type(sub).__name__ in classes]
+        units += [name for name, child in module.named_children() if name not in units and _has_parameters(child)]
+        # Inner units first: fully_shard of a parent leaves the parameters its sharded children own.
+        for name in sorted(units, key=lambda unit: unit.count("."), reverse=True):
+            fully_shard(
+                module.get_submodule(name),
+                mesh=mesh,
+                reshard_after_forward=self.reshard_after_forward,
+                mp_policy=policy,
+            )
+        return units
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        """Every rank writes its shards into a fresh directory; rank 0 writes meta.pt and, once every
+        rank has finished, publishes it under `filepath` atomically (app/checkpoints/sharded.py)."""
+        if storage_options is not None:
+            raise TypeError("FSDP2Strategy.save_checkpoint takes no storage_options (checkpoints go to a path).")
+        path = Path(self.broadcast(str(filepath)))
+        shards = new_shards_directory(path) if self.is_global_zero else None
+        shards = Path(self.broadcast(str(shards)))
+        if self.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            remove_unpublished(path)  # directories of saves a kill interrupted
+        self.barrier()
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{index}"] = optimizer_state
+        dcp.save(tensors, checkpoint_id=shards)  # returns once DCP's index is written (rank 0, after all)
+        if self.is_global_zero:
+            atomic_torch_save(checkpoint, shards / META_NAME)
+        self.barrier()
+        if self.is_global_zero:
+            publish(shards, path)
+
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        if self.is_global_zero:
+            remove_sharded(Path(filepath))
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load this rank's part of the weights and optimizer state (DCP reshards them when the world
+        size changed) and return the rest of the checkpoint; nothing read here can run code."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not is_sharded_checkpoint(path):
+            raise CheckpointError(
+                f"{path} is not a sharded checkpoint, which strategy fsdp resumes from (loading a DDP checkpoint "
+                "into a sharded model is not built yet). Fix: resume it with the strategy it was trained with."
+            )
+        assert self.model is not None
+        strict = self.lightning_module.strict_loading
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        dcp.load(model_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"
+            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optimizer_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state[key])
+        return safe_load(path / META_NAME, name=f"--ckpt_path {path}")
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's shards (DTensors), for DCP."""
+        assert self.model is not None
+        return get_model_state_dict(self.model)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's shards of the optimizer state, keyed by parameter name, for DCP."""
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return get_optimizer_state_dict(self.model, optimizer)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    return {type(sub).__name__ for sub in module.modules() if _has_parameters(sub)}
+
+
+def _module_list_classes(module: nn.Module) -> set[str]:
+    """The default shard units: the classes of the modules held in an `nn.ModuleList`."""
+    return {
+        type(element).__name__
+        for sub in module.modules()
+        if isinstance(sub, nn.ModuleList)
+        for element in sub
+        if _has_parameters(element)
+    }
