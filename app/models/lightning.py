@@ -14,6 +14,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from app.models.nets import (
+    Stem,
     TrainingParts,
     cnn_classifier_parts,
     mlp_classifier_parts,
@@ -171,10 +172,12 @@ class ResNetClassifier(ClassifierModule):
     """resnet18 for 32x32 images (CIFAR-10): the GPU-scale workload.
 
     `channels_last` stores activations NHWC, which tensor cores prefer under bf16/fp16 on GPUs.
+    `stem: imagenet` gives it torchvision's ImageNet stem (7x7 stride-2 convolution, then a
+    max-pool) for 224-pixel images; the default `cifar` keeps the 3x3 stem without max-pool.
     """
 
-    def __init__(self, num_classes: int = 10, channels_last: bool = False) -> None:
-        super().__init__(resnet_classifier_parts(num_classes, channels_last), num_classes)
+    def __init__(self, num_classes: int = 10, channels_last: bool = False, stem: Stem = "cifar") -> None:
+        super().__init__(resnet_classifier_parts(num_classes, channels_last, stem), num_classes)
         self.save_hyperparameters()
 
     def on_after_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int):

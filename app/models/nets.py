@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torchvision
@@ -82,6 +83,10 @@ class ConvNet(nn.Module):
         return self.fc2(x)
 
 
+# The first layers of resnet18: "cifar" for 32x32 (or 64x64) inputs, "imagenet" for 224x224.
+Stem = Literal["cifar", "imagenet"]
+
+
 def resnet18_cifar(num_classes: int = 10) -> nn.Module:
     """torchvision resnet18 adapted to 32x32 inputs: 3x3 stem convolution, no max-pool.
 
@@ -92,6 +97,17 @@ def resnet18_cifar(num_classes: int = 10) -> nn.Module:
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
+
+
+def resnet18(num_classes: int = 10, stem: Stem = "cifar") -> nn.Module:
+    """resnet18 with the `stem` for its input size: "cifar" (`resnet18_cifar`), or "imagenet",
+    torchvision's own (7x7 stride-2 convolution and a 3x3 stride-2 max-pool: a 224x224 image reaches
+    the first block as 56x56, where the CIFAR stem would run the blocks at 224x224, 16x the cost)."""
+    if stem == "imagenet":
+        return torchvision.models.resnet18(weights=None, num_classes=num_classes)
+    if stem == "cifar":
+        return resnet18_cifar(num_classes)
+    raise ValueError(f"model.init_args.stem must be 'cifar' or 'imagenet', got {stem!r}.")
 
 
 @dataclass
@@ -116,8 +132,8 @@ def cnn_classifier_parts(in_channels: int = 1, num_classes: int = 10, dropout: b
     return TrainingParts(ConvNet(in_channels, num_classes, dropout), nn.CrossEntropyLoss())
 
 
-def resnet_classifier_parts(num_classes: int = 10, channels_last: bool = False) -> TrainingParts:
-    net = resnet18_cifar(num_classes)
+def resnet_classifier_parts(num_classes: int = 10, channels_last: bool = False, stem: Stem = "cifar") -> TrainingParts:
+    net = resnet18(num_classes, stem)
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
     return TrainingParts(net, nn.CrossEntropyLoss(), channels_last)

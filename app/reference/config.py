@@ -21,7 +21,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from app.data.datasets import DATASETS, DOWNLOADS, LoaderSettings
+from app.data.image_files import imagefolder_splits
 from app.models.nets import PARTS, TrainingParts
+
+# DataModule class name -> its splits: `app.data.datasets.DATASETS`, and the ImageFolder's, whose
+# module imports app.data.datasets (so it cannot be listed there).
+SPLITS = {**DATASETS, "ImageFolderDataModule": imagefolder_splits}
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -150,7 +155,7 @@ def build_job(config: dict[str, Any]) -> Job:
     parts = build_parts(config["model"])
     data = config["data"]
     loader, dataset_args = LoaderSettings.split_off(data.get("init_args") or {})
-    train_dataset, val_dataset, test_dataset = DATASETS[class_name(data, "data", DATASETS)](**dataset_args)
+    train_dataset, val_dataset, test_dataset = SPLITS[class_name(data, "data", SPLITS)](**dataset_args)
     return Job(
         net=parts.net,
         criterion=parts.criterion,
@@ -175,6 +180,6 @@ def build_job(config: dict[str, Any]) -> Job:
 
 def prepare_data(config: dict[str, Any]) -> None:
     """Download once, before any worker starts (what the DataModule's own `prepare_data` does)."""
-    download = DOWNLOADS.get(class_name(config["data"], "data", DATASETS))
+    download = DOWNLOADS.get(class_name(config["data"], "data", SPLITS))
     if download is not None:
         download(**(config["data"].get("init_args") or {}))

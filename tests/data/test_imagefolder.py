@@ -3,12 +3,16 @@ augmentation that is a function of (seed, epoch, index), and a 2-rank fit killed
 
 from __future__ import annotations
 
+import inspect
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torchvision
+import yaml
 from PIL import Image
 from torch.utils.data import DataLoader, Subset
 
@@ -23,8 +27,11 @@ from app.data.image_files import (
 from app.data.imagefolder import ImageFolderDataModule
 from app.data.seeding import PerSampleSeeded, SampleKey
 from app.errors import UserFacingError
+from app.models import ResNetClassifier
+from app.models.nets import resnet_classifier_parts
+from app.reference.config import build_job, load_config
 from app.resume_check import Case, Runner
-from tests.helpers.run import clean_env, ddp_app
+from tests.helpers.run import clean_env, ddp_app, run
 
 CLASSES = ("cat", "dog", "fish", "owl")
 SMALL = {"image_size": 12, "resize_size": 16}
@@ -338,3 +345,51 @@ def test_check_files_on_2_ranks_scans_on_rank_0_and_stops_every_rank_with_one_li
         f"ddp-app: error: {bad} is not a JPEG, PNG, GIF or WebP image (it starts with b'<htm'). Fix: remove or "
         "replace it, or set data.init_args.skip_bad_files=true to skip unreadable images and count them."
     ], output[-3000:]
+
+
+def test_the_reference_trainer_builds_the_same_imagefolder_splits(tmp_path: Path) -> None:
+    """The plain-PyTorch reference reads an ImageFolder config's data with the DataModule's own function."""
+    root = make_image_folder(tmp_path / "images", {"train": 6}, size=32)
+    spec = load_config("tests/helpers/imagefolder.yaml")
+    spec["data"]["init_args"].update(data_dir=str(root), val_fraction=0.25)
+    job = build_job(spec)
+    datamodule = ImageFolderDataModule(**spec["data"]["init_args"])
+    datamodule.setup("fit")
+    assert job.train_dataset.indices == datamodule.train_dataset.indices
+    assert job.train_dataset.dataset.samples == datamodule.train_dataset.dataset.samples
+    assert all(torch.equal(job.val_dataset[i][0], datamodule.val_dataset[i][0]) for i in range(len(job.val_dataset)))
+    own = dict(inspect.signature(ImageFolderDataModule.__init__).parameters)
+    function = dict(inspect.signature(imagefolder_splits).parameters)
+    assert [(k, p.default) for k, p in own.items() if k not in ("self", "loader_options")] == [
+        (k, p.default) for k, p in function.items()
+    ]
+
+
+@pytest.mark.distributed
+def test_the_reference_trainer_trains_an_imagefolder_config_on_2_ranks(tmp_path: Path) -> None:
+    root = make_image_folder(tmp_path / "images", {"train": 8, "val": 2}, size=32)
+    spec = load_config("tests/helpers/imagefolder.yaml")
+    spec["data"]["init_args"]["data_dir"] = str(root)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    result = run(
+        [sys.executable, "-m", "app.reference", "--config", str(config), "--world-size", "2", "--epochs", "1",
+         "--out", str(tmp_path / "out")], timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[rank 0] epoch 0 | steps 1 |" in result.stdout + result.stderr
+    assert (tmp_path / "out" / "final.pt").is_file()
+
+
+def test_resnet_stem_imagenet_downsamples_224_pixel_images_as_torchvision_does() -> None:
+    cifar, imagenet = ResNetClassifier(num_classes=4), ResNetClassifier(num_classes=4, stem="imagenet")
+    assert cifar.net.conv1.kernel_size == (3, 3) and isinstance(cifar.net.maxpool, torch.nn.Identity)
+    reference = torchvision.models.resnet18(num_classes=4)
+    assert [(name, p.shape) for name, p in imagenet.net.named_parameters()] == [
+        (name, p.shape) for name, p in reference.named_parameters()
+    ]
+    images = torch.randn(2, 3, 224, 224)
+    stem = torch.nn.Sequential(imagenet.net.conv1, imagenet.net.bn1, imagenet.net.relu, imagenet.net.maxpool)
+    assert stem(images).shape == (2, 64, 56, 56)  # the CIFAR stem would keep 224x224 for the blocks
+    assert imagenet.net(images).shape == (2, 4)
+    assert resnet_classifier_parts(4, stem="imagenet").net.conv1.stride == (2, 2)
