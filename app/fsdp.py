@@ -26,6 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed._composable as composable
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -57,8 +58,6 @@ from app.checkpoints.sharded import (
 from app.errors import UserFacingError
 from app.private_apis import require
 
-# What `strategy: fsdp` means in a ddp-app config (app/config_checks.py `resolve_fsdp_name`).
-FSDP_CLASS_PATH = "app.fsdp.FSDP2Strategy"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -74,6 +73,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             parameters left outside those (embeddings, the head).
         reshard_after_forward: free a unit's gathered parameters after its forward (and gather them
             again for the backward): less memory, one more all-gather per unit and step.
+        activation_checkpointing: keep only the inputs of each `shard_modules` unit from the forward
+            and recompute its activations in the backward: less memory, about one more forward per
+            step. The gradients are the same, bit for bit.
         param_dtype: the dtype of the gathered parameters forward and backward compute in
             (`bfloat16` for mixed precision); None: the parameters' own (float32). The sharded
             parameters and the optimizer stay in their own dtype.
@@ -86,6 +88,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self,
         shard_modules: list[str] | None = None,
         reshard_after_forward: bool = True,
+        activation_checkpointing: bool = False,
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
         process_group_backend: str | None = None,
@@ -100,6 +103,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
         self.shard_modules = list(shard_modules) if shard_modules is not None else None
         self.reshard_after_forward = reshard_after_forward
+        self.activation_checkpointing = activation_checkpointing
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self._data_parallel_mesh: DeviceMesh | None = None
@@ -188,8 +192,16 @@ class FSDP2Strategy(ModelParallelStrategy):
             param_dtype=DTYPES[self.param_dtype] if self.param_dtype else None,
             reduce_dtype=DTYPES[self.reduce_dtype] if self.reduce_dtype else None,
         )
-        units = [name for name, sub in module.named_modules() if name and type(sub).__name__ in classes]
-        units += [name for name, child in module.named_children() if name not in units and _has_parameters(child)]
+        blocks = [name for name, sub in module.named_modules() if name and type(sub).__name__ in classes]
+        if self.activation_checkpointing:
+            checkpoint = require(composable, "checkpoint", "torch", "activation_checkpointing of strategy fsdp")
+            for name in blocks:
+                # The composable form: the block keeps its parameter names (a wrapper module would add
+                # one to every key of every checkpoint), and FSDP2 composes with it.
+                checkpoint(module.get_submodule(name))
+        units = blocks + [
+            name for name, child in module.named_children() if name not in blocks and _has_parameters(child)
+        ]
         # Inner units first: fully_shard of a parent leaves the parameters its sharded children own.
         for name in sorted(units, key=lambda unit: unit.count("."), reverse=True):
             fully_shard(

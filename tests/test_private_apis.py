@@ -406,6 +406,18 @@ def test_dcp_still_names_its_index_and_pickles_only_what_the_safe_reader_builds(
     )
 
 
+def test_composable_activation_checkpointing_still_exists_and_keeps_parameter_names() -> None:
+    import torch.distributed._composable as composable
+
+    block = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    names = [name for name, _ in block.named_parameters()]
+    composable.checkpoint(block)
+    assert [name for name, _ in block.named_parameters()] == names, (
+        "torch.distributed._composable.checkpoint now renames parameters: activation_checkpointing of strategy fsdp "
+        f"would change every checkpoint's keys ({DOC})"
+    )
+
+
 # ----- At runtime (app/private_apis.py): a missing private API stops a run in one line -----
 
 

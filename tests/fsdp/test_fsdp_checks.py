@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch import Trainer
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from app.checkpoints.io import CheckpointError, atomic_torch_save
@@ -87,6 +88,28 @@ def test_manual_optimization_is_refused_in_one_line_as_the_strategy_sets_up(tmp_
         trainer.fit(ManualOptimization(), loader)
 
 
+class ShardsItself(GPTLanguageModel):
+    """A module with its own configure_model: the whole network one unit, its blocks not units."""
+
+    def configure_model(self) -> None:
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_module_that_shards_itself_in_configure_model_is_left_as_it_sharded_itself(tmp_path: Path) -> None:
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=FSDP2Strategy(), max_steps=2, logger=False, default_root_dir=tmp_path
+    )
+    tokens = torch.randint(64, (8, 8), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, tokens), batch_size=2)
+    model = ShardsItself(n_layers=2)
+    trainer.fit(model, loader)
+    assert trainer.global_step == 2
+    assert isinstance(model.net, FSDPModule) and not isinstance(model.net.blocks[0], FSDPModule)
+
+
 def test_strategy_fsdp_is_ddp_apps_fsdp2_strategy() -> None:
     trainer_config = {"strategy": "fsdp"}
     resolve_fsdp_name(trainer_config)
@@ -157,3 +180,24 @@ def test_an_index_whose_unpickling_would_run_code_is_refused_without_running_it(
     with pytest.raises(CheckpointError, match=r"refused to load .*\.metadata: posix\.mkdir is not part of"):
         SafeFileSystemReader(tmp_path / "ckpt").read_metadata()
     assert not marker.exists()
+
+
+def sharded_gradients(tmp_path: Path, **arguments: object) -> tuple[dict[str, torch.Tensor], int]:
+    """One step's gradients (this rank's shards) and how often the first block's MLP ran."""
+    torch.manual_seed(0)
+    model = GPTLanguageModel(n_layers=2)
+    one_rank_strategy(tmp_path, **arguments).shard(model)
+    calls = []
+    model.net.blocks[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    tokens = torch.randint(64, (4, 16), generator=torch.Generator().manual_seed(1))
+    model._loss((tokens, tokens.roll(-1, dims=1))).backward()
+    return {name: parameter.grad.to_local() for name, parameter in model.named_parameters()}, len(calls)
+
+
+def test_activation_checkpointing_keeps_the_parameter_names_and_the_gradients_bit_for_bit(tmp_path: Path) -> None:
+    plain, plain_calls = sharded_gradients(tmp_path)
+    torch.distributed.destroy_process_group()
+    checkpointed, checkpointed_calls = sharded_gradients(tmp_path, activation_checkpointing=True)
+    assert (plain_calls, checkpointed_calls) == (1, 2)  # the backward ran the block's forward again
+    assert plain.keys() == checkpointed.keys()
+    assert [name for name in plain if not torch.equal(plain[name], checkpointed[name])] == []

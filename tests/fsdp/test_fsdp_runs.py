@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.bench.recovery import clock_arguments, kill_rank, wait_for_step
 from app.checkpoints.io import safe_load
 from app.checkpoints.sharded import (
     DCP_INDEX,
@@ -27,7 +28,7 @@ from app.checkpoints.sharded import (
     load_full_tensors,
 )
 from app.resume import POSITION_KEY
-from tests.helpers.run import clean_env, ddp_app
+from tests.helpers.run import BIN, clean_env, ddp_app, kill_job, start
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -97,3 +98,31 @@ def test_a_resume_on_3_ranks_reshards_and_ends_within_1e_5_of_the_uninterrupted_
     worst = max((expected[key] - actual[key]).abs().max().item() for key in expected)
     assert worst <= ELASTIC_TOLERANCE, f"max |diff| {worst:.3g} after 2 -> 3 ranks"
     assert safe_load(elastic / META_NAME)["global_step"] == 16
+
+
+@pytest.mark.slow  # 15 to 20 s more; the default run proves the same-ranks resume with a max_steps stop
+def test_a_rank_killed_mid_epoch_restarts_from_the_sharded_last_ckpt_and_ends_bit_for_bit(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """kill -9 of rank 1 in epoch 0 under `--restarts 1`: every rank starts again from the last.ckpt
+    saved every 4 steps, and the run ends with the uninterrupted run's weights and optimizer state."""
+    clock = tmp_path / "clock"
+    command = [
+        str(BIN / "ddp-app"), "fit", *GPT, f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.max_epochs=2",
+        "--last_checkpoint.every_n_steps=4", "--restarts=1", *clock_arguments(clock),
+    ]  # fmt: skip
+    job = start(command, env=clean_env())
+    try:
+        wait_for_step(clock, 10, lambda: job.poll() is None)
+        kill_rank(clock, 1)
+        stdout, stderr = job.communicate(timeout=300)
+    finally:
+        kill_job(job.pid)
+    assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    assert "restart 1 of 1" in stdout + stderr
+    restarted_from = int(clock.read_text().split("start ")[2].split()[1])
+    assert 8 <= restarted_from < 16, f"restarted from step {restarted_from}, not from an interval save in epoch 0"
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    for prefix in ("state_dict.", "optimizer_0.state."):
+        expected, actual = load_full_tensors(runs["uninterrupted"], prefix), load_full_tensors(last, prefix)
+        assert [key for key in expected if not torch.equal(expected[key], actual[key])] == []
