@@ -27,7 +27,9 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -60,9 +62,47 @@ def image_files_of(dataset: Dataset) -> tuple[list[tuple[Path, int]], list[int]]
 
 
 def image_record(samples: list[tuple[Path, int]], index: int) -> dict[str, Any]:
-    """One image file's sample: its encoded bytes and class index (decoded in training, app.data.streaming)."""
+    """One image file's sample: its encoded bytes and class index (decoded in training, app.data.streaming).
+
+    The file is decoded once here, so that shards never hold an image training cannot decode (the
+    whole pass costs a decode per image, spread over the writer processes).
+    """
+    from torchvision.io import ImageReadMode, decode_image
+
+    from app.data.image_files import UnreadableImageError
+
     path, target = samples[index]
-    return {"image": Path(path).read_bytes(), "label": int(target)}
+    try:
+        encoded = Path(path).read_bytes()
+        decode_image(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except (OSError, RuntimeError, ValueError) as error:
+        text = str(error).strip()
+        reason = getattr(error, "strerror", None) or (text.splitlines()[0] if text else type(error).__name__)
+        raise UnreadableImageError(f"{path} cannot be decoded ({reason})") from None
+    return {"image": encoded, "label": int(target)}
+
+
+class NotedRecord:
+    """Makes sample `index`'s record; a failure is written to `notes` and the sample left out (None).
+
+    LitData's `optimize` waits forever for a writer process whose function raised (litdata 0.2.76),
+    so the function never raises: `write_split` reads the notes after `optimize` returns and reports
+    them, a bad file in one line, a bug with its traceback.
+    """
+
+    def __init__(self, make: Any, notes: Path) -> None:
+        self.make, self.notes = make, notes
+
+    def __call__(self, index: int) -> Any:
+        from app.data.image_files import UnreadableImageError
+
+        try:
+            return self.make(index)
+        except Exception as error:  # reported by write_split: a bad file in one line, a bug with its traceback
+            note = {"index": index, "bad_data": isinstance(error, UnreadableImageError), "message": str(error)}
+            note["traceback"] = traceback.format_exc()
+            (self.notes / f"{index}.json").write_text(json.dumps(note))
+            return None
 
 
 def dataset_record(dataset: Dataset, index: int) -> Any:
@@ -93,7 +133,14 @@ def split_writer(dataset: Dataset, name: str) -> tuple[Any, list[int], str]:
 
 
 def write_split(
-    dataset: Dataset, name: str, out: Path, chunk_bytes: str, chunk_size: int | None, workers: int, seed: int
+    dataset: Dataset,
+    name: str,
+    out: Path,
+    chunk_bytes: str,
+    chunk_size: int | None,
+    workers: int,
+    seed: int,
+    skip_bad_files: bool = False,
 ) -> dict[str, Any]:
     """Write one split with LitData's `optimize`; the record of what was written."""
     from litdata import StreamingDataset, optimize
@@ -103,19 +150,29 @@ def write_split(
         order = torch.randperm(len(indices), generator=torch.Generator().manual_seed(seed)).tolist()
         indices = [indices[position] for position in order]
     started = time.perf_counter()
-    optimize(
-        fn=record,
-        inputs=indices,
-        output_dir=str(out),
-        chunk_bytes=None if chunk_size else chunk_bytes,
-        chunk_size=chunk_size,
-        num_workers=max(1, workers),
-        keep_data_ordered=True,  # sample i of the shards is inputs[i]: a rewrite gives the same shards
-        start_method="fork",  # the record functions and the data set need no pickling
-        verbose=False,
-    )
+    with tempfile.TemporaryDirectory(prefix="ddp_app_shard_notes_") as notes:
+        optimize(
+            fn=NotedRecord(record, Path(notes)),
+            inputs=indices,
+            output_dir=str(out),
+            chunk_bytes=None if chunk_size else chunk_bytes,
+            chunk_size=chunk_size,
+            num_workers=max(1, workers),
+            keep_data_ordered=True,  # sample i of the shards is inputs[i]: a rewrite gives the same shards
+            start_method="fork",  # the record functions and the data set need no pickling
+            verbose=False,
+        )
+        failed = [json.loads(note.read_text()) for note in sorted(Path(notes).iterdir())]
+    bugs = [note for note in failed if not note["bad_data"]]
+    if bugs:
+        raise RuntimeError(f"writing sample {bugs[0]['index']} of the {name} split failed:\n{bugs[0]['traceback']}")
+    if failed and not skip_bad_files:
+        raise InvalidConfigError(
+            f"{len(failed)} files of the {name} split cannot be decoded, e.g. {failed[0]['message']}. Fix: remove or "
+            "replace them, or add --skip-bad-files to leave them out (they are listed in ddp_app_shards.json)."
+        )
     written = sum(end - start for start, end in StreamingDataset(str(out)).region_of_interest)
-    if written != len(indices):
+    if written != len(indices) - len(failed):
         raise UserFacingError(
             f"writing the {name} split to {out} ended with {written} of its {len(indices)} samples (a LitData "
             f"worker failed; its error is above). Fix: correct the cause, remove {out} and run again."
@@ -129,6 +186,7 @@ def write_split(
         "seconds": round(time.perf_counter() - started, 2),
         "holds": holds,
         "shuffled_with_seed": seed if name == "train" else None,
+        "left_out": [note["message"] for note in failed],
     }
 
 
@@ -199,7 +257,14 @@ def check_out(out: Path) -> None:
 
 
 def write_shards(
-    module: Any, out: Path, chunk_bytes: str, chunk_size: int | None, workers: int, seed: int, source: str
+    module: Any,
+    out: Path,
+    chunk_bytes: str,
+    chunk_size: int | None,
+    workers: int,
+    seed: int,
+    source: str,
+    skip_bad_files: bool = False,
 ) -> dict[str, Any]:
     """Write the module's train, val and test splits (test only where it is not the val split) under `out`."""
     check_out(out)
@@ -217,13 +282,18 @@ def write_shards(
             if dataset is None:
                 continue
             print(f"ddp-app: writing the {name} split ({len(dataset)} samples) to {out / name} ...", flush=True)
-            manifest["splits"][name] = write_split(dataset, name, out / name, chunk_bytes, chunk_size, workers, seed)
+            manifest["splits"][name] = write_split(
+                dataset, name, out / name, chunk_bytes, chunk_size, workers, seed, skip_bad_files
+            )
             done = manifest["splits"][name]
             print(
                 f"ddp-app: {name}: {done['samples']} samples in {done['chunks']} chunks, "
                 f"{done['bytes'] / 1e6:.1f} MB, {done['seconds']} s",
                 flush=True,
             )
+            if done["left_out"]:
+                print(f"ddp-app: {name}: left out {len(done['left_out'])} files that cannot be decoded "
+                      f"(--skip-bad-files; listed in {out / MANIFEST})", flush=True)  # fmt: skip
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)  # never leave shards that look complete but are not
         raise
@@ -244,13 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=None, help="samples per chunk instead of --chunk-bytes")
     parser.add_argument("--workers", type=int, default=1, help="writer processes (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="the seed of the training split's written order")
+    parser.add_argument(
+        "--skip-bad-files", action="store_true", help="leave out image files that cannot be decoded (else an error)"
+    )
     args, overrides = parser.parse_known_args(argv)
     try:
         check_out(args.out)  # before the data set is read
         module = build_data_module(args.config, overrides)
         source = " ".join([f"--config {args.config}", *overrides])
         manifest = write_shards(
-            module, args.out, args.chunk_bytes, args.chunk_size, args.workers, args.seed, source.strip()
+            module, args.out, args.chunk_bytes, args.chunk_size, args.workers, args.seed, source, args.skip_bad_files
         )
     except UserFacingError as error:
         print(f"ddp-app: error: {error}", file=sys.stderr)

@@ -22,6 +22,7 @@ are returned as written.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,16 @@ from torchvision.io import ImageReadMode, decode_image
 
 from app.data.base import ShardedDataModule
 from app.data.datasets import DataNotFoundError
-from app.data.image_files import IMAGENET_MEAN, IMAGENET_STD, check_split_settings, eval_transform, train_transform
+from app.data.image_files import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    UnreadableImageError,
+    check_split_settings,
+    eval_transform,
+    train_transform,
+)
 from app.data.samplers import DEFAULT_SHUFFLE_CHUNKS
-from app.errors import InvalidConfigError, UserFacingError
-
-
-class UnreadableShardSampleError(UserFacingError):
-    """A sample in the shards that does not decode (a damaged chunk or a bad source file)."""
+from app.errors import InvalidConfigError
 
 
 def open_shards(input_dir: str, cache_dir: str | None) -> Any:
@@ -80,21 +84,32 @@ class ShardSamples(Dataset):
         return sum(self.chunk_sizes)
 
     def __getitem__(self, index: int) -> Any:
-        sample = self.stream[int(index)]
+        from litdata.exceptions import ChunkWaitTimeoutError
+
+        try:
+            sample = self.stream[int(index)]
+        except (struct.error, EOFError, UnicodeDecodeError, ValueError, ChunkWaitTimeoutError) as error:
+            # A chunk cut short or damaged after writing (an interrupted copy to object storage: LitData
+            # then waits for the rest of it), or a download from the store that does not arrive.
+            raise self._unreadable(index, "cannot be read from its chunk", error) from None
         if isinstance(sample, dict) and "image" in sample:
             return self._decode(sample, index), int(sample["label"])
         return sample
+
+    def _unreadable(self, index: int, what: str, error: Exception) -> UnreadableImageError:
+        # UnreadableImageError: one line, also when raised in a loader worker (its class unwraps it).
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return UnreadableImageError(
+            f"sample {index} of the shards at {self.input_dir} {what} ({type(error).__name__}: {reason}). "
+            "Fix: copy the shards again or rewrite them (python -m app.data.shard), or check the store's connection."
+        )
 
     def _decode(self, sample: dict[str, Any], index: int) -> torch.Tensor:
         encoded = torch.frombuffer(bytearray(sample["image"]), dtype=torch.uint8)
         try:
             image = decode_image(encoded, mode=ImageReadMode.RGB)
         except RuntimeError as error:
-            raise UnreadableShardSampleError(
-                f"sample {index} of the shards at {self.input_dir} is not a readable image "
-                f"({str(error).splitlines()[0]}). Fix: rewrite the shards from intact files "
-                "(python -m app.data.shard)."
-            ) from None
+            raise self._unreadable(index, "is not a readable image", error) from None
         return self.transform(image) if self.transform is not None else image
 
 

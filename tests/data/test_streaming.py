@@ -82,6 +82,46 @@ def test_an_existing_output_and_an_augmenting_data_set_are_refused_in_one_line(
     assert "\n" not in error and not (tmp_path / "noisy").exists()
 
 
+def test_a_file_that_does_not_decode_is_named_or_left_out_when_writing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Shards never hold an image training cannot decode: a truncated JPEG (a good header) stops the write
+    in one line that names it, leaving no output; with --skip-bad-files it is left out and listed."""
+    images = write_image_folder(tmp_path / "images", images=24, classes=4, pixels=32)
+    bad = sorted((images / "train" / "class_1").iterdir())[0]
+    bad.write_bytes(bad.read_bytes()[:40])
+    arguments = ["--config", "tests/helpers/imagefolder.yaml", f"--data.init_args.data_dir={images}"]
+    assert shard_main([*arguments, "--out", str(tmp_path / "refused")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and f"1 files of the train split cannot be decoded, e.g. {bad} cannot" in error, error
+    assert "--skip-bad-files" in error and not (tmp_path / "refused").exists()
+
+    assert shard_main([*arguments, "--out", str(tmp_path / "kept"), "--skip-bad-files"]) == 0
+    manifest = json.loads((tmp_path / "kept" / "ddp_app_shards.json").read_text())
+    assert manifest["splits"]["train"]["samples"] == 23 and str(bad) in manifest["splits"]["train"]["left_out"][0]
+    module = StreamingDataModule(data_dir=str(tmp_path / "kept"), image_size=28)
+    module.setup("fit")
+    assert len(module.train_dataset) == 23
+
+
+def test_a_sample_damaged_after_writing_is_one_line_naming_it(shards: Path, tmp_path: Path) -> None:
+    """A chunk cut short on the way (a copy to object storage interrupted): its samples fail in one line."""
+    import shutil
+
+    from app.data.image_files import UnreadableImageError
+
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy)
+    chunk = sorted((copy / "val").glob("chunk-*.bin"))[0]
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])  # a copy cut short
+    module = StreamingDataModule(data_dir=str(copy), image_size=28, resize_size=32)
+    module.setup("fit")
+    with pytest.raises(UnreadableImageError) as error:
+        module.val_dataset[0]  # the first sample of the first chunk
+    message = str(error.value)
+    assert "\n" not in message and f"sample 0 of the shards at {copy}/val cannot be read from its chunk" in message
+
+
 def test_missing_shards_are_one_line_naming_the_fix(tmp_path: Path) -> None:
     module = StreamingDataModule(data_dir=str(tmp_path / "nowhere"))
     with pytest.raises(DataNotFoundError) as error:
