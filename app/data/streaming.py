@@ -73,6 +73,13 @@ class ShardSamples(Dataset):
     def __init__(self, input_dir: str, transform: Any, cache_dir: str | None, shuffle_chunks: int) -> None:
         self.input_dir = input_dir
         self.stream = open_shards(input_dir, cache_dir)
+        # From a store (a URL), LitData reads an item by index with a ranged request of its own bytes
+        # unless told to fetch its whole chunk into the cache: one request per sample, and its
+        # `local:` store answered those with nothing (litdata 0.2.76). Whole chunks suit the chunked
+        # order, which reads every sample of a chunk close together. `_on_demand_bytes` is private
+        # (docs/private_apis.md); its public setter needs the per-process cache that the first read
+        # creates, after the first ranged request.
+        self.stream._on_demand_bytes = False
         # LitData's (start, end) of each chunk's samples (`StreamingDataset.region_of_interest`,
         # listed in docs/private_apis.md): the whole chunk unless LitData subsamples.
         self.chunk_sizes = [end - start for start, end in self.stream.region_of_interest]
@@ -159,7 +166,7 @@ class StreamingDataModule(ShardedDataModule):
         return ShardSamples(f"{self.data_dir}/{name}", transform, self.cache_dir, self.shuffle_chunks)
 
     def _has_split(self, name: str) -> bool:
-        if "://" in self.data_dir:  # a remote store: test/ is opened when it is there
+        if "://" in self.data_dir or self.data_dir.startswith("local:"):  # a store: open test/ to see
             try:
                 self._split(name, None)
             except DataNotFoundError:

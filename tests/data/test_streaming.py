@@ -122,6 +122,26 @@ def test_a_sample_damaged_after_writing_is_one_line_naming_it(shards: Path, tmp_
     assert "\n" not in message and f"sample 0 of the shards at {copy}/val cannot be read from its chunk" in message
 
 
+def test_shards_streamed_from_a_store_read_as_from_a_folder(shards: Path, tmp_path: Path) -> None:
+    """`data_dir` as a store URL (LitData's `local:` store: chunks fetched into `cache_dir` as from s3://),
+    read by 2 loader workers in the training order: the same samples as from the folder."""
+    from torch.utils.data import DataLoader
+
+    def batches(data_dir: str) -> list[torch.Tensor]:
+        module = StreamingDataModule(data_dir=data_dir, cache_dir=str(tmp_path / "cache"), image_size=28)
+        module.setup("fit")
+        order = chunked_shard(module.train_dataset.chunk_sizes, 0, 2, True, 0, 0, 4)  # rank 0 of 2
+        loader = DataLoader(module.val_dataset, batch_size=2, num_workers=2)
+        module.val_dataset.transform = module.train_dataset.transform = None  # the decoded images themselves
+        train = DataLoader(module.train_dataset, batch_size=16, sampler=order, num_workers=2)
+        return [images for images, _ in train] + [images for images, _ in loader]
+
+    from_folder, from_store = batches(str(shards)), batches(f"local:{shards}")
+    assert len(from_folder) == len(from_store) == 7 + 2
+    assert all(torch.equal(a, b) for a, b in zip(from_folder, from_store, strict=True))
+    assert list((tmp_path / "cache").rglob("chunk-*.bin"))  # fetched into cache_dir (LitData evicts read ones)
+
+
 def test_missing_shards_are_one_line_naming_the_fix(tmp_path: Path) -> None:
     module = StreamingDataModule(data_dir=str(tmp_path / "nowhere"))
     with pytest.raises(DataNotFoundError) as error:
