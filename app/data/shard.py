@@ -329,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddp-app: error: {error}", file=sys.stderr)
         return 2
     total = sum(split["samples"] for split in manifest["splits"].values())
-    print(f"ddp-app: wrote {total} samples to {args.out}; train from them with configs/streaming_resnet18.yaml "
-          f"--data.init_args.data_dir={args.out}", flush=True)  # fmt: skip
+    print(f"ddp-app: wrote {total} samples to {args.out}; train from them with --data=app.data.StreamingDataModule "
+          f"--data.init_args.data_dir={args.out} (images: configs/streaming_resnet18.yaml)", flush=True)  # fmt: skip
     return 0
 
 

@@ -67,6 +67,25 @@ def test_litdata_still_describes_its_chunks_as_shard_samples_reads_them(shards: 
     )
 
 
+def test_a_data_set_of_tensors_is_written_as_its_samples(tmp_path: Path) -> None:
+    """The digits (a TensorDataset split three ways): every split's samples, as tensors, each once."""
+    from app.data.digits import DigitsDataModule
+
+    assert shard_main(["--config", "configs/digits.yaml", "--out", str(tmp_path), "--chunk-size", "256"]) == 0
+    source = DigitsDataModule()
+    source.setup("fit")
+    module = StreamingDataModule(data_dir=str(tmp_path))
+    module.setup("fit")
+    for split in ("train_dataset", "val_dataset", "test_dataset"):
+        ours, theirs = getattr(module, split), getattr(source, split)
+        assert len(ours) == len(theirs) and module.test_dataset is not module.val_dataset
+
+        def rows(dataset: torch.utils.data.Dataset) -> list[tuple[float, ...]]:
+            return sorted((*dataset[i][0].tolist(), float(dataset[i][1])) for i in range(len(dataset)))
+
+        assert rows(ours) == rows(theirs), split
+
+
 def test_an_existing_output_and_an_augmenting_data_set_are_refused_in_one_line(
     tmp_path: Path, shards: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
