@@ -2,6 +2,8 @@
 
 Training uses PyTorch's `DistributedSampler` (padded so every rank runs the same number of
 steps; a shuffled order per epoch via `set_epoch`, which Lightning's fit loop calls every epoch).
+A data set stored in chunks (LitData shards: `chunk_sizes`) is shuffled chunk-wise instead
+(`chunked_shard`), so that each rank reads its own run of chunks.
 Evaluation uses `UnpaddedDistributedSampler`: the default sampler pads the set with repeated
 samples so that it divides evenly, and those duplicates would be counted twice in the metrics.
 """
@@ -86,10 +88,9 @@ def chunked_shard(
     """
     order = _chunked_order(tuple(int(size) for size in chunk_sizes), shuffle, seed, epoch, max(1, window))
     per_rank = math.ceil(len(order) / num_replicas)
-    padded = (
-        order
-        + (order * math.ceil(per_rank * num_replicas / max(1, len(order))))[: per_rank * num_replicas - len(order)]
-    )
+    padded = list(order)
+    while len(padded) < per_rank * num_replicas:
+        padded += order[: per_rank * num_replicas - len(padded)]
     return padded[rank * per_rank : (rank + 1) * per_rank]
 
 
