@@ -3,6 +3,9 @@
     python -m app.export --ckpt runs/digits/checkpoints/last.ckpt --out model.pt
     python -m app.export --ckpt runs/digits/checkpoints/last.ckpt --out model.pt2 --format exported-program
 
+A sharded checkpoint (strategy fsdp, docs/fsdp.md) exports with `--format state-dict`: its shards are
+joined into whole tensors in this one process.
+
 `--format state-dict` (the default) writes a plain `state_dict` (no pickled classes): the bare network's
 weights (keys `net.*` without the prefix) when the LightningModule has a `net` attribute, else the
 module's own weights. Load it into the same architecture with
@@ -35,6 +38,7 @@ from app.checkpoints.io import (
     exportable_state_dict,
     safe_load,
 )
+from app.checkpoints.sharded import META_NAME, is_sharded_checkpoint, load_full_tensors
 from app.errors import UserFacingError
 
 FORMATS = ("state-dict", "exported-program")
@@ -162,6 +166,11 @@ def export_program(module: torch.nn.Module, inputs: torch.Tensor) -> torch.expor
 
 def export_exported_program(ckpt_path: Path, out_path: Path, config_path: Path | None) -> str:
     """Write the `.pt2` file; returns the summary line."""
+    if is_sharded_checkpoint(ckpt_path):
+        raise ExportError(
+            f"{ckpt_path} is a sharded checkpoint (strategy fsdp): --format exported-program of one is not built yet. "
+            "Fix: --format state-dict, which joins its shards into one file."
+        )
     checkpoint = safe_load(ckpt_path)
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict):
@@ -187,6 +196,14 @@ def export_exported_program(ckpt_path: Path, out_path: Path, config_path: Path |
     )
 
 
+def export_sharded_state_dict(ckpt_path: Path, out_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """`--format state-dict` of a sharded checkpoint (app/checkpoints/sharded.py): every weight joined
+    whole in this process, no process group; the same file a single-file checkpoint exports to."""
+    state = exportable_state_dict({"state_dict": load_full_tensors(ckpt_path)}, str(ckpt_path))
+    atomic_write(out_path, lambda file: torch.save(state, file))
+    return state, safe_load(ckpt_path / META_NAME).get("hyper_parameters", {})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m app.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -202,8 +219,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.format == "exported-program":
             print(export_exported_program(Path(args.ckpt), Path(args.out), args.config))
             return
-        state = export_state_dict(args.ckpt, args.out)
-        hyper_parameters = safe_load(args.ckpt).get("hyper_parameters", {})
+        if is_sharded_checkpoint(args.ckpt):  # strategy fsdp: every rank's shards, joined here
+            state, hyper_parameters = export_sharded_state_dict(Path(args.ckpt), Path(args.out))
+        else:
+            state = export_state_dict(args.ckpt, args.out)
+            hyper_parameters = safe_load(args.ckpt).get("hyper_parameters", {})
     except UserFacingError as error:
         print(f"app.export: error: {' '.join(str(error).split())}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -13,11 +13,14 @@ same samples, the same global batch and the resharded state.
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from app import export
 from app.bench.recovery import clock_arguments, kill_rank, wait_for_step
 from app.checkpoints.io import safe_load
 from app.checkpoints.sharded import (
@@ -27,19 +30,21 @@ from app.checkpoints.sharded import (
     is_sharded_checkpoint,
     load_full_tensors,
 )
+from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
+from app.models.gpt import GPT
 from app.resume import POSITION_KEY
 from tests.helpers.run import BIN, clean_env, ddp_app, kill_job, start
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
-GPT = ["--config", "configs/gpt_fsdp.yaml", "--trainer.enable_progress_bar=false"]
+GPT_CONFIG = ["--config", "configs/gpt_fsdp.yaml", "--trainer.enable_progress_bar=false"]
 ELASTIC_TOLERANCE = 1e-5  # max |diff| of any weight after 2 -> 3 ranks (another summation order)
 SGD = ["--optimizer=torch.optim.SGD", "--optimizer.init_args.lr=0.5", "--trainer.max_epochs=1"]
 
 
 def fit(root: Path, *extra: str) -> str:
     env = clean_env(DDP_APP_ALLOW_OVERSUBSCRIBE="1")  # 3 ranks on a 2-core machine
-    result = ddp_app("fit", *GPT, f"--trainer.default_root_dir={root}", *extra, timeout=300, env=env)
+    result = ddp_app("fit", *GPT_CONFIG, f"--trainer.default_root_dir={root}", *extra, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 
@@ -108,8 +113,8 @@ def test_a_rank_killed_mid_epoch_restarts_from_the_sharded_last_ckpt_and_ends_bi
     saved every 4 steps, and the run ends with the uninterrupted run's weights and optimizer state."""
     clock = tmp_path / "clock"
     command = [
-        str(BIN / "ddp-app"), "fit", *GPT, f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.max_epochs=2",
-        "--last_checkpoint.every_n_steps=4", "--restarts=1", *clock_arguments(clock),
+        str(BIN / "ddp-app"), "fit", *GPT_CONFIG, f"--trainer.default_root_dir={tmp_path / 'run'}",
+        "--trainer.max_epochs=2", "--last_checkpoint.every_n_steps=4", "--restarts=1", *clock_arguments(clock),
     ]  # fmt: skip
     job = start(command, env=clean_env())
     try:
@@ -126,3 +131,43 @@ def test_a_rank_killed_mid_epoch_restarts_from_the_sharded_last_ckpt_and_ends_bi
     for prefix in ("state_dict.", "optimizer_0.state."):
         expected, actual = load_full_tensors(runs["uninterrupted"], prefix), load_full_tensors(last, prefix)
         assert [key for key in expected if not torch.equal(expected[key], actual[key])] == []
+
+
+@pytest.mark.slow  # 15 s more; the same save path as every last.ckpt
+def test_a_preempted_run_saves_a_sharded_last_ckpt_at_its_step_and_resumes_bit_for_bit(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """SIGTERM to rank 1 mid-epoch 0: every rank stops at the same step after last.ckpt is saved there
+    (exit 3, as Slurm requeues), and `--ckpt_path last` ends with the uninterrupted run's state."""
+    clock = tmp_path / "clock"
+    root = tmp_path / "run"
+    command = [
+        str(BIN / "ddp-app"), "fit", *GPT_CONFIG, f"--trainer.default_root_dir={root}", "--trainer.max_epochs=2",
+        *clock_arguments(clock),
+    ]  # fmt: skip
+    job = start(command, env=clean_env())
+    try:
+        wait_for_step(clock, 10, lambda: job.poll() is None)
+        pid = int(clock.with_name(f"{clock.name}.rank1").read_text().split()[0])
+        os.kill(pid, signal.SIGTERM)
+        stdout, stderr = job.communicate(timeout=300)
+    finally:
+        kill_job(job.pid)
+    assert job.returncode == PREEMPTED_EXIT_CODE, stdout[-2000:] + stderr[-3000:]
+    stopped_at = safe_load(root / "checkpoints" / "last.ckpt" / META_NAME)["global_step"]
+    assert 10 <= stopped_at < 32
+    fit(root, "--trainer.max_epochs=2", "--ckpt_path=last")
+    for prefix in ("state_dict.", "optimizer_0.state."):
+        expected = load_full_tensors(runs["uninterrupted"], prefix)
+        actual = load_full_tensors(root / "checkpoints" / "last.ckpt", prefix)
+        assert [key for key in expected if not torch.equal(expected[key], actual[key])] == []
+
+
+def test_app_export_joins_the_shards_into_the_bare_networks_state_dict(runs: dict[str, Path], tmp_path: Path) -> None:
+    export.main(["--ckpt", str(runs["uninterrupted"]), "--out", str(tmp_path / "model.pt")])
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    weights = load_full_tensors(runs["uninterrupted"])
+    assert state.keys() == {key.removeprefix("net.") for key in weights}
+    net = GPT(vocab_size=64, context=32, d_model=64, n_layers=2, n_heads=4, mlp_ratio=4)
+    net.load_state_dict(state)  # plain PyTorch, strict
+    assert all(torch.equal(state[key.removeprefix("net.")], weights[key]) for key in weights)
