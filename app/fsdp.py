@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -58,6 +58,9 @@ from app.checkpoints.sharded import (
 from app.errors import UserFacingError
 from app.private_apis import require
 
+# The dtypes FSDP2 may gather parameters and reduce gradients in, by the names a config gives them (a
+# Literal, so that a config naming another is refused by the parser in one line, naming the key).
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,8 +92,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         shard_modules: list[str] | None = None,
         reshard_after_forward: bool = True,
         activation_checkpointing: bool = False,
-        param_dtype: str | None = None,
-        reduce_dtype: str | None = None,
+        param_dtype: ComputeDtype | None = None,
+        reduce_dtype: ComputeDtype | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
