@@ -237,14 +237,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def build_data_module(config: Path, overrides: list[str]) -> Any:
     """The config's data module, set up for fit and test (its splits as training would read them)."""
-    from app.reference.config import instantiate
+    from lightning.pytorch.cli import instantiate_class  # what LightningCLI builds a class_path entry with
 
     if not config.is_file():
         raise InvalidConfigError(f"--config {config} does not exist. Fix: give a config file (configs/*.yaml).")
     data = (yaml.safe_load(config.read_text()) or {}).get("data")
     if not isinstance(data, dict) or "class_path" not in data:
         raise InvalidConfigError(f"{config} has no data: entry with a class_path. Fix: give a training config.")
-    module = instantiate(apply_overrides(data, overrides))
+    module = instantiate_class((), apply_overrides(data, overrides))
     module.setup("fit")
     return module
 
