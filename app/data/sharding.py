@@ -11,8 +11,9 @@ public attributes, with
   `ResumableDataLoader`, over the dataset wrapped in `PerSampleSeeded` (per-sample randomness);
 - validation, test, predict: `UnpaddedDistributedSampler` (each sample on exactly one rank).
 
-A training `DataLoader` over an `IterableDataset` with `state_dict`/`load_state_dict` and
-`num_workers: 0` is rebuilt over `PositionedStream` (app/data/streams.py), whose state is saved per rank.
+A training `DataLoader` over an `IterableDataset` with `state_dict`/`load_state_dict` is rebuilt over
+`PositionedStream` with `num_workers: 0`, or over `WorkerPositionedStream` in loader workers (without
+`persistent_workers`; app/data/streams.py): its state, per worker in the second case, is saved per rank.
 
 Left as returned (Lightning's own handling then applies): loaders whose sampler is already a
 `DistributedSampler` (our `ShardedDataModule`'s, or the user's own sharding), a sampler or batch
@@ -43,7 +44,13 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from app.data.base import ResumableDataLoader
 from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
 from app.data.seeding import PerSampleSeeded, reads_without_randomness, training_loader_generator
-from app.data.streams import PositionedStream, has_state_methods, is_stateful_stream
+from app.data.streams import (
+    PositionedStream,
+    WorkerPositionedStream,
+    WorkerStreamLoader,
+    has_state_methods,
+    is_stateful_stream,
+)
 from app.resume import elastic_layout, exact_resume_of, per_sample_seeding, sampler_position
 
 # The methods Lightning calls for loaders, and whether they train.
@@ -136,28 +143,44 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
         return loader
     dataset = getattr(loader, "dataset", None)
     name = type(dataset).__name__
-    if type(loader) is DataLoader and is_stateful_stream(dataset) and loader.num_workers == 0:
-        stream = PositionedStream(
-            dataset,
-            loader.batch_size or 1,
-            start=functools.partial(keeper.stream_start, len(keeper.streams)),
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)) if keeper.per_sample_seeding else None,
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-            keep=trainer.accumulate_grad_batches + 8,
-        )
-        keeper.streams.append(stream)
-        return ResumableDataLoader(
-            stream,
-            batch_size=loader.batch_size,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            drop_last=loader.drop_last,
-            timeout=loader.timeout,
-            pin_memory_device=loader.pin_memory_device,
-        )
+    if type(loader) is DataLoader and is_stateful_stream(dataset):
+        positioning: dict[str, Any] = {
+            "start": functools.partial(keeper.stream_start, len(keeper.streams)),
+            "seed": int(os.environ.get("PL_GLOBAL_SEED", 0)) if keeper.per_sample_seeding else None,
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "keep": trainer.accumulate_grad_batches + 8,
+        }
+        if loader.num_workers == 0:
+            stream = PositionedStream(dataset, loader.batch_size or 1, **positioning)
+            keeper.streams.append(stream)
+            return ResumableDataLoader(
+                stream,
+                batch_size=loader.batch_size,
+                collate_fn=loader.collate_fn,
+                pin_memory=loader.pin_memory,
+                drop_last=loader.drop_last,
+                timeout=loader.timeout,
+                pin_memory_device=loader.pin_memory_device,
+            )
+        if not loader.persistent_workers and getattr(loader, "in_order", True):  # in_order: torch >= 2.6
+            # Each worker's copy of the stream is positioned (app.data.streams).
+            workers = WorkerPositionedStream(
+                dataset, loader.batch_size or 1, loader.num_workers, loader.collate_fn, loader.drop_last, **positioning
+            )
+            keeper.streams.append(workers)
+            return WorkerStreamLoader(
+                workers,
+                num_workers=loader.num_workers,
+                pin_memory=loader.pin_memory,
+                timeout=loader.timeout,
+                worker_init_fn=loader.worker_init_fn,
+                multiprocessing_context=loader.multiprocessing_context,
+                prefetch_factor=loader.prefetch_factor,
+                pin_memory_device=loader.pin_memory_device,
+            )
     if is_stateful_stream(dataset):
-        keeper.notices.append(stream_in_workers_notice(name, loader.num_workers, _has_length(dataset)))
+        keeper.notices.append(stream_in_workers_notice(name, loader, _has_length(dataset)))
     elif isinstance(dataset, IterableDataset):
         keeper.notices.append(
             f"the training stream {name} has no state_dict/load_state_dict: a run resumed mid-epoch restarts it at "
@@ -184,18 +207,29 @@ def _has_length(dataset: Any) -> bool:
     return True
 
 
-def stream_in_workers_notice(name: str, num_workers: int, sized: bool) -> str:
-    """What a resume mid-epoch does to a stateful stream read by loader workers, and what to use instead.
+def stream_in_workers_notice(name: str, loader: DataLoader, sized: bool) -> str:
+    """What a resume mid-epoch does to a stateful stream read by loader workers that ddp-app does not
+    position (`persistent_workers`, `in_order=False`, a DataLoader subclass), and what to do instead.
 
-    Each worker iterates its own copy of the stream, made from this process's (never iterated) object
-    when the epoch's iterator starts, so the states that count live in the workers. A resumed epoch's
-    stream starts over: Lightning counts the epoch's trained batches as done and ends the epoch at
-    `len()` (tests/fault/test_resume_streams.py runs both kinds).
+    Each worker iterates its own copy of the stream, made from this process's object, so the states
+    that count live in the workers. A resumed epoch's stream starts over: Lightning counts the epoch's
+    trained batches as done and ends the epoch at `len()` (tests/fault/test_resume_streams.py).
     """
+    why = (
+        "persistent_workers: true"
+        if loader.persistent_workers
+        else "in_order=False"
+        if not getattr(loader, "in_order", True)
+        else f"in a {type(loader).__name__}"
+    )
     if sized:
         effect = (
             "the epoch's first N batches (N: those trained before the stop) are trained again and its last N "
             "are left out of that epoch (it ends at len())"
+        ) + (
+            ", and the persistent workers start the next epoch where their copies stopped"
+            if loader.persistent_workers
+            else ""
         )
     else:
         effect = (
@@ -203,13 +237,12 @@ def stream_in_workers_notice(name: str, num_workers: int, sized: bool) -> str:
             "of the epoch: N steps more than the uninterrupted run"
         )
     return (
-        f"the training stream {name} runs in {num_workers} loader workers, whose copies of its state ddp-app "
-        f"cannot read or position: a run resumed mid-epoch restarts it at the epoch's start, so {effect}; "
-        "one resumed from an epoch-end checkpoint reads the next epoch's samples as the uninterrupted run does "
-        "(without persistent_workers). For exact mid-epoch resume: num_workers: 0 (ddp-app "
-        "saves its state_dict per rank), or a map-style Dataset (__getitem__ and __len__: positioned with any "
-        "num_workers), which python -m app.data.shard can also write as LitData shards for "
-        "app.data.StreamingDataModule (positioned with workers too)."
+        f"the training stream {name} runs in {loader.num_workers} loader workers ({why}), whose copies of its "
+        f"state ddp-app cannot position: a run resumed mid-epoch restarts it at the epoch's start, so {effect}. "
+        "For exact mid-epoch resume: a plain DataLoader with persistent_workers: false and in_order=True (ddp-app "
+        "then saves each worker's state_dict and loads it into the same worker), num_workers: 0, or a map-style "
+        "Dataset (__getitem__ and __len__: positioned with any num_workers), which python -m app.data.shard can "
+        "also write as LitData shards for app.data.StreamingDataModule."
     )
 
 
