@@ -33,7 +33,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from app.checkpoints.io import safe_load
+from app.checkpoints.sharded import load_whole
 from app.plot import is_resumed, join_versions, metrics_files, read_metrics
 from app.resume import POSITION_KEY
 from app.tracking.layout import MEASURED_METRICS
@@ -232,8 +232,8 @@ def compare_metrics(
 
 
 def compare(expected_root: Path, actual_root: Path, case: Case, extra_steps: set[int]) -> Outcome:
-    expected = safe_load(expected_root / "checkpoints" / "last.ckpt")
-    actual = safe_load(actual_root / "checkpoints" / "last.ckpt")
+    expected = load_whole(expected_root / "checkpoints" / "last.ckpt")
+    actual = load_whole(actual_root / "checkpoints" / "last.ckpt")
     details = []
     for key in ("global_step", "epoch"):
         if expected[key] != actual[key]:
@@ -313,7 +313,7 @@ class Runner:
 
     def steps_per_epoch(self, variant: str) -> tuple[int, int]:
         """(optimizer steps, batches) per epoch of the uninterrupted run."""
-        record = safe_load(self.baseline(variant) / "checkpoints" / "last.ckpt")[POSITION_KEY]
+        record = load_whole(self.baseline(variant) / "checkpoints" / "last.ckpt")[POSITION_KEY]
         batches = int(record["batches_per_epoch"])
         return math.ceil(batches / int(record["accumulate_grad_batches"])), batches
 
@@ -343,12 +343,12 @@ class Runner:
         if case.stop in ("max_steps", "max_time") and code != 0:
             return Outcome(case, -1, math.inf, math.inf, False, f"the stopped run failed with exit code {code}")
         if case.stop == "max_time":
-            reached = safe_load(root / "checkpoints" / "last.ckpt")["global_step"]
+            reached = load_whole(root / "checkpoints" / "last.ckpt")["global_step"]
             extra_steps = {reached - 1, reached}
         resumed = self._args(case.variant, root) + [f"--trainer.max_epochs={self.epochs}", "--ckpt_path=last"]
         if case.stops == 2:
             run_ddp_app(resumed + self._stop_at(case, case.epoch + 1, steps, batches), log, self.timeout)
-            reached = safe_load(root / "checkpoints" / "last.ckpt")["global_step"]
+            reached = load_whole(root / "checkpoints" / "last.ckpt")["global_step"]
             if reached >= total:
                 return Outcome(case, reached, math.inf, math.inf, False, "the first resumed run was not stopped")
         code = run_ddp_app(resumed, log, self.timeout)

@@ -192,6 +192,22 @@ def load_full_tensors(path: str | Path, prefix: str = "state_dict.") -> dict[str
     return {key.removeprefix(prefix): tensor for key, tensor in tensors.items()}
 
 
+def load_whole(path: str | Path) -> dict[str, Any]:
+    """A checkpoint as one dict, whatever its layout: a file's `safe_load`, or a sharded checkpoint's
+    meta.pt with its weights (`state_dict`) and each optimizer's state (`optimizer_states`, the
+    `state` of each keyed by parameter name) joined whole. For tools that compare checkpoints
+    (`ddp-app resume-check`); a run resumes through `FSDP2Strategy.load_checkpoint`."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        return safe_load(path)
+    checkpoint = safe_load(path / META_NAME)
+    checkpoint["state_dict"] = load_full_tensors(path)
+    keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    optimizers = sorted({key.split(".", 1)[0] for key in keys if key.startswith("optimizer_")})
+    checkpoint["optimizer_states"] = [{"state": load_full_tensors(path, f"{name}.state.")} for name in optimizers]
+    return checkpoint
+
+
 def summarize_any(path: str | Path) -> CheckpointSummary:
     """`summarize_checkpoint` for a file, `summarize_sharded` for a sharded checkpoint."""
     return summarize_sharded(path) if is_sharded_checkpoint(path) else summarize_checkpoint(path)

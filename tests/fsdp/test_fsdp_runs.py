@@ -2,18 +2,20 @@
 a resume on the same ranks ends with the uninterrupted run's weights and optimizer state bit for bit,
 and a resume on 3 ranks (DCP reshards) within 1e-5.
 
-One module-scoped set of runs of configs/gpt_fsdp.yaml (16 optimizer steps per epoch at 2 x 16):
-the uninterrupted 2-epoch run, and a run stopped by `max_steps` in the middle of epoch 1 (step 24)
-then continued with `--ckpt_path last`. The elastic pair trains with SGD: with AdamW, the other
-summation order's float32 rounding (1e-7) is amplified wherever Adam divides a small gradient by
-the root of a small second moment (measured: 4.7e-5 on an attention bias after 8 steps on 3
-ranks), while with SGD the difference stays at that rounding and so tests what it should: the
-same samples, the same global batch and the resharded state.
+One module-scoped set of runs of configs/gpt_fsdp.yaml (16 optimizer steps per epoch at 2 x 16), with
+SGD and momentum: the uninterrupted 2-epoch run, and a run stopped by `max_steps` in the middle of
+epoch 1 (step 24), continued with `--ckpt_path last` on 2 ranks and, from a copy, on 3. SGD because
+with the config's AdamW the other summation order's float32 rounding (1e-7) on 3 ranks is amplified
+wherever Adam divides a small gradient by the root of a small second moment (measured: 4.7e-5 on an
+attention bias after 8 steps), while with SGD it stays at that rounding, and so the 3-rank resume
+tests what it should: the same samples, the same global batch and the resharded state. AdamW's
+state resumes bit for bit in the slow tests below (and in `ddp-app resume-check`).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from app.checkpoints.sharded import (
     SafeFileSystemReader,
     is_sharded_checkpoint,
     load_full_tensors,
+    load_whole,
 )
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from app.models.gpt import GPT
@@ -39,7 +42,7 @@ pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
 GPT_CONFIG = ["--config", "configs/gpt_fsdp.yaml", "--trainer.enable_progress_bar=false"]
 ELASTIC_TOLERANCE = 1e-5  # max |diff| of any weight after 2 -> 3 ranks (another summation order)
-SGD = ["--optimizer=torch.optim.SGD", "--optimizer.init_args.lr=0.5", "--trainer.max_epochs=1"]
+SGD = ["--optimizer=torch.optim.SGD", "--optimizer.init_args.lr=0.1", "--optimizer.init_args.momentum=0.9"]
 
 
 def fit(root: Path, *extra: str) -> str:
@@ -52,15 +55,22 @@ def fit(root: Path, *extra: str) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("fsdp")
-    fit(base / "uninterrupted", "--trainer.max_epochs=2")
-    fit(base / "resumed", "--trainer.max_epochs=2", "--trainer.max_steps=24")
-    fit(base / "resumed", "--trainer.max_epochs=2", "--ckpt_path=last")
-    fit(base / "sgd", *SGD)
-    fit(base / "elastic", *SGD, "--trainer.max_steps=8")
-    output = fit(base / "elastic", *SGD, "--ckpt_path=last", "--trainer.devices=3")
+    fit(base / "uninterrupted", *SGD, "--trainer.max_epochs=2")
+    fit(base / "resumed", *SGD, "--trainer.max_epochs=2", "--trainer.max_steps=24")
+    shutil.copytree(base / "resumed", base / "elastic", symlinks=True)
+    fit(base / "resumed", *SGD, "--trainer.max_epochs=2", "--ckpt_path=last")
+    output = fit(base / "elastic", *SGD, "--trainer.max_epochs=2", "--ckpt_path=last", "--trainer.devices=3")
     assert "resuming a 2-rank run on 3 ranks: global batch 32 kept" in output, output[-2000:]
-    names = ("uninterrupted", "resumed", "sgd", "elastic")
+    names = ("uninterrupted", "resumed", "elastic")
     return {name: base / name / "checkpoints" / "last.ckpt" for name in names}
+
+
+@pytest.fixture(scope="module")
+def adamw_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The config as shipped (AdamW), 2 epochs uninterrupted: what the slow stop tests must end with."""
+    root = tmp_path_factory.mktemp("fsdp_adamw")
+    fit(root, "--trainer.max_epochs=2")
+    return root / "checkpoints" / "last.ckpt"
 
 
 def test_last_ckpt_is_a_complete_sharded_checkpoint_with_one_shard_file_per_rank(runs: dict[str, Path]) -> None:
@@ -79,6 +89,12 @@ def test_last_ckpt_is_a_complete_sharded_checkpoint_with_one_shard_file_per_rank
     meta = safe_load(last / META_NAME)
     assert "state_dict" not in meta and "optimizer_states" not in meta  # the tensors are in the shards only
     assert meta["global_step"] == 32 and meta[POSITION_KEY]["world_size"] == 2
+    whole = load_whole(last)  # as ddp-app resume-check compares checkpoints
+    assert whole["state_dict"].keys() == {key.removeprefix("state_dict.") for key in weights}
+    assert (
+        len(whole["optimizer_states"]) == 1
+        and "net.head.weight.momentum_buffer" in whole["optimizer_states"][0]["state"]
+    )
 
 
 def test_a_resume_on_the_same_ranks_ends_with_the_uninterrupted_weights_and_optimizer_bit_for_bit(
@@ -99,15 +115,16 @@ def test_a_resume_on_3_ranks_reshards_and_ends_within_1e_5_of_the_uninterrupted_
         "__1_0.distcp",
         "__2_0.distcp",
     ]
-    expected, actual = load_full_tensors(runs["sgd"]), load_full_tensors(elastic)
-    worst = max((expected[key] - actual[key]).abs().max().item() for key in expected)
-    assert worst <= ELASTIC_TOLERANCE, f"max |diff| {worst:.3g} after 2 -> 3 ranks"
-    assert safe_load(elastic / META_NAME)["global_step"] == 16
+    for prefix in ("state_dict.", "optimizer_0.state."):  # the weights, and the momentum buffers
+        expected, actual = load_full_tensors(runs["uninterrupted"], prefix), load_full_tensors(elastic, prefix)
+        worst = max((expected[key] - actual[key]).abs().max().item() for key in expected)
+        assert worst <= ELASTIC_TOLERANCE, f"{prefix}: max |diff| {worst:.3g} after 2 -> 3 ranks"
+    assert safe_load(elastic / META_NAME)["global_step"] == 32
 
 
 @pytest.mark.slow  # 15 to 20 s more; the default run proves the same-ranks resume with a max_steps stop
 def test_a_rank_killed_mid_epoch_restarts_from_the_sharded_last_ckpt_and_ends_bit_for_bit(
-    runs: dict[str, Path], tmp_path: Path
+    adamw_uninterrupted: Path, tmp_path: Path
 ) -> None:
     """kill -9 of rank 1 in epoch 0 under `--restarts 1`: every rank starts again from the last.ckpt
     saved every 4 steps, and the run ends with the uninterrupted run's weights and optimizer state."""
@@ -129,13 +146,13 @@ def test_a_rank_killed_mid_epoch_restarts_from_the_sharded_last_ckpt_and_ends_bi
     assert 8 <= restarted_from < 16, f"restarted from step {restarted_from}, not from an interval save in epoch 0"
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     for prefix in ("state_dict.", "optimizer_0.state."):
-        expected, actual = load_full_tensors(runs["uninterrupted"], prefix), load_full_tensors(last, prefix)
+        expected, actual = load_full_tensors(adamw_uninterrupted, prefix), load_full_tensors(last, prefix)
         assert [key for key in expected if not torch.equal(expected[key], actual[key])] == []
 
 
 @pytest.mark.slow  # 15 s more; the same save path as every last.ckpt
 def test_a_preempted_run_saves_a_sharded_last_ckpt_at_its_step_and_resumes_bit_for_bit(
-    runs: dict[str, Path], tmp_path: Path
+    adamw_uninterrupted: Path, tmp_path: Path
 ) -> None:
     """SIGTERM to rank 1 mid-epoch 0: every rank stops at the same step after last.ckpt is saved there
     (exit 3, as Slurm requeues), and `--ckpt_path last` ends with the uninterrupted run's state."""
@@ -158,7 +175,7 @@ def test_a_preempted_run_saves_a_sharded_last_ckpt_at_its_step_and_resumes_bit_f
     assert 10 <= stopped_at < 32
     fit(root, "--trainer.max_epochs=2", "--ckpt_path=last")
     for prefix in ("state_dict.", "optimizer_0.state."):
-        expected = load_full_tensors(runs["uninterrupted"], prefix)
+        expected = load_full_tensors(adamw_uninterrupted, prefix)
         actual = load_full_tensors(root / "checkpoints" / "last.ckpt", prefix)
         assert [key for key in expected if not torch.equal(expected[key], actual[key])] == []
 
