@@ -171,6 +171,9 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
             keeper.streams.append(workers)
             return WorkerStreamLoader(
                 workers,
+                # Starting the workers draws their base seed: from the loader's own generator, not the
+                # global one that the checkpoint restores (see training_loader_generator).
+                generator=loader.generator or training_loader_generator(int(os.environ.get("PL_GLOBAL_SEED", 0))),
                 num_workers=loader.num_workers,
                 pin_memory=loader.pin_memory,
                 timeout=loader.timeout,

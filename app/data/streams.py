@@ -261,7 +261,9 @@ class WorkerPositionedStream(IterableDataset):
     def begin(self) -> None:
         """Called as the loader starts its workers: what each of them loads, from the resume's state."""
         epoch, batch, state, trained = self._start()
-        if state is None or state.get("fresh"):
+        # A state saved in an earlier epoch (its last batch trained, its end not reached: Lightning may
+        # build no iterator for what is left of it) does not reach into this one.
+        if state is None or state.get("fresh") or state["epoch"] != epoch:
             # A new epoch: every worker starts from this process's copy, as in the uninterrupted run.
             self._reset(epoch, 0, [Boundary(None, 0)] * self.num_workers, set(), batch, trained)
             return
@@ -303,7 +305,8 @@ class WorkerPositionedStream(IterableDataset):
                 boundary = earlier.after if earlier else self._starts[worker]
                 done = worker in self._done or bool(earlier and earlier.last)
             workers.append({"state": boundary.state, "count": boundary.count, "done": done})
-        return {"num_workers": self.num_workers, "rotation": self._worker_of(batches_done), "workers": workers}
+        rotation = self._worker_of(batches_done)
+        return {"epoch": self._epoch, "num_workers": self.num_workers, "rotation": rotation, "workers": workers}
 
     def _worker_of(self, index: int) -> int:
         """The worker whose turn gives batch `index` (if it has finished, its turn is dropped, as it

@@ -221,6 +221,8 @@ def worker_stream_runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
     [
         pytest.param(Case("kill-rank1", "mid-epoch", epoch=1), id="kill-mid-epoch", marks=pytest.mark.slow),
         pytest.param(Case("kill-rank0", "mid-epoch", epoch=0, stops=2), id="kill-twice", marks=pytest.mark.slow),
+        pytest.param(Case("sigterm", "last-batch", epoch=0), id="sigterm-last-batch", marks=pytest.mark.slow),
+        pytest.param(Case("ctrl-c", "after-epoch-save", epoch=0), id="ctrl-c-after-epoch-save", marks=pytest.mark.slow),
     ],
 )
 def test_a_stateful_stream_in_loader_workers_killed_mid_epoch_resumes_bit_for_bit(
@@ -272,7 +274,12 @@ def test_a_stream_in_persistent_workers_resumed_mid_epoch_does_what_the_notice_s
 
 def test_a_checkpoint_of_another_num_workers_is_refused_in_one_line() -> None:
     """Each worker's state is its own share's position: 2 workers' states cannot place 3 workers."""
-    saved = {"num_workers": 2, "rotation": 1, "workers": [{"state": {"position": 4}, "count": 4, "done": False}] * 2}
+    saved = {
+        "epoch": 0,
+        "num_workers": 2,
+        "rotation": 1,
+        "workers": [{"state": {"position": 4}, "count": 4, "done": False}] * 2,
+    }
     stream = WorkerPositionedStream(
         WorkerShardedStream(16, sized=True, uneven=False), 4, 3, list, False,
         start=lambda: (0, 3, saved, False), seed=None, rank=0, world_size=1,
