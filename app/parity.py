@@ -27,6 +27,18 @@ for Adam, that they agree:
       N + 1 ranks by Lightning and by the reference (which splits and weights the same way), bit for
       bit (for the interop optimizer: four launches).
 
+For a config with `strategy: fsdp` (app/fsdp.py) it runs these rows instead, against the plain-PyTorch
+FSDP2 reference (app/reference/fsdp.py):
+
+  P9a  Lightning FSDP2 == the plain-PyTorch FSDP2 reference (app/reference/fsdp.py) at N ranks, fp32:
+       every weight bit for bit (the same shard units, data order, optimizer and collectives).
+  P9b  FSDP2 ~= DDP: the same config trained by ddp-app with `strategy: ddp`, within 1e-5 of the
+       model's largest weight: reduce-scatter and all-reduce may sum the ranks' gradients in another
+       order (at 2 ranks on gloo they agree bit for bit: a + b is b + a).
+  P9c  elastic: Lightning FSDP2 with SGD stopped by a max_steps budget mid-epoch on N ranks and
+       resumed on N + 1 (DCP reshards weights and optimizer state, app/elastic.py keeps the sample
+       order and the global batch) == the uninterrupted N-rank run within 1e-5 of the largest weight.
+
 Prints a table, writes it as JSON, exits 1 if any check fails.
 """
 
@@ -50,6 +62,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from app.checkpoints.io import load_net_weights, net_state_dict, safe_load
+from app.checkpoints.sharded import META_NAME, is_sharded_checkpoint, load_full_tensors
 from app.cluster.launch import env_without_launcher
 from app.cluster.threads import configure_cpu_threads
 from app.reference.config import Job, build_job, instantiate, load_config
@@ -624,6 +637,101 @@ def elastic_check(config_path: Path, work: Path, optimizer: str, world_size: int
     )
 
 
+# strategy: fsdp (P9a-c)
+
+DDP_STRATEGY = {"class_path": "lightning.pytorch.strategies.DDPStrategy"}
+RELATIVE_TOLERANCE = 1e-5  # of the model's largest weight, as P8 (app/parity.py ELASTIC_TOLERANCE)
+ELASTIC_OPTIMIZER = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5}}
+
+
+def is_fsdp_config(config: dict[str, Any]) -> bool:
+    """Whether the config trains with ddp-app's FSDP2 strategy (by class path or by name)."""
+    strategy = (config.get("trainer") or {}).get("strategy")
+    name = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "")
+    return name == "fsdp" or name.endswith("FSDP2Strategy")
+
+
+def last_weights(root: Path) -> dict[str, torch.Tensor]:
+    """The bare network's weights in a run's last.ckpt, sharded (joined here) or whole."""
+    last = root / "checkpoints" / "last.ckpt"
+    if is_sharded_checkpoint(last):
+        return {key.removeprefix("net."): value for key, value in load_full_tensors(last).items()}
+    return net_state_dict(safe_load(last))
+
+
+def relative_difference(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """(the largest |difference| over the model's largest |weight|, as P8 measures; the first tensor beyond
+    the tolerance, or "")."""
+    if expected.keys() != actual.keys():
+        return float("inf"), f"different tensor names, first: {sorted(set(expected) ^ set(actual))[0]}"
+    scale = max(float(tensor.abs().max()) for tensor in expected.values()) or 1.0
+    worst, first = 0.0, ""
+    for name, tensor in expected.items():
+        difference = float((actual[name].double() - tensor.double()).abs().max()) / scale
+        if difference > RELATIVE_TOLERANCE and not first:
+            first = f"{name}: {difference:.3e} of the largest weight"
+        worst = max(worst, difference)
+    return worst, first
+
+
+def write_variant(config: dict[str, Any], path: Path, strategy: dict[str, Any] | None = None) -> Path:
+    variant = yaml.safe_load(yaml.safe_dump(config))
+    if strategy is not None:
+        variant["trainer"]["strategy"] = strategy
+    path.write_text(yaml.safe_dump(variant))
+    return path
+
+
+def fit(config: Path, root: Path, log: Path, *extra: str) -> None:
+    """One `ddp-app fit` of the config into `root` (a failure raises with the log's tail)."""
+    command = [sys.executable, "-m", "app", "fit", "--config", str(config), f"--trainer.default_root_dir={root}"]
+    run_command([*command, "--trainer.enable_progress_bar=false", *extra], log)
+
+
+def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) -> list[Any]:
+    """P9a-c for an FSDP2 config; the `Check`s of app.parity."""
+    config = yaml.safe_load(config_path.read_text())
+    config.setdefault("trainer", {}).update({"devices": world_size, "max_epochs": epochs})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fsdp_config = write_variant(config, out_dir / "fsdp.yaml")
+    ddp_config = write_variant(config, out_dir / "ddp.yaml", DDP_STRATEGY)
+    optimizer = str(config["optimizer"]["class_path"]).rpartition(".")[2].lower()[:5]  # the table's column
+
+    print("parity (fsdp): Lightning FSDP2 ...", flush=True)
+    fit(fsdp_config, out_dir / "lightning", out_dir / "lightning.log")
+    lightning = last_weights(out_dir / "lightning")
+    print("parity (fsdp): the plain-PyTorch FSDP2 reference ...", flush=True)
+    reference_out = out_dir / "reference"
+    reference_command = [sys.executable, "-m", "app.reference.fsdp", "--config", str(fsdp_config)]
+    reference_command += ["--out", str(reference_out), "--world-size", str(world_size), "--save-every", "0"]
+    run_command(reference_command, out_dir / "reference.log")
+    reference = torch.load(reference_out / "final.pt", map_location="cpu", weights_only=True)
+    compared = f"Lightning FSDP2 vs reference FSDP2, {world_size} ranks"
+    checks = [state_check("P9a", optimizer, compared, reference, lightning)]
+
+    print("parity (fsdp): Lightning DDP ...", flush=True)
+    fit(ddp_config, out_dir / "ddp", out_dir / "ddp.log")
+    difference, detail = relative_difference(last_weights(out_dir / "ddp"), lightning)
+    compared = f"FSDP2 vs DDP, {world_size} ranks"
+    checks.append(Check("P9b", optimizer, compared, difference, RELATIVE_TOLERANCE, not detail, detail))
+
+    # P9c trains with SGD: Adam divides each update by the root of the gradient's running square, so
+    # the rounding of another summation order grows where gradients are tiny (on this config, 2 ranks
+    # resumed on 3: 1.2e-5 of the largest weight under FSDP2, 9.8e-6 under DDP; docs/fsdp.md).
+    print(f"parity (fsdp): SGD, stopped on {world_size} ranks, resumed on {world_size + 1} ...", flush=True)
+    sgd_config = write_variant({**config, "optimizer": ELASTIC_OPTIMIZER}, out_dir / "fsdp-sgd.yaml")
+    fit(sgd_config, out_dir / "sgd", out_dir / "sgd.log")
+    steps = safe_load(out_dir / "sgd" / "checkpoints" / "last.ckpt" / META_NAME)["global_step"]
+    elastic = out_dir / "elastic"
+    fit(sgd_config, elastic, out_dir / "elastic-stop.log", f"--trainer.max_steps={max(1, steps // 2 - 1)}")
+    fit(sgd_config, elastic, out_dir / "elastic-resume.log", f"--trainer.devices={world_size + 1}", "--ckpt_path=last")
+    uninterrupted = last_weights(out_dir / "sgd")
+    difference, detail = relative_difference(uninterrupted, last_weights(elastic))
+    compared = f"FSDP2 stopped on {world_size} ranks, resumed on {world_size + 1}, vs uninterrupted"
+    checks.append(Check("P9c", "sgd", compared, difference, RELATIVE_TOLERANCE, not detail, detail))
+    return checks
+
+
 def print_table(checks: list[Check]) -> None:
     header = f"{'check':<5} {'optim':<5} {'compared':<66} {'max |diff|':>11} {'tolerance':>9}  result"
     print(header)
@@ -664,9 +772,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown optimizer(s) {unknown}; choose from {sorted(OPTIMIZERS)}")
     if not args.config.is_file():
         parser.error(f"config {args.config} does not exist")
-    print(start_line(args.config, args.world_size, args.epochs, optimizers), flush=True)
     started = time.perf_counter()
-    checks, step_seconds = run_parity(args.config, args.world_size, args.epochs, args.out, optimizers)
+    if is_fsdp_config(load_config(args.config)):  # strategy fsdp: its own rows (app/parity_fsdp.py)
+        print(f"parity (fsdp): {args.config}, {args.world_size} ranks, {args.epochs} epochs: P9a-c", flush=True)
+        checks, step_seconds = fsdp_parity(args.config, args.world_size, args.epochs, args.out), {}
+    else:
+        print(start_line(args.config, args.world_size, args.epochs, optimizers), flush=True)
+        checks, step_seconds = run_parity(args.config, args.world_size, args.epochs, args.out, optimizers)
     print_table(checks)
     json_path = args.json or args.out / "parity.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)

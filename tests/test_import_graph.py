@@ -85,7 +85,7 @@ def test_reference_imports_only_models_datasets_and_helpers() -> None:
     # app.data.image_files: the ImageFolder's datasets, bare like app.data.datasets (which it imports,
     # so it cannot be listed there).
     allowed = {
-        "app.reference", "app.models.nets", "app.data.datasets", "app.data.image_files",
+        "app.reference", "app.models.nets", "app.models.transformer", "app.data.datasets", "app.data.image_files",
         "app.cluster.preflight", "app.cluster.slurm_env", "app.cluster.threads",
         "app.elastic", "app.data.samplers", "app.data.on_device", "app.cluster.ddp_buffers",
     }  # fmt: skip
@@ -104,7 +104,7 @@ def test_importing_the_reference_loads_no_lightning() -> None:
     """The acceptance check: `python -c "import app.reference.train"` loads no Lightning, no app.bench."""
     script = (
         "import json, sys\n"
-        "import app.reference.train, app.reference.__main__, app.reference.model_parallel\n"
+        "import app.reference.train, app.reference.__main__, app.reference.model_parallel, app.reference.fsdp\n"
         "from app.reference.config import build_job, load_config\n"
         "build_job(load_config('configs/digits.yaml'))\n"
         "build_job(load_config('configs/toy.yaml'))\n"

@@ -315,3 +315,28 @@ DATASETS: dict[str, Callable[..., Splits]] = {
 
 # DataModule class name -> its `prepare_data` (downloads); the others have nothing to fetch.
 DOWNLOADS: dict[str, Callable[..., None]] = {"MNISTDataModule": download_mnist, "CIFAR10DataModule": download_cifar10}
+
+
+def markov_token_splits(
+    num_sequences: int = 512, context: int = 32, vocab_size: int = 64, data_seed: int = 0
+) -> tuple[Dataset, Dataset, Dataset]:
+    """(train, val, test): `num_sequences` training sequences and an eighth as many for each of the
+    others, each an (inputs, targets) pair of `context` tokens, targets shifted by one position."""
+    if num_sequences < 8:
+        raise InvalidConfigError(f"data.num_sequences must be >= 8, got {num_sequences}.")
+    if context < 2 or vocab_size < 2:
+        raise InvalidConfigError(f"data.context and data.vocab_size must be >= 2, got {context} and {vocab_size}.")
+    generator = torch.Generator().manual_seed(data_seed)
+    # Peaked rows: each token has a few likely successors, so the chain is learnable.
+    transitions = torch.softmax(3.0 * torch.randn(vocab_size, vocab_size, generator=generator), dim=1)
+    held_out = num_sequences // 8
+    total = num_sequences + 2 * held_out
+    walks = torch.empty(total, context + 1, dtype=torch.long)
+    walks[:, 0] = torch.randint(vocab_size, (total,), generator=generator)
+    for position in range(context):
+        walks[:, position + 1] = torch.multinomial(transitions[walks[:, position]], 1, generator=generator).squeeze(1)
+    inputs, targets = walks[:, :-1].contiguous(), walks[:, 1:].contiguous()
+    bounds = (0, num_sequences, num_sequences + held_out, total)
+    return tuple(  # type: ignore[return-value]
+        TensorDataset(inputs[start:end], targets[start:end]) for start, end in zip(bounds, bounds[1:], strict=False)
+    )
