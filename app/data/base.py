@@ -9,7 +9,12 @@ from torch.utils.data import DataLoader, Dataset
 from app.data.datasets import DataNotFoundError, LoaderSettings, default_num_workers
 from app.data.on_device import TensorBatchLoader, in_memory_tensors, materialize
 from app.data.samplers import UnpaddedDistributedSampler, train_sampler
-from app.data.seeding import PerSampleSeeded, reads_without_randomness, training_loader_generator
+from app.data.seeding import (
+    PerSampleSeeded,
+    evaluation_loader_generator,
+    reads_without_randomness,
+    training_loader_generator,
+)
 from app.resume import elastic_layout, per_sample_seeding, sampler_position
 
 __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
@@ -168,7 +173,7 @@ class ShardedDataModule(L.LightningDataModule):
         sampler = UnpaddedDistributedSampler(dataset, world_size, rank)
         if self.on_device:
             return TensorBatchLoader(self._device_tensors(split, dataset), sampler, self.batch_size)
-        return self._loader(dataset, sampler)
+        return self._loader(dataset, sampler, generator=evaluation_loader_generator(self.seed))
 
     def val_dataloader(self) -> DataLoader | TensorBatchLoader:
         return self._evaluation_loader("val", self.val_dataset)
@@ -179,4 +184,5 @@ class ShardedDataModule(L.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         # Always a DataLoader: the prediction writer orders the predictions by its batch indices.
         world_size, rank = self._world()
-        return self._loader(self.test_dataset, UnpaddedDistributedSampler(self.test_dataset, world_size, rank))
+        sampler = UnpaddedDistributedSampler(self.test_dataset, world_size, rank)
+        return self._loader(self.test_dataset, sampler, generator=evaluation_loader_generator(self.seed))

@@ -58,6 +58,18 @@ def training_loader_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def evaluation_loader_generator(seed: int) -> torch.Generator:
+    """The generator an evaluation (or prediction) DataLoader is given, for the same reason.
+
+    Starting its iterator draws a seed from the loader's generator, the global one if it has none.
+    With `persistent_workers` the iterator is started once per process: an uninterrupted run starts
+    it at its first validation and reuses it after, a run resumed mid-epoch starts it at the next
+    validation, so a draw from the global generator there would shift every later dropout mask
+    (found by the resume matrix on real data: ImageFolder, persistent workers, a kill mid-epoch).
+    """
+    return torch.Generator().manual_seed(seed)
+
+
 @dataclass(frozen=True)
 class SampleKey:
     """What the training sampler yields when samples are seeded: the index and the epoch it is drawn in."""

@@ -43,7 +43,12 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from app.data.base import ResumableDataLoader
 from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
-from app.data.seeding import PerSampleSeeded, reads_without_randomness, training_loader_generator
+from app.data.seeding import (
+    PerSampleSeeded,
+    evaluation_loader_generator,
+    reads_without_randomness,
+    training_loader_generator,
+)
 from app.data.streams import (
     PositionedStream,
     WorkerPositionedStream,
@@ -113,9 +118,12 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         batch_size = loader.batch_size
         sampler = UnpaddedDistributedSampler(loader.dataset, world_size, rank)
         loader_class = DataLoader
-        # Evaluation draws nothing from the training run's stream.
+        # Evaluation draws nothing from the training run's stream: not its samples' randomness, and
+        # not the seed its iterator's start draws (`evaluation_loader_generator`).
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        generator = generator or evaluation_loader_generator(seed)
         if per_sample_seeding(trainer) and not reads_without_randomness(dataset):
-            dataset = PerSampleSeeded(dataset, int(os.environ.get("PL_GLOBAL_SEED", 0)))
+            dataset = PerSampleSeeded(dataset, seed)
     return loader_class(
         dataset,
         batch_size=batch_size,

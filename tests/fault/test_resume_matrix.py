@@ -176,7 +176,7 @@ DATA_VARIANTS = {  # both configs read with 2 loader workers
 # The default run's rows (one uninterrupted run each); the kill mid-epoch, twice for the shards, and the
 # resume on 3 ranks are in tests/data/test_imagefolder.py and tests/data/test_streaming.py.
 DATA_SUBSET = {
-    "imagefolder": Case("sigterm", "last-batch", "more-epochs", "workers2", epoch=0),
+    "imagefolder": Case("sigterm", "last-batch", "more-epochs", "persistent", epoch=0),
     "streaming": Case("kill-rank0", "validation", "same", "workers2", epoch=0),
 }
 
