@@ -384,8 +384,8 @@ def likely_cause(base_args: list[str]) -> str:
     loader = datamodule.train_dataloader()
     dataset = getattr(loader, "dataset", None)
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        if loader.num_workers > 0:
-            return "the training stream is read in loader workers, where ddp-app cannot record its position"
+        if loader.num_workers > 0 and loader.persistent_workers:
+            return "the training stream is read in persistent loader workers, where ddp-app cannot position it"
         return (
             "the training data is an IterableDataset whose state_dict/load_state_dict (if any) does not describe "
             "the samples already yielded: a resume cannot continue its stream exactly"
