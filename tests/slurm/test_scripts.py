@@ -24,6 +24,7 @@ from localcluster import LocalSlurmCluster
 
 from app.bench.recovery import CPU_ONLY_SBATCH, measure_slurm
 from app.checkpoints.io import net_state_dict, safe_load
+from app.checkpoints.sharded import load_full_tensors
 from app.cluster.slurm_env import job_master_port
 from app.parity import compare_states
 from tests.helpers.run import ddp_app
@@ -476,3 +477,48 @@ def test_a_two_node_job_requeued_onto_one_node_continues_elastically(
     scale = max(float(tensor.abs().max()) for tensor in uninterrupted.values() if tensor.is_floating_point())
     difference, _ = compare_states(uninterrupted, actual, 1e-5 * scale)
     assert difference <= 1e-5 * scale, (difference, scale)
+
+
+FSDP_CONFIG = str(REPO / "configs" / "gpt_fsdp.yaml")
+FSDP_RUN = ("--trainer.max_epochs", "8", "--trainer.enable_progress_bar=false")
+
+
+@pytest.mark.fault
+@pytest.mark.distributed  # the uninterrupted comparison run starts 2 ranks outside Slurm
+def test_an_fsdp_run_on_two_nodes_is_preempted_requeued_and_resumes_exactly(
+    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, tmp_path: Path
+) -> None:
+    """multinode.sbatch runs configs/gpt_fsdp.yaml unchanged, one rank per node; scancel --signal=USR1 once
+    the first sharded last.ckpt exists: every rank writes its shards, the job requeues and resumes from
+    them, and ends with the weights of the same run on one node, never interrupted, bit for bit."""
+    root = workdir / "fsdp-preempted"
+    args = (
+        FSDP_CONFIG,
+        *FSDP_RUN,
+        "--trainer.devices=1",
+        "--trainer.num_nodes=2",
+        f"--trainer.default_root_dir={root}",
+    )
+    command = ["sbatch", "--parsable", f"--chdir={workdir}", *CPU_ONLY, "--ntasks-per-node=1"]
+    submitted = slurm_cluster.run([*command, str(SLURM / "multinode.sbatch"), *args], timeout=30)
+    job_id = int(submitted.stdout.strip().split(";")[0])
+    try:
+        deadline = time.monotonic() + 120
+        while not (root / "checkpoints" / "last.ckpt").exists():
+            assert time.monotonic() < deadline, "training did not start within 120 s"
+            time.sleep(0.1)
+        slurm_cluster.run(["scancel", "--signal=USR1", str(job_id)])
+        state = slurm_cluster.wait_for_state(job_id, FINAL_STATES, timeout=240)
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)], check=False)
+    info = slurm_cluster.job_info(job_id)
+    output = Path(info["StdOut"]).read_text(errors="replace")
+    assert state == "COMPLETED", output[-4000:]
+    assert info["Restarts"] == "1" and slurm_cluster.job_info(job_id)["NodeList"] == "node[1-2]", info
+    assert "ddp-app: preempted at global step" in output and "requeued SLURM job" in output, output[-4000:]
+
+    one_node = tmp_path / "one-node"
+    result = ddp_app("fit", "--config", FSDP_CONFIG, *FSDP_RUN, f"--trainer.default_root_dir={one_node}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = load_full_tensors(one_node / "checkpoints" / "last.ckpt")
+    assert compare_states(expected, load_full_tensors(root / "checkpoints" / "last.ckpt"), 0.0) == (0.0, "")
