@@ -9,6 +9,8 @@ dimension at least once); `-m slow` runs the whole cover and writes its table to
 
 Rows on real data: the CNN on a generated ImageFolder (JPEGs, random crop and flip decoded in loader
 workers) and on LitData shards written from it (`DATA_SUBSET`; every stop and moment under `-m slow`).
+Rows under `strategy: fsdp`: configs/gpt_fsdp.yaml (FSDP2, sharded checkpoints, AdamW) killed mid-epoch
+(every stop and moment under `-m slow`); its resume on 3 ranks is in tests/fsdp/test_fsdp_runs.py.
 """
 
 from __future__ import annotations
@@ -231,5 +233,28 @@ def data_cases() -> list[Case]:
 @pytest.mark.parametrize("data", list(DATA_CONFIGS))
 def test_every_stop_and_moment_on_real_data(data_runners: dict[str, Runner], data: str) -> None:
     outcomes = [data_runners[data].run(case) for case in data_cases()]
+    different = [outcome for outcome in outcomes if not outcome.exact]
+    assert not different, "\n".join(f"{o.case.name}: {o.detail}" for o in different)
+
+
+FSDP_CONFIG = ["--config", "configs/gpt_fsdp.yaml", "--tracking.wandb.project=matrix"]
+FSDP_VARIANTS = {"fsdp": []}
+
+
+@pytest.fixture(scope="module")
+def fsdp_runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
+    """configs/gpt_fsdp.yaml on 2 ranks, 3 epochs of 16 steps; checkpoints sharded by every rank."""
+    return Runner(FSDP_CONFIG, tmp_path_factory.mktemp("fsdp"), epochs=3, variants=FSDP_VARIANTS)
+
+
+def test_fsdp_resume_after_a_kill_mid_epoch_is_exact(fsdp_runner: Runner) -> None:
+    check(fsdp_runner, Case("kill-rank1", "mid-epoch", "same", "fsdp"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # 13 cases, about 30 s each here
+def test_every_stop_and_moment_under_fsdp(fsdp_runner: Runner) -> None:
+    cases = [Case(case.stop, case.moment, case.continues, "fsdp", case.epoch) for case in data_cases()]
+    outcomes = [fsdp_runner.run(case) for case in cases if case.moment != "micro-batch"]
     different = [outcome for outcome in outcomes if not outcome.exact]
     assert not different, "\n".join(f"{o.case.name}: {o.detail}" for o in different)
