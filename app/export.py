@@ -166,12 +166,10 @@ def export_program(module: torch.nn.Module, inputs: torch.Tensor) -> torch.expor
 
 def export_exported_program(ckpt_path: Path, out_path: Path, config_path: Path | None) -> str:
     """Write the `.pt2` file; returns the summary line."""
-    if is_sharded_checkpoint(ckpt_path):
-        raise ExportError(
-            f"{ckpt_path} is a sharded checkpoint (strategy fsdp): --format exported-program of one is not built yet. "
-            "Fix: --format state-dict, which joins its shards into one file."
-        )
-    checkpoint = safe_load(ckpt_path)
+    if is_sharded_checkpoint(ckpt_path):  # strategy fsdp: its shards joined whole in this process
+        checkpoint = {**safe_load(ckpt_path / META_NAME), "state_dict": load_full_tensors(ckpt_path)}
+    else:
+        checkpoint = safe_load(ckpt_path)
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict):
         raise CheckpointError("this file is not a Lightning checkpoint (it has no 'state_dict').")

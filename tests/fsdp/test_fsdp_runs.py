@@ -188,3 +188,17 @@ def test_app_export_joins_the_shards_into_the_bare_networks_state_dict(runs: dic
     net = GPT(vocab_size=64, context=32, d_model=64, n_layers=2, n_heads=4, mlp_ratio=4)
     net.load_state_dict(state)  # plain PyTorch, strict
     assert all(torch.equal(state[key.removeprefix("net.")], weights[key]) for key in weights)
+
+
+def test_app_export_writes_an_exported_program_of_a_sharded_checkpoint(runs: dict[str, Path], tmp_path: Path) -> None:
+    """`--format exported-program`: the shards joined in one process, the model rebuilt from the run's own
+    config (found in its log directory), traced with a dynamic batch; plain PyTorch runs it, as the weights do."""
+    export.main(["--ckpt", str(runs["uninterrupted"]), "--out", str(tmp_path / "model.pt2"), "--format",
+                 "exported-program"])  # fmt: skip
+    program = torch.export.load(tmp_path / "model.pt2").module()
+    net = GPT(vocab_size=64, context=32, d_model=64, n_layers=2, n_heads=4, mlp_ratio=4).eval()
+    net.load_state_dict(
+        {key.removeprefix("net."): value for key, value in load_full_tensors(runs["uninterrupted"]).items()}
+    )
+    tokens = torch.randint(0, 64, (3, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(program(tokens), net(tokens))
