@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from app.checkpoints.io import CheckpointError, atomic_torch_save, safe_load
@@ -83,6 +83,10 @@ class FSDP2Strategy(ModelParallelStrategy):
             (`bfloat16` for mixed precision); None: the parameters' own (float32). The sharded
             parameters and the optimizer stay in their own dtype.
         reduce_dtype: the dtype gradients are reduce-scattered in; None: `param_dtype`'s.
+        cpu_offload: keep the sharded parameters and gradients, and so the optimizer state and its
+            step, in host memory (FSDP2's `CPUOffloadPolicy`): device memory then holds only the
+            units being gathered and the activations, at the cost of a host-device copy of every
+            shard per step and an optimizer step on the CPU.
         process_group_backend, timeout: as for Lightning's strategies (ddp-app sets `timeout` from
             `collective_timeout_s`).
     """
@@ -94,6 +98,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         activation_checkpointing: bool = False,
         param_dtype: ComputeDtype | None = None,
         reduce_dtype: ComputeDtype | None = None,
+        cpu_offload: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -109,6 +114,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        self.cpu_offload = cpu_offload
         self._data_parallel_mesh: DeviceMesh | None = None
 
     @property
@@ -195,6 +201,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             param_dtype=DTYPES[self.param_dtype] if self.param_dtype else None,
             reduce_dtype=DTYPES[self.reduce_dtype] if self.reduce_dtype else None,
         )
+        # cpu_offload: the sharded parameters, their gradients and so the optimizer state live in host
+        # memory; FSDP2 copies each unit's shard to the device for its all-gather (pinned on a GPU).
+        offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         blocks = [name for name, sub in module.named_modules() if name and type(sub).__name__ in classes]
         if self.activation_checkpointing:
             checkpoint = require(composable, "checkpoint", "torch", "activation_checkpointing of strategy fsdp")
@@ -212,6 +221,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 mesh=mesh,
                 reshard_after_forward=self.reshard_after_forward,
                 mp_policy=policy,
+                offload_policy=offload,
             )
         return units
 

@@ -64,6 +64,23 @@ def test_param_dtype_bfloat16_computes_in_bfloat16_and_keeps_the_sharded_weights
     assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}
 
 
+def test_cpu_offload_keeps_the_shards_in_host_memory_and_trains_the_same(tmp_path: Path) -> None:
+    """`cpu_offload: true` (FSDP2's CPUOffloadPolicy): shards and gradients on the CPU; on a CPU run the
+    same loss and gradients as without (on a GPU it moves them off the device: untested here, no GPU)."""
+    gradients = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = GPTLanguageModel(n_layers=1)
+        strategy = one_rank_strategy(tmp_path / str(offload), cpu_offload=offload)
+        strategy.shard(model)
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        model.net(tokens).float().pow(2).mean().backward()
+        assert all(parameter.to_local().device.type == "cpu" for parameter in model.parameters())
+        gradients.append([parameter.grad.to_local().clone() for parameter in model.parameters()])
+        torch.distributed.destroy_process_group()
+    assert all(torch.equal(a, b) for a, b in zip(*gradients, strict=True))
+
+
 def test_a_dtype_fsdp_does_not_compute_in_is_refused_naming_the_key() -> None:
     with pytest.raises(UserFacingError, match=r"^trainer\.strategy\.init_args\.param_dtype=bf16 is not a dtype"):
         FSDP2Strategy(param_dtype="bf16")
