@@ -20,6 +20,7 @@ DATA_MODULES = {
     "ImageFolderDataModule": "app.data.imagefolder",
     "MNISTDataModule": "app.data.vision",
     "StreamingDataModule": "app.data.streaming",
+    "SyntheticTokensDataModule": "app.data.tokens",
     "DataNotFoundError": "app.data.datasets",
 }
 
