@@ -9,10 +9,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ClassifierModule", "CNNClassifier", "MLPClassifier", "ResNetClassifier", "ToyRegressor"]
+# Public name -> the module that defines it.
+MODULES = {
+    "ClassifierModule": "app.models.lightning",
+    "CNNClassifier": "app.models.lightning",
+    "MLPClassifier": "app.models.lightning",
+    "ResNetClassifier": "app.models.lightning",
+    "ToyRegressor": "app.models.lightning",
+    "GPTLanguageModel": "app.models.gpt",
+}
+
+__all__ = sorted(MODULES)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("app.models.lightning"), name)
+    if name in MODULES:
+        return getattr(importlib.import_module(MODULES[name]), name)
     raise AttributeError(f"module 'app.models' has no attribute {name!r}")
