@@ -13,6 +13,7 @@ import errno
 import importlib
 import inspect
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from app.checkpoints.io import not_a_checkpoint, refuse_url
 from app.checkpoints.sharded import is_sharded_checkpoint
-from app.cluster.preflight import devices_as_written_count, on_gpu, resolve_devices, resolve_strategy, visible_gpus
+from app.cluster.preflight import (
+    already_launched,
+    devices_as_written_count,
+    on_gpu,
+    resolve_devices,
+    resolve_strategy,
+    visible_gpus,
+)
 from app.errors import UserFacingError
 from app.tracking.run import require_tracker
 
@@ -58,16 +66,28 @@ def check_config(config: Any) -> None:
             f"trainer.precision={precision} on CPU: CPUs have no native float16 arithmetic (it is emulated, "
             "slower than 32-bit). Fix: --trainer.precision=bf16-mixed or 32-true on CPU; 16-mixed is for GPUs."
         )
-    cores = os.cpu_count() or 1
-    devices = resolve_devices(trainer.get("devices", "auto"), trainer.get("accelerator", "auto"))
-    if on_cpu and devices is not None and devices > cores and not os.environ.get("DDP_APP_ALLOW_OVERSUBSCRIBE"):
-        raise UserFacingError(
-            f"trainer.devices={devices} CPU processes on a machine with {cores} cores would oversubscribe it "
-            f"(every step waits for the slowest rank). Fix: trainer.devices <= {cores}, or set "
-            "DDP_APP_ALLOW_OVERSUBSCRIBE=1 to run anyway."
-        )
+    warn_if_oversubscribed(on_cpu, resolve_devices(trainer.get("devices", "auto"), trainer.get("accelerator", "auto")))
     if os.environ.get("LOCAL_RANK", "0") == "0":
         check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
+
+
+def warn_if_oversubscribed(on_cpu: bool, devices: int | None) -> None:
+    """One line when more CPU ranks than cores are asked for: slow (every step waits for the slowest
+    rank), not wrong, so the run goes on. A resume on more ranks than the run started with is
+    exactly that on a small machine. Said once, by the launcher (or an in-process run), not by each
+    rank; `DDP_APP_ALLOW_OVERSUBSCRIBE=1` silences it."""
+    cores = os.cpu_count() or 1
+    if not on_cpu or devices is None or devices <= cores or os.environ.get("DDP_APP_ALLOW_OVERSUBSCRIBE"):
+        return
+    if already_launched(os.environ):
+        return
+    print(
+        f"ddp-app: warning: trainer.devices={devices} CPU processes on a machine with {cores} cores oversubscribe it: "
+        f"every step waits for the slowest rank. For speed: trainer.devices <= {cores} "
+        "(DDP_APP_ALLOW_OVERSUBSCRIBE=1 silences this line).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def check_training_length(trainer: Any) -> None:
