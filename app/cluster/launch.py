@@ -154,6 +154,25 @@ def worth_a_restart(exit_code: int) -> bool:
     return exit_code not in (0, BAD_INPUT_EXIT_CODE, *STOP_EXIT_CODES)
 
 
+def ended_children() -> list[tuple[int, int]]:
+    """(pid, exit code) of every child that has ended since the last call, a rank killed by a signal first.
+
+    A rank killed with SIGKILL makes its peers fail within milliseconds ("lost the connection"); when
+    the launcher's poll finds both ended, `waitpid` may return a peer first, and the peer would be named
+    as the culprit. Collected together, the one a signal killed is the cause and comes first.
+    """
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no child left
+            break
+        if pid == 0:
+            break
+        ended.append((pid, os.waitstatus_to_exitcode(status)))
+    return sorted(ended, key=lambda item: item[1] >= 0)  # stable: otherwise in the order waitpid gave
+
+
 def describe_exit(returncode: int) -> str:
     """'was killed by SIGKILL' or 'exited with code 1', for a Popen returncode."""
     if returncode < 0:
@@ -371,22 +390,23 @@ def run_local_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, 
     stop_deadline = float("inf")
     try:
         while running:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
+            ended = ended_children()
+            if not ended:
                 if time.monotonic() > stop_deadline:
                     kill_running()
                 time.sleep(0.05)
                 continue
-            rank = running.pop(pid, None)
-            if rank is None:
-                continue
-            rank.returncode = os.waitstatus_to_exitcode(status)
-            if rank.returncode != 0 and first_failure is None and pid not in killed:
-                first_failure = rank
-                if rank.returncode in STOP_EXIT_CODES:  # the others stop at the same step: let them finish
-                    stop_deadline = time.monotonic() + STOP_GRACE_S
-                else:
-                    kill_running()
+            for pid, returncode in ended:
+                rank = running.pop(pid, None)
+                if rank is None:
+                    continue
+                rank.returncode = returncode
+                if rank.returncode != 0 and first_failure is None and pid not in killed:
+                    first_failure = rank
+                    if rank.returncode in STOP_EXIT_CODES:  # the others stop at the same step: let them finish
+                        stop_deadline = time.monotonic() + STOP_GRACE_S
+                    else:
+                        kill_running()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
