@@ -143,7 +143,7 @@ def lightning_fit(
         args = [sys.executable, *app_args]
     run_command(args, root.with_suffix(".log"))
     (last,) = root.rglob("last.ckpt")
-    return net_state_dict(safe_load(last))
+    return last_weights(last)
 
 
 def reference_fit(
@@ -651,9 +651,8 @@ def is_fsdp_config(config: dict[str, Any]) -> bool:
     return name == "fsdp" or name.endswith("FSDP2Strategy")
 
 
-def last_weights(root: Path) -> dict[str, torch.Tensor]:
-    """The bare network's weights in a run's last.ckpt, sharded (joined here) or whole."""
-    last = root / "checkpoints" / "last.ckpt"
+def last_weights(last: Path) -> dict[str, torch.Tensor]:
+    """The bare network's weights in a Lightning checkpoint, sharded (joined here) or whole."""
     if is_sharded_checkpoint(last):
         return {key.removeprefix("net."): value for key, value in load_full_tensors(last).items()}
     return net_state_dict(safe_load(last))
@@ -682,12 +681,6 @@ def write_variant(config: dict[str, Any], path: Path, strategy: dict[str, Any] |
     return path
 
 
-def fit(config: Path, root: Path, log: Path, *extra: str) -> None:
-    """One `ddp-app fit` of the config into `root` (a failure raises with the log's tail)."""
-    command = [sys.executable, "-m", "app", "fit", "--config", str(config), f"--trainer.default_root_dir={root}"]
-    run_command([*command, "--trainer.enable_progress_bar=false", *extra], log)
-
-
 def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) -> list[Any]:
     """P9a-c for an FSDP2 config; the `Check`s of app.parity."""
     config = yaml.safe_load(config_path.read_text())
@@ -698,8 +691,7 @@ def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) 
     optimizer = str(config["optimizer"]["class_path"]).rpartition(".")[2].lower()[:5]  # the table's column
 
     print("parity (fsdp): Lightning FSDP2 ...", flush=True)
-    fit(fsdp_config, out_dir / "lightning", out_dir / "lightning.log")
-    lightning = last_weights(out_dir / "lightning")
+    lightning = lightning_fit(fsdp_config, out_dir / "lightning", "ddp-app", world_size)
     print("parity (fsdp): the plain-PyTorch FSDP2 reference ...", flush=True)
     reference_out = out_dir / "reference"
     reference_command = [sys.executable, "-m", "app.reference.fsdp", "--config", str(fsdp_config)]
@@ -710,8 +702,8 @@ def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) 
     checks = [state_check("P9a", optimizer, compared, reference, lightning)]
 
     print("parity (fsdp): Lightning DDP ...", flush=True)
-    fit(ddp_config, out_dir / "ddp", out_dir / "ddp.log")
-    difference, detail = relative_difference(last_weights(out_dir / "ddp"), lightning)
+    ddp = lightning_fit(ddp_config, out_dir / "ddp", "ddp-app", world_size)
+    difference, detail = relative_difference(ddp, lightning)
     compared = f"FSDP2 vs DDP, {world_size} ranks"
     checks.append(Check("P9b", optimizer, compared, difference, RELATIVE_TOLERANCE, not detail, detail))
 
@@ -720,13 +712,14 @@ def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) 
     # resumed on 3: 1.2e-5 of the largest weight under FSDP2, 9.8e-6 under DDP; docs/fsdp.md).
     print(f"parity (fsdp): SGD, stopped on {world_size} ranks, resumed on {world_size + 1} ...", flush=True)
     sgd_config = write_variant({**config, "optimizer": ELASTIC_OPTIMIZER}, out_dir / "fsdp-sgd.yaml")
-    fit(sgd_config, out_dir / "sgd", out_dir / "sgd.log")
+    uninterrupted = lightning_fit(sgd_config, out_dir / "sgd", "ddp-app", world_size)
     steps = safe_load(out_dir / "sgd" / "checkpoints" / "last.ckpt" / META_NAME)["global_step"]
     elastic = out_dir / "elastic"
-    fit(sgd_config, elastic, out_dir / "elastic-stop.log", f"--trainer.max_steps={max(1, steps // 2 - 1)}")
-    fit(sgd_config, elastic, out_dir / "elastic-resume.log", f"--trainer.devices={world_size + 1}", "--ckpt_path=last")
-    uninterrupted = last_weights(out_dir / "sgd")
-    difference, detail = relative_difference(uninterrupted, last_weights(elastic))
+    lightning_fit(sgd_config, elastic, "ddp-app", world_size, [f"--trainer.max_steps={max(1, steps // 2 - 1)}"])
+    resumed = lightning_fit(
+        sgd_config, elastic, "ddp-app", world_size + 1, [f"--trainer.devices={world_size + 1}", "--ckpt_path=last"]
+    )
+    difference, detail = relative_difference(uninterrupted, resumed)
     compared = f"FSDP2 stopped on {world_size} ranks, resumed on {world_size + 1}, vs uninterrupted"
     checks.append(Check("P9c", "sgd", compared, difference, RELATIVE_TOLERANCE, not detail, detail))
     return checks

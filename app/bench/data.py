@@ -42,7 +42,7 @@ import yaml
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchvision.io import encode_jpeg
 
-from app.bench.report import spread
+from app.bench.report import counts, spread
 from app.cluster.threads import configure_cpu_threads
 from app.data.imagefolder import ImageFolderDataModule
 from app.data.samplers import train_sampler
@@ -227,13 +227,6 @@ def print_table(results: dict[str, Any]) -> None:
             )
 
 
-def worker_counts(text: str) -> list[int]:
-    counts = [int(part) for part in text.split(",") if part.strip()]
-    if not counts or min(counts) < 0:
-        raise argparse.ArgumentTypeError(f"--workers takes worker counts >= 0 separated by commas, got {text!r}")
-    return counts
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         prog="python -m app.bench.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -245,7 +238,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--pixels", type=int, default=32, help="generated images' side")
     parser.add_argument("--image-size", type=int, default=32, help="the training crop (config: data.image_size)")
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch")
-    parser.add_argument("--workers", type=worker_counts, default=[0, 1, 2, 4], help="e.g. 0,1,2,4")
+    parser.add_argument(
+        "--workers", type=lambda text: counts(text, 0, "--workers"), default=[0, 1, 2, 4], help="e.g. 0,1,2,4"
+    )
     parser.add_argument("--chunk-bytes", default=DEFAULT_CHUNK_BYTES, help="LitData chunk size (default 64MB)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model-steps", type=int, default=5, help="timed model steps per round")

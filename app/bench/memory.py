@@ -37,6 +37,8 @@ import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from app.bench.report import counts
+
 STRATEGIES = ("ddp", "fsdp")
 DDP = {"class_path": "lightning.pytorch.strategies.DDPStrategy"}
 DEFAULT_MODEL_ARGS = ["--model.init_args.d_model=256", "--model.init_args.n_layers=4"]
@@ -177,19 +179,12 @@ def print_table(results: dict[str, Any]) -> None:
         )
 
 
-def rank_counts(text: str) -> list[int]:
-    counts = [int(part) for part in text.split(",") if part.strip()]
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"--ranks takes numbers >= 1 separated by commas, got {text!r}")
-    return counts
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         prog="python -m app.bench.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", type=Path, default=Path("configs/gpt_fsdp.yaml"))
-    parser.add_argument("--ranks", type=rank_counts, default=[1, 2, 4], help="e.g. 1,2,4")
+    parser.add_argument("--ranks", type=lambda text: counts(text, 1, "--ranks"), default=[1, 2, 4], help="e.g. 1,2,4")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 from collections.abc import Callable
@@ -18,6 +19,17 @@ def spread(values: list[float]) -> dict[str, float]:
     if not values:
         return {"median": math.nan, "min": math.nan, "max": math.nan, "n": 0}
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def counts(text: str, minimum: int, flag: str) -> list[int]:
+    """A command-line list such as `0,1,2,4` (a bench's worker or rank counts), each >= `minimum`."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"{flag} takes numbers >= {minimum} separated by commas, got {text!r}")
+    return values
 
 
 SIDES_REPORTED = ("reference", "lightning")

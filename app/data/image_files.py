@@ -320,6 +320,11 @@ def imagefolder_splits(
 def check_split_settings(val_fraction: float, crop_scale: tuple[float, float]) -> None:
     if not 0 < val_fraction < 1:
         raise InvalidConfigError(f"data.val_fraction must lie in (0, 1), got {val_fraction}.")
+    check_crop_scale(crop_scale)
+
+
+def check_crop_scale(crop_scale: tuple[float, float]) -> None:
+    """The RandomResizedCrop area fraction of the training transform (ImageFolder's and the shards')."""
     if not 0 < crop_scale[0] <= crop_scale[1] <= 1:
         raise InvalidConfigError(
             f"data.crop_scale must be [low, high] with 0 < low <= high <= 1, got {list(crop_scale)}."

@@ -36,7 +36,7 @@ from app.data.image_files import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     UnreadableImageError,
-    check_split_settings,
+    check_crop_scale,
     eval_transform,
     train_transform,
 )
@@ -151,7 +151,7 @@ class StreamingDataModule(ShardedDataModule):
                 f"data.shuffle_chunks ({shuffle_chunks}) must be at least 1 (the chunks whose samples are shuffled "
                 "together). Fix: a positive number, e.g. 4."
             )
-        check_split_settings(0.1, tuple(crop_scale))
+        check_crop_scale(tuple(crop_scale))
         self.data_dir = str(data_dir).rstrip("/")
         self.shuffle_chunks = shuffle_chunks
         self.cache_dir = cache_dir

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from app.parity import fit, last_weights, run_command, write_variant
+from app.parity import lightning_fit, run_command, write_variant
 from tests.helpers.run import REPO
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
@@ -21,11 +21,10 @@ def test_lightning_fsdp2_trains_the_same_weights_as_the_reference_bit_for_bit(tm
     config = yaml.safe_load((REPO / "configs" / "gpt_fsdp.yaml").read_text())
     config["trainer"]["max_epochs"] = 1
     path = write_variant(config, tmp_path / "config.yaml")
-    fit(path, tmp_path / "lightning", tmp_path / "lightning.log")
+    lightning = lightning_fit(path, tmp_path / "lightning", "ddp-app", world_size=2)
     command = [sys.executable, "-m", "app.reference.fsdp", "--config", str(path), "--out", str(tmp_path / "reference")]
     run_command([*command, "--save-every", "0"], tmp_path / "reference.log")
     reference = torch.load(tmp_path / "reference" / "final.pt", map_location="cpu", weights_only=True)
-    lightning = last_weights(tmp_path / "lightning")
     assert reference.keys() == lightning.keys()
     different = [name for name, tensor in reference.items() if not torch.equal(tensor, lightning[name])]
     assert not different, f"differ: {different[:3]}"
