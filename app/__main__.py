@@ -8,18 +8,18 @@ def main() -> None:
     import sys
     import time
 
-    from app.console import STARTED_VARIABLE, quiet_native_logs
+    from app.run.console import STARTED_VARIABLE, quiet_native_logs
 
-    # The run's wall time, which its summary reports (app/summary.py), counts from here: the imports
+    # The run's wall time, which its summary reports (app/run/summary.py), counts from here: the imports
     # below take seconds.
     os.environ.setdefault(STARTED_VARIABLE, str(time.time()))
     quiet_native_logs(os.environ)  # before anything below imports torch, which reads it once
 
     if sys.argv[1:2] == ["resume-check"]:  # not a LightningCLI subcommand: it runs ddp-app fit itself
-        from app.resume_check import main as resume_check
+        from app.cli.resume_check import main as resume_check
 
         raise SystemExit(resume_check(sys.argv[2:]))
-    from app.entry import main as entry_main
+    from app.cli.entry import main as entry_main
 
     entry_main()
 

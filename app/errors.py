@@ -34,7 +34,8 @@ class InvalidConfigError(UserFacingError, ValueError):
 
 
 class NonFiniteLossError(UserFacingError):
-    """The gradients became NaN/Inf; no checkpoint holds weights updated with them (app.callbacks.NonFiniteGuard)."""
+    """The gradients became NaN/Inf; no checkpoint holds weights updated with them
+    (app.run.callbacks.NonFiniteGuard)."""
 
 
 def summarize_parser_error(message: str) -> str:

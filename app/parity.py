@@ -27,7 +27,7 @@ for Adam, that they agree:
       N + 1 ranks by Lightning and by the reference (which splits and weights the same way), bit for
       bit (for the interop optimizer: four launches).
 
-For a config with `strategy: fsdp` (app/fsdp.py) it runs these rows instead, against the plain-PyTorch
+For a config with `strategy: fsdp` (app/parallel/fsdp.py) it runs these rows instead, against the plain-PyTorch
 FSDP2 reference (app/reference/fsdp.py):
 
   P9a  Lightning FSDP2 == the plain-PyTorch FSDP2 reference (app/reference/fsdp.py) at N ranks, fp32:
@@ -36,7 +36,7 @@ FSDP2 reference (app/reference/fsdp.py):
        model's largest weight: reduce-scatter and all-reduce may sum the ranks' gradients in another
        order (at 2 ranks on gloo they agree bit for bit: a + b is b + a).
   P9c  elastic: Lightning FSDP2 with SGD stopped by a max_steps budget mid-epoch on N ranks and
-       resumed on N + 1 (DCP reshards weights and optimizer state, app/elastic.py keeps the sample
+       resumed on N + 1 (DCP reshards weights and optimizer state, app/resume/elastic.py keeps the sample
        order and the global batch) == the uninterrupted N-rank run within 1e-5 of the largest weight.
 
 Prints a table, writes it as JSON, exits 1 if any check fails.
@@ -65,6 +65,7 @@ from app.checkpoints.io import load_net_weights, net_state_dict, safe_load
 from app.checkpoints.sharded import META_NAME, is_sharded_checkpoint, load_full_tensors
 from app.cluster.launch import env_without_launcher
 from app.cluster.threads import configure_cpu_threads
+from app.parallel.strategy import resolve_strategy
 from app.reference.config import Job, build_job, instantiate, load_config
 
 OPTIMIZERS: dict[str, dict[str, Any]] = {
@@ -646,9 +647,7 @@ ELASTIC_OPTIMIZER = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5}}
 
 def is_fsdp_config(config: dict[str, Any]) -> bool:
     """Whether the config trains with ddp-app's FSDP2 strategy (by class path or by name)."""
-    strategy = (config.get("trainer") or {}).get("strategy")
-    name = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "")
-    return name == "fsdp" or name.endswith("FSDP2Strategy")
+    return resolve_strategy((config.get("trainer") or {}).get("strategy")).is_sharded
 
 
 def last_weights(last: Path) -> dict[str, torch.Tensor]:

@@ -85,7 +85,7 @@ def read_metrics(path: Path) -> Series:
     return series
 
 
-RESUME_MARKER = "resumed.json"  # written by app.resume.ExactResume into a resumed run's log version
+RESUME_MARKER = "resumed.json"  # written by app.resume.exact.ExactResume into a resumed run's log version
 
 
 def is_resumed(metrics_path: Path) -> bool:

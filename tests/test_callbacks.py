@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 
-from app.callbacks import LogLineProgressBar
+from app.run.callbacks import LogLineProgressBar
 from tests.helpers.run import ddp_app
 from tests.helpers.user_module import SeededRegressionData, TwoLayerRegressor
 
@@ -59,7 +59,7 @@ def test_the_nan_guard_leaves_steps_with_overflowed_gradients_to_a_gradient_scal
     import torch
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from app.callbacks import NonFiniteGuard
+    from app.run.callbacks import NonFiniteGuard
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
     trainer = L.Trainer(
@@ -88,8 +88,8 @@ class InfAtOneStep(TwoLayerRegressor):
 def test_the_nan_guard_reads_its_verdict_later_and_names_the_first_bad_step(tmp_path: Path) -> None:
     """The verdict stays on the device and is read every log_every_n_steps steps: the error, raised at
     that read, names the first bad step, not the step of the read."""
-    from app.callbacks import NonFiniteGuard
     from app.errors import NonFiniteLossError
+    from app.run.callbacks import NonFiniteGuard
 
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from app.checkpoints.io import safe_load
-from app.compression import compressed_matrix
+from app.parallel.compression import compressed_matrix
 from tests.helpers.run import REPO, ddp_app, run, train
 
 

@@ -26,7 +26,9 @@ def test_configs_exist() -> None:
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
 def test_config_instantiates(config: Path, tmp_path: Path) -> None:
     cli = build(config, f"--trainer.default_root_dir={tmp_path}")
-    expected = "FSDP2Strategy" if "fsdp" in config.name else "DDPStrategy"  # app/fsdp.py for the sharded configs
+    expected = (
+        "FSDP2Strategy" if "fsdp" in config.name else "DDPStrategy"
+    )  # app/parallel/fsdp.py for the sharded configs
     assert cli.trainer.strategy.__class__.__name__ == expected
     assert cli.model.net is not None
     assert cli.datamodule.batch_size >= 1

@@ -1,5 +1,5 @@
 """The console of the README's training command: every line it prints has one of a few known shapes,
-each said once; DDP_APP_VERBOSE=1 brings back what is kept quiet (app/console.py)."""
+each said once; DDP_APP_VERBOSE=1 brings back what is kept quiet (app/run/console.py)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ ALLOWED = [
         r"\d+ \| \w+\s+\| \w+\s+\| [\d.]+ ?[KMGT]?\s+\| (train|eval)\s*",
         r"[\d.]+ ?[KMGT]?\s+(Trainable params|Non-trainable params|Total params|"
         r"Total estimated model params size \(MB\)|Modules in train mode|Modules in eval mode)",
-        # The epoch's line (app.callbacks.LogLineProgressBar) and the end.
+        # The epoch's line (app.run.callbacks.LogLineProgressBar) and the end.
         r"epoch=0 step=20 batch=20/20 samples/s=\d+ train_loss=[\d.]+ val_loss=[\d.]+ val_acc=[\d.]+",
         r"`Trainer\.fit` stopped: `max_epochs=1` reached\.",
-        # The fit's summary (app/summary.py).
+        # The fit's summary (app/run/summary.py).
         r"ddp-app: fit done in [\d.]+ s: 1 epochs, 20 steps on 2 processes, [\d,]+ samples/s \(last epoch\)",
         r"  last: (\w+=[\d.e+-]+ ?)+",
         r"  best val_acc=[\d.]+ \(max\): \S+\.ckpt",
@@ -89,7 +89,7 @@ COLUMNS = [(" ", ["0"]), ("Name", ["net"]), ("Type", ["Linear"]), ("Params", ["6
 def test_the_summary_shows_flops_only_when_counted_or_verbose(
     flops: int, verbose: str, shown: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from app.callbacks import PlainModelSummary
+    from app.run.callbacks import PlainModelSummary
 
     monkeypatch.setenv("DDP_APP_VERBOSE", verbose)
     table_logger = logging.getLogger("lightning.pytorch.callbacks.model_summary")

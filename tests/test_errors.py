@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from app.cli.entry import report_user_error
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, PEER_LOST_EXIT_CODE
-from app.entry import report_user_error
 from app.errors import InvalidConfigError, UserFacingError, failed_because_a_peer_died, one_line_message
 from tests.helpers.run import clean_env, ddp_app
 

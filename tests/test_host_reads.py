@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from app.callbacks import NonFiniteGuard
 from app.cli import DDPAppCLI
 from app.errors import NonFiniteLossError
+from app.run.callbacks import NonFiniteGuard
 from tests.helpers.host_reads import HostReadCounter
 from tests.helpers.run import REPO
 

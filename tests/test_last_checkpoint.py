@@ -15,7 +15,7 @@ from app.cli import DDPAppCLI
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from app.cluster.launch import run_local_ranks
 from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped, resume_command
-from app.coordinator import RunCoordinator
+from app.run.coordinator import RunCoordinator
 from tests.helpers.run import REPO
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
@@ -109,7 +109,7 @@ class SigtermInSanityCheck(L.Callback):
 def test_a_preemption_during_the_sanity_check_stops_when_training_starts_with_nothing_saved(tmp_path: Path) -> None:
     """Lightning's own SIGTERM handler ended this fit with SystemExit(0) untrained (and, with 2 ranks and
     the signal on one, hung in a broadcast inside the handler); ddp-app's flag stops it with exit 3."""
-    STOP_SIGNAL_FLAG.install(PREEMPTION_SIGNALS)  # what app.entry.run does as a rank starts
+    STOP_SIGNAL_FLAG.install(PREEMPTION_SIGNALS)  # what app.cli.entry.run does as a rank starts
     try:
         cli = DDPAppCLI(
             args=[

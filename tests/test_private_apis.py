@@ -40,7 +40,7 @@ from app.cluster.preemption import (
 )
 from app.errors import one_line_message
 from app.private_apis import PrivateApiChanged, require
-from app.resume import POSITION_KEY, DataPosition, ExactResume, canonical_fit_loop_state
+from app.resume.exact import POSITION_KEY, DataPosition, ExactResume, canonical_fit_loop_state
 
 DOC = "see docs/private_apis.md"
 
@@ -155,7 +155,7 @@ def _counters_of(fit_loop: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_fit_loop_forms_canonical_fit_loop_state_writes_are_lightnings_own(tmp_path: Path) -> None:
-    """app/resume.py rewrites the loaded fit_loop counters into forms Lightning writes itself: after a
+    """app/resume/exact.py rewrites the loaded fit_loop counters into forms Lightning writes itself: after a
     change of layout or meaning in Lightning, the forms and these saves differ here, in seconds."""
     _fit(tmp_path, _Counted(), [ExactResume(per_sample_seeding=False), _SaveThroughLightning(tmp_path)])
     for name in ("epoch-end", "mid-epoch"):
@@ -168,7 +168,7 @@ def test_the_fit_loop_forms_canonical_fit_loop_state_writes_are_lightnings_own(t
         except (KeyError, AssertionError) as error:
             pytest.fail(
                 f"Lightning's fit_loop state saved at the {name} no longer has the form "
-                f"app/resume.py canonical_fit_loop_state writes ({error!r}); resumes would continue "
+                f"app/resume/exact.py canonical_fit_loop_state writes ({error!r}); resumes would continue "
                 f"at the wrong place ({DOC})"
             )
 
@@ -181,7 +181,7 @@ def test_a_resume_from_the_last_batch_runs_that_epochs_validation_then_the_next_
     _fit(tmp_path / "resumed", resumed, [ExactResume(per_sample_seeding=False)], tmp_path / "last-batch.ckpt")
     assert (resumed.trained, resumed.validated) == ({1: 6}, {0: 2, 1: 2}), (
         f"resumed from a save on epoch 0's last batch, Lightning trained {resumed.trained} and validated "
-        f"{resumed.validated} batches per epoch; app/resume.py canonical_fit_loop_state's pending-validation "
+        f"{resumed.validated} batches per epoch; app/resume/exact.py canonical_fit_loop_state's pending-validation "
         f"form no longer resumes as it should ({DOC})"
     )
     assert resumed.trainer.global_step == 12
@@ -360,7 +360,7 @@ def test_the_strategy_keeps_a_process_group_that_exists_when_fit_sets_up_its_env
     )
 
 
-# ----- strategy fsdp (app/fsdp.py, app/checkpoints/sharded.py) -----
+# ----- strategy fsdp (app/parallel/fsdp.py, app/checkpoints/sharded.py) -----
 
 
 def test_model_parallel_strategy_starts_its_process_group_in_the_method_fsdp_calls() -> None:

@@ -30,7 +30,7 @@ def test_default_job_trains_with_two_processes(tmp_path: Path) -> None:
     output = result.stdout + result.stderr
     # Rank 0 says once that both ranks met (each rank's own "MEMBER: r/2" line is kept quiet).
     assert "All distributed processes registered. Starting with 2 processes" in output
-    assert "distributed_backend=gloo" not in output  # Lightning's banner is off the console (app/console.py)
+    assert "distributed_backend=gloo" not in output  # Lightning's banner is off the console (app/run/console.py)
     # The run ends with its summary: how it went, where the checkpoints and logs are.
     summary = output[output.index("ddp-app: fit done in") :]
     assert "15 epochs, 300 steps on 2 processes" in summary and "best val_acc=" in summary

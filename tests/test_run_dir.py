@@ -1,4 +1,4 @@
-"""One run per directory (app/run_dir.py): what counts as a live holder, what a fit may write over."""
+"""One run per directory (app/run/directory.py): what counts as a live holder, what a fit may write over."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.run_dir import (
+from app.run.directory import (
     LOCK_NAME,
     LOCK_VARIABLE,
     STALE_AFTER_S,

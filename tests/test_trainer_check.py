@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 
 from app.cli import ConfigParsed, DDPAppCLI
-from app.trainer_check import TrainerArgumentError, check_trainer_arguments, explain
+from app.run.trainer_check import TrainerArgumentError, check_trainer_arguments, explain
 from tests.helpers.run import REPO, ddp_app
 
 DIGITS = str(REPO / "configs" / "digits.yaml")

@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch.profilers import SimpleProfiler
 from lightning.pytorch.strategies import DDPStrategy
 
-from app.callbacks import PredictionWriter
 from app.cli import DDPAppCLI, NoProfiler, SafeCheckpointIO
+from app.run.callbacks import PredictionWriter
 from tests.helpers.run import REPO
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
@@ -123,7 +123,7 @@ def train_three_steps(broadcast: bool) -> dict[str, torch.Tensor]:
 def test_ranks_check_cuda_through_the_runtime_not_nvml_at_every_optimizer_step(tmp_path: Path) -> None:
     """Lightning's import sets PYTORCH_NVML_BASED_CUDA_CHECK=1 (for processes that fork afterwards);
     a rank unsets it, or each `Optimizer.step` on a CPU with torch's CUDA build reloads NVML (52 us)."""
-    from app.entry import NVML_BASED_CUDA_CHECK
+    from app.cli.entry import NVML_BASED_CUDA_CHECK
     from tests.helpers.run import ddp_app
 
     record = tmp_path / "environment"

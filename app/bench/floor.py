@@ -8,7 +8,7 @@ once, in a list), the config's network, loss and optimizer. Each repeat runs, in
   lightning          a bare `Trainer` (no logger, checkpointing, progress bar, model summary or
                      sanity check) fitting a LightningModule that has only `training_step` and
                      `configure_optimizers`, as Lightning ships it
-  + NoProfiler       the same with ddp-app's `NoProfiler` (app/cli.py) instead of Lightning's
+  + NoProfiler       the same with ddp-app's `NoProfiler` (app/cli/parser.py) instead of Lightning's
                      default "no profiler"
   + N callbacks      the same plus N callbacks that override no hook: Lightning calls every hook
                      of every callback at every step
@@ -51,8 +51,8 @@ from torch.utils.data import DataLoader
 
 from app.bench.report import spread
 from app.cli import DDPAppCLI, NoProfiler
+from app.cli.entry import allow_plain_cuda_availability_checks
 from app.cluster.threads import configure_cpu_threads
-from app.entry import allow_plain_cuda_availability_checks
 from app.reference.config import instantiate
 
 NOOP_CALLBACKS = 10
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     configure_cpu_threads()
-    allow_plain_cuda_availability_checks(os.environ)  # as every ddp-app rank does (app/entry.py)
+    allow_plain_cuda_availability_checks(os.environ)  # as every ddp-app rank does (app/cli/entry.py)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="lightning")
     parts = config_parts(yaml.safe_load(args.config.read_text()), args.batches)

@@ -1,7 +1,7 @@
 """`python -m app.bench.memory [--config configs/gpt_fsdp.yaml] [--ranks 1,2,4] [--json F]`: what FSDP2 saves.
 
 For each number of ranks, the config is trained for `--steps` optimizer steps twice, once with
-`strategy: ddp` and once with its FSDP2 strategy (`app.fsdp.FSDP2Strategy`), each a real
+`strategy: ddp` and once with its FSDP2 strategy (`app.parallel.fsdp.FSDP2Strategy`), each a real
 `ddp-app fit` on this machine. A callback in every rank (`MemoryProbe`) counts the bytes this rank
 holds of
 

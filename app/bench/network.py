@@ -50,7 +50,7 @@ from app.bench.netns import (
 )
 from app.bench.network_report import build_report, format_table, plot
 from app.cluster.launch import env_without_launcher
-from app.compression import METHODS
+from app.parallel.compression import METHODS
 
 PROG = "python -m app.bench.network"
 DDP_DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb default
@@ -312,7 +312,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.powersgd_start_iter < 2:
-        # As app.compression.check_settings: DDP rebuilds its buckets after the first step.
+        # As app.parallel.compression.check_settings: DDP rebuilds its buckets after the first step.
         parser.error(f"--powersgd-start-iter must be >= 2, got {args.powersgd_start_iter}")
     if "powersgd" in args.methods and args.warmup_steps <= args.powersgd_start_iter:
         parser.error(

@@ -30,7 +30,7 @@ from torch.utils.data import DistributedSampler
 
 from app.bench.netns import Link, set_rate, tx_bytes
 from app.cluster.threads import configure_cpu_threads
-from app.compression import AUTO_CANDIDATES, AUTO_WARMUP_STEPS, CommunicationHook
+from app.parallel.compression import AUTO_CANDIDATES, AUTO_WARMUP_STEPS, CommunicationHook
 from app.reference.config import Job, build_job
 
 WORLD_SIZE = 2

@@ -96,7 +96,7 @@ def run_env(accelerator: str, timings: Path, profile: str | None = None) -> dict
     env.setdefault("OMP_NUM_THREADS", "1")
     if accelerator == "cpu" and gpus_present():
         # The reference picks CUDA whenever it sees a GPU. Only then: on a machine without GPUs the
-        # variable would also hide a cost users pay there (`app.entry.allow_plain_cuda_availability_checks`).
+        # variable would also hide a cost users pay there (`app.cli.entry.allow_plain_cuda_availability_checks`).
         env["CUDA_VISIBLE_DEVICES"] = ""
     env[DIR_VARIABLE] = str(timings)
     return env

@@ -16,7 +16,7 @@ selection is untouched), into the directory of the first one that keeps a last c
 A crash can therefore lose at most the work since the later of the last epoch end and the last
 interval. Saves happen only at optimizer-step boundaries (never between accumulated micro-batches,
 whose summed gradients a checkpoint does not hold), and all ranks save at the same step: when is
-decided by `app.coordinator.RunCoordinator`, the one owner of ddp-app's exchanges between ranks.
+decided by `app.run.coordinator.RunCoordinator`, the one owner of ddp-app's exchanges between ranks.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class LastCheckpoint:
     """The `last_checkpoint:` settings of a `ddp-app` config, and the writer of last.ckpt.
 
     When to write it is not decided here: every save is a collective (each rank builds the
-    checkpoint, rank 0 writes it), so `app.coordinator.RunCoordinator`, which owns every exchange
+    checkpoint, rank 0 writes it), so `app.run.coordinator.RunCoordinator`, which owns every exchange
     between ranks, decides at points that all ranks reach together and calls `save`.
 
     Args:

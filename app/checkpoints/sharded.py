@@ -1,4 +1,4 @@
-"""Sharded checkpoints (`strategy: fsdp`, app/fsdp.py): every rank writes its own shards, and a
+"""Sharded checkpoints (`strategy: fsdp`, app/parallel/fsdp.py): every rank writes its own shards, and a
 checkpoint is still complete or absent, never half-written; loading one never runs code.
 
 A sharded checkpoint is a directory in the layout of `torch.distributed.checkpoint` (DCP): one

@@ -22,6 +22,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from app.cluster.ddp_buffers import without_single_rank_broadcast
+from app.parallel.strategy import StrategyKind, resolve_strategy
 from app.private_apis import require
 
 # The DDPStrategy method that wraps the model, and the attribute holding DDP's own arguments.
@@ -34,7 +35,7 @@ def build_ddp_on_the_current_stream(strategy: object) -> None:
 
     A strategy that is not a DDPStrategy, or a subclass with its own `_setup_model`, is left alone.
     """
-    if not isinstance(strategy, DDPStrategy):
+    if resolve_strategy(strategy).kind is not StrategyKind.DDP:
         return
     needed_for = "building DistributedDataParallel on the training stream (app/cluster/ddp_stream.py)"
     own = require(DDPStrategy, LIGHTNING_DDP_WRAP, "lightning", needed_for)

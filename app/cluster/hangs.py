@@ -66,7 +66,7 @@ MISMATCH_CHECK_S = 5.0
 STACKS_HANDLER = "dump_traceback"
 COLLECTIVES_HANDLER = "fr_trace_json"
 # This project's files that every rank's stack passes through on its way into Lightning: never the place.
-PLUMBING = ("app/cli.py", "app/entry.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app")
+PLUMBING = ("app/cli/parser.py", "app/cli/entry.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app")
 # Ours, on the same endpoint: where this rank's own collective timed out (its main thread has left
 # that place to write its report by the time another rank asks).
 WAITED_HANDLER = "ddp_app_waited"
@@ -452,7 +452,7 @@ class HangReport(Callback):
             return
         own = "".join(traceback.format_exception(exception))
         line = self.report(trainer, exception_frames(exception), f"Where it waited (the timeout's traceback):\n{own}")
-        # Read by `app.entry.run`, which prints it instead of the timeout's traceback (that is in the directory).
+        # Read by `app.cli.entry.run`, which prints it instead of the timeout's traceback (that is in the directory).
         # The endpoint stays up until the process ends: a peer that timed out too may still ask.
         exception.ddp_app_hang_report = line  # type: ignore[attr-defined]
 

@@ -43,6 +43,7 @@ from typing import Any, NoReturn
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
 from app.cluster.preflight import devices_as_written_count
 from app.errors import UserFacingError
+from app.parallel.strategy import ResolvedStrategy
 from app.private_apis import require
 
 # Sent to the parent by a scheduler or a user; SIGINT is forwarded by its own handler (once).
@@ -54,18 +55,6 @@ REPORT_LINE = re.compile(rb"^[\w.\- ]+: (error: |interrupted |hang: )")
 HANG_LINE = re.compile(rb"^ddp-app: hang: ")
 # How long ranks that stop on purpose get to finish (the others are saving or exiting) before they are killed.
 STOP_GRACE_S = 60.0
-# Strategy names whose own launcher starts processes from inside `fit` (multiprocessing); ddp-app
-# starts the ranks itself, so they run as the same DDP started by the script launcher.
-SPAWNING_STRATEGIES = {
-    "ddp_spawn": "ddp",
-    "ddp_fork": "ddp",
-    "ddp_notebook": "ddp",
-    "ddp_spawn_find_unused_parameters_true": "ddp_find_unused_parameters_true",
-    "ddp_fork_find_unused_parameters_true": "ddp_find_unused_parameters_true",
-    "ddp_notebook_find_unused_parameters_true": "ddp_find_unused_parameters_true",
-}
-FSDP_STRATEGY = "FSDP2Strategy"  # app.fsdp.FSDP2Strategy (not imported: it imports Lightning)
-DDP_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true", *SPAWNING_STRATEGIES)
 
 # Everything a launcher (torchrun, srun, Lightning, this module) sets for a rank: a process that
 # starts a fresh job must not pass the caller's values on.
@@ -90,38 +79,23 @@ class RankPlan:
     devices: int | None = None  # the trainer.devices the ranks get instead of the config's, if any
 
 
-def _strategy_name(strategy: Any) -> str | None:
-    """'ddp', 'ddp_spawn', ... for the string form; 'DDPStrategy:<start method>' for a DDPStrategy object."""
-    if isinstance(strategy, str):
-        return strategy
-    class_path = str(getattr(strategy, "class_path", "") or "")
-    if class_path.split(".")[-1] == FSDP_STRATEGY:  # app/fsdp.py: its ranks are started as DDP's are
-        return FSDP_STRATEGY
-    if class_path.split(".")[-1] == "DDPStrategy":
-        init_args = getattr(strategy, "init_args", None) or {}
-        return f"DDPStrategy:{init_args.get('start_method', 'popen') or 'popen'}"
-    return None
-
-
-def rank_plan(strategy: Any, processes_per_node: int, on_cpu: bool, devices: Any) -> RankPlan:
+def rank_plan(strategy: ResolvedStrategy, processes_per_node: int, on_cpu: bool, devices: Any) -> RankPlan:
     """How many local ranks to fork for this (parsed) trainer config, and what they need changed.
 
-    DDP strategies and `app.fsdp.FSDP2Strategy` fork their ranks; others ("auto" on one device, or a
-    strategy object of another kind) run in this process, as Lightning would run them.
+    DDP strategies (any DDPStrategy, a user's subclass too) and FSDP2 fork their ranks; others ("auto"
+    on one device, or a strategy of another kind) run in this process, as Lightning would run them.
     """
-    name = _strategy_name(strategy)
-    forked = name in DDP_STRATEGIES or name.startswith("DDPStrategy:") or name == FSDP_STRATEGY if name else False
-    if not forked:
+    if not strategy.forks_ranks:
         return RankPlan(0)
     extra: list[str] = []
     notes: list[str] = []
     replaced_devices = None
-    if name in SPAWNING_STRATEGIES:
-        extra.append(f"--trainer.strategy={SPAWNING_STRATEGIES[name]}")
-        notes.append(f"strategy {name} runs as {SPAWNING_STRATEGIES[name]}: ddp-app starts the processes itself")
-    elif name.startswith("DDPStrategy:") and name != "DDPStrategy:popen":
+    if strategy.runs_as is not None:
+        extra.append(f"--trainer.strategy={strategy.runs_as}")
+        notes.append(f"strategy {strategy.written} runs as {strategy.runs_as}: ddp-app starts the processes itself")
+    elif strategy.start_method is not None:
         extra.append("--trainer.strategy.init_args.start_method=popen")
-        notes.append(f"start_method {name.split(':')[1]} runs as popen: ddp-app starts the processes itself")
+        notes.append(f"start_method {strategy.start_method} runs as popen: ddp-app starts the processes itself")
     written_count = devices_as_written_count(devices)
     if on_cpu and not (written_count is not None and written_count > 0):
         # Lightning's CPUAccelerator takes only a positive count; a GPU config's [0, 1], "0,1", -1
@@ -237,7 +211,7 @@ def exit_code_of(error: SystemExit) -> int:
 
 
 def check_exit_handlers() -> None:
-    """Checked by `ddp-app` as it starts (app/entry.py), before any rank: `end_rank` can run the exit
+    """Checked by `ddp-app` as it starts (app/cli/entry.py), before any rank: `end_rank` can run the exit
     handlers (private in CPython). Without it a rank's loggers and user code would not flush at exit,
     so a CPython without it stops the launch."""
     require(atexit, "_run_exitfuncs", "python", "running a rank's exit handlers before os._exit")

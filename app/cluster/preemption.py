@@ -3,7 +3,7 @@
 SLURM sends SIGUSR1 ahead of the time limit (`#SBATCH --signal=SIGUSR1@90`) and SIGTERM before it
 kills a job; a user presses Ctrl-C. Lightning's own SIGUSR1 handler saves the checkpoint inside the
 handler, which can hang intermittently (Lightning #21406), and its Ctrl-C handling saves nothing.
-Here a handler records the signal; `app.coordinator.RunCoordinator` acts on it at the next
+Here a handler records the signal; `app.run.coordinator.RunCoordinator` acts on it at the next
 step boundary, on every rank at the same step: it saves `last.ckpt` and raises `Stopped`.
 A second Ctrl-C while that is under way ends the process at once: the previous `last.ckpt` stays
 intact because checkpoints are replaced atomically (`app.checkpoints.io.atomic_torch_save`).
@@ -63,7 +63,7 @@ def abort_now(signum: int, frame: FrameType | None) -> None:
 class StopSignalFlag:
     """Records the first stop signal a process gets; `STOP_SIGNAL_FLAG` is the one of this process.
 
-    `app.entry.run` installs it for SIGUSR1 and SIGTERM as a rank starts, so that a preemption during
+    `app.cli.entry.run` installs it for SIGUSR1 and SIGTERM as a rank starts, so that a preemption during
     setup (imports, data, rendezvous, sanity check) is recorded instead of killing the rank, and
     `RunCoordinator` adds SIGINT when training starts (before that, Ctrl-C raises at once).
     """

@@ -100,12 +100,6 @@ def resolve_devices(devices: Any, accelerator: Any = "auto") -> int | None:
     return 1 if text == "auto" else os.cpu_count() or 1
 
 
-def resolve_strategy(strategy: Any, world_size: int) -> Any:
-    """The one decision for `strategy: auto`: "ddp" when the run has more than one process (what
-    Lightning picks outside a notebook, which `ddp-app` never runs in); any other strategy as given."""
-    return "ddp" if strategy == "auto" and world_size > 1 else strategy
-
-
 def tasks_per_node(value: str) -> list[int]:
     """Expand Slurm's SLURM_TASKS_PER_NODE format: "2(x3),1" -> [2, 2, 2, 1]."""
     counts: list[int] = []

@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from app.data.datasets import DataNotFoundError, LoaderSettings, default_num_workers
 from app.data.on_device import TensorBatchLoader, in_memory_tensors, materialize
+from app.data.positioning import per_sample_seeding, sampler_position, training_loader_built
 from app.data.samplers import UnpaddedDistributedSampler, train_sampler
 from app.data.seeding import (
     PerSampleSeeded,
@@ -15,7 +16,6 @@ from app.data.seeding import (
     reads_without_randomness,
     training_loader_generator,
 )
-from app.resume import elastic_layout, per_sample_seeding, sampler_position
 
 __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 
@@ -23,8 +23,8 @@ __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 class ResumableDataLoader(DataLoader):
     """A DataLoader that tells Lightning it can resume mid-epoch.
 
-    Its position needs no state of its own: `ResumableDistributedSampler` asks the data position
-    that `app.resume.ExactResume` keeps in every checkpoint. Implementing `state_dict` /
+    Its position needs no state of its own: `ResumableDistributedSampler` asks the run's
+    `TrainingPositioner` (app/data/positioning.py), which keeps it in every checkpoint. Implementing `state_dict` /
     `load_state_dict` is how Lightning recognises a resumable loader (otherwise it warns that a
     mid-epoch resume is unreliable).
     """
@@ -153,7 +153,7 @@ class ShardedDataModule(L.LightningDataModule):
             if seeded:
                 dataset = PerSampleSeeded(dataset, self.seed)
             # Another number of ranks, or a new global batch, than the run started with:
-            layout = elastic_layout(trainer, self.batch_size, len(self.train_dataset))
+            layout = training_loader_built(trainer, self.batch_size, len(self.train_dataset))
         batch_size = layout.rank_batch_size(rank) if layout is not None else self.batch_size
         sampler = train_sampler(
             self.train_dataset, world_size, rank, self.shuffle, self.seed, batch_size, position, seeded, layout

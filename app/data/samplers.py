@@ -13,14 +13,76 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence, Sized
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler
 
 from app.data.seeding import SampleKey
-from app.elastic import ElasticLayout
 from app.errors import InvalidConfigError
+
+
+@dataclass(frozen=True)
+class ElasticLayout:
+    """The sample order of a run that started on `order_world_size` ranks, cut into global
+    micro-batches of `micro_batch` samples and split over the `world_size` ranks it continues on
+    (elastic resume).
+
+    The order is the one the run started with: each epoch's permutation from (seed, epoch), padded
+    as `DistributedSampler` pads it for `order_world_size`, cut into global micro-batches of
+    `micro_batch` consecutive samples: the starting run's per-rank batch x its world size (exactly
+    what its ranks read together at each micro-step), or the global micro-batch a resume accepted
+    knowingly (`exact_resume.global_batch_size`). Each global micro-batch is split over the current
+    ranks with stride `world_size` (rank r takes its samples r, r + W, ...), so per-rank batches may
+    differ by one sample: `weight` scales each rank's loss so that the all-reduced gradient is the
+    mean over the global micro-batch, as in the starting run. A rank left without a sample (the
+    epoch's last, short micro-batch) reads one sample again with weight 0. No Lightning here.
+    """
+
+    order_world_size: int
+    micro_batch: int
+    world_size: int
+
+    def rank_batch_size(self, rank: int) -> int:
+        return len(range(rank, self.micro_batch, self.world_size))
+
+    def per_rank_sizes(self) -> list[int]:
+        return [self.rank_batch_size(rank) for rank in range(self.world_size)]
+
+    def padded_length(self, dataset_length: int) -> int:
+        return -(-dataset_length // self.order_world_size) * self.order_world_size
+
+    def blocks(self, dataset_length: int) -> int:
+        """Micro-batches per epoch: the same on every number of ranks."""
+        return -(-self.padded_length(dataset_length) // self.micro_batch)
+
+    def block_length(self, dataset_length: int, block: int) -> int:
+        start = block * self.micro_batch
+        return min(self.micro_batch, self.padded_length(dataset_length) - start)
+
+    def rank_share(self, block_length: int, rank: int) -> int:
+        """This rank's real samples of a micro-batch of `block_length`."""
+        return len(range(rank, block_length, self.world_size))
+
+    def weight(self, dataset_length: int, block: int, rank: int) -> float:
+        """The factor on this rank's mean loss for micro-batch `block`: W x share / block length."""
+        length = self.block_length(dataset_length, block)
+        return self.world_size * self.rank_share(length, rank) / length
+
+    def rank_indices(self, order: list[Any], rank: int, skip_blocks: int) -> list[Any]:
+        """This rank's samples of every micro-batch after the first `skip_blocks`, in reading order."""
+        indices: list[Any] = []
+        for start in range(skip_blocks * self.micro_batch, len(order), self.micro_batch):
+            block = order[start : start + self.micro_batch]
+            mine = block[rank :: self.world_size]
+            indices.extend(mine if mine else block[:1])  # weight 0: read, but contributes nothing
+        return indices
+
+    def rank_length(self, dataset_length: int, rank: int) -> int:
+        blocks = self.blocks(dataset_length)
+        last = self.block_length(dataset_length, blocks - 1)
+        return (blocks - 1) * self.rank_batch_size(rank) + max(1, self.rank_share(last, rank))
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
@@ -95,7 +157,7 @@ def chunked_shard(
 
 
 # (epoch, batches of that epoch already trained) at the moment an epoch's iteration starts:
-# `app.resume.sampler_position`, the position the application owns (never Lightning's loop counters).
+# `app.data.positioning.sampler_position`, the position the application owns (never Lightning's loop counters).
 TrainingPosition = Callable[[], tuple[int, int]]
 
 
@@ -107,7 +169,7 @@ class ResumableDistributedSampler(DistributedSampler):
     uninterrupted run would see next. `len()` stays the full shard length, because Lightning
     counts the skipped batches as already fetched (it resumes its batch counter, see
     `_TrainingEpochLoop.on_run_start`). Without `position` it is a plain `DistributedSampler`.
-    With `keyed`, it yields `SampleKey(epoch, index)` for `app.resume.PerSampleSeeded` datasets.
+    With `keyed`, it yields `SampleKey(epoch, index)` for `app.data.seeding.PerSampleSeeded` datasets.
     With `layout` (a run resumed on another number of ranks), it yields this rank's share of the
     starting run's global micro-batches instead (`ElasticLayout`); the loader's batch size is then
     `layout.rank_batch_size(rank)`.

@@ -7,7 +7,7 @@ run's DataModule (and LightningModule) so that each plain loader they return is 
 public attributes, with
 
 - training: `ResumableDistributedSampler` (shuffled with `seed_everything`'s seed as Lightning's
-  would be, positioned by the data position `app.resume.ExactResume` owns), in a
+  would be, positioned by the data position `app.resume.exact.ExactResume` owns), in a
   `ResumableDataLoader`, over the dataset wrapped in `PerSampleSeeded` (per-sample randomness);
 - validation, test, predict: `UnpaddedDistributedSampler` (each sample on exactly one rank).
 
@@ -42,6 +42,7 @@ import lightning as L
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from app.data.base import ResumableDataLoader
+from app.data.positioning import per_sample_seeding, positioner_of, sampler_position, training_loader_built
 from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
 from app.data.seeding import (
     PerSampleSeeded,
@@ -56,7 +57,6 @@ from app.data.streams import (
     has_state_methods,
     is_stateful_stream,
 )
-from app.resume import elastic_layout, exact_resume_of, per_sample_seeding, sampler_position
 
 # The methods Lightning calls for loaders, and whether they train.
 LOADER_METHODS = {
@@ -100,7 +100,7 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         seeded = per_sample_seeding(trainer) and not reads_without_randomness(dataset)
         if seeded:
             dataset = PerSampleSeeded(dataset, seed)
-        layout = elastic_layout(trainer, loader.batch_size, len(loader.dataset))
+        layout = training_loader_built(trainer, loader.batch_size, len(loader.dataset))
         batch_size = layout.rank_batch_size(rank) if layout is not None else loader.batch_size
         sampler = ResumableDistributedSampler(
             loader.dataset,
@@ -146,22 +146,22 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
 
 def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
     """A training loader we do not rebuild: a stateful stream gets positioned, anything else a notice."""
-    keeper = exact_resume_of(trainer)
-    if keeper is None:
+    positioner = positioner_of(trainer)
+    if positioner is None:
         return loader
     dataset = getattr(loader, "dataset", None)
     name = type(dataset).__name__
     if type(loader) is DataLoader and is_stateful_stream(dataset):
         positioning: dict[str, Any] = {
-            "start": functools.partial(keeper.stream_start, len(keeper.streams)),
-            "seed": int(os.environ.get("PL_GLOBAL_SEED", 0)) if keeper.per_sample_seeding else None,
+            "start": positioner.next_stream_start(),
+            "seed": int(os.environ.get("PL_GLOBAL_SEED", 0)) if positioner.per_sample_seeding else None,
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
             "keep": trainer.accumulate_grad_batches + 8,
         }
         if loader.num_workers == 0:
             stream = PositionedStream(dataset, loader.batch_size or 1, **positioning)
-            keeper.streams.append(stream)
+            positioner.add_stream(stream)
             return ResumableDataLoader(
                 stream,
                 batch_size=loader.batch_size,
@@ -176,7 +176,7 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
             workers = WorkerPositionedStream(
                 dataset, loader.batch_size or 1, loader.num_workers, loader.collate_fn, loader.drop_last, **positioning
             )
-            keeper.streams.append(workers)
+            positioner.add_stream(workers)
             return WorkerStreamLoader(
                 workers,
                 # Starting the workers draws their base seed: from the loader's own generator, not the
@@ -191,9 +191,9 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
                 pin_memory_device=loader.pin_memory_device,
             )
     if is_stateful_stream(dataset):
-        keeper.notices.append(stream_in_workers_notice(name, loader, _has_length(dataset)))
+        positioner.add_notice(stream_in_workers_notice(name, loader, _has_length(dataset)))
     elif isinstance(dataset, IterableDataset):
-        keeper.notices.append(
+        positioner.add_notice(
             f"the training stream {name} has no state_dict/load_state_dict: a run resumed mid-epoch restarts it at "
             "the epoch's start (its first samples are seen twice). Fix: implement both (ddp-app saves them per "
             "rank, num_workers: 0), or resume only from epoch-end checkpoints."
@@ -201,7 +201,7 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
     elif not has_state_methods(loader) and not isinstance(
         getattr(loader, "sampler", None), ResumableDistributedSampler
     ):
-        keeper.notices.append(
+        positioner.add_notice(
             f"the training loader ({type(loader).__name__} with {type(getattr(loader, 'sampler', None)).__name__}) "
             "is not one ddp-app can position: a run resumed mid-epoch restarts its data at the epoch's first "
             "batch. Fix: a plain DataLoader(shuffle=...) without a sampler, or a loader with "
@@ -260,11 +260,9 @@ def stream_in_workers_notice(name: str, loader: DataLoader, sized: bool) -> str:
 def _resharding(method: Callable[[], Any], run: dict[str, Any], training: bool) -> Callable[[], Any]:
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        keeper = exact_resume_of(run["trainer"])
-        if training and keeper is not None:  # the loaders built now replace the previous ones
-            keeper.streams.clear()
-            keeper.notices.clear()
-            keeper.configured_batch_size = None
+        positioner = positioner_of(run["trainer"])
+        if training and positioner is not None:  # the loaders built now replace the previous ones
+            positioner.training_loaders_rebuilt()
         return reshard(method(*args, **kwargs), run["trainer"], training)
 
     setattr(wrapper, WRAPPED, run)

@@ -12,7 +12,7 @@ The order is ours, not LitData's `StreamingDataLoader`'s:
   each rank reading its own run of chunks) while the order stays a function of (seed, epoch, world
   size) alone. So a resume is positioned by ddp-app's data position like every other data set here:
   bit for bit at the same world size with any `num_workers`, and on another number of ranks with the
-  starting run's sample order and global batch (app/elastic.py), each rank then reading the samples
+  starting run's sample order and global batch (app/resume/elastic.py), each rank then reading the samples
   of that micro-batch wherever they are.
 
 Samples of encoded images (from an ImageFolder) are decoded and given the same transforms as

@@ -4,7 +4,7 @@ A stream has no index that a sampler could skip to: its position is whatever its
 Lightning checkpoints a loader's state only through the loader (torchdata's `StatefulDataLoader`),
 only rank 0's, and ahead of the trained batches by the batch it prefetched. `PositionedStream`
 instead records the dataset's `state_dict()` before each batch it starts, per rank, so that
-`app.resume.ExactResume` saves the state at the first batch that no completed optimizer step has
+`app.resume.exact.ExactResume` saves the state at the first batch that no completed optimizer step has
 consumed, and a resume loads it into that rank's stream before iterating. The state at the end of
 the stream is recorded too: a run resumed at the next epoch's start sees the dataset as the
 uninterrupted run's next epoch does.

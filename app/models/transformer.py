@@ -1,7 +1,7 @@
 """A small decoder-only transformer (GPT-style), bare PyTorch: the network of
 `app.models.gpt.GPTLanguageModel`, and what the FSDP2 reference (app/reference/fsdp.py) trains.
 
-Its blocks sit in an `nn.ModuleList`, the layout `strategy: fsdp` (app/fsdp.py) makes one shard unit
+Its blocks sit in an `nn.ModuleList`, the layout `strategy: fsdp` (app/parallel/fsdp.py) makes one shard unit
 per element of by default. No Lightning here.
 """
 

@@ -69,7 +69,7 @@ def ddp_arguments(trainer_config: dict[str, Any]) -> dict[str, Any]:
     kwargs = {key: init_args[key] for key in DDP_ARGUMENTS if key in init_args}
     if accumulation_steps_of(trainer_config) > 1 and kwargs.get("static_graph"):
         # no_sync() on accumulation steps does not work with static_graph; ddp-app drops it for
-        # such a run too (app/config_checks.py `drop_static_graph_for_accumulation`), so both run the same DDP.
+        # such a run too (app/run/config_checks.py `drop_static_graph_for_accumulation`), so both run the same DDP.
         kwargs["static_graph"] = False
     return kwargs
 

@@ -14,7 +14,7 @@ Snapshots go through `torch.distributed.checkpoint` (DCP): every rank writes its
 run resumed on another number of ranks reads them resharded. The final weights are gathered into
 one plain state_dict on rank 0 (`final.pt`).
 
-It trains the same network, data order and optimizer as ddp-app's `strategy: fsdp` (app/fsdp.py)
+It trains the same network, data order and optimizer as ddp-app's `strategy: fsdp` (app/parallel/fsdp.py)
 from the same YAML, so that `python -m app.parity --config configs/gpt_fsdp.yaml` can compare the two
 bit for bit. No Lightning is imported. Supported: the decoder-only transformer of
 `app.models.gpt.GPTLanguageModel` (app/models/transformer.py) on the token walks of

@@ -34,8 +34,7 @@ from app.cluster.slurm_env import master_address_and_port
 from app.cluster.threads import configure_cpu_threads
 from app.data.datasets import default_num_workers
 from app.data.on_device import TensorBatchLoader, in_memory_tensors
-from app.data.samplers import ResumableDistributedSampler
-from app.elastic import ElasticLayout
+from app.data.samplers import ElasticLayout, ResumableDistributedSampler
 from app.reference.config import Job, build_job, load_config, prepare_data
 
 
@@ -97,7 +96,7 @@ def register_compression(model: DDP, compression: dict[str, Any]) -> None:
             future = powerSGD.powerSGD_hook(state, bucket)
             if on_gloo:
                 # gloo runs the hook's callbacks on its 2 worker threads, where they wait for the next
-                # all-reduce: with several buckets in flight that deadlocks (see app/compression.py).
+                # all-reduce: with several buckets in flight that deadlocks (see app/parallel/compression.py).
                 future.wait()
             return future
 
@@ -147,7 +146,7 @@ class Trainer:
                 job.train_dataset, num_replicas=world_size, rank=rank, shuffle=job.shuffle, seed=job.sampler_seed
             )
         # Uneven shares of a global micro-batch: each rank's loss weighted so the all-reduced
-        # gradient is the mean over it (app.elastic.ElasticLayout.weight).
+        # gradient is the mean over it (app.resume.elastic.ElasticLayout.weight).
         length = len(job.train_dataset)
         self.loss_weights = (
             [self.layout.weight(length, block, rank) for block in range(self.layout.blocks(length))]

@@ -24,8 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app.console import quiet_console
 from app.errors import UserFacingError
+from app.run.console import quiet_console
 from app.sweep.results import markdown_table, write_results
 from app.sweep.spec import SweepError, SweepSpec, build_spec, check_keys
 from app.sweep.store import FAILED, FINISHED, PENDING, SweepStore, claim_alive, shown_state

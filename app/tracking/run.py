@@ -149,7 +149,7 @@ def mlflow_unreachable(uri: str, error: Exception, deadline: float | None) -> Us
 
 
 def check_remote_mlflow_answers(tracking_uri: str | None) -> None:
-    """The launcher's check, before any rank starts (app/cli.py): a remote MLflow store (a server,
+    """The launcher's check, before any rank starts (app/cli/parser.py): a remote MLflow store (a server,
     Databricks) that does not answer stops the launch in one line, within MLFLOW_OPEN_DEADLINE_S,
     instead of after the ranks started. It only reads (lists one experiment). A local store (the
     default SQLite, a sqlite: or file: URI) is not looked at here: opening it creates it, which only
@@ -811,7 +811,7 @@ class Tracking(L.Callback):
         time, for the epoch that ends now, over every attempt; None if not measured.
 
         From the first training batch's start to the last one's end: the loader's start and the
-        epoch-end validation are outside. `app.coordinator.RunCoordinator` averages it over the
+        epoch-end validation are outside. `app.run.coordinator.RunCoordinator` averages it over the
         ranks in its epoch-end exchange and logs it as `samples_per_s`.
         """
         samples, seconds = self._epoch_so_far()

@@ -143,7 +143,7 @@ class Finalized:
     def __del__(self):
         (marker / "teardown").write_text("ran")
 kept = Finalized()
-from app.entry import main
+from app.cli.entry import main
 sys.argv = ["ddp-app", "fit", "--config", str(marker / "missing.yaml")]
 main()
 """

@@ -53,7 +53,7 @@ def recorded_sigusr1() -> Iterator[list[int]]:
 def test_the_flag_keeps_a_signal_from_setup_when_training_adds_ctrl_c(recorded_sigusr1: list[int]) -> None:
     flag = StopSignalFlag()
     previous_sigint = signal.getsignal(signal.SIGINT)
-    assert flag.install(PREEMPTION_SIGNALS) == PREEMPTION_SIGNALS  # as app.entry.run does when a rank starts
+    assert flag.install(PREEMPTION_SIGNALS) == PREEMPTION_SIGNALS  # as app.cli.entry.run does when a rank starts
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert flag.received == signal.SIGUSR1 and recorded_sigusr1 == []

@@ -17,6 +17,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Subset
 
 from app.checkpoints.io import safe_load
+from app.cli.resume_check import Case, Runner
 from app.data.image_files import (
     ImageFiles,
     UnreadableImageError,
@@ -30,7 +31,6 @@ from app.errors import UserFacingError
 from app.models import ResNetClassifier
 from app.models.nets import resnet_classifier_parts
 from app.reference.config import build_job, load_config
-from app.resume_check import Case, Runner
 from tests.helpers.run import clean_env, ddp_app, run
 
 CLASSES = ("cat", "dog", "fish", "owl")

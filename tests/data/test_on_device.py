@@ -15,12 +15,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, SequentialSampler, Subset, TensorDataset
 
 from app.cli import DDPAppCLI
+from app.cli.resume_check import Case, Runner
 from app.data.base import ResumableDataLoader
 from app.data.datasets import default_num_workers
 from app.data.on_device import TensorBatchLoader, in_memory_tensors, materialize
 from app.data.samplers import UnpaddedDistributedSampler
 from app.errors import InvalidConfigError
-from app.resume_check import Case, Runner
 from tests.helpers.run import REPO
 
 DIGITS = str(REPO / "configs" / "digits.yaml")

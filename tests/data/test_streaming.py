@@ -12,12 +12,12 @@ import torch
 
 from app.bench.data import write_image_folder
 from app.checkpoints.io import safe_load
+from app.cli.resume_check import Case, Runner
 from app.data.datasets import DataNotFoundError
 from app.data.image_files import read_layout
 from app.data.samplers import chunked_shard
 from app.data.shard import main as shard_main
 from app.data.streaming import StreamingDataModule
-from app.resume_check import Case, Runner
 from tests.helpers.run import clean_env, ddp_app
 
 CHUNK = 16  # samples per chunk: 200 training images in 2 writers give 2 x 7 chunks

@@ -2,7 +2,7 @@
 
 Each case runs `ddp-app fit` against a run directory that already holds a checkpoint and a metrics
 log from an earlier run; their bytes must be unchanged afterwards. Input the launcher refuses in its
-parse-only pass, before any rank exists (`app.entry.check_before_launch`), is tested there, in this
+parse-only pass, before any rank exists (`app.cli.entry.check_before_launch`), is tested there, in this
 process, through that same function (`LAUNCHER_CASES`); the rest, and a few of those for the real
 exit code and output of the command, run the real `ddp-app` command (`COMMAND_CASES`).
 """
@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.cli.entry import check_before_launch
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
 from app.cluster.launch import env_without_launcher
-from app.entry import check_before_launch
 from tests.helpers.run import REPO, clean_env, copy_of, ddp_app
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]  # a module fixture trains a 2-rank run
@@ -209,7 +209,7 @@ CASES: dict[str, Case] = {
         },
     ),
     "unknown_accelerator": Case(["--trainer.accelerator=quantum"], "invalid value 'quantum' for trainer.accelerator"),
-    # Refused by Lightning while the launcher builds the Trainer (app/trainer_check.py), before any rank starts.
+    # Refused by Lightning while the launcher builds the Trainer (app/run/trainer_check.py), before any rank starts.
     "devices_not_a_number": Case(["--trainer.devices=two"], "invalid value 'two' for trainer.devices"),
     "devices_a_fraction": Case(["--trainer.devices=0.5"], "invalid value '0.5' for trainer.devices"),
     "unknown_strategy": Case(["--trainer.strategy=nonsense"], "invalid value 'nonsense' for trainer.strategy"),
@@ -260,7 +260,7 @@ def previous_run(digits_trained: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def run_case(case: Case, scratch: Path) -> subprocess.CompletedProcess[str]:
     """The case as a new run in a directory of its own (`scratch/run`): a fit that does not continue a
-    run may not write into its directory (app/run_dir.py), so bad input cannot reach another run's
+    run may not write into its directory (app/run/directory.py), so bad input cannot reach another run's
     files; the launcher's refusals run against a previous run (`test_refused_before_any_rank`), and a
     failed continuation of one is `test_disk_full_while_saving_keeps_the_old_checkpoint`."""
     root = scratch / "run"

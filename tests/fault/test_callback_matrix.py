@@ -1,7 +1,7 @@
 """Any callback list, no hang: a 2-rank fit with each callback setup a user brings completes, keeps
 last.ckpt fresh, and, killed mid-epoch (SIGKILL of rank 1) and resumed with `--ckpt_path last`,
 ends with the uninterrupted run's weights and optimizer state bit for bit and a metric history with
-no step missing or logged twice (`app.resume_check.Runner`, the stop matrix's harness).
+no step missing or logged twice (`app.cli.resume_check.Runner`, the stop matrix's harness).
 
 Every setup starts from the shipped digits config with its callbacks removed (`trainer.callbacks:
 []`), the progress display on (a line per epoch: these runs write to a file), so the sync_dist
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from app.checkpoints.io import safe_load
-from app.resume import POSITION_KEY
-from app.resume_check import Case, Runner
+from app.cli.resume_check import Case, Runner
+from app.resume.exact import POSITION_KEY
 from tests.helpers.run import BIN, REPO, clean_env
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]

@@ -34,8 +34,8 @@ from app.checkpoints.io import (
     shapes,
     summarize_checkpoint,
 )
-from app.config_checks import command_line_model_keys
 from app.export import main as export_main
+from app.run.config_checks import command_line_model_keys
 from tests.fault.test_bad_input import malicious_checkpoint
 from tests.helpers.run import BIN, REPO, clean_env, copy_of, ddp_app, kill_job, train
 
@@ -283,7 +283,7 @@ def exported_weights(run: Path, scratch: Path) -> list[str]:
 def without_hyperparameters(run: Path, scratch: Path) -> list[str]:
     """As a module without save_hyperparameters() writes it: only the shapes can tell. Saved among the
     run's own checkpoints, so the fit continues that run (a fit from a file elsewhere may not write
-    into the run's directory: app/run_dir.py) and reaches the ranks, where the shapes are compared."""
+    into the run's directory: app/run/directory.py) and reaches the ranks, where the shapes are compared."""
     checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     del checkpoint["hyper_parameters"]
     torch.save(checkpoint, run / "checkpoints" / "no-hparams.ckpt")

@@ -18,7 +18,7 @@ from app.bench.recovery import clock_arguments, kill_rank
 from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.checkpoints.io import safe_load
 from app.cluster.launch import free_port
-from app.resume import POSITION_KEY
+from app.resume.exact import POSITION_KEY
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]

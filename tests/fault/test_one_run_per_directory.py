@@ -1,6 +1,6 @@
 """Two fits into one directory: the second is refused in one line naming the first, which trains to
 its end undisturbed and says where everything is; a third, started after, is told to continue or
-move (app/run_dir.py)."""
+move (app/run/directory.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.entry import check_before_launch
-from app.run_dir import LOCK_NAME
+from app.cli.entry import check_before_launch
+from app.run.directory import LOCK_NAME
 from tests.helpers.run import BIN, ddp_app, kill_job, start
 
 pytestmark = [pytest.mark.distributed, pytest.mark.fault]

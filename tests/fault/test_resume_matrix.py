@@ -4,7 +4,7 @@ Cases are generated, not written down: every pair of values across (how it stops
 continues, where it stops, the user code) appears in at least one case (greedy pairwise cover,
 `pairwise_cases`), and each case is compared with one cached uninterrupted run of its user-code
 variant on weights, optimizer and scheduler state, global step, epoch and the joined metric
-history (`app.resume_check.compare`). The default run takes `DEFAULT_SUBSET` (every value of every
+history (`app.cli.resume_check.compare`). The default run takes `DEFAULT_SUBSET` (every value of every
 dimension at least once); `-m slow` runs the whole cover and writes its table to docs/resume.md.
 
 Rows on real data: the CNN on a generated ImageFolder (JPEGs, random crop and flip decoded in loader
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from app.bench.data import write_image_folder
+from app.cli.resume_check import CONTINUES, MOMENTS, STOPS, Case, Outcome, Runner, format_table
 from app.data.shard import main as write_shards
-from app.resume_check import CONTINUES, MOMENTS, STOPS, Case, Outcome, Runner, format_table
 from tests.helpers.run import REPO
 from tests.helpers.wandb_files import wandb_history
 

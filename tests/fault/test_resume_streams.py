@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
+from app.cli.resume_check import Case, Runner
 from app.data.streams import WorkerPositionedStream
 from app.errors import ResumeError
-from app.resume_check import Case, Runner
 from tests.helpers.run import ddp_app
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]

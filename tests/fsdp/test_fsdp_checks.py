@@ -26,10 +26,11 @@ from app.checkpoints.sharded import (
     remove_unpublished,
 )
 from app.cli import parse_config
-from app.config_checks import check_fsdp_combinations, resolve_fsdp_name
 from app.errors import UserFacingError
-from app.fsdp import FSDP2Strategy
 from app.models.gpt import GPTLanguageModel
+from app.parallel.fsdp import FSDP2Strategy
+from app.parallel.strategy import expand_fsdp_name
+from app.run.config_checks import check_fsdp_combinations
 from tests.helpers.run import ddp_app
 
 GPT = ["fit", "--config", "configs/gpt_fsdp.yaml"]
@@ -129,8 +130,8 @@ def test_a_module_that_shards_itself_in_configure_model_is_left_as_it_sharded_it
 
 def test_strategy_fsdp_is_ddp_apps_fsdp2_strategy() -> None:
     trainer_config = {"strategy": "fsdp"}
-    resolve_fsdp_name(trainer_config)
-    assert trainer_config["strategy"].class_path == "app.fsdp.FSDP2Strategy"
+    expand_fsdp_name(trainer_config)
+    assert trainer_config["strategy"].class_path == "app.parallel.fsdp.FSDP2Strategy"
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from app.checkpoints.sharded import (
 )
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from app.models.gpt import GPT
-from app.resume import POSITION_KEY
+from app.resume.exact import POSITION_KEY
 from tests.helpers.run import BIN, clean_env, ddp_app, kill_job, start
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]

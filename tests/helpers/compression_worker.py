@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from app.compression import CommunicationHook
+from app.parallel.compression import CommunicationHook
 
 STEPS = 16
 SPLIT = 7

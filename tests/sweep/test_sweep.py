@@ -185,8 +185,8 @@ def test_a_trial_below_the_median_is_pruned_at_an_epoch_end_by_every_rank(tmp_pa
 
 @pytest.fixture
 def logging_as_it_was() -> Iterator[None]:
-    """`main` quiets this process's loggers (app.console.quiet_console); put them back afterwards."""
-    from app.console import PER_RANK_LOGGERS, RANK_ZERO_LOGGERS
+    """`main` quiets this process's loggers (app.run.console.quiet_console); put them back afterwards."""
+    from app.run.console import PER_RANK_LOGGERS, RANK_ZERO_LOGGERS
 
     loggers = [logging.getLogger(name) for name in (*PER_RANK_LOGGERS, *RANK_ZERO_LOGGERS)]
     saved = [(logger, logger.level, list(logger.filters)) for logger in loggers]

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from app.cli.entry import check_before_launch, report_user_error
 from app.cluster.launch import free_port
-from app.entry import check_before_launch, report_user_error
 from app.errors import UserFacingError
 from app.tracking import run as tracking_run
 from app.tracking.history import Call, sent_seqs

@@ -168,7 +168,7 @@ def test_a_preempted_run_continued_on_one_rank_is_one_run_in_the_default_sqlite_
 
 def test_a_tracker_that_is_not_installed_is_one_line_naming_the_extra(tmp_path: Path) -> None:
     # sys.modules[name] = None is how Python marks a module as not importable.
-    code = "import sys; sys.modules['wandb'] = None; from app.entry import main; main()"
+    code = "import sys; sys.modules['wandb'] = None; from app.cli.entry import main; main()"
     args = ["fit", *FIT, f"--trainer.default_root_dir={tmp_path}", "--tracking.wandb.project=x"]
     result = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=clean_env(), capture_output=True,
                             text=True, timeout=120)  # fmt: skip

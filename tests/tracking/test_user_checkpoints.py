@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 
 from app.cli import DDPAppCLI
-from app.resume_check import compare_metrics, joined_metrics, repeated_values
+from app.cli.resume_check import compare_metrics, joined_metrics, repeated_values
 from tests.helpers.run import REPO
 
 DIGITS = str(REPO / "configs" / "digits.yaml")

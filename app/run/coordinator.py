@@ -33,7 +33,7 @@ always keeps `Checkpoint` callbacks after every other callback (`_reorder_callba
 `Checkpoint` appended after the Trainer is built, this one runs last in every hook: its save of
 last.ckpt holds the best-k state a ModelCheckpoint updated in the same hook, and its epoch-end
 exchange follows every value the user's callbacks and module log there. The order of everything
-ddp-app installs is stated once, in `app/cli.py` `DDPAppCLI.instantiate_trainer`.
+ddp-app installs is stated once, in `app/cli/parser.py` `DDPAppCLI.instantiate_trainer`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint
 
-from app.callbacks import LogLineProgressBar
 from app.checkpoints.last import LastCheckpoint, checkpoint_directory
 from app.cluster.preemption import (
     LIGHTNING_PER_STEP_SIGTERM_BROADCAST,
@@ -58,6 +57,7 @@ from app.cluster.preemption import (
     stop_message,
 )
 from app.private_apis import require
+from app.run.callbacks import LogLineProgressBar
 
 
 class MeasuresThroughput(Protocol):
@@ -185,7 +185,7 @@ class RunCoordinator(Checkpoint):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.last_checkpoint is not None:
-            # `app.entry.run` recorded SIGUSR1 and SIGTERM since the rank started; Ctrl-C is recorded from here on.
+            # `app.cli.entry.run` recorded SIGUSR1 and SIGTERM since the rank started; Ctrl-C is recorded from here on.
             self._taken_signals = self._signals.install(STOP_SIGNALS)
             self.last_checkpoint.start(trainer)
         self._world_size = trainer.world_size
@@ -292,7 +292,7 @@ class RunCoordinator(Checkpoint):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # Keep the flag-only handlers while a stopped job exits: after a requeue SLURM sends SIGTERM to
-        # every task, which must not end a rank midway (under `app.entry.run` they stay until the exit).
+        # every task, which must not end a rank midway (under `app.cli.entry.run` they stay until the exit).
         if not isinstance(exception, Stopped):
             self._signals.restore(self._taken_signals)
 

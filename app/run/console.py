@@ -18,12 +18,12 @@ switch scoped to it, so that anything new still shows:
   the config.yaml saved beside the logs;
 - the model summary's FLOPs column and "Total Flops" line when every count is 0, as they are for a
   module without `example_input_array` (Lightning 2.6 counts FLOPs on that input only):
-  `app.callbacks.PlainModelSummary`, the ModelSummary callback `app.cli` gives every run;
+  `app.run.callbacks.PlainModelSummary`, the ModelSummary callback `app.cli` gives every run;
 - Lightning's hint that `srun` exists but was not used: app/cluster/preflight.py decides the launch
   and refuses, in one line, a Slurm job started without srun;
 - the deprecation warning Lightning's own `_pytree.py` triggers in PyTorch, once per rank;
 - Lightning's "Checkpoint directory ... exists and is not empty" at every resume: a fit may write
-  into a run's checkpoint directory only to continue that run (app/run_dir.py);
+  into a run's checkpoint directory only to continue that run (app/run/directory.py);
 - PyTorch's C++ log lines below ERROR, such as the `[c10d]` lines of every rank's debug endpoint
   (app/cluster/hangs.py) at start and exit: TORCH_CPP_LOG_LEVEL=ERROR, which PyTorch reads once,
   when it loads, so `app.__main__` sets it for the `ddp-app` process (and the ranks it forks)
@@ -95,7 +95,7 @@ def quiet_console(env: Mapping[str, str]) -> None:
         module=r"lightning\.fabric\.plugins\.environments\.slurm",
     )
     # A fit that writes into a checkpoint directory with files in it continues that run: any other is
-    # refused before it starts (app/run_dir.py), so Lightning's warning would only greet every resume.
+    # refused before it starts (app/run/directory.py), so Lightning's warning would only greet every resume.
     warnings.filterwarnings(
         "ignore",
         message=r"Checkpoint directory .* exists and is not empty",

@@ -8,7 +8,7 @@ long it took (wall time and samples per second). Lightning's last line ("`Traine
 
 `scalar_metrics` reads `trainer.callback_metrics`, which reduces any value logged with
 `sync_dist=True` that nobody has read yet (one a user's callback logged after the last epoch's
-end, say): app/cli.py calls it on every rank, so those collectives are issued everywhere, and only
+end, say): app/cli/parser.py calls it on every rank, so those collectives are issued everywhere, and only
 rank 0 prints.
 """
 

@@ -1,5 +1,5 @@
 """Callbacks every `ddp-app` run gets: a guard against NaN/Inf, the writer of `ddp-app predict`'s
-output, and the progress display (a bar on a terminal, lines in a log). Exact resume: `app.resume`."""
+output, and the progress display (a bar on a terminal, lines in a log). Exact resume: `app.resume.exact`."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary, Prog
 
 from app.checkpoints.io import atomic_torch_save
 from app.checkpoints.last import find_last_checkpoint
-from app.console import is_verbose
 from app.errors import NonFiniteLossError
+from app.run.console import is_verbose
 
 
 class NonFiniteGuard(L.Callback):
@@ -200,7 +200,7 @@ class LogLineProgressBar(ProgressBar):
         # Seconds of validation inside the window: samples/s is a training speed.
         self._validation_s = 0.0
         self._validation_start = 0.0
-        # Who prints the epoch's line: `app.coordinator.RunCoordinator` sets itself here in a ddp-app fit
+        # Who prints the epoch's line: `app.run.coordinator.RunCoordinator` sets itself here in a ddp-app fit
         # (after every rank has reduced the epoch's values); None: this bar, in its on_train_epoch_end.
         self.epoch_lines_by: Any = None
 
@@ -243,7 +243,7 @@ class LogLineProgressBar(ProgressBar):
             self.print_epoch_line(trainer, pl_module)
 
     def print_epoch_line(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """The epoch's line, called by `app.coordinator.RunCoordinator` at the epoch's end on every
+        """The epoch's line, called by `app.run.coordinator.RunCoordinator` at the epoch's end on every
         rank, after every rank has reduced the epoch's logged values: reading them here (on rank 0
         only) reduces nothing. Validation has run by now, so the line carries this epoch's val_* values."""
         if self._enabled:
@@ -298,7 +298,7 @@ TOTAL_FLOPS_LINE = "Total Flops"
 
 
 class PlainModelSummary(ModelSummary):
-    """The model summary of every run (app/cli.py; max_depth=1, as Lightning's): Lightning's plain
+    """The model summary of every run (app/cli/parser.py; max_depth=1, as Lightning's): Lightning's plain
     table, the same in a log whatever the environment has installed (RichModelSummary where `rich`
     is), without the FLOPs column and "Total Flops" line when every count is 0, which it is for a
     module without `example_input_array` (Lightning 2.6 counts FLOPs on that input only), unless

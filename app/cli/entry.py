@@ -4,7 +4,7 @@
     python -m app fit --config configs/digits.yaml
 
 `main` runs a rank as it is when torchrun or srun started it; otherwise it parses the config with a
-parse-only `DDPAppCLI` (app/cli.py), so that bad input is reported once before any rank exists,
+parse-only `DDPAppCLI` (app/cli/parser.py), so that bad input is reported once before any rank exists,
 then forks the ranks and supervises them (app/cluster/launch.py), restarting them from last.ckpt
 up to `restarts` times. `run` is one rank's (or a single-process run's) life: the CLI, with a
 one-line report and its exit code for an error the user can act on.
@@ -37,9 +37,9 @@ from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped
 from app.cluster.preflight import already_launched
 from app.cluster.requeue import forbid_requeue
 from app.cluster.threads import configure_cpu_threads
-from app.console import STARTED_VARIABLE, quiet_console
 from app.errors import UserFacingError, failed_because_a_peer_died, user_message
-from app.run_dir import LOCK_VARIABLE, acquire
+from app.run.console import STARTED_VARIABLE, quiet_console
+from app.run.directory import LOCK_VARIABLE, acquire
 
 
 def run(args: list[str]) -> int:
@@ -138,7 +138,7 @@ def check_before_launch(args: list[str]) -> ConfigParsed:
 
 def launch_and_run(args: list[str] | None) -> NoReturn:
     """Run this rank (torchrun, srun), or parse and check the config, fork the ranks and supervise them."""
-    os.environ.setdefault(STARTED_VARIABLE, str(time.time()))  # the run's wall time (app/summary.py)
+    os.environ.setdefault(STARTED_VARIABLE, str(time.time()))  # the run's wall time (app/run/summary.py)
     configure_cpu_threads()
     quiet_console(os.environ)  # the forked ranks inherit it; torchrun's and srun's pass here too
     args = list(sys.argv[1:] if args is None else args)
@@ -152,7 +152,7 @@ def launch_and_run(args: list[str] | None) -> NoReturn:
         raise SystemExit(run(args))
     checked = check_before_launch(args)
     lock = None
-    # One run per directory (app/run_dir.py): the launcher holds the lock for every round below.
+    # One run per directory (app/run/directory.py): the launcher holds the lock for every round below.
     if checked.subcommand == "fit" and checked.rank_zero:
         root = Path(checked.config["trainer"]["default_root_dir"] or os.getcwd())
         try:

@@ -3,7 +3,7 @@ model that no longer fits one device with DDP (docs/fsdp.md).
 
     trainer:
       strategy:
-        class_path: app.fsdp.FSDP2Strategy
+        class_path: app.parallel.fsdp.FSDP2Strategy
         init_args: {shard_modules: [Block], param_dtype: bfloat16}
 
 (`strategy: fsdp` is the same with every default.) Each rank keeps 1/world_size of every

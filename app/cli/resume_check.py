@@ -35,7 +35,7 @@ import torch
 
 from app.checkpoints.sharded import load_whole
 from app.plot import is_resumed, join_versions, metrics_files, read_metrics
-from app.resume import POSITION_KEY
+from app.resume.exact import POSITION_KEY
 from app.tracking.layout import MEASURED_METRICS
 
 # How a run stops; the first four are done by StopAt inside a rank, the budgets by the command line.
@@ -306,7 +306,7 @@ class Runner:
         """The arguments that stop a run at `case`'s moment in `epoch` (StopAt), with saves to resume from."""
         stop_at = {"how": case.stop, "moment": case.moment, "epoch": epoch, "batch": max(1, batches // 2)}
         return [
-            "--trainer.callbacks+=" + json.dumps({"class_path": "app.resume_check.StopAt", "init_args": stop_at}),
+            "--trainer.callbacks+=" + json.dumps({"class_path": "app.cli.resume_check.StopAt", "init_args": stop_at}),
             # A save every few steps, one of them on an epoch's last batch, so kills have something to resume.
             f"--last_checkpoint.every_n_steps={max(1, steps // 2)}",
         ]

@@ -3,9 +3,9 @@
     ddp-app fit --config configs/digits.yaml [--trainer.max_epochs 5 ...]
 
 `DDPAppCLI` parses the command line into the models in `app.models` and the data in `app.data`,
-checks the config (app/config_checks.py) and the launch (app/cluster/preflight.py), and builds the
+checks the config (app/run/config_checks.py) and the launch (app/cluster/preflight.py), and builds the
 Trainer with safe checkpoint I/O, exact resume and the tracked run. Starting and supervising the
-ranks is app/entry.py's job. Everything before `fit` (parsing, building the model and data
+ranks is app/cli/entry.py's job. Everything before `fit` (parsing, building the model and data
 module) runs once per rank: nothing here may download or write.
 """
 
@@ -36,13 +36,6 @@ from lightning.pytorch.utilities import rank_zero_only
 
 import app.data
 import app.models.lightning  # noqa: F401  (registers the LightningModules for short `class_path` names)
-from app.callbacks import (
-    LogLineProgressBar,
-    NonFiniteGuard,
-    PlainModelSummary,
-    PredictionWriter,
-    ThrottledProgressBar,
-)
 from app.checkpoints.io import (
     CheckpointSummary,
     as_checkpoint_error,
@@ -67,28 +60,34 @@ from app.cluster.preflight import (
     lightning_uses_slurm,
     on_gpu,
     preflight,
-    resolve_strategy,
 )
-from app.compression import GradientCompression
-from app.config_checks import (
-    apply_collective_timeout,
-    check_config,
-    command_line_model_keys,
-    drop_static_graph_for_accumulation,
-    resolve_fsdp_name,
-)
-from app.console import STARTED_VARIABLE
-from app.coordinator import RunCoordinator
 from app.data.sharding import shard_all_loaders
 from app.errors import UserFacingError, summarize_parser_error
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
+from app.parallel.compression import GradientCompression
+from app.parallel.strategy import expand_fsdp_name, resolve_strategy
 from app.private_apis import require
-from app.resume import ExactResume
-from app.run_dir import RunLock, acquire, refuse_if_busy, refuse_overwrite
-from app.summary import EvaluationThroughput, evaluation_summary, fit_summary, scalar_metrics
+from app.resume.exact import ExactResume
+from app.run.callbacks import (
+    LogLineProgressBar,
+    NonFiniteGuard,
+    PlainModelSummary,
+    PredictionWriter,
+    ThrottledProgressBar,
+)
+from app.run.config_checks import (
+    apply_collective_timeout,
+    check_config,
+    command_line_model_keys,
+    drop_static_graph_for_accumulation,
+)
+from app.run.console import STARTED_VARIABLE
+from app.run.coordinator import RunCoordinator
+from app.run.directory import RunLock, acquire, refuse_if_busy, refuse_overwrite
+from app.run.summary import EvaluationThroughput, evaluation_summary, fit_summary, scalar_metrics
+from app.run.trainer_check import LEFT_OUT, check_trainer_arguments
 from app.tracking.run import Tracking, check_remote_mlflow_answers
-from app.trainer_check import LEFT_OUT, check_trainer_arguments
 from app.user_code import add_user_code_directories
 
 app.data.import_all()  # registers the DataModules for short `class_path` names
@@ -189,10 +188,10 @@ class DDPAppCLI(LightningCLI):
         require(LightningCLI, "_parse_ckpt_path", "lightning", "the one-line error for an unreadable ckpt_path")
         self.parse_only = parse_only
         self.check_machine = check_machine
-        # The wall time the end-of-run summary reports: from the launcher's start (app/entry.py), so it
+        # The wall time the end-of-run summary reports: from the launcher's start (app/cli/entry.py), so it
         # includes the imports, the forks and every restart.
         self.started = float(os.environ.get(STARTED_VARIABLE) or time.time())
-        self.run_lock: RunLock | None = None  # this fit's hold on its directory (app/run_dir.py)
+        self.run_lock: RunLock | None = None  # this fit's hold on its directory (app/run/directory.py)
         self.evaluation_throughput: EvaluationThroughput | None = None
         self.command_line: list[str] = []
         self.checkpoint: CheckpointSummary | None = None  # the --ckpt_path file, when it is one
@@ -298,7 +297,7 @@ class DDPAppCLI(LightningCLI):
         config = self._subcommand_config(self.config)
         if self.parse_only and not self.check_machine:
             raise ConfigParsed(config, RankPlan(0), 1)
-        resolve_fsdp_name(config["trainer"])
+        expand_fsdp_name(config["trainer"])
         check_config(config)
         # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
@@ -335,10 +334,10 @@ class DDPAppCLI(LightningCLI):
             self._claim_run_directory(config)
 
     def _claim_run_directory(self, config: Any) -> None:
-        """One run per directory (app/run_dir.py): a fit that another one is training into, or that
+        """One run per directory (app/run/directory.py): a fit that another one is training into, or that
         would write over another run's checkpoints, stops here in one line, before anything is
         written; global rank 0 of a rank launched by torchrun or srun (or an in-process fit) then
-        holds the directory's lock. The launcher takes it for the ranks it forks (app/entry.py)."""
+        holds the directory's lock. The launcher takes it for the ranks it forks (app/cli/entry.py)."""
         root = Path(config["trainer"]["default_root_dir"] or os.getcwd())
         rank_zero = is_global_rank_zero(self.launch, os.environ)
         if rank_zero:
@@ -364,7 +363,7 @@ class DDPAppCLI(LightningCLI):
             )
 
     def _check_trainer_arguments(self, trainer_config: Any, plan: RankPlan) -> None:
-        """Build the Trainer here, once, as the ranks will (app/trainer_check.py): an argument Lightning
+        """Build the Trainer here, once, as the ranks will (app/run/trainer_check.py): an argument Lightning
         refuses stops the launch in one line before any rank starts."""
 
         def instantiate() -> dict[str, Any]:
@@ -417,7 +416,7 @@ class DDPAppCLI(LightningCLI):
         # - Tracking second: the tracked run is open before a user's callback logs.
         # - GradientCompression (only when it compresses) registers its DDP hook at train start; it talks
         #   to other ranks only inside DDP's backward and inside saves, which every rank reaches together.
-        # - RunCoordinator last: the one owner of ddp-app's exchanges between ranks (app/coordinator.py).
+        # - RunCoordinator last: the one owner of ddp-app's exchanges between ranks (app/run/coordinator.py).
         #   Lightning keeps `Checkpoint` callbacks after every other, so its hooks run after everything
         #   else of the same hook.
         # NonFiniteGuard and HangReport come from `trainer_defaults`; they talk to no other rank during
@@ -514,14 +513,14 @@ class DDPAppCLI(LightningCLI):
     before_fit = before_validate = before_test = before_predict = _before_run
 
     def after_fit(self) -> None:
-        metrics = scalar_metrics(self.trainer)  # on every rank: it may reduce (app/summary.py)
+        metrics = scalar_metrics(self.trainer)  # on every rank: it may reduce (app/run/summary.py)
         if self.trainer.is_global_zero:
             tracking: Tracking = self.config_init[self.subcommand]["tracking"]
             lines = fit_summary(self.trainer, metrics, time.time() - self.started, tracking.viewing_lines())
             print("\n".join(lines), flush=True)
 
     def _after_evaluation(self) -> None:
-        metrics = scalar_metrics(self.trainer)  # on every rank: it may reduce (app/summary.py)
+        metrics = scalar_metrics(self.trainer)  # on every rank: it may reduce (app/run/summary.py)
         if self.trainer.is_global_zero:
             ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
             elapsed_s = time.time() - self.started

@@ -28,10 +28,10 @@ from app.cluster.preflight import (
     devices_as_written_count,
     on_gpu,
     resolve_devices,
-    resolve_strategy,
     visible_gpus,
 )
 from app.errors import UserFacingError
+from app.parallel.strategy import resolve_strategy
 from app.tracking.run import require_tracker
 
 
@@ -165,25 +165,9 @@ def check_compression_fits(config: Any) -> None:
         )
 
 
-# `strategy: fsdp` in a ddp-app config: FSDP2 with every default (app/fsdp.py), not Lightning's FSDP1
-# strategy of that registered name.
-FSDP_CLASS_PATH = "app.fsdp.FSDP2Strategy"
-
-
-def resolve_fsdp_name(trainer_config: Any) -> None:
-    """`strategy: fsdp` becomes ddp-app's FSDP2 strategy with its defaults, before anything reads it."""
-    if trainer_config.get("strategy") == "fsdp":
-        trainer_config["strategy"] = Namespace(class_path=FSDP_CLASS_PATH, init_args=Namespace())
-
-
-def uses_fsdp(trainer_config: Any) -> bool:
-    strategy = trainer_config.get("strategy")
-    return strategy == "fsdp" or str(getattr(strategy, "class_path", "")).split(".")[-1] == "FSDP2Strategy"
-
-
 def check_fsdp_combinations(config: Any) -> None:
     """What does not combine with strategy fsdp is refused here, before any rank starts, naming the key."""
-    if not uses_fsdp(config["trainer"]):
+    if not resolve_strategy(config["trainer"].get("strategy")).is_sharded:
         return
     method = (config.get("gradient_compression") or {}).get("method", "none")
     data_args = getattr(config.get("data"), "init_args", None) or {}
@@ -252,11 +236,12 @@ def apply_collective_timeout(trainer_config: Any, seconds: float, world_size: in
     launch resolved them (for `strategy: auto`).
     """
     timeout = datetime.timedelta(seconds=seconds)
-    strategy = resolve_strategy(trainer_config.get("strategy"), world_size)
+    strategy = trainer_config.get("strategy")
+    resolved = resolve_strategy(strategy, world_size)
     if isinstance(strategy, str):
-        if strategy not in StrategyRegistry:
+        if resolved.registered_name is None:
             return
-        entry = StrategyRegistry[strategy]
+        entry = StrategyRegistry[resolved.registered_name]
         cls = entry["strategy"]
         if "timeout" in inspect.signature(cls).parameters:
             init_args = Namespace(**{**entry["init_params"], "timeout": timeout})

@@ -1,7 +1,7 @@
 """Where a training run stands in its data, as ddp-app writes it into every checkpoint.
 
-A plain record (no Lightning, no torch): `app.resume.ExactResume` counts it and restores it,
-`app.elastic` continues it on another number of ranks or with another global batch.
+A plain record (no Lightning, no torch): `app.resume.exact.ExactResume` counts it and restores it,
+`app.resume.elastic` continues it on another number of ranks or with another global batch.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A training epoch's metrics (every torchmetrics state, and what a module returns from
 `per_rank_state()`) are per-rank running sums: resumed in an epoch's middle without them, the
-epoch's logged metrics would cover only the batches after the resume. `app.resume.ExactResume`
+epoch's logged metrics would cover only the batches after the resume. `app.resume.exact.ExactResume`
 saves them with each rank's random state (one gather per save) and loads them when training starts.
 """
 

@@ -27,9 +27,11 @@ sample's augmentation is the same whichever worker, rank or resumed process load
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -37,8 +39,11 @@ import numpy as np
 import torch
 
 from app.checkpoints.io import gather_per_rank
-from app.elastic import (
-    ElasticLayout,
+from app.data.positioning import StreamStart, TrainingPositioner
+from app.data.samplers import ElasticLayout
+from app.errors import ResumeError
+from app.private_apis import require
+from app.resume.elastic import (
     check_elastic_loader,
     elastic_layout_for,
     elastic_summary,
@@ -46,10 +51,8 @@ from app.elastic import (
     unweigh_losses,
     weigh_losses,
 )
-from app.errors import ResumeError
-from app.metric_state import load_per_rank_module_state, per_rank_module_state
-from app.position import POSITION_KEY, DataPosition
-from app.private_apis import require
+from app.resume.metric_state import load_per_rank_module_state, per_rank_module_state
+from app.resume.position import POSITION_KEY, DataPosition
 from app.user_code import USER_CODE_DIRECTORIES
 
 RNG_KEY = "rng_states_per_rank"
@@ -161,7 +164,7 @@ def validates_after_epoch(trainer: L.Trainer, epoch: int) -> bool:
     return bool(trainer.enable_validation) and (every is None or (epoch + 1) % every == 0)
 
 
-class ExactResume(L.Callback):
+class ExactResume(L.Callback, TrainingPositioner):
     """Owns the data position and the random state that exact resume needs; see the module docstring.
 
     Counting costs one integer compare per step. The position is checked against Lightning's own
@@ -174,7 +177,7 @@ class ExactResume(L.Callback):
             augmentation in the dataset depends on the worker that loads a sample, and a resume
             continues with the right samples but different random draws.
         elastic: a run may continue on another number of ranks (devices x num_nodes) with the
-            same global batch and sample order (`app.elastic.ElasticLayout`); false refuses.
+            same global batch and sample order (`app.resume.elastic.ElasticLayout`); false refuses.
         global_batch_size: on a resume, continue with this global batch instead of the checkpoint's,
             knowingly: the sample order is kept and the epoch continues at the sample it stopped at
             (rounded down to a whole new batch), but steps per epoch, and so step-based schedules,
@@ -192,8 +195,8 @@ class ExactResume(L.Callback):
         self.per_sample_seeding = per_sample_seeding
         self.elastic = elastic
         self.global_batch_size = global_batch_size
-        # Set by app.data.sharding when it builds the training loaders: the stateful streams it
-        # positions (app.data.streams), and one line for each training loader it cannot position.
+        # Told by the data layer (app/data/positioning.py) as it builds the training loaders: the
+        # stateful streams it positions (app.data.streams), and one line for each loader it cannot.
         self.streams: list[Any] = []
         self.notices: list[str] = []
         # The per-rank batch size the user's training loader asked for, and its dataset's length (set
@@ -230,7 +233,26 @@ class ExactResume(L.Callback):
         # epoch's validation left), or created twice. The skip ends with the resumed epoch.
         return (self.epoch + 1, 0) if self.epoch_end_done else (self.epoch, self._skip)
 
-    def stream_start(self, index: int) -> tuple[int, int, Any, bool]:
+    def training_loader_built(self, configured_batch_size: int | None, dataset_length: int) -> ElasticLayout | None:
+        self.configured_batch_size = configured_batch_size
+        self.dataset_length = dataset_length
+        return self.layout
+
+    def next_stream_start(self) -> Callable[[], StreamStart]:
+        return functools.partial(self.stream_start, len(self.streams))
+
+    def add_stream(self, stream: Any) -> None:
+        self.streams.append(stream)
+
+    def add_notice(self, line: str) -> None:
+        self.notices.append(line)
+
+    def training_loaders_rebuilt(self) -> None:
+        self.streams.clear()
+        self.notices.clear()
+        self.configured_batch_size = None
+
+    def stream_start(self, index: int) -> StreamStart:
         """(epoch, batches to skip, state to load or None, whether the epoch's batches are all trained)
         for the training stream `index` starting now (app.data.streams)."""
         epoch, skip = self.sampler_position()
@@ -470,42 +492,3 @@ class ExactResume(L.Callback):
                 f"{', '.join(changed)} since it was written. Fix: resume with the batch size, "
                 "accumulate_grad_batches, data and seed it was trained with (another number of ranks is fine)."
             )
-
-
-def exact_resume_of(trainer: L.Trainer) -> ExactResume | None:
-    for callback in getattr(trainer, "callbacks", ()):
-        if isinstance(callback, ExactResume):
-            return callback
-    return None
-
-
-def per_sample_seeding(trainer: L.Trainer) -> bool:
-    """Whether this Trainer's training sets are seeded per sample (`exact_resume.per_sample_seeding`)."""
-    keeper = exact_resume_of(trainer)
-    return keeper is not None and keeper.per_sample_seeding
-
-
-def elastic_layout(trainer: L.Trainer, configured_batch_size: int | None, dataset_length: int) -> ElasticLayout | None:
-    """The layout a training loader of this Trainer splits its batches by (None: the run's own).
-
-    Called where ddp-app builds the training loader; it also records the batch size the user asked
-    for and the training set's length (a later resume with a new global batch counts samples by it).
-    """
-    keeper = exact_resume_of(trainer)
-    if keeper is None:
-        return None
-    keeper.configured_batch_size = configured_batch_size
-    keeper.dataset_length = dataset_length
-    return keeper.layout
-
-
-def sampler_position(trainer: L.Trainer) -> tuple[int, int]:
-    """(epoch, batches to skip) for a training iterator of this Trainer.
-
-    From `ExactResume` (every `ddp-app` run has it); a Trainer without it starts each epoch from its
-    first batch at Lightning's epoch.
-    """
-    keeper = exact_resume_of(trainer)
-    if keeper is None:
-        return trainer.current_epoch, 0
-    return keeper.sampler_position()

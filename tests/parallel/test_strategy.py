@@ -1,0 +1,109 @@
+"""`trainer.strategy` is resolved once (app/parallel/strategy.py): every form a config may use gives the
+kind the launcher, the checks and the tools act on, a user's own subclass included, and a name
+nobody knows is one line that suggests the nearest (`fsdp2` -> `fsdp`)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from jsonargparse import Namespace
+from lightning.pytorch.strategies import DDPStrategy
+
+from app.cli.entry import check_before_launch
+from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
+from app.cluster.launch import rank_plan
+from app.errors import UserFacingError
+from app.parallel.fsdp import FSDP2Strategy
+from app.parallel.strategy import FSDP_CLASS_PATH, StrategyKind, expand_fsdp_name, resolve_strategy
+from tests.helpers.run import REPO, clean_env, ddp_app
+
+
+class UsersOwnDDP(DDPStrategy):
+    """A user's subclass, named by its class path: not a name ddp-app knows, and still DDP."""
+
+
+class UsersOwnFSDP(FSDP2Strategy):
+    pass
+
+
+HERE = __name__
+
+
+@pytest.mark.parametrize(
+    ("written", "world_size", "kind", "runs_as", "start_method"),
+    [
+        ("ddp", 2, StrategyKind.DDP, None, None),
+        ("ddp_spawn", 2, StrategyKind.DDP, "ddp", None),
+        ("ddp_notebook_find_unused_parameters_true", 2, StrategyKind.DDP, "ddp_find_unused_parameters_true", None),
+        ("auto", 2, StrategyKind.DDP, None, None),
+        ("auto", 1, StrategyKind.SINGLE, None, None),
+        (None, 1, StrategyKind.SINGLE, None, None),
+        ("single_device", 1, StrategyKind.SINGLE, None, None),
+        ("fsdp", 2, StrategyKind.FSDP, None, None),
+        ("deepspeed", 2, StrategyKind.OTHER, None, None),
+        (Namespace(class_path="lightning.pytorch.strategies.DDPStrategy"), 2, StrategyKind.DDP, None, None),
+        (
+            Namespace(class_path="lightning.pytorch.strategies.DDPStrategy", init_args=Namespace(start_method="spawn")),
+            2,
+            StrategyKind.DDP,
+            None,
+            "spawn",
+        ),
+        ({"class_path": FSDP_CLASS_PATH}, 2, StrategyKind.FSDP, None, None),
+        (Namespace(class_path=f"{HERE}.UsersOwnDDP"), 2, StrategyKind.DDP, None, None),
+        (Namespace(class_path=f"{HERE}.UsersOwnFSDP"), 2, StrategyKind.FSDP, None, None),
+        (UsersOwnDDP(), 2, StrategyKind.DDP, None, None),
+    ],
+)
+def test_every_form_of_a_strategy_resolves_to_its_kind(written, world_size, kind, runs_as, start_method) -> None:
+    resolved = resolve_strategy(written, world_size)
+    assert (resolved.kind, resolved.runs_as, resolved.start_method) == (kind, runs_as, start_method)
+    assert resolved.forks_ranks == (kind in (StrategyKind.DDP, StrategyKind.FSDP))
+    assert resolved.is_sharded == (kind is StrategyKind.FSDP)
+
+
+def test_a_users_ddp_subclass_forks_its_ranks_as_ddp_does() -> None:
+    """Before, only a class path ending in `DDPStrategy` was forked; a subclass ran in one process."""
+    plan = rank_plan(resolve_strategy(Namespace(class_path=f"{HERE}.UsersOwnDDP"), 2), 2, True, 2)
+    assert plan.processes == 2
+    spawned = rank_plan(resolve_strategy("ddp_spawn", 2), 2, True, 2)
+    assert spawned.extra_args == ("--trainer.strategy=ddp",) and "runs as ddp" in spawned.notice
+
+
+def test_strategy_fsdp_expands_to_fsdp2_and_other_names_stay() -> None:
+    trainer = {"strategy": "fsdp"}
+    expand_fsdp_name(trainer)
+    assert trainer["strategy"].class_path == FSDP_CLASS_PATH
+    trainer = {"strategy": "ddp"}
+    expand_fsdp_name(trainer)
+    assert trainer["strategy"] == "ddp"
+
+
+@pytest.mark.parametrize(("written", "suggested"), [("fsdp2", "`fsdp`"), ("FSDP", "`fsdp`"), ("dpp", "`ddp`")])
+def test_an_unknown_name_suggests_the_nearest(written: str, suggested: str) -> None:
+    with pytest.raises(UserFacingError, match=f"Did you mean {suggested}") as raised:
+        resolve_strategy(written, 2)
+    assert "\n" not in str(raised.value) and repr(written) in str(raised.value)
+
+
+def test_an_unknown_name_is_refused_by_the_launcher_before_any_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        check_before_launch(["fit", "--config", str(REPO / "configs" / "digits.yaml"), "--trainer.strategy", "fsdp2"])
+    assert exited.value.code == BAD_INPUT_EXIT_CODE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "`fsdp`" in err, err
+
+
+@pytest.mark.distributed
+def test_the_issue_command_names_fsdp_in_one_line(tmp_path) -> None:
+    """The acceptance line as a user types it (exit 2, one line, before any rank)."""
+    result = ddp_app(
+        "fit", "--config", "configs/digits.yaml", "--trainer.strategy", "fsdp2",
+        "--trainer.default_root_dir", str(tmp_path / "run"), timeout=120, cwd=REPO, env=clean_env(),
+    )  # fmt: skip
+    assert isinstance(result, subprocess.CompletedProcess)
+    assert result.returncode == BAD_INPUT_EXIT_CODE, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "`fsdp`" in lines[0], result.stderr
+    assert not (tmp_path / "run").exists()
