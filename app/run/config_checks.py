@@ -128,6 +128,7 @@ def check_paths_are_local(config: Any) -> None:
         refuse_url(dirpath or "", f"trainer.callbacks[{index}].init_args.dirpath")
     refuse_url(config.get("ckpt_path") or "", "ckpt_path", to_read=True)
     check_ckpt_path_is_a_file(config.get("ckpt_path"))
+    check_checkpoint_fits_the_strategy(config)
 
 
 # The ckpt_path values Lightning resolves itself instead of reading a file of that name.
@@ -150,6 +151,37 @@ def check_ckpt_path_is_a_file(ckpt_path: str | None) -> None:
         else "give the path of a .ckpt file, such as <trainer.default_root_dir>/checkpoints/last.ckpt."
     )
     raise not_a_checkpoint(f"--ckpt_path {ckpt_path}", "a directory", fix)
+
+
+def check_checkpoint_fits_the_strategy(config: Any) -> None:
+    """A checkpoint of one file (strategy ddp) resumed under strategy fsdp, or a sharded one (strategy
+    fsdp) under ddp, is refused here, before any rank starts, the tracker counts an attempt or a model
+    is built. `--ckpt_path last` is checked against `<default_root_dir>/checkpoints/last.ckpt`; a
+    last.ckpt kept elsewhere (a ModelCheckpoint's own dirpath) is refused by the strategy as it loads."""
+    ckpt_path = config.get("ckpt_path")
+    if ckpt_path == "last":
+        root = Path(config["trainer"].get("default_root_dir") or os.getcwd())
+        path = root / "checkpoints" / "last.ckpt"
+        if not path.exists():
+            return
+    elif not ckpt_path or str(ckpt_path) in NAMED_CHECKPOINTS or not Path(ckpt_path).exists():
+        return
+    else:
+        path = Path(ckpt_path)
+    strategy = resolve_strategy(config["trainer"].get("strategy"))
+    sharded = is_sharded_checkpoint(path)
+    if strategy.is_sharded and not sharded and path.is_file():
+        raise UserFacingError(
+            f"--ckpt_path {ckpt_path}: {path} is a checkpoint of one file (written under strategy ddp), and "
+            f"trainer.strategy {strategy.written} resumes only from sharded checkpoints. Fix: resume with the "
+            "strategy it was trained with (--trainer.strategy ddp), or start a new sharded run from its weights."
+        )
+    if sharded and not strategy.is_sharded:
+        raise UserFacingError(
+            f"--ckpt_path {ckpt_path}: {path} is a sharded checkpoint (written under strategy fsdp), and "
+            f"trainer.strategy {strategy.written} reads checkpoints of one file. Fix: resume with --trainer.strategy "
+            f"fsdp, or join its shards into one file: python -m app.export --ckpt {path} --out model.pt."
+        )
 
 
 def check_compression_fits(config: Any) -> None:

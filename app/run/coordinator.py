@@ -33,7 +33,7 @@ always keeps `Checkpoint` callbacks after every other callback (`_reorder_callba
 `Checkpoint` appended after the Trainer is built, this one runs last in every hook: its save of
 last.ckpt holds the best-k state a ModelCheckpoint updated in the same hook, and its epoch-end
 exchange follows every value the user's callbacks and module log there. The order of everything
-ddp-app installs is stated once, in `app/cli/parser.py` `DDPAppCLI.instantiate_trainer`.
+ddp-app installs is stated once, in `app/run/build.py` `build_trainer`.
 """
 
 from __future__ import annotations

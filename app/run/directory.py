@@ -40,6 +40,9 @@ import time
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from app.errors import UserFacingError
 
@@ -266,3 +269,30 @@ def refuse_overwrite(root: Path, checkpoint_dirs: Iterable[Path], ckpt_path: str
         f"{how}. Fix: continue that run with --ckpt_path last, or start a new one with another "
         f"--trainer.default_root_dir (e.g. {root.with_name(root.name + '-2')})."
     )
+
+
+def claim_run_directory(config: Any, rank_zero: bool, lock: bool) -> RunLock | None:
+    """One run per directory: a fit that another one is training into, or that would write over another
+    run's checkpoints, stops here in one line, before anything is written; with `lock` (global rank 0
+    of a rank launched by torchrun or srun, or an in-process fit) it then holds the directory's lock.
+    The launcher takes it for the ranks it forks (app/cli/entry.py)."""
+    root = Path(config["trainer"]["default_root_dir"] or os.getcwd())
+    if rank_zero:
+        refuse_if_busy(root, os.environ)
+    refuse_overwrite(root, configured_checkpoint_dirs(root, config["trainer"]), config.get("ckpt_path"))
+    return acquire(root, os.environ) if lock else None
+
+
+def configured_checkpoint_dirs(root: Path, trainer_config: Any) -> list[Path]:
+    """Where a fit with this trainer config writes checkpoints: `<root>/checkpoints` (ddp-app's last.ckpt
+    and every ModelCheckpoint without a dirpath) and the dirpath of any configured callback that has one."""
+    dirs = [root / "checkpoints"]
+    callbacks = trainer_config.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        if isinstance(callback, ModelCheckpoint):  # an object given in Python, not a config entry
+            dirpath = callback.dirpath
+        else:
+            dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
+        if dirpath:
+            dirs.append(Path(dirpath))
+    return dirs

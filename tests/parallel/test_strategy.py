@@ -5,6 +5,7 @@ nobody knows is one line that suggests the nearest (`fsdp2` -> `fsdp`)."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 from jsonargparse import Namespace
@@ -107,3 +108,44 @@ def test_the_issue_command_names_fsdp_in_one_line(tmp_path) -> None:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "`fsdp`" in lines[0], result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def one_step_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """configs/gpt_fsdp.yaml trained one step under strategy ddp (a checkpoint of one file) and under
+    strategy fsdp (a directory of shards), one rank each."""
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        root = tmp_path_factory.mktemp(strategy)
+        result = ddp_app(
+            "fit", "--config", "configs/gpt_fsdp.yaml", "--trainer.strategy", strategy, "--trainer.devices", "1",
+            "--trainer.max_steps", "1", "--trainer.default_root_dir", str(root), timeout=300, cwd=REPO, env=clean_env(),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[strategy] = root
+    return runs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("written_by", "resumed_under", "named"), [("ddp", "fsdp", "one file"), ("fsdp", "ddp", "sharded")]
+)
+@pytest.mark.parametrize("ckpt_path", ["last", "file"])
+def test_a_checkpoint_of_another_strategy_is_refused_before_any_rank(
+    one_step_runs: dict[str, Path], written_by: str, resumed_under: str, named: str, ckpt_path: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Before, a DDP checkpoint resumed under fsdp was refused by every rank after the tracker had
+    counted an attempt and the model summary had printed; now the launcher refuses it, and the run
+    directory is left as it was."""
+    root = one_step_runs[written_by]
+    before = sorted(str(path) for path in root.rglob("*"))
+    path = "last" if ckpt_path == "last" else str(root / "checkpoints" / "last.ckpt")
+    args = ["fit", "--config", str(REPO / "configs" / "gpt_fsdp.yaml"), "--trainer.strategy", resumed_under,
+            "--trainer.default_root_dir", str(root), "--ckpt_path", path, "--trainer.max_steps", "2"]  # fmt: skip
+    with pytest.raises(SystemExit) as exited:
+        check_before_launch(args)
+    assert exited.value.code == BAD_INPUT_EXIT_CODE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err and f"--trainer.strategy {written_by}" in err, err
+    assert sorted(str(path) for path in root.rglob("*")) == before
