@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import yaml
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import (
     CheckpointError,
     atomic_write,
@@ -176,7 +177,8 @@ def export_exported_program(ckpt_path: Path, out_path: Path, config_path: Path |
     exportable_state_dict(checkpoint, str(ckpt_path))  # the same "nothing to export" error as state-dict
     model_config, data_config, sources = model_and_data_config(ckpt_path, checkpoint, config_path)
     # Where the run imported the user's classes from (`ddp-app` records it), then beside --config.
-    recorded = [str(path) for path in checkpoint.get("user_code_directories") or [] if Path(path).is_dir()]
+    directories = (checkpoint_state.get(checkpoint, "exact_resume") or {}).get("user_code_directories") or []
+    recorded = [str(path) for path in directories if Path(path).is_dir()]
     config_directories = [str(config_path.resolve().parent)] if config_path is not None else []
     sys.path[:0] = [path for path in dict.fromkeys(config_directories + recorded) if path not in sys.path]
     module, datamodule = build_model_and_data(model_config, data_config)

@@ -61,6 +61,7 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import load_net_weights, net_state_dict, safe_load
 from app.checkpoints.sharded import META_NAME, is_sharded_checkpoint, load_full_tensors
 from app.cluster.launch import env_without_launcher
@@ -174,7 +175,7 @@ def reference_to_lightning_checkpoint(
 
     The reference keeps no loop counters, and Lightning's (which epoch comes next, the global step,
     what set_epoch the sampler gets) are Lightning's private format. They and ddp-app's data position
-    (`ddp_app_data_position`), and nothing else, come from `lightning_checkpoint`: a checkpoint
+    (the position in its `exact_resume` part), and nothing else, come from `lightning_checkpoint`: a checkpoint
     Lightning wrote for the same config at the end of the same epoch (P1's last.ckpt).
     Its weights, optimizer, scheduler, callback and RNG states are left
     out, so whatever the continued run starts from is the reference's. Neither side restores RNG
@@ -191,10 +192,10 @@ def reference_to_lightning_checkpoint(
         missing = sorted(set(state_dict) ^ set(module.state_dict()))
         raise ValueError(f"the reference's weights do not fit {type(module).__name__}: first mismatch {missing[0]}")
     scheduler_state = snapshot.get("SCHEDULER_STATE") or {}
-    return {
+    converted = {
         **{
             key: lightning_checkpoint[key]
-            for key in ("pytorch-lightning_version", "epoch", "global_step", "loops", "ddp_app_data_position")
+            for key in ("pytorch-lightning_version", "epoch", "global_step", "loops")
             if key in lightning_checkpoint
         },
         "state_dict": state_dict,
@@ -203,6 +204,10 @@ def reference_to_lightning_checkpoint(
         "optimizer_states": [snapshot["OPTIMIZER_STATE"]],
         "lr_schedulers": [scheduler_state] if scheduler_state else [],
     }
+    position = (checkpoint_state.get(lightning_checkpoint, "exact_resume") or {}).get("position")
+    if position is not None:
+        checkpoint_state.put(converted, "exact_resume", {"position": position})
+    return converted
 
 
 def single_process_fit(config: dict[str, Any], world_size: int, mode: str) -> dict[str, torch.Tensor]:

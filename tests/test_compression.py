@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import safe_load
 from app.parallel.compression import compressed_matrix
 from tests.helpers.run import REPO, ddp_app, run, train
@@ -90,7 +91,7 @@ def test_powersgd_state_moves_exactly_between_bucketings(before: float, after: f
 def test_auto_decides_once_on_every_rank_and_a_resume_keeps_the_choice(tmp_path: Path) -> None:
     auto = ["--gradient_compression.method=auto", "--gradient_compression.probe_steps=2"]
     first = train("configs/digits.yaml", tmp_path, 2, *auto)
-    state = safe_load(first)["gradient_compression"]
+    state = checkpoint_state.get(safe_load(first), "gradient_compression")
     chosen = {rank["chosen"] for rank in state["per_rank"]}
     assert len(chosen) == 1 and chosen <= {"none", "bf16", "powersgd"}, state["per_rank"]
     decision = state["per_rank"][0]["decision"]
@@ -102,7 +103,7 @@ def test_auto_decides_once_on_every_rank_and_a_resume_keeps_the_choice(tmp_path:
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "auto: chose" not in resumed.stderr, "the resumed run probed again instead of keeping its choice"
-    assert safe_load(first)["gradient_compression"]["per_rank"][0]["decision"] == decision
+    assert checkpoint_state.get(safe_load(first), "gradient_compression")["per_rank"][0]["decision"] == decision
 
 
 @pytest.mark.distributed
@@ -115,4 +116,6 @@ def test_powersgd_with_gradient_accumulation_compresses_once_per_optimizer_step(
     )  # fmt: skip
     checkpoint = safe_load(last)
     assert checkpoint["global_step"] == 14
-    assert {rank["powersgd"]["iter"] for rank in checkpoint["gradient_compression"]["per_rank"]} == {14}
+    assert {
+        rank["powersgd"]["iter"] for rank in checkpoint_state.get(checkpoint, "gradient_compression")["per_rank"]
+    } == {14}

@@ -40,7 +40,8 @@ from app.cluster.preemption import (
 )
 from app.errors import one_line_message
 from app.private_apis import PrivateApiChanged, require
-from app.resume.exact import POSITION_KEY, DataPosition, ExactResume, canonical_fit_loop_state
+from app.resume.exact import DataPosition, ExactResume, canonical_fit_loop_state
+from app.resume.position import saved_position
 
 DOC = "see docs/private_apis.md"
 
@@ -162,7 +163,7 @@ def test_the_fit_loop_forms_canonical_fit_loop_state_writes_are_lightnings_own(t
         checkpoint = torch.load(tmp_path / f"{name}.ckpt", weights_only=True)
         saved = checkpoint["loops"]["fit_loop"]
         try:
-            position = DataPosition.from_checkpoint(checkpoint[POSITION_KEY])
+            position = DataPosition.from_checkpoint(saved_position(checkpoint))
             rewritten = canonical_fit_loop_state(saved, position, validates=True)
             assert _counters_of(rewritten) == _counters_of(saved), name
         except (KeyError, AssertionError) as error:
@@ -437,7 +438,7 @@ def test_a_fit_loop_state_without_a_key_exact_resume_rewrites_is_one_line_not_a_
     checkpoint = torch.load(tmp_path / "mid-epoch.ckpt", weights_only=True)
     saved = checkpoint["loops"]["fit_loop"]
     del saved["epoch_loop.batch_progress"]  # what a Lightning that renamed it would have written
-    position = DataPosition.from_checkpoint(checkpoint[POSITION_KEY])
+    position = DataPosition.from_checkpoint(saved_position(checkpoint))
     with pytest.raises(PrivateApiChanged, match=r"has no 'epoch_loop\.batch_progress' in the checkpoint's loops"):
         canonical_fit_loop_state(saved, position, validates=True)
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
+from app.checkpoints import state as checkpoint_state
 from app.errors import UserFacingError
 
 
@@ -335,7 +335,7 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     hyper_parameters = dict(checkpoint.get("hyper_parameters") or {})
     hyper_parameters.pop("_instantiator", None)
     class_path = hyper_parameters.pop("_class_path", None)
-    run = checkpoint.get("ddp_app_run")  # app.tracking.run.CHECKPOINT_KEY (no Lightning imported here)
+    run = (checkpoint_state.get(checkpoint, "tracking") or {}).get("run")
     return CheckpointSummary(
         str(path),
         class_path,
@@ -423,26 +423,3 @@ def export_state_dict(ckpt_path: str | Path, out_path: str | Path) -> dict[str, 
     state = exportable_state_dict(safe_load(ckpt_path), str(ckpt_path))
     atomic_torch_save(state, out_path)
     return state
-
-
-class SafeCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint I/O with atomic, fsynced saves and `weights_only=True` loads."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:  # as Lightning's TorchCheckpointIO: they would be ignored
-            raise TypeError(
-                "SafeCheckpointIO takes no storage_options: those configure fsspec's remote storage, and "
-                "ddp-app writes checkpoints to a filesystem path only (docs/resume.md)."
-            )
-        refuse_url(path, "checkpoint path")
-        remove_stale_temporaries(Path(path))
-        atomic_torch_save(checkpoint, path)
-
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = safe_load(path, map_location=map_location if map_location is not None else "cpu")
-        # Lightning calls the callbacks' on_load_checkpoint only if the checkpoint has a "callbacks"
-        # entry (`call._call_callbacks_on_load_checkpoint`); a converted one (app.parity) may not, and
-        # ExactResume must see every checkpoint a run resumes from, or it counts from epoch 0.
-        if isinstance(checkpoint, dict):
-            checkpoint.setdefault("callbacks", {})
-        return checkpoint

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import CheckpointError, CheckpointSummary, safe_load, summarize_checkpoint
 
 META_NAME = "meta.pt"  # rank 0's non-tensor part of the Lightning checkpoint (Lightning's name too)
@@ -234,5 +235,5 @@ def summarize_sharded(path: str | Path) -> CheckpointSummary:
         for key, entry in index.state_dict_metadata.items()
         if key.startswith(prefix) and hasattr(entry, "size")
     }
-    run = meta.get("ddp_app_run")  # app.tracking.run.CHECKPOINT_KEY
+    run = (checkpoint_state.get(meta, "tracking") or {}).get("run")
     return CheckpointSummary(str(path), class_path, hyper_parameters, shapes, run if isinstance(run, dict) else None)

@@ -6,7 +6,7 @@ The parser's public names are importable from here, so that `class_path: app.cli
 (the Trainer defaults, and every saved config.yaml) keeps naming the same class.
 """
 
-from app.checkpoints.io import SafeCheckpointIO
+from app.checkpoints.plugin import SafeCheckpointIO
 from app.cli.parser import ConfigParsed, DDPAppCLI, parse_config
 from app.run.build import NoProfiler
 

@@ -168,7 +168,7 @@ class DDPAppCLI(LightningCLI):
                 "callbacks": [NonFiniteGuard(), HangReport()],
                 # Defaults, so a config's own `profiler:` or `plugins:` replaces them.
                 "profiler": {"class_path": "app.cli.NoProfiler"},  # app/run/build.py
-                "plugins": [{"class_path": "app.cli.SafeCheckpointIO"}],  # app/checkpoints/io.py
+                "plugins": [{"class_path": "app.cli.SafeCheckpointIO"}],  # app/checkpoints/plugin.py
             },
         )
         try:

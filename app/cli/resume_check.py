@@ -33,9 +33,9 @@ from typing import Any
 import lightning as L
 import torch
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.sharded import load_whole
 from app.plot import is_resumed, join_versions, metrics_files, read_metrics
-from app.resume.exact import POSITION_KEY
 from app.tracking.layout import MEASURED_METRICS
 
 # How a run stops; the first four are done by StopAt inside a rank, the budgets by the command line.
@@ -313,7 +313,9 @@ class Runner:
 
     def steps_per_epoch(self, variant: str) -> tuple[int, int]:
         """(optimizer steps, batches) per epoch of the uninterrupted run."""
-        record = load_whole(self.baseline(variant) / "checkpoints" / "last.ckpt")[POSITION_KEY]
+        record = checkpoint_state.get(load_whole(self.baseline(variant) / "checkpoints" / "last.ckpt"), "exact_resume")[
+            "position"
+        ]
         batches = int(record["batches_per_epoch"])
         return math.ceil(batches / int(record["accumulate_grad_batches"])), batches
 

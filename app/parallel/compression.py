@@ -43,6 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import gather_per_rank
 from app.errors import InvalidConfigError
 from app.private_apis import require
@@ -56,7 +57,6 @@ AUTO_TOLERANCE = 0.03
 # (`start_powerSGD_iter` must be >= 2) and its first compressed step, which allocates P and Q.
 AUTO_WARMUP_STEPS = 3
 # Where a checkpoint keeps every rank's hook state.
-CHECKPOINT_KEY = "gradient_compression"
 
 
 def check_settings(method: str, powersgd_rank: int, start_iter: int, probe_steps: int) -> None:
@@ -449,7 +449,7 @@ class GradientCompression(L.Callback):
         # Every rank builds the checkpoint (rank 0 writes it), so a collective is safe here; the
         # error feedback differs per rank, so every rank's state is kept (gathered on rank 0 only).
         states = gather_per_rank(self.hook.state_dict())
-        checkpoint[CHECKPOINT_KEY] = {"method": self.method, "per_rank": states}
+        checkpoint_state.put(checkpoint, "gradient_compression", {"method": self.method, "per_rank": states})
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        self._saved = checkpoint.get(CHECKPOINT_KEY)
+        self._saved = checkpoint_state.get(checkpoint, "gradient_compression")

@@ -2,13 +2,14 @@
 
 "Stops for any reason, continues as if it never stopped" rests on three records in every checkpoint:
 
-1. **The data position** (`DataPosition`, key `ddp_app_data_position`): the epoch, how many of its
-   batches were consumed by completed optimizer steps, whether the epoch's end (validation,
-   epoch-end callbacks) has run, and the run's shape at save time (world size, per-rank batch,
-   accumulation, batches per epoch, shuffling seed). It is counted by `ExactResume` itself, never
-   re-derived from Lightning's loop counters, whose meaning changes with how a run stopped: after a
-   `max_steps` or `max_time` stop Lightning runs the epoch-end hooks of an unfinished epoch and counts
-   it as done, and a save on an epoch's last batch resumes in the next epoch without its validation.
+1. **The data position** (`DataPosition`, in the checkpoint's `exact_resume` part,
+   app/checkpoints/state.py): the epoch, how many of its batches were consumed by completed
+   optimizer steps, whether the epoch's end (validation, epoch-end callbacks) has run, and the run's
+   shape at save time (world size, per-rank batch, accumulation, batches per epoch, shuffling seed).
+   It is counted by `ExactResume` itself, never re-derived from Lightning's loop counters, whose
+   meaning changes with how a run stopped: after a `max_steps` or `max_time` stop Lightning runs the
+   epoch-end hooks of an unfinished epoch and counts it as done, and a save on an epoch's last batch
+   resumes in the next epoch without its validation.
 2. **Lightning's loop state, made to agree with the position.** On load, `canonical_fit_loop_state`
    rewrites the checkpoint's `loops.fit_loop` counters into one of three forms whose resume Lightning
    2.6 gets right (guarded in tests/test_private_apis.py, every stop moment in
@@ -38,6 +39,7 @@ import lightning as L
 import numpy as np
 import torch
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import gather_per_rank
 from app.data.positioning import StreamStart, TrainingPositioner
 from app.data.samplers import ElasticLayout
@@ -52,10 +54,8 @@ from app.resume.elastic import (
     weigh_losses,
 )
 from app.resume.metric_state import load_per_rank_module_state, per_rank_module_state
-from app.resume.position import POSITION_KEY, DataPosition
+from app.resume.position import DataPosition
 from app.user_code import USER_CODE_DIRECTORIES
-
-RNG_KEY = "rng_states_per_rank"
 
 
 def _counters(ready: int, started: int, processed: int, completed: int) -> dict[str, int]:
@@ -412,7 +412,7 @@ class ExactResume(L.Callback, TrainingPositioner):
     # ----- checkpoints -----
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        checkpoint[POSITION_KEY] = self.position(trainer).to_checkpoint()
+        position = self.position(trainer).to_checkpoint()
         # What the checkpoint holds is in the logs too: CSVLogger buffers rows (100 steps by default),
         # and a kill -9 after this save would lose rows that a resume does not log again.
         # The row of the step being saved is logged right after on_train_batch_end: flushed at the next hook.
@@ -425,14 +425,19 @@ class ExactResume(L.Callback, TrainingPositioner):
         if self.streams:  # each rank's stream is its own shard: its state is saved per rank
             state["streams"] = [stream.state_at(self.batches_done, self.epoch_end_done) for stream in self.streams]
         states = gather_per_rank(state)  # on rank 0, the one that writes the checkpoint
-        checkpoint[RNG_KEY] = states
-        # Where this run imported the user's classes from: `python -m app.export` rebuilds them later.
-        checkpoint["user_code_directories"] = list(USER_CODE_DIRECTORIES)
+        # Where this run imported the user's classes from (`user_code_directories`): `python -m app.export`
+        # rebuilds them later.
+        checkpoint_state.put(
+            checkpoint,
+            "exact_resume",
+            {"position": position, "per_rank": states, "user_code_directories": list(USER_CODE_DIRECTORIES)},
+        )
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if trainer.state.fn != "fit":
             return
-        record = checkpoint.get(POSITION_KEY)
+        saved = checkpoint_state.get(checkpoint, "exact_resume") or {}
+        record = saved.get("position")
         if record is None:
             raise ResumeError(
                 "this checkpoint has no data position (it was written by plain Lightning or an older ddp-app), so "
@@ -461,7 +466,7 @@ class ExactResume(L.Callback, TrainingPositioner):
         natural = None if order_batch_size is None else order_world_size * order_batch_size
         changed = trainer.world_size != order_world_size or position.micro_batch != natural
         self.layout = elastic_layout_for(position, trainer.world_size, self.elastic) if changed else None
-        states = checkpoint.get(RNG_KEY)
+        states = saved.get("per_rank")
         # Per-rank states belong to the ranks that saved them: on another number of ranks, random
         # draws in the step (dropout) and per-rank metric accumulators start afresh (docs/resume.md).
         if states and len(states) == trainer.world_size:

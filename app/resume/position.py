@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-POSITION_KEY = "ddp_app_data_position"
+from app.checkpoints import state as checkpoint_state
 
 
 @dataclass(frozen=True)
@@ -82,3 +82,8 @@ class DataPosition:
     def from_checkpoint(cls, record: dict[str, Any]) -> DataPosition:
         fields = {name: record[name] for name in cls.__dataclass_fields__ if name in record}
         return cls(**fields)
+
+
+def saved_position(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The data position a checkpoint holds (as `DataPosition.to_checkpoint` wrote it), or None."""
+    return (checkpoint_state.get(checkpoint, "exact_resume") or {}).get("position")

@@ -41,8 +41,9 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.profilers import PassThroughProfiler
 
-from app.checkpoints.io import CheckpointSummary, SafeCheckpointIO, check_model_class, check_state_fits
+from app.checkpoints.io import CheckpointSummary, check_model_class, check_state_fits
 from app.checkpoints.last import agreed_last_checkpoint
+from app.checkpoints.plugin import SafeCheckpointIO
 from app.checkpoints.sharded import is_checkpoint, summarize_any
 from app.cluster.ddp_stream import build_ddp_on_the_current_stream
 from app.cluster.hangs import HangReport

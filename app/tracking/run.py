@@ -1,13 +1,14 @@
 """One training run, one identity: the same log version, MLflow run and W&B run across every attempt.
 
 A run is what `ddp-app fit` starts without `--ckpt_path`. Every continuation of it is an *attempt*
-of the same run: `--restarts`, torchrun's `--max-restarts`, a Slurm requeue, Ctrl-C or a
-preemption followed by `--ckpt_path last` (on any number of ranks). The first attempt creates the
-identity and writes it to `<default_root_dir>/lightning_logs/<version>/run.json`; every checkpoint
-carries it (`ddp_app_run`), so an attempt that resumes from a checkpoint of this directory reopens
-the same log version and tracker runs. `--ckpt_path last` before any checkpoint exists (a crash in
-the first minutes) continues the directory's latest run (app/tracking/layout.py `latest_run`). A
-checkpoint from another directory (fine-tuning from someone's run) starts a new run.
+of the same run: `--restarts`, torchrun's `--max-restarts`, a Slurm requeue, Ctrl-C or a preemption
+followed by `--ckpt_path last` (on any number of ranks). The first attempt creates the identity and
+writes it to `<default_root_dir>/lightning_logs/<version>/run.json`; every checkpoint carries it
+(its `tracking` part, app/checkpoints/state.py), so an attempt that resumes from a checkpoint of
+this directory reopens the same log version and tracker runs. `--ckpt_path last` before any
+checkpoint exists (a crash in the first minutes) continues the directory's latest run
+(app/tracking/layout.py `latest_run`). A checkpoint from another directory (fine-tuning from
+someone's run) starts a new run.
 
 Rank 0 does all of this; the other ranks log nothing.
 """
@@ -44,6 +45,7 @@ from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import atomic_write
 from app.checkpoints.last import LastCheckpoint
 from app.cluster.preemption import Stopped
@@ -53,7 +55,6 @@ from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, RUN_FILE, SAMPLES_PER_S
 from app.tracking.sinks import CsvView, MlflowSink, RunFacts, TensorBoardSink, WandbSink, quiet_loggers
 from app.tracking.worker import TrackerThread
 
-CHECKPOINT_KEY = "ddp_app_run"
 # Keys of the config that are not settings of the run: every attempt passes its own.
 NOT_PARAMS = ("ckpt_path", "config")
 EXTRAS = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
@@ -733,25 +734,35 @@ class Tracking(L.Callback):
     # ----- during training -----
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        samples, seconds = self._epoch_so_far()
+        state: dict[str, Any] = {"epoch_throughput": {"epoch": self._epoch, "samples": samples, "seconds": seconds}}
         run = self.run
-        if run is None:
-            return
-        self._settle_save(trainer)  # two saves in one step (last.ckpt, then another file): the first is on disk
-        seq, step = run.history.last_seq, run.history.attempt_max_step
-        # Every checkpoint says where in the journal it stands, so an attempt resumed from any of them
-        # (`--ckpt_path <file>`) continues the run and redoes what came after it.
-        checkpoint[CHECKPOINT_KEY] = {
-            "run_id": run.identity["run_id"],
-            "log_version": run.identity["log_version"],
-            "seq": seq,
-            "step": step,
-        }
-        # Only last.ckpt settles values: `--ckpt_path last` resumes from it, and a user's
-        # ModelCheckpoint (every_n_train_steps, best-k) can hold a later step than last.ckpt does. A
-        # save of that file settled the values logged up to it, which a resume from the older
-        # last.ckpt then logged a second time.
-        if is_last_checkpoint_save(trainer):
-            self._save_in_flight = (seq, step)
+        if run is not None:
+            self._settle_save(trainer)  # two saves in one step (last.ckpt, then another file): the first is on disk
+            seq, step = run.history.last_seq, run.history.attempt_max_step
+            # Every checkpoint says where in the journal it stands, so an attempt resumed from any of them
+            # (`--ckpt_path <file>`) continues the run and redoes what came after it.
+            state["run"] = {
+                "run_id": run.identity["run_id"],
+                "log_version": run.identity["log_version"],
+                "seq": seq,
+                "step": step,
+            }
+            # Only last.ckpt settles values: `--ckpt_path last` resumes from it, and a user's
+            # ModelCheckpoint (every_n_train_steps, best-k) can hold a later step than last.ckpt does. A
+            # save of that file settled the values logged up to it, which a resume from the older
+            # last.ckpt then logged a second time.
+            if is_last_checkpoint_save(trainer):
+                self._save_in_flight = (seq, step)
+        checkpoint_state.put(checkpoint, "tracking", state)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        """The epoch's throughput measured by earlier attempts (the tracked run itself is reopened from the
+        checkpoint's summary before fit: app/run/build.py `prepare_run`)."""
+        throughput = (checkpoint_state.get(checkpoint, "tracking") or {}).get("epoch_throughput") or {}
+        if "samples" in throughput:
+            self._epoch = int(throughput["epoch"])
+            self._earlier = {"samples": float(throughput["samples"]), "seconds": float(throughput["seconds"])}
 
     def _settle_save(self, trainer: L.Trainer) -> None:
         """The hook after a save: the file is on disk, what it holds is final."""
@@ -787,15 +798,6 @@ class Tracking(L.Callback):
         """(samples, seconds) of the current epoch's training batches, over every attempt."""
         seconds = self._last_batch_end - self._epoch_start if self._epoch_start is not None else 0.0
         return self._earlier["samples"] + self._epoch_samples, self._earlier["seconds"] + seconds
-
-    def state_dict(self) -> dict[str, float]:
-        samples, seconds = self._epoch_so_far()
-        return {"epoch": self._epoch, "samples": samples, "seconds": seconds}
-
-    def load_state_dict(self, state_dict: dict[str, float]) -> None:
-        if "samples" in state_dict:
-            self._epoch = int(state_dict["epoch"])
-            self._earlier = {"samples": float(state_dict["samples"]), "seconds": float(state_dict["seconds"])}
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import safe_load
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from tests.fault.test_resume import assert_same_weights, overlay, stop_with_signal
@@ -115,7 +116,9 @@ def test_powersgd_state_follows_the_users_parameter_names_and_resumes_bit_exact(
     first = fit(extra, tmp_path / "run", *powersgd)
     assert first.returncode == 0, first.stderr[-3000:]
     checkpoints = tmp_path / "run" / "checkpoints"
-    state = safe_load(checkpoints / "step-step=25.ckpt")["gradient_compression"]  # epoch 1, batch 9 of 16
+    state = checkpoint_state.get(
+        safe_load(checkpoints / "step-step=25.ckpt"), "gradient_compression"
+    )  # epoch 1, batch 9 of 16
     ranks = [rank["powersgd"] for rank in state["per_rank"]]
     assert len(ranks) == 2 and ranks[0]["iter"] == ranks[1]["iter"] == 25
     # hidden.weight (64 x 16) is compressed at rank 2: its warm-start Q and error feedback are kept.

@@ -19,7 +19,7 @@ import pytest
 
 from app.checkpoints.io import safe_load
 from app.cli.resume_check import Case, Runner
-from app.resume.exact import POSITION_KEY
+from app.resume.position import saved_position
 from tests.helpers.run import BIN, REPO, clean_env
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -73,7 +73,7 @@ def test_any_callback_setup_completes_fresh_and_resumes_exactly(runner: Runner, 
     baseline = runner.baseline(setup)  # completes (exit 0), or raises naming its log
     steps, _ = runner.steps_per_epoch(setup)
     last = safe_load(baseline / "checkpoints" / "last.ckpt")
-    position = last[POSITION_KEY]
+    position = saved_position(last)
     stopped_early = setup == "early-stopping" and last["global_step"] < EPOCHS * steps
     # Fresh at the end: the run's last step, its last epoch over (an early stop: at that epoch's end).
     assert position["epoch_end_done"], position

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import (
     CheckpointError,
     CheckpointSummary,
@@ -197,8 +198,8 @@ def test_malicious_checkpoint_over_http_is_refused_without_running(tmp_path: Pat
 @pytest.mark.distributed
 def test_our_own_checkpoints_load_with_weights_only(tmp_path: Path, http_server: str) -> None:
     checkpoint = torch.load(train("configs/toy.yaml", tmp_path, epochs=1), weights_only=True)
-    assert {"state_dict", "loops", "optimizer_states", "hyper_parameters", "rng_states_per_rank"} <= checkpoint.keys()
-    assert len(checkpoint["rng_states_per_rank"]) == 2
+    assert {"state_dict", "loops", "optimizer_states", "hyper_parameters", "ddp_app"} <= checkpoint.keys()
+    assert len(checkpoint_state.get(checkpoint, "exact_resume")["per_rank"]) == 2
     remote = safe_load(f"{http_server}/checkpoints/last.ckpt")
     assert remote["global_step"] == checkpoint["global_step"]
 

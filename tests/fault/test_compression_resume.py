@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import safe_load
 from tests.fault.test_resume import (
     assert_same_weights,
@@ -38,7 +39,9 @@ def powersgd_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
 
 def test_checkpoints_hold_every_ranks_powersgd_state(powersgd_uninterrupted) -> None:
     _, checkpoints = powersgd_uninterrupted
-    state = safe_load(checkpoints / "step-step=21.ckpt")["gradient_compression"]  # weights_only=True
+    state = checkpoint_state.get(
+        safe_load(checkpoints / "step-step=21.ckpt"), "gradient_compression"
+    )  # weights_only=True
     assert state["method"] == "powersgd" and len(state["per_rank"]) == 2
     first, second = (rank["powersgd"] for rank in state["per_rank"])
     assert first["iter"] == second["iter"] == 21

@@ -18,7 +18,7 @@ from app.bench.recovery import clock_arguments, kill_rank
 from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.checkpoints.io import safe_load
 from app.cluster.launch import free_port
-from app.resume.exact import POSITION_KEY
+from app.resume.position import saved_position
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -121,10 +121,10 @@ def test_a_run_resumed_on_another_number_of_ranks_matches_the_uninterrupted_run(
     expected = safe_load(uninterrupted[workload] / "checkpoints" / "last.ckpt")
     actual = safe_load(tmp_path / "checkpoints" / "last.ckpt")
     assert actual["global_step"] == expected["global_step"]
-    assert actual[POSITION_KEY]["batches_per_epoch"] == expected[POSITION_KEY]["batches_per_epoch"]
-    assert actual[POSITION_KEY]["global_batch_size"] == expected[POSITION_KEY]["global_batch_size"]
+    assert saved_position(actual)["batches_per_epoch"] == saved_position(expected)["batches_per_epoch"]
+    assert saved_position(actual)["global_batch_size"] == saved_position(expected)["global_batch_size"]
     assert relative_difference(expected["state_dict"], actual["state_dict"]) <= TOLERANCE
-    global_batch = expected[POSITION_KEY]["global_batch_size"]
+    global_batch = saved_position(expected)["global_batch_size"]
     line = f"ddp-app: resuming a {started}-rank run on {resumed} ranks: global batch {global_batch} kept ("
     assert line in stderr and "sample order kept" in stderr, stderr[-3000:]
 
@@ -151,7 +151,7 @@ def test_a_new_global_batch_accepted_knowingly_keeps_the_sample_order(tmp_path: 
     stopped(tmp_path, DIGITS, 2)
     stderr = fit(tmp_path, DIGITS, "--trainer.devices=3", "--exact_resume.global_batch_size=96", "--ckpt_path=last")
     final = safe_load(tmp_path / "checkpoints" / "last.ckpt")
-    position = final[POSITION_KEY]
+    position = saved_position(final)
     padded = -(-position["dataset_length"] // 2) * 2
     per_epoch = -(-padded // 96)
     line = (

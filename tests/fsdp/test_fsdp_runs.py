@@ -35,7 +35,7 @@ from app.checkpoints.sharded import (
 )
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from app.models.gpt import GPT
-from app.resume.exact import POSITION_KEY
+from app.resume.position import saved_position
 from tests.helpers.run import BIN, clean_env, ddp_app, kill_job, start
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -92,7 +92,7 @@ def test_last_ckpt_is_a_complete_sharded_checkpoint_with_one_shard_file_per_rank
     assert len(head.chunks) == 2 and sum(chunk.sizes[0] for chunk in head.chunks) == head.size[0]
     meta = safe_load(last / META_NAME)
     assert "state_dict" not in meta and "optimizer_states" not in meta  # the tensors are in the shards only
-    assert meta["global_step"] == 32 and meta[POSITION_KEY]["world_size"] == 2
+    assert meta["global_step"] == 32 and saved_position(meta)["world_size"] == 2
     whole = load_whole(last)  # as ddp-app resume-check compares checkpoints
     assert whole["state_dict"].keys() == {key.removeprefix("state_dict.") for key in weights}
     assert (
