@@ -6,11 +6,11 @@ of quantity, in this order: losses (a name containing "loss"), metrics in [0, 1]
 [0, 1]: accuracies, F1, AUROC...; one logged as a percentage is "other"), throughput (a name ending
 in `per_s`, `per_sec`, `per_second` or `/s`), the learning rate (`lr`, `lr-<optimizer>`,
 `learning_rate`), then anything else. Within a kind, a series joins the first panel on which it and
-the series already there stay readable (app/plotting.py `readable`: each spans at least a tenth of
+the series already there stay readable (app/figures.py `readable`: each spans at least a tenth of
 the y axis, or is flat in fact at a level the axis shows), else it gets a panel of its own: no axis
 holds series whose scales differ by more than about 10x. Losses and learning rates that are all
 positive and span a factor of 10 or more have a log y axis; every other panel is linear. The PNG
-records its panels and series as text metadata (app/plotting.py).
+records its panels and series as text metadata (app/figures.py).
 
 RUN_DIR is a run's `trainer.default_root_dir`. ddp-app logs each training run, with all its
 restarts, into one version directory (`lightning_logs/version_N`, under Slurm `slurm-<jobid>`;
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from app.errors import UserFacingError
-from app.plotting import fits_one_axis, save
+from app.figures import fits_one_axis, save
 from app.tracking.layout import latest_run
 
 METRICS_FILE = "metrics.csv"

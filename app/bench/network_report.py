@@ -9,7 +9,7 @@ from typing import Any
 
 from app.bench.netns import Link
 from app.bench.report import spread
-from app.plotting import save
+from app.figures import save
 
 # The targets for PowerSGD against no hook on the CNN at 100 Mbit/s, and for auto at every link.
 POWERSGD_SPEEDUP_TARGET = 4.0

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from app.bench.runs import BARE, RunResult
-from app.plotting import save
+from app.figures import save
 
 
 def spread(values: list[float]) -> dict[str, float]:

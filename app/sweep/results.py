@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from app.checkpoints.io import atomic_write
+from app.figures import save
 from app.plot import METRICS_FILE, read_metrics, run_version
-from app.plotting import save
 from app.sweep.spec import SweepSpec
 from app.sweep.store import Point, SweepStore, shown_state
 from app.tracking.layout import SAMPLES_PER_S

@@ -1,11 +1,11 @@
-"""Read what a ddp-app PNG says it draws (app/plotting.py) and check that a person can read it."""
+"""Read what a ddp-app PNG says it draws (app/figures.py) and check that a person can read it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from app.plotting import read_panels, readable
+from app.figures import read_panels, readable
 
 
 def drawn_panels(png: Path) -> list[dict[str, Any]]:

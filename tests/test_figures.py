@@ -1,8 +1,8 @@
-"""The readability rule every ddp-app plot follows (app/plotting.py), on the cases that motivated it."""
+"""The readability rule every ddp-app plot follows (app/figures.py), on the cases that motivated it."""
 
 from __future__ import annotations
 
-from app.plotting import fits_one_axis, readable
+from app.figures import fits_one_axis, readable
 
 
 def test_accuracy_beside_samples_per_second_is_flattened_and_each_alone_is_readable() -> None:
