@@ -32,6 +32,7 @@ import yaml
 
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import (
+    CLI_CLASS_PATH_KEY,
     CheckpointError,
     atomic_write,
     check_compatible,
@@ -51,10 +52,10 @@ class ExportError(UserFacingError):
 
 def config_from_hyperparameters(hyper_parameters: dict[str, Any]) -> dict[str, Any] | None:
     """`{"class_path", "init_args"}` from hyperparameters saved under LightningCLI, or None without a class path."""
-    if "_class_path" not in hyper_parameters:
+    if CLI_CLASS_PATH_KEY not in hyper_parameters:
         return None
     init_args = {key: value for key, value in hyper_parameters.items() if not key.startswith("_")}
-    return {"class_path": hyper_parameters["_class_path"], "init_args": init_args}
+    return {"class_path": hyper_parameters[CLI_CLASS_PATH_KEY], "init_args": init_args}
 
 
 def logged_run_config(ckpt_path: Path) -> Path | None:

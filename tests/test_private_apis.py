@@ -1,4 +1,5 @@
-"""Every Lightning, PyTorch or torchvision private API we rely on (docs/private_apis.md), one test each.
+"""Every Lightning, PyTorch, torchvision, torchmetrics or CPython private API we rely on
+(docs/private_apis.md), one test each.
 
 Each test fails with a message that names what changed and what depends on it, so that a Lightning
 upgrade breaks here, loudly, and not as a silent change of behaviour in a long run. pyproject pins
@@ -8,14 +9,18 @@ upgrade breaks here, loudly, and not as a silent change of behaviour in a long r
 from __future__ import annotations
 
 import atexit
+import importlib
 import importlib.metadata
 import inspect
 import json
+import logging
 import os
 import platform
 import signal
 import subprocess
 import sys
+import threading
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,21 +32,28 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchmetrics import MeanMetric, Metric
 from torchvision import datasets
 
+from app.checkpoints.io import CLI_CLASS_PATH_KEY, CLI_INSTANTIATOR_KEY, summarize_checkpoint
 from app.checkpoints.sharded import DCP_INDEX, SafeFileSystemReader, SafeLoadPlanner
 from app.cli import DDPAppCLI, SafeCheckpointIO
+from app.cluster import hangs
 from app.cluster.ddp_stream import LIGHTNING_DDP_WRAP
 from app.cluster.preemption import (
     LIGHTNING_PER_STEP_SIGTERM_BROADCAST,
     LIGHTNING_SIGNAL_HANDLER_INSTALL,
     keep_lightning_off_stop_signals,
 )
+from app.data.image_files import WORKER_PREFIX, UnreadableImageError
 from app.errors import one_line_message
+from app.export import config_from_hyperparameters
 from app.private_apis import PrivateApiChanged, require
 from app.resume.exact import DataPosition, ExactResume, canonical_fit_loop_state
+from app.resume.metric_state import UPDATE_COUNT, load_per_rank_module_state, per_rank_module_state
 from app.resume.position import saved_position
+from app.run import console
 
 DOC = "see docs/private_apis.md"
 
@@ -359,6 +371,287 @@ def test_the_strategy_keeps_a_process_group_that_exists_when_fit_sets_up_its_env
         f"Lightning's setup_environment replaced an existing process group: --ckpt_path last's broadcast "
         f"before fit (app/checkpoints/last.py agreed_last_checkpoint) needs another place ({DOC})"
     )
+
+
+# ----- torchmetrics (app/resume/metric_state.py) -----
+
+
+class _MeanOfBatchMeans(Metric):
+    """A state reduced by "mean": forward() weighs the batches before it by the update count."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("mean_of_means", torch.tensor(0.0), dist_reduce_fx="mean")
+        self.add_state("seen", [], dist_reduce_fx="cat")
+
+    def update(self, values: torch.Tensor) -> None:
+        self.mean_of_means = values.mean()
+        self.seen.append(values)
+
+    def compute(self) -> torch.Tensor:
+        return self.mean_of_means
+
+
+class _WithMetrics(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_means = _MeanOfBatchMeans()
+        self.loss_mean = MeanMetric()
+
+
+def test_torchmetrics_counts_updates_in_the_attribute_a_mid_epoch_resume_restores() -> None:
+    batches = [torch.tensor([1.0, 3.0]), torch.tensor([5.0]), torch.tensor([0.0, 2.0, 4.0])]
+    uninterrupted, interrupted, resumed = _WithMetrics(), _WithMetrics(), _WithMetrics()
+    for index, batch in enumerate(batches):
+        for module in (uninterrupted, interrupted) if index < 2 else (uninterrupted,):
+            module.batch_means(batch)
+            module.loss_mean(batch)
+    counts = (interrupted.batch_means.update_count, getattr(interrupted.batch_means, UPDATE_COUNT, None))
+    assert counts == (2, 2), (
+        f"a torchmetrics Metric updated twice has (update_count, {UPDATE_COUNT}) == {counts}: "
+        f"app/resume/metric_state.py restores the count through {UPDATE_COUNT} on a mid-epoch resume ({DOC})"
+    )
+    saved = per_rank_module_state(interrupted)
+    load_per_rank_module_state(resumed, saved)  # PrivateApiChanged here if torchmetrics renamed it
+    assert resumed.batch_means.update_count == 2, (
+        f"setting torchmetrics' Metric.{UPDATE_COUNT} no longer sets update_count: a mid-epoch resume "
+        f"(app/resume/metric_state.py) restarts every metric's count at 0 ({DOC})"
+    )
+    assert torch.equal(resumed.loss_mean.mean_value, interrupted.loss_mean.mean_value) and [
+        s.tolist() for s in resumed.batch_means.seen
+    ] == [s.tolist() for s in interrupted.batch_means.seen], (
+        "torchmetrics' Metric.load_state_dict no longer loads non-persistent states: app/resume/metric_state.py "
+        f"restores none of an epoch's metric states on a mid-epoch resume ({DOC})"
+    )
+    resumed.batch_means(batches[2])
+    resumed.loss_mean(batches[2])
+    for name in ("batch_means", "loss_mean"):
+        mine, theirs = getattr(resumed, name).compute(), getattr(uninterrupted, name).compute()
+        assert torch.allclose(mine, theirs), (
+            f"{name}: resumed after two batches, the metric computes {mine}, uninterrupted {theirs}; "
+            f"torchmetrics no longer weighs by {UPDATE_COUNT} as app/resume/metric_state.py restores it ({DOC})"
+        )
+
+
+# ----- LightningCLI's hyperparameters (app/checkpoints/io.py, app/checkpoints/sharded.py, app/export.py) -----
+
+
+def test_lightning_cli_saves_the_model_class_in_the_hyperparameter_keys_checkpoint_readers_use(tmp_path: Path) -> None:
+    cli = DDPAppCLI(
+        args=[
+            "--config", str(Path(__file__).parents[1] / "configs" / "digits.yaml"), "--trainer.devices=1",
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.strategy=auto",
+        ],
+        run=False,
+    )  # fmt: skip
+    cli.trainer.strategy.connect(cli.model)
+    cli.trainer.save_checkpoint(tmp_path / "saved.ckpt")  # the same dump_checkpoint a fit's saves use
+    hyper_parameters = torch.load(tmp_path / "saved.ckpt", weights_only=True)["hyper_parameters"]
+    class_path = hyper_parameters.get(CLI_CLASS_PATH_KEY)
+    module_name, _, class_name = str(class_path).rpartition(".")
+    names_the_class = bool(module_name) and getattr(importlib.import_module(module_name), class_name, None)
+    assert names_the_class is type(cli.model) and CLI_INSTANTIATOR_KEY in hyper_parameters, (
+        f"LightningCLI no longer saves the model class as hyper_parameters[{CLI_CLASS_PATH_KEY!r}] (and "
+        f"{CLI_INSTANTIATOR_KEY!r}): {sorted(hyper_parameters)}; summarize_checkpoint (app/checkpoints/io.py, "
+        f"sharded.py) no longer names the checkpoint's model class and python -m app.export no longer "
+        f"writes its config ({DOC})"
+    )
+    summary = summarize_checkpoint(tmp_path / "saved.ckpt")
+    assert summary.class_path == class_path and not any(key.startswith("_") for key in summary.hyper_parameters)
+    config = config_from_hyperparameters(hyper_parameters)
+    assert config is not None and config["class_path"] == class_path
+    assert config["init_args"] == summary.hyper_parameters
+
+
+# ----- DataLoader workers (app/data/image_files.py) -----
+
+
+class _RaisedInWorker(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.raw = message  # what DataLoader builds the re-raised exception from
+
+
+class _Raising(Dataset):
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> Any:
+        raise self.error
+
+
+def _raised_through_a_worker(error: Exception) -> BaseException:
+    """What `error`, raised in a real DataLoader worker, becomes in this process (the worker stopped)."""
+    iterator = iter(DataLoader(_Raising(error), num_workers=1))
+    try:
+        next(iterator)
+    except Exception as raised:
+        # Its frames hold the iterator: cleared, the iterator goes now and stops its worker (left
+        # alive, it would be copied into the next test's forked workers, which cannot stop it).
+        traceback.clear_frames(raised.__traceback__)
+        return raised
+    finally:
+        del iterator
+    pytest.fail(f"a DataLoader worker raised {error!r} and the main process got a batch")
+
+
+def test_a_dataloader_worker_error_reaches_the_main_process_in_the_form_image_files_reads() -> None:
+    raised = _raised_through_a_worker(_RaisedInWorker("boom"))
+    assert isinstance(raised, _RaisedInWorker), f"DataLoader re-raised a worker's error as {raised!r} ({DOC})"
+    lines = raised.raw.rstrip().splitlines()
+    first = f"{WORKER_PREFIX}_RaisedInWorker in DataLoader worker process 0"
+    ours = f"{_RaisedInWorker.__module__}.{_RaisedInWorker.__qualname__}: boom"
+    assert lines[0].startswith(first) and lines[-1] == ours, (
+        f"DataLoader now re-raises a worker's error as {lines[0]!r} ... {lines[-1]!r}: UnreadableImageError "
+        f"(app/data/image_files.py) reads its '{WORKER_PREFIX}' prefix and the last line, so a bad image in a "
+        f"loader worker prints the worker's traceback, not one line ({DOC})"
+    )
+    message = "data/cat/1.png is not an image (it starts with b'oops')"
+    raised = _raised_through_a_worker(UnreadableImageError(message))
+    assert isinstance(raised, UnreadableImageError) and str(raised) == message, (
+        f"a worker's UnreadableImageError arrives as {raised!r}, not its one line ({DOC})"
+    )
+
+
+# ----- CPython and autograd frames (app/cluster/hangs.py) -----
+
+
+def _stack_of_a_thread_blocked_in(run: Any, entered: threading.Event, release: threading.Event) -> list[Any]:
+    """The stack `sys._current_frames()` shows for a thread that runs `run` and blocks where it sets `entered`."""
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert entered.wait(10), "the thread never reached the point where it blocks"
+        frame = sys._current_frames()[thread.ident or 0]
+        return [hangs.Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack(frame)]
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def test_current_frames_shows_where_another_thread_waits() -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def wait_for_the_collective() -> None:
+        entered.set()
+        release.wait(10)
+
+    assert callable(getattr(sys, "_current_frames", None)), (
+        f"CPython {platform.python_version()} has no sys._current_frames: HangReport (app/cluster/hangs.py) "
+        f"cannot read the main thread's stack when the ranks' collectives mismatch ({DOC})"
+    )
+    names = [frame.name for frame in _stack_of_a_thread_blocked_in(wait_for_the_collective, entered, release)]
+    assert "wait_for_the_collective" in names and names[-1] == "wait", (
+        f"sys._current_frames() no longer gives a blocked thread's innermost frame ({names}): HangReport "
+        f"(app/cluster/hangs.py) would name the wrong place a rank waits ({DOC})"
+    )
+
+
+class _BlockInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, entered: threading.Event, release: threading.Event) -> torch.Tensor:
+        ctx.events = (entered, release)
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        entered, release = ctx.events
+        entered.set()
+        release.wait(10)  # as a rank waits in DDP's gradient all-reduce
+        return grad, None, None
+
+
+def test_a_thread_blocked_inside_backward_shows_the_engine_frame_hangs_recognises() -> None:
+    entered, release = threading.Event(), threading.Event()
+    weight = torch.ones(3, requires_grad=True)
+
+    def backward() -> None:
+        _BlockInBackward.apply(weight * 2, entered, release).sum().backward()
+
+    frames = _stack_of_a_thread_blocked_in(backward, entered, release)
+    engine = [frame for frame in frames if frame.name == "_engine_run_backward"]
+    assert engine and hangs.is_library(engine[0].filename), (
+        f"a thread blocked inside loss.backward() no longer shows torch's _engine_run_backward frame "
+        f"({[frame.name for frame in frames]}): app/cluster/hangs.py call_site looks for it by name to say a "
+        f"rank waits in DDP's gradient all-reduce ({DOC})"
+    )
+    assert hangs.call_site(frames) == "DDP gradient all-reduce in loss.backward()", hangs.call_site(frames)
+
+
+# ----- A private module's name in a warnings filter (app/run/console.py) -----
+
+
+def test_lightnings_pytree_module_still_triggers_the_torch_warning_quiet_console_filters() -> None:
+    from lightning.pytorch.utilities._pytree import _tree_flatten
+
+    pytree_file = os.path.join("lightning", "pytorch", "utilities", "_pytree.py")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _tree_flatten({"x": torch.ones(1)})  # what Lightning's CombinedLoader calls on every batch
+    from_pytree = [w for w in seen if w.filename.endswith(pytree_file)]
+    assert from_pytree, (
+        f"Lightning's {pytree_file} no longer triggers a torch deprecation warning: the filter on that "
+        f"module in app/run/console.py quiet_console can go ({DOC})"
+    )
+    levels = {name: logging.getLogger(name).level for name in console.PER_RANK_LOGGERS}
+    notices = {name: logging.getLogger(name).filters[:] for name in console.RANK_ZERO_LOGGERS}
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            console.quiet_console({})
+            _tree_flatten({"x": torch.ones(1)})
+    finally:  # quiet_console changes process-wide loggers: put them back
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        for name, filters in notices.items():
+            logging.getLogger(name).filters[:] = filters
+    assert not [w for w in seen if w.filename.endswith(pytree_file)], (
+        f"quiet_console's filter on module lightning.pytorch.utilities._pytree no longer silences "
+        f"{[str(w.message) for w in seen]}: every rank prints it at its first batch ({DOC})"
+    )
+
+
+# ----- tests/helpers/host_reads.py (tests only) -----
+
+
+def test_the_host_read_counter_still_sees_each_host_read_as_the_aten_op_it_lists() -> None:
+    """A renamed op or a TorchDispatchMode that no longer sees it would let tests/test_host_reads.py pass
+    while counting nothing; here each kind of read must be counted, and a deliberate host copy must not."""
+    from tests.helpers.host_reads import HostReadCounter
+
+    values = torch.tensor([1.0, 0.0, 1.0])
+    reads = {
+        ".item()": lambda: values[0].item(),
+        "bool()": lambda: bool(values[0]),
+        "torch.equal": lambda: torch.equal(values, values + 0),
+        "nonzero": lambda: values.nonzero(),
+        "masked_select": lambda: torch.masked_select(values, values > 0),
+        "unique": lambda: torch.unique(values),
+        "unique_consecutive": lambda: torch.unique_consecutive(values),
+        "repeat_interleave": lambda: torch.repeat_interleave(values.long()),
+    }
+    unseen = []
+    for name, read in reads.items():
+        counter = HostReadCounter()
+        counter.batch = (0, 0)
+        with counter:
+            read()
+        if not counter.found[(0, 0)]:
+            unseen.append(name)
+    assert not unseen, (
+        f"tests/helpers/host_reads.py HostReadCounter (torch.utils._python_dispatch.TorchDispatchMode and the aten "
+        f"ops in HOST_READ_OPS) no longer sees {unseen}: tests/test_host_reads.py would miss those reads ({DOC})"
+    )
+    counter = HostReadCounter()
+    counter.batch = (0, 0)
+    with counter:
+        torch.ones(1).to("cpu", copy=True).item()
+    assert not counter.found[(0, 0)], f"a host copy's read was counted: {counter.found[(0, 0)]} ({DOC})"
 
 
 # ----- strategy fsdp (app/parallel/fsdp.py, app/checkpoints/sharded.py) -----

@@ -296,12 +296,19 @@ def check_compatible(net: nn.Module, state: dict[str, torch.Tensor], source: str
     check_shapes(shapes(net.state_dict()), shapes(state), source)
 
 
+# Where LightningCLI keeps the model's (or DataModule's) class path in a checkpoint's hyperparameters, and
+# its own instantiator: private names of lightning.pytorch.cli, read here, in sharded.py and in export.py
+# (docs/private_apis.md; guarded in tests/test_private_apis.py).
+CLI_CLASS_PATH_KEY = "_class_path"
+CLI_INSTANTIATOR_KEY = "_instantiator"
+
+
 @dataclass(frozen=True)
 class CheckpointSummary:
     """What a Lightning checkpoint says about the model it fits; the tensors themselves are dropped."""
 
     path: str
-    class_path: str | None  # `_class_path` in the hyperparameters, saved by LightningCLI
+    class_path: str | None  # CLI_CLASS_PATH_KEY in the hyperparameters, saved by LightningCLI
     hyper_parameters: dict[str, Any]
     shapes: dict[str, tuple[int, ...]]
     run: dict[str, Any] | None = None  # the tracked run it belongs to (app/tracking/run.py CHECKPOINT_KEY)
@@ -333,8 +340,8 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
             "Fix: give --ckpt_path a .ckpt written by ddp-app fit."
         )
     hyper_parameters = dict(checkpoint.get("hyper_parameters") or {})
-    hyper_parameters.pop("_instantiator", None)
-    class_path = hyper_parameters.pop("_class_path", None)
+    hyper_parameters.pop(CLI_INSTANTIATOR_KEY, None)
+    class_path = hyper_parameters.pop(CLI_CLASS_PATH_KEY, None)
     run = (checkpoint_state.get(checkpoint, "tracking") or {}).get("run")
     return CheckpointSummary(
         str(path),

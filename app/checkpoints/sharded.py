@@ -39,7 +39,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import ReadItem
 
 from app.checkpoints import state as checkpoint_state
-from app.checkpoints.io import CheckpointError, CheckpointSummary, safe_load, summarize_checkpoint
+from app.checkpoints.io import (
+    CLI_CLASS_PATH_KEY,
+    CLI_INSTANTIATOR_KEY,
+    CheckpointError,
+    CheckpointSummary,
+    safe_load,
+    summarize_checkpoint,
+)
 
 META_NAME = "meta.pt"  # rank 0's non-tensor part of the Lightning checkpoint (Lightning's name too)
 DCP_INDEX = ".metadata"  # DCP's index of every shard, written last (torch.distributed.checkpoint.filesystem)
@@ -225,8 +232,8 @@ def summarize_sharded(path: str | Path) -> CheckpointSummary:
         )
     meta = safe_load(path / META_NAME, name=f"--ckpt_path {path}")
     hyper_parameters = dict(meta.get("hyper_parameters") or {})
-    hyper_parameters.pop("_instantiator", None)
-    class_path = hyper_parameters.pop("_class_path", None)
+    hyper_parameters.pop(CLI_INSTANTIATOR_KEY, None)
+    class_path = hyper_parameters.pop(CLI_CLASS_PATH_KEY, None)
     reader = SafeFileSystemReader(path)
     index = reader.read_metadata()
     prefix = "state_dict."

@@ -13,6 +13,12 @@ from typing import Any
 
 import lightning as L
 
+from app.private_apis import require
+
+# Our key for a metric's update count in the saved state (checkpoints written before it was read
+# through the public `update_count` use the same key).
+UPDATE_COUNT = "_update_count"
+
 
 def per_rank_module_state(pl_module: L.LightningModule) -> dict[str, Any]:
     """What a rank accumulates during an epoch outside the state_dict: every torchmetrics metric's
@@ -22,7 +28,7 @@ def per_rank_module_state(pl_module: L.LightningModule) -> dict[str, Any]:
 
     metrics = {
         name: {key: copy.deepcopy(value) for key, value in module.metric_state.items()}
-        | {"_update_count": module._update_count}
+        | {UPDATE_COUNT: module.update_count}
         for name, module in pl_module.named_modules()
         if isinstance(module, Metric)
     }
@@ -36,12 +42,20 @@ def load_per_rank_module_state(pl_module: L.LightningModule, state: dict[str, An
         metric = modules.get(name)
         if metric is None:
             continue
-        for key, value in values.items():
-            if key == "_update_count":
-                metric._update_count = value
-            elif isinstance(value, list):
-                setattr(metric, key, [item.to(pl_module.device) for item in value])
-            else:
-                setattr(metric, key, value.to(pl_module.device))
+        device = pl_module.device
+        states = {
+            key: [item.to(device) for item in value] if isinstance(value, list) else value.to(device)
+            for key, value in values.items()
+            if key != UPDATE_COUNT
+        }
+        # torchmetrics' Metric._load_from_state_dict sets every state the dict holds, persistent or
+        # not: the public load path. strict=False: the metric's own parameters and buffers (and its
+        # child metrics', saved under their own names) are not in it.
+        metric.load_state_dict(states, strict=False)
+        # torchmetrics has no setter for update_count; a metric whose states reduce by "mean" weighs
+        # the batches before a resume by it in forward() (docs/private_apis.md).
+        needed_for = "restoring a metric's update count on a mid-epoch resume"
+        require(metric, UPDATE_COUNT, "torchmetrics", needed_for, owner_name="Metric")
+        metric._update_count = values.get(UPDATE_COUNT, 0)
     if state.get("own") and hasattr(pl_module, "load_per_rank_state"):
         pl_module.load_per_rank_state(state["own"])
