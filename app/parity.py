@@ -365,37 +365,79 @@ def launches(optimizers: list[str]) -> int:
     return LAUNCHES_PER_OPTIMIZER * len(optimizers) + 6 + 2 * len(COMPRESSION_CHECKED)
 
 
+def interop_optimizer_of(optimizers: list[str]) -> str:
+    """The optimizer P4's continuation, P7 and P8 run for: Adam's (the conversion moves every optimizer's
+    state the same way, and Adam has the most of it), or the first without it."""
+    return "adam" if "adam" in optimizers else optimizers[0]
+
+
+def stage_plan(optimizers: list[str]) -> list[str]:
+    """Every stage `run_parity` announces, in order: made before the run, so that each line can say
+    how many there are ([3/19]); `Progress` refuses a stage out of this order."""
+    interop_optimizer = interop_optimizer_of(optimizers)
+    stages = []
+    for optimizer in optimizers:
+        stages += [f"{optimizer}: {what}" for what in ("lightning fit", "reference", "single process", "evaluation")]
+        if optimizer == interop_optimizer:
+            stages += [f"{optimizer}: reference -> Lightning", f"{optimizer}: elastic resume"]
+        stages += [f"{optimizer}: {what}" for what in ("export", "torchrun", "accumulation")]
+        if optimizer == interop_optimizer:
+            stages += [f"{optimizer}: compression {method}" for method in COMPRESSION_CHECKED]
+    return stages
+
+
+def fsdp_stage_plan(world_size: int) -> list[str]:
+    """Every stage `fsdp_parity` announces, in order (P9a's two trainings, P9b's, P9c's)."""
+    return [
+        "fsdp: Lightning FSDP2",
+        "fsdp: the plain-PyTorch FSDP2 reference",
+        "fsdp: Lightning DDP",
+        f"fsdp: SGD, stopped on {world_size} ranks, resumed on {world_size + 1}",
+    ]
+
+
 def start_line(config_path: Path, world_size: int, epochs: int, optimizers: list[str]) -> str:
     """What `python -m app.parity` says before it starts: what it runs and roughly for how long."""
     count = launches(optimizers)
     minutes = count * SECONDS_PER_LAUNCH / 60
     return (
         f"app.parity: {config_path} with Lightning and with the reference, for {' and '.join(optimizers)}: "
-        f"{len(STEPS) * len(optimizers)} stages, {count} launches of {world_size}-{world_size + 1} ranks "
+        f"{len(stage_plan(optimizers))} stages, {count} launches of {world_size}-{world_size + 1} ranks "
         f"({epochs} epochs each); about {minutes:.1f} min ({SECONDS_PER_LAUNCH} s a launch on an idle 2-core "
         "machine with configs/digits.yaml), up to twice that on a busy one or longer for a bigger config."
     )
 
 
 class Progress:
-    """One line per stage as it starts, so a log shows where a run of several minutes is; and the
-    seconds per step (summed over the optimizers: where the time goes)."""
+    """One line per stage as it starts, numbered 1 to N over the planned stages (`stage_plan`), so a
+    log shows where a run of several minutes is; and the seconds per step of STEPS (summed over the
+    optimizers: where the time goes). A step is a unit of accounting, not a stage: some steps
+    announce no stage ("config"), others several (P7's compression methods)."""
 
-    def __init__(self, optimizers: list[str]) -> None:
-        self.total = len(STEPS) * len(optimizers)
-        self.done = 0
+    def __init__(self, stages: list[str]) -> None:
+        self.stages = stages
+        self.announced = 0
         self.seconds = dict.fromkeys(STEPS, 0.0)
         self.started = self.clock = time.perf_counter()
 
     def stage(self, what: str) -> None:
+        planned = self.stages[self.announced] if self.announced < len(self.stages) else None
+        if what != planned:  # a bug here: the plan and the run have drifted apart, and N would lie
+            raise AssertionError(f"app.parity: stage {what!r} is not the next planned one ({planned!r})")
+        self.announced += 1
         elapsed = time.perf_counter() - self.started
-        print(f"app.parity: [{self.done + 1}/{self.total}] {what} ({elapsed:.0f} s so far)", flush=True)
+        print(f"app.parity: [{self.announced}/{len(self.stages)}] {what} ({elapsed:.0f} s so far)", flush=True)
 
     def step_done(self, step: str) -> None:
         now = time.perf_counter()
         self.seconds[step] += now - self.clock
         self.clock = now
-        self.done += 1
+
+    def finish(self) -> None:
+        """Every planned stage ran: a plan with a stage the run skips would count to N - 1 of N."""
+        if self.announced != len(self.stages):
+            planned = len(self.stages)
+            raise AssertionError(f"app.parity: ran {self.announced} of {planned} planned stages: {self.stages}")
 
 
 def run_parity(
@@ -403,10 +445,9 @@ def run_parity(
 ) -> tuple[list[Check], dict[str, float]]:
     base = load_config(config_path)
     checks: list[Check] = []
-    # P4's continuation is two more launches (about 15 s here); it runs for one optimizer, Adam's:
-    # the conversion moves every optimizer's state the same way, and Adam has the most of it.
-    interop_optimizer = "adam" if "adam" in optimizers else optimizers[0]
-    progress = Progress(optimizers)
+    # P4's continuation is two more launches (about 15 s here); it runs for one optimizer only.
+    interop_optimizer = interop_optimizer_of(optimizers)
+    progress = Progress(stage_plan(optimizers))
     step_done = progress.step_done
 
     for optimizer in optimizers:
@@ -546,6 +587,7 @@ def run_parity(
                 progress.stage(f"{optimizer}: compression {method}")
                 checks.append(compression_check(config, method, work, optimizer, world_size, lightning))
         step_done("P7 compression")
+    progress.finish()
     return checks, {step: round(value, 1) for step, value in progress.seconds.items()}
 
 
@@ -694,9 +736,10 @@ def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) 
     ddp_config = write_variant(config, out_dir / "ddp.yaml", DDP_STRATEGY)
     optimizer = str(config["optimizer"]["class_path"]).rpartition(".")[2].lower()[:5]  # the table's column
 
-    print("parity (fsdp): Lightning FSDP2 ...", flush=True)
+    progress = Progress(fsdp_stage_plan(world_size))
+    progress.stage("fsdp: Lightning FSDP2")
     lightning = lightning_fit(fsdp_config, out_dir / "lightning", "ddp-app", world_size)
-    print("parity (fsdp): the plain-PyTorch FSDP2 reference ...", flush=True)
+    progress.stage("fsdp: the plain-PyTorch FSDP2 reference")
     reference_out = out_dir / "reference"
     reference_command = [sys.executable, "-m", "app.reference.fsdp", "--config", str(fsdp_config)]
     reference_command += ["--out", str(reference_out), "--world-size", str(world_size), "--save-every", "0"]
@@ -705,7 +748,7 @@ def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) 
     compared = f"Lightning FSDP2 vs reference FSDP2, {world_size} ranks"
     checks = [state_check("P9a", optimizer, compared, reference, lightning)]
 
-    print("parity (fsdp): Lightning DDP ...", flush=True)
+    progress.stage("fsdp: Lightning DDP")
     ddp = lightning_fit(ddp_config, out_dir / "ddp", "ddp-app", world_size)
     difference, detail = relative_difference(ddp, lightning)
     compared = f"FSDP2 vs DDP, {world_size} ranks"
@@ -714,7 +757,7 @@ def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) 
     # P9c trains with SGD: Adam divides each update by the root of the gradient's running square, so
     # the rounding of another summation order grows where gradients are tiny (on this config, 2 ranks
     # resumed on 3: 1.2e-5 of the largest weight under FSDP2, 9.8e-6 under DDP; docs/fsdp.md).
-    print(f"parity (fsdp): SGD, stopped on {world_size} ranks, resumed on {world_size + 1} ...", flush=True)
+    progress.stage(f"fsdp: SGD, stopped on {world_size} ranks, resumed on {world_size + 1}")
     sgd_config = write_variant({**config, "optimizer": ELASTIC_OPTIMIZER}, out_dir / "fsdp-sgd.yaml")
     uninterrupted = lightning_fit(sgd_config, out_dir / "sgd", "ddp-app", world_size)
     steps = safe_load(out_dir / "sgd" / "checkpoints" / "last.ckpt" / META_NAME)["global_step"]
@@ -726,6 +769,7 @@ def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) 
     difference, detail = relative_difference(uninterrupted, resumed)
     compared = f"FSDP2 stopped on {world_size} ranks, resumed on {world_size + 1}, vs uninterrupted"
     checks.append(Check("P9c", "sgd", compared, difference, RELATIVE_TOLERANCE, not detail, detail))
+    progress.finish()
     return checks
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import csv
 import re
+import time
 from pathlib import Path
 
 import lightning as L
 import pytest
 
 from app.run.callbacks import LogLineProgressBar
+from app.tracking.throughput import TrainingClock, samples_per_s
 from tests.helpers.run import ddp_app
 from tests.helpers.user_module import SeededRegressionData, TwoLayerRegressor
 
@@ -39,6 +42,29 @@ def test_lines_during_the_epoch_at_most_every_interval(tmp_path: Path, capsys: p
     assert [line.split()[2] for line in out.splitlines()] == [f"batch={n}/8" for n in range(1, 9)] + ["batch=8/8"]
 
 
+def test_training_time_is_batches_and_what_lies_between_them_not_validation() -> None:
+    """app/tracking/throughput.py's definition: from a batch's start to the last batch's end, less
+    the validation between them; a paused clock starts again at the next batch."""
+    clock = TrainingClock()
+    clock.batch_end(0)  # an end without a start (a resume's first hooks) counts no time
+    for _ in range(2):
+        clock.batch_start()
+        time.sleep(0.05)
+        clock.batch_end(16)
+    clock.pause()  # validation within the epoch
+    time.sleep(0.5)
+    clock.pause()
+    clock.batch_start()
+    time.sleep(0.05)
+    clock.batch_end(8)
+    samples, seconds = clock.totals()
+    assert samples == 40
+    assert 0.15 <= seconds < 0.5, seconds
+    assert samples_per_s(samples, seconds) == samples / seconds
+    clock.reset()
+    assert clock.totals() == (0, 0) and samples_per_s(*clock.totals()) is None
+
+
 @pytest.mark.distributed
 def test_a_two_rank_fit_into_a_pipe_prints_one_line_per_epoch(tmp_path: Path) -> None:
     result = ddp_app(
@@ -50,6 +76,15 @@ def test_a_two_rank_fit_into_a_pipe_prints_one_line_per_epoch(tmp_path: Path) ->
     assert [line.split()[:2] for line in lines] == [["epoch=0", "step=20"], ["epoch=1", "step=40"]], result.stdout
     for line in lines:
         assert re.search(r" samples/s=\d+ ", line) and re.search(r" val_acc=0\.\d+", line), line
+    # Issue 42: one epoch, one samples/s. The epoch's line, the summary and metrics.csv (what
+    # `python -m app.plot` and the trackers show) give the same number (app/tracking/throughput.py).
+    on_lines = [float(re.search(r" samples/s=(\d+) ", line).group(1)) for line in lines]
+    (metrics_csv,) = tmp_path.glob("lightning_logs/*/metrics.csv")
+    with metrics_csv.open() as rows:
+        logged = [float(row["samples_per_s"]) for row in csv.DictReader(rows) if row["samples_per_s"]]
+    assert on_lines == [round(value) for value in logged], (on_lines, logged)
+    summary = re.search(r"^ddp-app: fit done .*, ([\d,]+) samples/s \(last epoch\)$", result.stdout, re.MULTILINE)
+    assert summary and float(summary.group(1).replace(",", "")) == on_lines[-1], (summary, on_lines)
 
 
 def test_the_nan_guard_leaves_steps_with_overflowed_gradients_to_a_gradient_scaler(tmp_path: Path) -> None:

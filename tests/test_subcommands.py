@@ -1,17 +1,34 @@
-"""validate / test / predict on a trained checkpoint, as a user runs them."""
+"""`ddp-app --help` names every subcommand; validate / test / predict on a trained checkpoint, as a user runs them."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.cli import LightningCLI
 
+from app.cli.entry import SUBCOMMANDS_HELP
 from app.data import DigitsDataModule
 from app.models import MLPClassifier
-from tests.helpers.run import ddp_app
+from tests.helpers.run import REPO, ddp_app
 
-pytestmark = pytest.mark.distributed
+# Subcommands `ddp-app` takes besides LightningCLI's, each dispatched in app/__main__.py.
+OWN_SUBCOMMANDS = ["resume-check"]
+
+
+def test_help_names_every_subcommand_on_one_line_each() -> None:
+    """Issue 42: `resume-check` was in docs/resume.md only. `ddp-app --help` lists LightningCLI's
+    subcommands and ddp-app's own, one line each, and each listed one answers `--help` itself."""
+    result = ddp_app("--help", timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert SUBCOMMANDS_HELP in result.stdout
+    listed = re.findall(r"^  ([a-z-]+)  +\S.*$", SUBCOMMANDS_HELP, re.MULTILINE)
+    assert listed == [*LightningCLI.subcommands(), *OWN_SUBCOMMANDS], listed
+    assert "resume-check" in (REPO / "app" / "__main__.py").read_text()
+    own = ddp_app("resume-check", "--help", timeout=180)
+    assert own.returncode == 0 and own.stdout.startswith("usage: ddp-app resume-check"), own.stdout + own.stderr
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +37,7 @@ def trained(digits_trained: Path) -> Path:
     return digits_trained / "checkpoints" / "last.ckpt"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("subcommand", ["validate", "test"])
 def test_evaluation_subcommands_report_accuracy(trained: Path, subcommand: str, tmp_path: Path) -> None:
     result = ddp_app(
@@ -36,6 +54,7 @@ def test_evaluation_subcommands_report_accuracy(trained: Path, subcommand: str, 
     assert metric in result.stdout
 
 
+@pytest.mark.distributed
 def test_predict_writes_the_same_predictions_at_any_world_size(trained: Path, tmp_path: Path) -> None:
     outputs = {}
     for devices in (1, 2):

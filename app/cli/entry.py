@@ -12,6 +12,7 @@ one-line report and its exit code for an error the user can act on.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import sys
@@ -19,7 +20,9 @@ import time
 import warnings
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
+
+from jsonargparse import DefaultHelpFormatter
 
 from app.cli import ConfigParsed, DDPAppCLI
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE
@@ -41,6 +44,29 @@ from app.errors import UserFacingError, failed_because_a_peer_died, user_message
 from app.run.console import STARTED_VARIABLE, quiet_console
 from app.run.directory import LOCK_VARIABLE, acquire
 
+# `ddp-app --help`'s description: every subcommand, one line each. `resume-check` is not a LightningCLI
+# subcommand (app/__main__.py runs it before the CLI exists), so the parser's own list below it,
+# fit to predict with Lightning's docstrings, cannot name it (issue 42: a newcomer found it only in
+# docs/resume.md). tests/test_subcommands.py checks that this names every subcommand there is.
+SUBCOMMANDS_HELP = """\
+ddp-app trains and evaluates a LightningModule with DDP, from a YAML config (README.md, docs/usage.md).
+
+subcommands (`ddp-app SUBCOMMAND --help` for each one's options):
+  fit           train: ddp-app fit --config configs/digits.yaml (--ckpt_path last continues a run)
+  validate      validation metrics of a checkpoint (--ckpt_path), the same at any world size
+  test          test metrics of a checkpoint (--ckpt_path), the same at any world size
+  predict       a checkpoint's predictions, written to <trainer.default_root_dir>/predictions.pt
+  resume-check  prove your config resumes exactly: runs it stopped and resumed where resumes go wrong
+"""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help, with the description's lines kept as they are written."""
+
+
+# The main parser's keyword arguments (LightningCLI passes those not named after a subcommand to it).
+PARSER_KWARGS: dict[str, Any] = {"description": SUBCOMMANDS_HELP, "formatter_class": HelpFormatter}
+
 
 def run(args: list[str]) -> int:
     """Run the CLI in this process (a rank, or a run without DDP); returns the exit code.
@@ -55,7 +81,7 @@ def run(args: list[str]) -> int:
     STOP_SIGNAL_FLAG.install(PREEMPTION_SIGNALS)
     allow_plain_cuda_availability_checks(os.environ)
     try:
-        DDPAppCLI(args=args)
+        DDPAppCLI(args=args, parser_kwargs=PARSER_KWARGS)
     except Stopped as stopped:
         if stopped.is_global_zero:  # once, not once per rank
             print(f"ddp-app: {stopped}", file=sys.stderr)
@@ -122,7 +148,7 @@ def check_before_launch(args: list[str]) -> ConfigParsed:
     launch, once, before any rank exists. Bad input ends here: one line on stderr and SystemExit with
     its code (tests/fault/test_bad_input.py runs its cases through this function in-process)."""
     try:
-        DDPAppCLI(args=args, parse_only=True)
+        DDPAppCLI(args=args, parse_only=True, parser_kwargs=PARSER_KWARGS)
     except ConfigParsed as checked:
         return checked
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from app.checkpoints.io import atomic_torch_save
 from app.checkpoints.last import find_last_checkpoint
 from app.errors import NonFiniteLossError
 from app.run.console import is_verbose
+from app.tracking.throughput import TrainingClock, batch_size_of, samples_per_s
 
 
 class NonFiniteGuard(L.Callback):
@@ -183,11 +184,13 @@ class LogLineProgressBar(ProgressBar):
 
     tqdm's bar writes a carriage-return redraw several times a second, which in an sbatch log, CI or
     `| tee` is one unreadable multi-megabyte line. The values are the progress-bar metrics (what
-    `self.log(..., prog_bar=True)` shows in the bar), samples/s is over all ranks since the previous
-    line. Per step this costs one clock read and a comparison: no collective, no formatting.
-    Global rank 0 prints; Lightning disables the bar on the other ranks. Within an epoch the line
-    reads Lightning's step values only (reduced when they were logged); the epoch's line is printed
-    where every rank has reduced the epoch's values (`print_epoch_line`).
+    `self.log(..., prog_bar=True)` shows in the bar). samples/s is training samples/s as
+    app/tracking/throughput.py defines it: on the epoch's line the epoch's value, the one the fit's
+    summary, the plot and the trackers show (`RunCoordinator` passes it), and within an epoch the
+    value since the previous line. Per step this costs two clock reads and a comparison: no
+    collective, no formatting. Global rank 0 prints; Lightning disables the bar on the other ranks.
+    Within an epoch the line reads Lightning's step values only (reduced when they were logged); the
+    epoch's line is printed where every rank has reduced the epoch's values (`print_epoch_line`).
     """
 
     def __init__(self, interval_s: float = 30.0) -> None:
@@ -195,11 +198,10 @@ class LogLineProgressBar(ProgressBar):
         self.interval_s = interval_s
         self._enabled = True
         self._next_line_at = math.inf
-        # (time, batches of this epoch done on this rank) at the previous line; None: read at the next batch.
-        self._window: tuple[float, int] | None = None
-        # Seconds of validation inside the window: samples/s is a training speed.
-        self._validation_s = 0.0
-        self._validation_start = 0.0
+        # This rank's training since the epoch's start (or this attempt's, for an epoch resumed in its
+        # middle), and its (samples, seconds) at the previous line within the epoch.
+        self._clock = TrainingClock()
+        self._at_previous_line = (0.0, 0.0)
         # Who prints the epoch's line: `app.run.coordinator.RunCoordinator` sets itself here in a ddp-app fit
         # (after every rank has reduced the epoch's values); None: this bar, in its on_train_epoch_end.
         self.epoch_lines_by: Any = None
@@ -211,85 +213,69 @@ class LogLineProgressBar(ProgressBar):
     def enable(self) -> None:
         self._enabled = True
 
+    def _restart(self) -> None:
+        self._clock.reset()
+        self._at_previous_line = (0.0, 0.0)
+        self._next_line_at = time.monotonic() + self.interval_s if self._enabled else math.inf
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # A resume in the middle of an epoch starts without on_train_epoch_start: the window then
-        # opens at the first batch, which the -inf deadline sends to `_due` without printing.
-        self._window = None
-        self._validation_s = 0.0  # the sanity check's validation ran before training
-        self._next_line_at = -math.inf if self._enabled else math.inf
+        self._restart()  # a resume in the middle of an epoch starts without on_train_epoch_start
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        now = time.monotonic()
-        self._window = (now, 0)
-        self._validation_s = 0.0
-        if self._enabled:
-            self._next_line_at = now + self.interval_s
+        self._restart()
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._clock.batch_start()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._clock.batch_end(batch_size_of(batch) * trainer.world_size)
         if time.monotonic() >= self._next_line_at:
-            self._due(trainer, pl_module)
+            samples, seconds = self._clock.totals()
+            before_samples, before_seconds = self._at_previous_line
+            self._print_line(trainer, pl_module, samples_per_s(samples - before_samples, seconds - before_seconds))
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._validation_start = time.monotonic()
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._validation_s += time.monotonic() - self._validation_start
+        self._clock.pause()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # In a Trainer without ddp-app's coordinator (a plain Lightning one), as Lightning's own bars do.
         if self.epoch_lines_by is None:
             self.print_epoch_line(trainer, pl_module)
 
-    def print_epoch_line(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def print_epoch_line(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, epoch_samples_per_s: float | None = None
+    ) -> None:
         """The epoch's line, called by `app.run.coordinator.RunCoordinator` at the epoch's end on every
         rank, after every rank has reduced the epoch's logged values: reading them here (on rank 0
-        only) reduces nothing. Validation has run by now, so the line carries this epoch's val_* values."""
+        only) reduces nothing. Validation has run by now, so the line carries this epoch's val_* values.
+
+        `epoch_samples_per_s`: the epoch's samples/s as logged (the ranks' mean); None: this rank's own
+        measure of the epoch (this attempt's part of it), the same definition.
+        """
         if self._enabled:
-            self._print_line(trainer, pl_module)
+            if epoch_samples_per_s is None:
+                epoch_samples_per_s = samples_per_s(*self._clock.totals())
+            self._print_line(trainer, pl_module, epoch_samples_per_s)
 
-    def _due(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._window is None:
-            self._window = (time.monotonic(), batches_done_this_epoch(trainer))
-            self._validation_s = 0.0
-            self._next_line_at = self._window[0] + self.interval_s
-            return
-        self._print_line(trainer, pl_module)
-
-    def _print_line(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        now = time.monotonic()
+    def _print_line(self, trainer: L.Trainer, pl_module: L.LightningModule, rate: float | None) -> None:
         batches = batches_done_this_epoch(trainer)
         # The epoch's batches; not `total_train_batches`, which with max_epochs=-1 is the steps left to
         # max_steps as of the moment it is read (`batch=20/5` at an epoch's end).
         total = trainer.num_training_batches
         fields = [f"epoch={trainer.current_epoch}", f"step={trainer.global_step}"]
         fields.append(f"batch={batches}/{total if math.isfinite(total) else '?'}")
-        training_s = now - self._window[0] - self._validation_s if self._window is not None else 0.0
-        if self._window is not None and training_s > 0:
-            samples = self._samples_until(trainer, batches) - self._samples_until(trainer, self._window[1])
-            fields.append(f"samples/s={samples / training_s:.0f}")
+        if rate is not None:
+            fields.append(f"samples/s={rate:.0f}")
         for name, value in self.get_metrics(trainer, pl_module).items():
             if name != "v_num":
                 fields.append(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}")
         print(" ".join(fields), flush=True)
-        self._window = (now, batches)
-        self._validation_s = 0.0
-        self._next_line_at = now + self.interval_s
-
-    def _samples_until(self, trainer: L.Trainer, batches: int) -> float:
-        """Samples in the first `batches` batches of this epoch, over all ranks.
-
-        Every rank has the same number of samples per epoch (the training sampler pads), and only the
-        last batch of an epoch may be short.
-        """
-        loader = trainer.train_dataloader
-        batch_size = getattr(loader, "batch_size", None) or 1  # 1 without a batch size: batches/s
-        try:
-            per_rank = len(loader.sampler)  # type: ignore[union-attr]
-        except (AttributeError, TypeError):
-            per_rank = math.inf
-        return min(batches * batch_size, per_rank) * trainer.world_size
+        self._at_previous_line = self._clock.totals()
+        self._next_line_at = time.monotonic() + self.interval_s
 
 
 # The summary table's column and line of FLOPs counts (Lightning 2.6 `ModelSummary`).

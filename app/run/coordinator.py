@@ -269,7 +269,7 @@ class RunCoordinator(Checkpoint):
             self.last_checkpoint.save(trainer)
         bar = trainer.progress_bar_callback
         if isinstance(bar, LogLineProgressBar):  # enabled on global rank 0 only
-            bar.print_epoch_line(trainer, pl_module)
+            bar.print_epoch_line(trainer, pl_module, agreement.samples_per_s)  # the value logged above
         if signum:
             # Stopped at the next hook (the next epoch's start, or the end of training), not here:
             # Lightning logs the epoch's `on_epoch=True` values (train_acc, ...) after this hook, and

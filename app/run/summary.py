@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from app.checkpoints.last import LAST_NAME, checkpoint_directory
 from app.tracking.layout import SAMPLES_PER_S
-from app.tracking.run import batch_size_of
+from app.tracking.throughput import batch_size_of
 
 
 def duration(seconds: float) -> str:

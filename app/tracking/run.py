@@ -53,6 +53,7 @@ from app.errors import UserFacingError
 from app.tracking.history import SETTLED, Call, Journal, RunHistory, mark_sent, replay, sent_seqs
 from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, RUN_FILE, SAMPLES_PER_S, latest_run
 from app.tracking.sinks import CsvView, MlflowSink, RunFacts, TensorBoardSink, WandbSink, quiet_loggers
+from app.tracking.throughput import TrainingClock, batch_size_of, samples_per_s
 from app.tracking.worker import TrackerThread
 
 # Keys of the config that are not settings of the run: every attempt passes its own.
@@ -256,18 +257,6 @@ def attempt_facts(trainer: L.Trainer, number: int, resumed_from: str | None, ste
         if env.get(variable):
             facts[key] = env[variable]
     return facts
-
-
-def batch_size_of(batch: Any) -> int:
-    """The first dimension of the first tensor in a batch (tuple, list or dict of tensors)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        size = batch_size_of(item)
-        if size:
-            return size
-    return 0
 
 
 class _Outbox:
@@ -560,13 +549,11 @@ class Tracking(L.Callback):
         self._save_in_flight: tuple[int, int] | None = None
         self._status = "failed"
         # samples/s per epoch, on every rank of a fit that logs: this attempt's share of the epoch
-        # (first batch start to last batch end, this rank's samples times the world size), plus what
-        # earlier attempts measured of it (`state_dict`), so an epoch split by a resume has its value.
+        # (app/tracking/throughput.py defines it), plus what earlier attempts measured of it
+        # (`state_dict`), so an epoch split by a resume has its value.
         self._measuring = False
         self._epoch = -1
-        self._epoch_start: float | None = None
-        self._last_batch_end = 0.0
-        self._epoch_samples = 0
+        self._clock = TrainingClock()
         self._earlier: dict[str, float] = {"samples": 0.0, "seconds": 0.0}
 
     # ----- opening the run (rank 0, before fit) -----
@@ -777,29 +764,29 @@ class Tracking(L.Callback):
     ) -> None:
         if self._save_in_flight is not None:
             self._settle_save(trainer)
-        if self._epoch_start is None:
-            self._epoch_start = time.perf_counter()
+        self._clock.batch_start()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._measuring:
-            self._epoch_samples += batch_size_of(batch) * trainer.world_size
-            self._last_batch_end = time.perf_counter()
+            self._clock.batch_end(batch_size_of(batch) * trainer.world_size)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)
         # Not called for an epoch resumed in its middle or at its end (Lightning's fit loop), where
         # `load_state_dict` has put what earlier attempts measured of it.
-        self._epoch, self._epoch_start, self._epoch_samples = trainer.current_epoch, None, 0
+        self._epoch = trainer.current_epoch
+        self._clock.reset()
         self._earlier = {"samples": 0.0, "seconds": 0.0}
 
     def _epoch_so_far(self) -> tuple[float, float]:
-        """(samples, seconds) of the current epoch's training batches, over every attempt."""
-        seconds = self._last_batch_end - self._epoch_start if self._epoch_start is not None else 0.0
-        return self._earlier["samples"] + self._epoch_samples, self._earlier["seconds"] + seconds
+        """(samples, seconds) of the current epoch's training, over every attempt."""
+        samples, seconds = self._clock.totals()
+        return self._earlier["samples"] + samples, self._earlier["seconds"] + seconds
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._clock.pause()  # validation within an epoch is not training time
         self._settle_save(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -809,17 +796,11 @@ class Tracking(L.Callback):
         self._settle_save(trainer)
 
     def epoch_samples_per_s(self) -> float | None:
-        """This rank's samples times the world size (every rank trains on as many) over this rank's
-        time, for the epoch that ends now, over every attempt; None if not measured.
-
-        From the first training batch's start to the last one's end: the loader's start and the
-        epoch-end validation are outside. `app.run.coordinator.RunCoordinator` averages it over the
-        ranks in its epoch-end exchange and logs it as `samples_per_s`.
+        """Training samples/s (app/tracking/throughput.py) of the epoch that ends now, on this rank,
+        over every attempt; None if not measured. `app.run.coordinator.RunCoordinator` averages it over
+        the ranks in its epoch-end exchange and logs it as `samples_per_s`.
         """
-        samples, seconds = self._epoch_so_far()
-        if not self._measuring or not samples or seconds <= 0:
-            return None
-        return samples / seconds
+        return samples_per_s(*self._epoch_so_far()) if self._measuring else None
 
     def log_samples_per_s(self, pl_module: L.LightningModule, samples_per_s: float) -> None:
         """Log the mean over the ranks, which the coordinator's exchange reduced: the same value on

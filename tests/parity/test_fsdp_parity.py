@@ -10,8 +10,9 @@ import pytest
 import torch
 import yaml
 
-from app.parity import lightning_fit, run_command, write_variant
+from app.parity import fsdp_stage_plan, lightning_fit, run_command, write_variant
 from tests.helpers.run import REPO
+from tests.parity.test_parity import assert_counted_once
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
@@ -39,4 +40,5 @@ def test_the_parity_command_passes_every_fsdp_row(tmp_path: Path) -> None:
     run_command([*command, "--out", str(tmp_path)], tmp_path / "parity.log", timeout=900)
     report = json.loads((tmp_path / "parity.json").read_text())
     assert [check["name"] for check in report["checks"]] == ["P9a", "P9b", "P9c"]
+    assert_counted_once((tmp_path / "parity.log").read_text(), len(fsdp_stage_plan(2)))
     assert report["passed"], report["checks"]

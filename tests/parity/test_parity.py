@@ -65,6 +65,12 @@ def test_lightning_and_the_reference_with_powersgd_train_the_same_weights(adam_o
     assert check.passed and check.max_abs_diff == 0.0, check
 
 
+def assert_counted_once(output: str, total: int) -> None:
+    """The stage lines of a parity command's output count 1 to `total`, each once, in order."""
+    counters = re.findall(r"^app\.parity: \[(\d+)/(\d+)\] ", output, re.MULTILINE)
+    assert counters == [(str(n), str(total)) for n in range(1, total + 1)], counters
+
+
 def run_parity_command(tmp_path: Path, *options: str) -> dict:
     """`python -m app.parity --config configs/digits.yaml --world-size 2 [options]`: every check passed,
     exact where it can be; returns the JSON report."""
@@ -76,6 +82,7 @@ def run_parity_command(tmp_path: Path, *options: str) -> dict:
     assert "P1" in result.stdout and "PASS" in result.stdout
     assert result.stdout.startswith("app.parity: configs/digits.yaml with Lightning and with the reference")
     assert re.search(r"^app\.parity: \[\d+/\d+\] adam: torchrun \(\d+ s so far\)$", result.stdout, re.MULTILINE)
+    assert_counted_once(result.stdout, len(app.parity.stage_plan(["sgd", "adam"])))
     report = json.loads(report_path.read_text())
     checks = report["checks"]
     assert report["passed"] and all(check["passed"] for check in checks)
@@ -126,7 +133,7 @@ def test_the_command_says_what_it_runs_and_how_long_before_it_starts(
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith(
         "app.parity: configs/digits.yaml with Lightning and with the reference, for sgd and adam: "
-        "18 stages, 30 launches of 2-3 ranks (3 epochs each); about 4.5 min (9 s a launch"
+        "19 stages, 30 launches of 2-3 ranks (3 epochs each); about 4.5 min (9 s a launch"
     ), first
     assert app.parity.launches(["sgd"]) == 21  # the interop optimizer's extra launches are counted once
     # The figure per launch is docs/parity.md's measurement of these 30 launches: 267 s.
@@ -135,10 +142,36 @@ def test_the_command_says_what_it_runs_and_how_long_before_it_starts(
 
 
 def test_a_stage_is_one_line_with_the_time_so_far(capsys: pytest.CaptureFixture[str]) -> None:
-    progress = app.parity.Progress(["sgd"])
-    progress.step_done("config")
+    progress = app.parity.Progress(app.parity.stage_plan(["sgd"]))
+    progress.step_done("config")  # accounting only: no line, no count
     progress.stage("sgd: lightning fit")
-    assert capsys.readouterr().out == "app.parity: [2/9] sgd: lightning fit (0 s so far)\n"
+    assert capsys.readouterr().out == "app.parity: [1/12] sgd: lightning fit (0 s so far)\n"
+
+
+def test_the_stages_count_from_1_to_the_number_planned_each_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 42: the counter started at [2/18], jumped from 8 to 11 and said [15/18] and [18/18] three
+    times each. The plan: 7 stages per optimizer, and for the interop optimizer (Adam) its continuation,
+    the elastic resume and one stage per compression method; the FSDP2 rows have 4."""
+    plan = app.parity.stage_plan(["sgd", "adam"])
+    assert len(plan) == 7 + 7 + 2 + len(app.parity.COMPRESSION_CHECKED) == 19
+    assert len(set(plan)) == len(plan)
+    assert app.parity.stage_plan(["sgd"])[-1] == "sgd: compression powersgd"  # the only optimizer is the interop one
+    assert len(app.parity.fsdp_stage_plan(2)) == 4
+    for stages in (plan, app.parity.fsdp_stage_plan(2)):
+        progress = app.parity.Progress(stages)
+        for stage in stages:
+            progress.stage(stage)
+        progress.finish()
+        assert_counted_once(capsys.readouterr().out, len(stages))
+
+
+def test_a_stage_outside_the_plan_is_a_bug_not_a_wrong_count() -> None:
+    progress = app.parity.Progress(app.parity.stage_plan(["sgd"]))
+    with pytest.raises(AssertionError, match="not the next planned one"):
+        progress.stage("sgd: reference")  # before "sgd: lightning fit"
+    progress.stage("sgd: lightning fit")
+    with pytest.raises(AssertionError, match="ran 1 of 12 planned stages"):
+        progress.finish()
 
 
 def test_a_failing_check_names_the_first_differing_tensor(capsys: pytest.CaptureFixture[str]) -> None:
