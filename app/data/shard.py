@@ -273,7 +273,10 @@ def write_shards(
         "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "source": source,
         "data_module": f"{type(module).__module__}.{type(module).__name__}",
+        # StreamingDataModule.classes_on_disk reads these back: the launcher checks the model's num_classes
+        # against them before any rank starts.
         "classes": list(getattr(module, "classes", []) or []),
+        "num_classes": len(getattr(module, "classes", []) or []) or None,
         "splits": {},
     }
     out.mkdir(parents=True, exist_ok=True)
