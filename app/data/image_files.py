@@ -246,7 +246,7 @@ class ImageFolderLayout:
 
 def find_classes(data_dir: str) -> list[str]:
     """The class names of an ImageFolder, its train/ folder's sub-folders, sorted: one directory listing,
-    no file read, so the launcher can afford it before any rank starts (app/config_checks.py)."""
+    no file read, so the launcher can afford it before any rank starts (app/run/config_checks.py)."""
     root = Path(data_dir)
     if not (root / "train").is_dir():
         where = f"{root.resolve()} does not exist" if not root.exists() else f"{root.resolve()} has no train/ folder"

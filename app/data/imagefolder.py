@@ -79,7 +79,7 @@ class ImageFolderDataModule(ShardedDataModule):
     def classes_on_disk(data_dir: str) -> list[str]:
         """The classes a run on `data_dir` finds (its train/ folder's sub-folders), read without opening
         a file: the launcher checks them against the model's `num_classes` before any rank starts
-        (app/config_checks.py). A `data_dir` without train/ is an error that says so."""
+        (app/run/config_checks.py). A `data_dir` without train/ is an error that says so."""
         return find_classes(data_dir)
 
     def _scan_on_rank_zero(self, paths: list[Path]) -> dict[str, str]:

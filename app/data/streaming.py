@@ -171,7 +171,7 @@ class StreamingDataModule(ShardedDataModule):
     @staticmethod
     def classes_on_disk(data_dir: str) -> list[str] | None:
         """The class names the shard writer recorded (`ddp_app_shards.json`, app/data/shard.py), for the
-        launcher's check against the model's `num_classes` before any rank starts (app/config_checks.py).
+        launcher's check against the model's `num_classes` before any rank starts (app/run/config_checks.py).
         None where nothing is recorded: a URL (not read before the ranks start), shards of a data set
         without class folders, or shards written before the writer recorded them. A local `data_dir`
         without train/ shards is an error that says so."""

@@ -2,7 +2,7 @@
 
 The class folders of an ImageFolder (one directory listing) and the class names the shard writer
 recorded are checked against the model's `num_classes` in the launcher's parse-only pass
-(app/config_checks.py, `check_data_against_model`): fewer outputs than classes is one line and exit 2,
+(app/run/config_checks.py, `check_data_against_model`): fewer outputs than classes is one line and exit 2,
 more is one warning line, a missing `data_dir` is one line and exit 2. The commands run as a user types
 them, on small data written in the real on-disk formats (image files in class folders; LitData shards
 written by `python -m app.data.shard`).
@@ -24,13 +24,13 @@ import pytest
 import torch
 from PIL import Image
 
-from app import config_checks
 from app.bench.data import write_image_folder
+from app.cli.entry import check_before_launch
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
 from app.cluster.launch import env_without_launcher
 from app.data.shard import MANIFEST
 from app.data.shard import main as shard_main
-from app.entry import check_before_launch
+from app.run import config_checks
 from tests.helpers.run import REPO, clean_env, ddp_app
 
 CPU = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.precision", "32-true"]
