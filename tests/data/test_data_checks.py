@@ -105,9 +105,10 @@ def test_the_streaming_config_on_shards_of_10_classes_with_num_classes_5_is_one_
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("config", ["configs/imagefolder_resnet18.yaml", "configs/streaming_resnet18.yaml"])
-def test_a_missing_data_dir_is_one_line_before_any_rank(config: str, tmp_path: Path) -> None:
-    result = fit(config, tmp_path / "nowhere", tmp_path / "run")
+def test_a_missing_data_dir_is_one_line_before_any_rank(tmp_path: Path) -> None:
+    """As the command exits (the shards' case, and this one, are also launcher cases of
+    tests/fault/test_bad_input.py, refused in that process by the launcher's own pass)."""
+    result = fit("configs/imagefolder_resnet18.yaml", tmp_path / "nowhere", tmp_path / "run")
     line = the_error_line(result)
     assert f"{tmp_path / 'nowhere'} does not exist" in line and "Fix:" in line, line
     assert not (tmp_path / "run").exists()
