@@ -244,11 +244,9 @@ class ImageFolderLayout:
     skipped: int
 
 
-def read_layout(
-    data_dir: str, skip_bad_files: bool = False, check_files: bool = False, scan: Scan = unreadable_files
-) -> ImageFolderLayout:
-    """The classes and files under `data_dir`; with `check_files`, `scan` reads every file's first
-    bytes and a bad one is an error (or left out and counted, with `skip_bad_files`)."""
+def find_classes(data_dir: str) -> list[str]:
+    """The class names of an ImageFolder, its train/ folder's sub-folders, sorted: one directory listing,
+    no file read, so the launcher can afford it before any rank starts (app/run/config_checks.py)."""
     root = Path(data_dir)
     if not (root / "train").is_dir():
         where = f"{root.resolve()} does not exist" if not root.exists() else f"{root.resolve()} has no train/ folder"
@@ -261,6 +259,58 @@ def read_layout(
         raise DataNotFoundError(
             f"{root / 'train'} holds no class folder. Fix: put each class's images in train/<class>/."
         )
+    return classes
+
+
+def check_class_count(num_classes: int, classes: list[str], where: str) -> str | None:
+    """Refuse a classifier with fewer outputs than the data has classes (the loss would fail at the first
+    batch with a target out of range, inside every rank); return a warning line for more outputs than
+    classes (it trains: the extra outputs are never a target), None when they agree."""
+    found = len(classes)
+    if num_classes == found:
+        return None
+    shown = ", ".join(classes[:3]) + (f", ... {classes[-1]}" if found > 3 else "")
+    if num_classes < found:
+        raise InvalidConfigError(
+            f"model.init_args.num_classes is {num_classes} but {where} holds {found} classes ({shown}): "
+            f"targets {num_classes} to {found - 1} would have no output. Fix: --model.init_args.num_classes {found}."
+        )
+    return (
+        f"ddp-app: warning: model.init_args.num_classes is {num_classes} but {where} holds {found} classes "
+        f"({shown}): {num_classes - found} outputs are never a target. For a head that fits: "
+        f"--model.init_args.num_classes {found}."
+    )
+
+
+def cpu_first_run_advice(precision: str, processes: int | None, cores: int) -> str | None:
+    """One line for an image config written for GPUs and run on a machine without one: what to change.
+
+    bf16 autocast on a CPU without bf16 arithmetic is emulated, slower than float32; and each rank runs
+    one thread (app/cluster/threads.py), so `devices: auto`, one process on a CPU, uses one core.
+    None when the run already does neither.
+    """
+    changes = []
+    if precision.startswith("bf16"):
+        changes.append(f"precision {precision} -> --trainer.precision 32-true (autocast is slower on most CPUs)")
+    if processes == 1 and cores > 1:
+        changes.append(
+            f"1 process -> --trainer.devices {cores} (each rank runs one thread: one process uses 1 of {cores} cores)"
+        )
+    if not changes:
+        return None
+    return (
+        f"ddp-app: no GPU here: this image config is written for GPUs. For the CPU: {'; '.join(changes)}; and "
+        "smaller images, batches and epochs (docs/usage.md, 'A first run on a CPU')."
+    )
+
+
+def read_layout(
+    data_dir: str, skip_bad_files: bool = False, check_files: bool = False, scan: Scan = unreadable_files
+) -> ImageFolderLayout:
+    """The classes and files under `data_dir`; with `check_files`, `scan` reads every file's first
+    bytes and a bad one is an error (or left out and counted, with `skip_bad_files`)."""
+    root = Path(data_dir)
+    classes = find_classes(data_dir)
     splits: dict[str, list[tuple[Path, int]] | None] = {}
     for split in ("val", "test"):
         if not (root / split).is_dir():

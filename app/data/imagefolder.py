@@ -18,6 +18,7 @@ from app.data.image_files import (
     ImageFiles,
     check_split_settings,
     eval_transform,
+    find_classes,
     layout_splits,
     read_layout,
     train_transform,
@@ -73,6 +74,13 @@ class ImageFolderDataModule(ShardedDataModule):
         self.check_files = check_files
         self.classes: list[str] = []
         self.skipped_files = 0
+
+    @staticmethod
+    def classes_on_disk(data_dir: str) -> list[str]:
+        """The classes a run on `data_dir` finds (its train/ folder's sub-folders), read without opening
+        a file: the launcher checks them against the model's `num_classes` before any rank starts
+        (app/run/config_checks.py). A `data_dir` without train/ is an error that says so."""
+        return find_classes(data_dir)
 
     def _scan_on_rank_zero(self, paths: list[Path]) -> dict[str, str]:
         """`unreadable_files` on rank 0, its result on every rank: one pass over a shared filesystem per

@@ -3,7 +3,8 @@
 The data module of the config (`data:`, with `--data.init_args.NAME=VALUE` overrides) is built and
 set up as for training, and each of its splits is written with LitData's `optimize` into
 `DIR/train`, `DIR/val` and `DIR/test` (chunks of `--chunk-bytes`, LitData's `index.json`), plus
-`DIR/ddp_app_shards.json` saying what was written from what. `StreamingDataModule`
+`DIR/ddp_app_shards.json` saying what was written from what (an ImageFolder's class names and count
+included: the launcher checks the model's num_classes against them). `StreamingDataModule`
 (app/data/streaming.py) trains from the result, locally or after a copy to object storage.
 
 What a sample holds:
@@ -273,7 +274,10 @@ def write_shards(
         "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "source": source,
         "data_module": f"{type(module).__module__}.{type(module).__name__}",
+        # StreamingDataModule.classes_on_disk reads these back: the launcher checks the model's num_classes
+        # against them before any rank starts.
         "classes": list(getattr(module, "classes", []) or []),
+        "num_classes": len(getattr(module, "classes", []) or []) or None,
         "splits": {},
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ are returned as written.
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,11 @@ def open_shards(input_dir: str, cache_dir: str | None) -> Any:
             "Fix: write them with python -m app.data.shard --config <your config> --out <dir>, and give "
             "--data.init_args.data_dir=<dir>."
         ) from None
+
+
+def is_store(data_dir: str) -> bool:
+    """Whether LitData streams `data_dir` from a store (s3://..., its `local:` store) rather than a folder."""
+    return "://" in data_dir or data_dir.startswith("local:")
 
 
 class ShardSamples(Dataset):
@@ -162,11 +168,35 @@ class StreamingDataModule(ShardedDataModule):
         self.mean = tuple(mean)
         self.std = tuple(std)
 
+    @staticmethod
+    def classes_on_disk(data_dir: str) -> list[str] | None:
+        """The class names the shard writer recorded (`ddp_app_shards.json`, app/data/shard.py), for the
+        launcher's check against the model's `num_classes` before any rank starts (app/run/config_checks.py).
+        None where nothing is recorded: a URL (not read before the ranks start), shards of a data set
+        without class folders, or shards written before the writer recorded them. A local `data_dir`
+        without train/ shards is an error that says so."""
+        data_dir = str(data_dir).rstrip("/")
+        if is_store(data_dir):
+            return None
+        if not (Path(data_dir) / "train" / "index.json").is_file():
+            where = "does not exist" if not Path(data_dir).exists() else "has no train/index.json"
+            raise DataNotFoundError(
+                f"no LitData shards at {data_dir} ({Path(data_dir).resolve()} {where}). Fix: write them with "
+                "python -m app.data.shard --config <your config> --out <dir>, and give --data.init_args.data_dir=<dir>."
+            )
+        from app.data.shard import MANIFEST
+
+        try:
+            classes = json.loads((Path(data_dir) / MANIFEST).read_text()).get("classes")
+        except (OSError, ValueError, AttributeError):  # no record, or not ours: nothing to check against
+            return None
+        return [str(name) for name in classes] if isinstance(classes, list) and classes else None
+
     def _split(self, name: str, transform: Any) -> ShardSamples:
         return ShardSamples(f"{self.data_dir}/{name}", transform, self.cache_dir, self.shuffle_chunks)
 
     def _has_split(self, name: str) -> bool:
-        if "://" in self.data_dir or self.data_dir.startswith("local:"):  # a store: open test/ to see
+        if is_store(self.data_dir):  # a store: open test/ to see
             try:
                 self._split(name, None)
             except DataNotFoundError:

@@ -66,6 +66,7 @@ def check_config(config: Any) -> None:
             f"trainer.precision={precision} on CPU: CPUs have no native float16 arithmetic (it is emulated, "
             "slower than 32-bit). Fix: --trainer.precision=bf16-mixed or 32-true on CPU; 16-mixed is for GPUs."
         )
+    check_data_against_model(config)
     warn_if_oversubscribed(on_cpu, resolve_devices(trainer.get("devices", "auto"), trainer.get("accelerator", "auto")))
     if os.environ.get("LOCAL_RANK", "0") == "0":
         check_writable(Path(trainer.get("default_root_dir") or os.getcwd()))
@@ -325,3 +326,40 @@ def command_line_model_keys(args: list[str]) -> list[str]:
             if path and path[0] not in ("class_path", "help"):
                 keys.append(path[0])
     return keys
+
+
+# Lines said once per process: the launcher's pass and an in-process run both check the same config.
+SAID_ONCE: set[str] = set()
+
+
+def check_data_against_model(config: Any) -> None:
+    """The classes on disk against the model's `num_classes`, and an image config on a CPU, before any rank
+    starts. A data module that lists its classes cheaply (`classes_on_disk(data_dir)`: ImageFolder's class
+    folders, the shard writer's record) is asked: a missing `data_dir` is refused here; a model whose
+    `num_classes` init arg is smaller than the classes found is refused in one line (every rank would
+    fail at its first batch, "Target 5 is out of bounds"), a larger one gets a warning line. A model
+    without such an argument (a user's own) is not checked. Such a config written for GPUs and run on a
+    machine without one gets one line naming what to change."""
+    data, model, trainer = config.get("data"), config.get("model"), config["trainer"]
+    class_path = getattr(data, "class_path", None)
+    if not isinstance(class_path, str) or "." not in class_path:
+        return
+    module_name, _, class_name = class_path.rpartition(".")
+    classes_on_disk = getattr(getattr(importlib.import_module(module_name), class_name, None), "classes_on_disk", None)
+    if classes_on_disk is None:
+        return
+    from app.data.image_files import check_class_count, cpu_first_run_advice  # imported by the data module
+
+    data_dir = str((getattr(data, "init_args", None) or {}).get("data_dir"))
+    classes = classes_on_disk(data_dir)
+    num_classes = (getattr(model, "init_args", None) or {}).get("num_classes")
+    lines = []
+    if classes is not None and isinstance(num_classes, int) and not isinstance(num_classes, bool):
+        lines.append(check_class_count(num_classes, classes, f"data.init_args.data_dir {data_dir}"))
+    if not on_gpu(trainer):
+        processes = resolve_devices(trainer.get("devices", "auto"), trainer.get("accelerator", "auto"))
+        lines.append(cpu_first_run_advice(str(trainer.get("precision")), processes, os.cpu_count() or 1))
+    for line in lines:
+        if line and line not in SAID_ONCE and not already_launched(os.environ):
+            SAID_ONCE.add(line)
+            print(line, file=sys.stderr, flush=True)

@@ -163,6 +163,17 @@ CASES: dict[str, Case] = {
         ],
         "MNIST not found",
     ),
+    # The image data modules' data_dir is read by the launcher (the class folders, the shards' record).
+    "missing_imagefolder_data_dir": Case(
+        ["--config=configs/imagefolder_resnet18.yaml", "--data.init_args.data_dir=/nonexistent/images",
+         "--trainer.accelerator=cpu", "--trainer.precision=32-true"],
+        "ImageFolder data not found: /nonexistent/images does not exist",
+    ),
+    "missing_shards_data_dir": Case(
+        ["--config=configs/streaming_resnet18.yaml", "--data.init_args.data_dir=/nonexistent/shards",
+         "--trainer.accelerator=cpu", "--trainer.precision=32-true"],
+        "no LitData shards at /nonexistent/shards",
+    ),
     "unwritable_root_dir": Case([], "not writable", prepare=unwritable_root),
     "nonexistent_ckpt_path": Case(["--ckpt_path=/nonexistent/last.ckpt"], "/nonexistent/last.ckpt"),
     "truncated_ckpt": Case([], "truncated or corrupt", prepare=truncated_checkpoint),
@@ -297,7 +308,7 @@ LAUNCHER_CASES = [
     "unknown_accelerator", "devices_not_a_number", "devices_a_fraction", "unknown_strategy", "unknown_precision",
     "num_nodes_zero", "limit_train_batches_negative", "accumulate_grad_batches_zero", "gradient_clip_val_negative",
     "val_check_interval_zero", "log_every_n_steps_negative", "gpu_on_a_machine_without_one",
-    "precision_the_device_cannot_run",
+    "precision_the_device_cannot_run", "missing_imagefolder_data_dir", "missing_shards_data_dir",
 ]  # fmt: skip
 # Run as the real command (`test_bad_input`): what only ranks can find, and one launcher refusal of each
 # kind (the parser, a checkpoint, Lightning's own check of the Trainer) for the command's exit code and
