@@ -165,13 +165,21 @@ CASES: dict[str, Case] = {
     ),
     # The image data modules' data_dir is read by the launcher (the class folders, the shards' record).
     "missing_imagefolder_data_dir": Case(
-        ["--config=configs/imagefolder_resnet18.yaml", "--data.init_args.data_dir=/nonexistent/images",
-         "--trainer.accelerator=cpu", "--trainer.precision=32-true"],
+        [
+            "--config=configs/imagefolder_resnet18.yaml",
+            "--data.init_args.data_dir=/nonexistent/images",
+            "--trainer.accelerator=cpu",
+            "--trainer.precision=32-true",
+        ],
         "ImageFolder data not found: /nonexistent/images does not exist",
     ),
     "missing_shards_data_dir": Case(
-        ["--config=configs/streaming_resnet18.yaml", "--data.init_args.data_dir=/nonexistent/shards",
-         "--trainer.accelerator=cpu", "--trainer.precision=32-true"],
+        [
+            "--config=configs/streaming_resnet18.yaml",
+            "--data.init_args.data_dir=/nonexistent/shards",
+            "--trainer.accelerator=cpu",
+            "--trainer.precision=32-true",
+        ],
         "no LitData shards at /nonexistent/shards",
     ),
     "unwritable_root_dir": Case([], "not writable", prepare=unwritable_root),
