@@ -82,10 +82,10 @@ def test_reference_imports_only_models_datasets_and_helpers() -> None:
     # app.data.on_device: how a split held as tensors is batched (by indexing), the same on both sides,
     # so that the benchmark's Lightning / reference compares trainers, not data paths.
     # app.cluster.ddp_buffers: DDP's arguments at one rank, the same on both sides.
-    # app.data.image_files: the ImageFolder's datasets, bare like app.data.datasets (which it imports,
+    # app.data.image_datasets: the ImageFolder's datasets, bare like app.data.datasets (which it imports,
     # so it cannot be listed there).
     allowed = {
-        "app.reference", "app.models.nets", "app.models.transformer", "app.data.datasets", "app.data.image_files",
+        "app.reference", "app.models.nets", "app.models.transformer", "app.data.datasets", "app.data.image_datasets",
         "app.cluster.preflight", "app.cluster.slurm_env", "app.cluster.threads",
         "app.resume.elastic", "app.data.samplers", "app.data.on_device", "app.cluster.ddp_buffers",
     }  # fmt: skip

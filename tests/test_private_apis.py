@@ -46,7 +46,7 @@ from app.cluster.preemption import (
     LIGHTNING_SIGNAL_HANDLER_INSTALL,
     keep_lightning_off_stop_signals,
 )
-from app.data.image_files import WORKER_PREFIX, UnreadableImageError
+from app.data.image_datasets import WORKER_PREFIX, UnreadableImageError
 from app.errors import one_line_message
 from app.export import config_from_hyperparameters
 from app.private_apis import PrivateApiChanged, require
@@ -465,7 +465,7 @@ def test_lightning_cli_saves_the_model_class_in_the_hyperparameter_keys_checkpoi
     assert config["init_args"] == summary.hyper_parameters
 
 
-# ----- DataLoader workers (app/data/image_files.py) -----
+# ----- DataLoader workers (app/data/image_datasets.py) -----
 
 
 class _RaisedInWorker(Exception):
@@ -508,7 +508,7 @@ def test_a_dataloader_worker_error_reaches_the_main_process_in_the_form_image_fi
     ours = f"{_RaisedInWorker.__module__}.{_RaisedInWorker.__qualname__}: boom"
     assert lines[0].startswith(first) and lines[-1] == ours, (
         f"DataLoader now re-raises a worker's error as {lines[0]!r} ... {lines[-1]!r}: UnreadableImageError "
-        f"(app/data/image_files.py) reads its '{WORKER_PREFIX}' prefix and the last line, so a bad image in a "
+        f"(app/data/image_datasets.py) reads its '{WORKER_PREFIX}' prefix and the last line, so a bad image in a "
         f"loader worker prints the worker's traceback, not one line ({DOC})"
     )
     message = "data/cat/1.png is not an image (it starts with b'oops')"

@@ -4,7 +4,7 @@ The samples per second a training DataLoader delivers on this machine (batches i
 model), at each of `--workers` (0, 1, 2 and 4 loader workers), from two sources:
 
   imagefolder   image files on disk in the ImageFolder layout, read by `ImageFolderDataModule`'s
-                training split (app/data/image_files.py): decoded and given the config's training
+                training split (app/data/image_datasets.py): decoded and given the config's training
                 transforms (random resized crop, flip, normalize) in the workers, each sample seeded
                 per (seed, epoch, index) as in training. `--images` small JPEGs in `--classes`
                 classes are generated into a temporary folder, or `--data-dir` names your own
@@ -45,10 +45,10 @@ from torchvision.io import encode_jpeg
 from app.bench.report import counts, spread
 from app.cluster.threads import configure_cpu_threads
 from app.data.imagefolder import ImageFolderDataModule
+from app.data.litdata_shards import StreamingDataModule
 from app.data.samplers import train_sampler
 from app.data.seeding import PerSampleSeeded, training_loader_generator
 from app.data.shard import DEFAULT_CHUNK_BYTES, write_shards
-from app.data.streaming import StreamingDataModule
 from app.reference.config import instantiate
 
 SOURCES = ("imagefolder", "litdata", "in memory")

@@ -375,8 +375,8 @@ def likely_cause(base_args: list[str]) -> str:
     import importlib
 
     from app.cli import parse_config  # the CLI's own parser, files and precedence
+    from app.data.rank_loaders import is_plain_loader
     from app.data.seeding import PerSampleSeeded, SampleKey
-    from app.data.sharding import is_plain_loader
 
     config = parse_config(["fit", *base_args])
     data = config.get("data")

@@ -19,7 +19,7 @@ DATA_MODULES = {
     "FakeImageDataModule": "app.data.vision",
     "ImageFolderDataModule": "app.data.imagefolder",
     "MNISTDataModule": "app.data.vision",
-    "StreamingDataModule": "app.data.streaming",
+    "StreamingDataModule": "app.data.litdata_shards",
     "SyntheticTokensDataModule": "app.data.tokens",
     "DataNotFoundError": "app.data.datasets",
 }

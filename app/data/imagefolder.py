@@ -1,7 +1,7 @@
 """Your own images in the ImageFolder layout (ImageNet's on disk): `data_dir/train/<class>/<file>`.
 
 The files are listed in `setup` (every rank, the same way, nothing written) and decoded and
-augmented in the DataLoader workers; the datasets are built in `app.data.image_files`.
+augmented in the DataLoader workers; the datasets are built in `app.data.image_datasets`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from torch.utils.data import Dataset, Subset
 
 from app.data.base import ShardedDataModule
-from app.data.image_files import (
+from app.data.image_datasets import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     ImageFiles,
@@ -36,7 +36,7 @@ class ImageFolderDataModule(ShardedDataModule):
     to `image_size`. Both are normalized with `mean` and `std`. The random draws are seeded per
     sample from (seed, epoch, index), so resumes are exact with any `num_workers`.
 
-    Bad files (app/data/image_files.py says why): by default none is looked for before training; a
+    Bad files (app/data/image_datasets.py says why): by default none is looked for before training; a
     file that fails to decode in a worker stops the run with one line that names it, or, with
     `skip_bad_files`, the next image of the split is trained in its place and the replaced files are
     counted at the end of the fit (per rank: each rank meets only its own samples). `check_files:

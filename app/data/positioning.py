@@ -1,6 +1,6 @@
 """What the data layer asks of the part of a run that keeps its place in the training data.
 
-The loaders ddp-app builds (app/data/base.py, app/data/sharding.py) need, when an iterator starts,
+The loaders ddp-app builds (app/data/base.py, app/data/rank_loaders.py) need, when an iterator starts,
 the epoch and the batches to skip (a mid-epoch resume), whether samples are seeded per sample, the
 layout of an elastic resume, and somewhere to register the stateful streams they position. They ask
 a `TrainingPositioner` found among the Trainer's callbacks, and never import who implements it:
@@ -47,7 +47,7 @@ class TrainingPositioner(abc.ABC):
 
     @abc.abstractmethod
     def add_stream(self, stream: Any) -> None:
-        """A positioned stream (app.data.streams) whose state goes into every checkpoint, per rank."""
+        """A positioned stream (app.data.positioned_streams) whose state goes into every checkpoint, per rank."""
 
     @abc.abstractmethod
     def add_notice(self, line: str) -> None:

@@ -5,7 +5,7 @@ set up as for training, and each of its splits is written with LitData's `optimi
 `DIR/train`, `DIR/val` and `DIR/test` (chunks of `--chunk-bytes`, LitData's `index.json`), plus
 `DIR/ddp_app_shards.json` saying what was written from what (an ImageFolder's class names and count
 included: the launcher checks the model's num_classes against them). `StreamingDataModule`
-(app/data/streaming.py) trains from the result, locally or after a copy to object storage.
+(app/data/litdata_shards.py) trains from the result, locally or after a copy to object storage.
 
 What a sample holds:
   - image files (`ImageFolderDataModule`): the file's encoded bytes and its class index, so the
@@ -51,7 +51,7 @@ DEFAULT_CHUNK_BYTES = "64MB"  # LitData's advice: chunks of tens of MB stream we
 def image_files_of(dataset: Dataset) -> tuple[list[tuple[Path, int]], list[int]] | None:
     """(the image files with their class indices, the indices `dataset` reads of them) for a split of
     `ImageFolderDataModule` (an `ImageFiles`, or Subsets of one); None for any other data set."""
-    from app.data.image_files import ImageFiles
+    from app.data.image_datasets import ImageFiles
 
     indices: list[int] | None = None
     while isinstance(dataset, Subset):
@@ -63,14 +63,14 @@ def image_files_of(dataset: Dataset) -> tuple[list[tuple[Path, int]], list[int]]
 
 
 def image_record(samples: list[tuple[Path, int]], index: int) -> dict[str, Any]:
-    """One image file's sample: its encoded bytes and class index (decoded in training, app.data.streaming).
+    """One image file's sample: its encoded bytes and class index (decoded in training, app.data.litdata_shards).
 
     The file is decoded once here, so that shards never hold an image training cannot decode (the
     whole pass costs a decode per image, spread over the writer processes).
     """
     from torchvision.io import ImageReadMode, decode_image
 
-    from app.data.image_files import UnreadableImageError
+    from app.data.image_datasets import UnreadableImageError
 
     path, target = samples[index]
     try:
@@ -95,7 +95,7 @@ class NotedRecord:
         self.make, self.notes = make, notes
 
     def __call__(self, index: int) -> Any:
-        from app.data.image_files import UnreadableImageError
+        from app.data.image_datasets import UnreadableImageError
 
         try:
             return self.make(index)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from app.data.datasets import DATASETS, DOWNLOADS, LoaderSettings
-from app.data.image_files import imagefolder_splits
+from app.data.image_datasets import imagefolder_splits
 from app.models.nets import PARTS, TrainingParts
 
 # DataModule class name -> its splits: `app.data.datasets.DATASETS`, and the ImageFolder's, whose

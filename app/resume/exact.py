@@ -16,7 +16,7 @@
    tests/fault/test_resume_matrix.py): the start of an epoch, the middle of one after k batches,
    or "all batches trained, validation and epoch end still to run". The sampler then skips exactly
    the consumed batches (`ResumableDistributedSampler` asks `ExactResume.sampler_position`); a
-   stateful stream loads its state (app/data/streams.py).
+   stateful stream loads its state (app/data/positioned_streams.py).
 3. **Every rank's random state** (torch, CUDA, NumPy, Python), restored right before the first thing
    the resumed run does: dropout masks and anything else drawn in the training step match.
 
@@ -196,7 +196,7 @@ class ExactResume(L.Callback, TrainingPositioner):
         self.elastic = elastic
         self.global_batch_size = global_batch_size
         # Told by the data layer (app/data/positioning.py) as it builds the training loaders: the
-        # stateful streams it positions (app.data.streams), and one line for each loader it cannot.
+        # stateful streams it positions (app.data.positioned_streams), and one line for each loader it cannot.
         self.streams: list[Any] = []
         self.notices: list[str] = []
         # The per-rank batch size the user's training loader asked for, and its dataset's length (set
@@ -254,7 +254,7 @@ class ExactResume(L.Callback, TrainingPositioner):
 
     def stream_start(self, index: int) -> StreamStart:
         """(epoch, batches to skip, state to load or None, whether the epoch's batches are all trained)
-        for the training stream `index` starting now (app.data.streams)."""
+        for the training stream `index` starting now (app.data.positioned_streams)."""
         epoch, skip = self.sampler_position()
         state = None
         if index < len(self._pending_streams):

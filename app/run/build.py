@@ -49,7 +49,7 @@ from app.cluster.ddp_stream import build_ddp_on_the_current_stream
 from app.cluster.hangs import HangReport
 from app.cluster.preemption import STOP_SIGNAL_FLAG, keep_lightning_off_stop_signals
 from app.cluster.preflight import Launch, describe_launch, fresh_store_for_this_round, lightning_uses_slurm
-from app.data.sharding import shard_all_loaders
+from app.data.rank_loaders import shard_all_loaders
 from app.errors import UserFacingError
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means

@@ -348,7 +348,7 @@ def check_data_against_model(config: Any) -> None:
     classes_on_disk = getattr(getattr(importlib.import_module(module_name), class_name, None), "classes_on_disk", None)
     if classes_on_disk is None:
         return
-    from app.data.image_files import check_class_count, cpu_first_run_advice  # imported by the data module
+    from app.data.image_datasets import check_class_count, cpu_first_run_advice  # imported by the data module
 
     data_dir = str((getattr(data, "init_args", None) or {}).get("data_dir"))
     classes = classes_on_disk(data_dir)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Subset
 
 from app.checkpoints.io import safe_load
 from app.cli.resume_check import Case, Runner
-from app.data.image_files import (
+from app.data.image_datasets import (
     ImageFiles,
     UnreadableImageError,
     image_format_problem,

@@ -1,6 +1,6 @@
 """A user's plain DataModule gets our samplers; loaders with their own sharding are left alone.
 
-Also the guard for the route `app/data/sharding.py` takes: if Lightning stopped fetching loaders
+Also the guard for the route `app/data/rank_loaders.py` takes: if Lightning stopped fetching loaders
 through the instance's `*_dataloader` attribute, the samplers it iterates here would not be ours.
 """
 
@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, SubsetRandomSampler, TensorDataset
 
 from app.data.base import ResumableDataLoader
+from app.data.rank_loaders import WRAPPED, reshard, shard_all_loaders
 from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
-from app.data.sharding import WRAPPED, reshard, shard_all_loaders
 from app.models.sync_check import warn_on_per_rank_means
 from tests.helpers.user_modules import BlobsDataModule, MyNet
 

@@ -176,7 +176,7 @@ DATA_VARIANTS = {  # both configs read with 2 loader workers
     "accumulate3": ["--trainer.accumulate_grad_batches=3"],
 }
 # The default run's rows (one uninterrupted run each); the kill mid-epoch, twice for the shards, and the
-# resume on 3 ranks are in tests/data/test_imagefolder.py and tests/data/test_streaming.py.
+# resume on 3 ranks are in tests/data/test_imagefolder.py and tests/data/test_litdata_shards.py.
 DATA_SUBSET = {
     "imagefolder": Case("sigterm", "last-batch", "more-epochs", "persistent", epoch=0),
     "streaming": Case("kill-rank0", "validation", "same", "workers2", epoch=0),

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
 from app.cli.resume_check import Case, Runner
-from app.data.streams import WorkerPositionedStream
+from app.data.positioned_streams import WorkerPositionedStream
 from app.errors import ResumeError
 from tests.helpers.run import ddp_app
 

@@ -208,7 +208,7 @@ class WorkerPositionedStream(IterableDataset):
     resume keeps.
 
     Not with `persistent_workers` (workers keep their copies across epochs, out of reach of the
-    state to load) nor `in_order=False`: `app.data.sharding` leaves those loaders as they are, with
+    state to load) nor `in_order=False`: `app.data.rank_loaders` leaves those loaders as they are, with
     a line at fit start. A checkpoint of another `num_workers` is refused in one line.
     """
 

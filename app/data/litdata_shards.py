@@ -33,7 +33,7 @@ from torchvision.io import ImageReadMode, decode_image
 
 from app.data.base import ShardedDataModule
 from app.data.datasets import DataNotFoundError
-from app.data.image_files import (
+from app.data.image_datasets import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     UnreadableImageError,

@@ -14,10 +14,10 @@ from app.bench.data import write_image_folder
 from app.checkpoints.io import safe_load
 from app.cli.resume_check import Case, Runner
 from app.data.datasets import DataNotFoundError
-from app.data.image_files import read_layout
+from app.data.image_datasets import read_layout
+from app.data.litdata_shards import StreamingDataModule
 from app.data.samplers import chunked_shard
 from app.data.shard import main as shard_main
-from app.data.streaming import StreamingDataModule
 from tests.helpers.run import clean_env, ddp_app
 
 CHUNK = 16  # samples per chunk: 200 training images in 2 writers give 2 x 7 chunks
@@ -62,7 +62,7 @@ def test_litdata_still_describes_its_chunks_as_shard_samples_reads_them(shards: 
     region = StreamingDataset(str(shards / "train")).region_of_interest
     assert [end - start for start, end in region] == [chunk["chunk_size"] for chunk in chunks], (
         "LitData's StreamingDataset.region_of_interest no longer gives each chunk's samples in index order: "
-        "ShardSamples.chunk_sizes (app/data/streaming.py) and the chunked training order depend on it "
+        "ShardSamples.chunk_sizes (app/data/litdata_shards.py) and the chunked training order depend on it "
         "(see docs/private_apis.md)"
     )
 
@@ -127,7 +127,7 @@ def test_a_sample_damaged_after_writing_is_one_line_naming_it(shards: Path, tmp_
     """A chunk cut short on the way (a copy to object storage interrupted): its samples fail in one line."""
     import shutil
 
-    from app.data.image_files import UnreadableImageError
+    from app.data.image_datasets import UnreadableImageError
 
     copy = tmp_path / "shards"
     shutil.copytree(shards, copy)

@@ -13,7 +13,7 @@ public attributes, with
 
 A training `DataLoader` over an `IterableDataset` with `state_dict`/`load_state_dict` is rebuilt over
 `PositionedStream` with `num_workers: 0`, or over `WorkerPositionedStream` in loader workers (without
-`persistent_workers`; app/data/streams.py): its state, per worker in the second case, is saved per rank.
+`persistent_workers`; app/data/positioned_streams.py): its state, per worker in the second case, is saved per rank.
 
 Left as returned (Lightning's own handling then applies): loaders whose sampler is already a
 `DistributedSampler` (our `ShardedDataModule`'s, or the user's own sharding), a sampler or batch
@@ -42,6 +42,13 @@ import lightning as L
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from app.data.base import ResumableDataLoader
+from app.data.positioned_streams import (
+    PositionedStream,
+    WorkerPositionedStream,
+    WorkerStreamLoader,
+    has_state_methods,
+    is_stateful_stream,
+)
 from app.data.positioning import per_sample_seeding, positioner_of, sampler_position, training_loader_built
 from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
 from app.data.seeding import (
@@ -49,13 +56,6 @@ from app.data.seeding import (
     evaluation_loader_generator,
     reads_without_randomness,
     training_loader_generator,
-)
-from app.data.streams import (
-    PositionedStream,
-    WorkerPositionedStream,
-    WorkerStreamLoader,
-    has_state_methods,
-    is_stateful_stream,
 )
 
 # The methods Lightning calls for loaders, and whether they train.
@@ -172,7 +172,7 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
                 pin_memory_device=loader.pin_memory_device,
             )
         if not loader.persistent_workers and getattr(loader, "in_order", True):  # in_order: torch >= 2.6
-            # Each worker's copy of the stream is positioned (app.data.streams).
+            # Each worker's copy of the stream is positioned (app.data.positioned_streams).
             workers = WorkerPositionedStream(
                 dataset, loader.batch_size or 1, loader.num_workers, loader.collate_fn, loader.drop_last, **positioning
             )
