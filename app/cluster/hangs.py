@@ -16,10 +16,12 @@ nothing about who is missing. Here, every rank:
   one that is stopped).
 
 A rank whose collective times out (`HangReport.on_exception`) asks every other rank for its stack
-and its flight recorder (in parallel, `ASK_TIMEOUT_S` each), compares their sequence numbers with
-its own pending collective, writes `<default_root_dir>/hang-<time>-rank<R>/` and ends with one
-line naming the culprit(s). A rank that does not answer is stopped or holds the GIL; one that
-cannot even be connected to is on a host this one cannot reach.
+and its flight recorder (in parallel, `ASK_TIMEOUT_S` each), compares the collectives each entered,
+by sequence number, with its own, writes `<default_root_dir>/hang-<time>-rank<R>/` and ends with
+one line naming the culprit(s): a rank whose sequence runs behind, ahead or apart from its own. A
+rank that does not answer is stopped or holds the GIL; one that cannot even be connected to is on a
+host this one cannot reach. Only when every rank entered the same collectives, is still in a
+collective and has not moved when read again `RECHECK_S` later is the network blamed.
 
 What works where is in docs/hangs.md (the flight recorder has no start/end times on gloo, only
 "retired"; on NCCL the watchdog, not the waiting call, sees a timeout).
@@ -70,6 +72,12 @@ PLUMBING = ("app/cli/parser.py", "app/cli/entry.py", "app/__main__.py", "app/clu
 # Ours, on the same endpoint: where this rank's own collective timed out (its main thread has left
 # that place to write its report by the time another rank asks).
 WAITED_HANDLER = "ddp_app_waited"
+# Code a main thread is in while it waits in a collective (besides a backward: DDP's all-reduce).
+COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/")
+# When every rank's record shows it in the collective the reporter waits in, the records are read
+# again this much later before the network is blamed: a rank read a moment before it entered its
+# next collective (a busy machine, records read at different moments) has moved on by then.
+RECHECK_S = 2.0
 # {"frames": [[filename, line, function], ...]} of this process's timed-out wait, innermost last.
 _waited: dict[str, list[list[Any]]] = {"frames": []}
 # What a collective timeout says: gloo "Timed out waiting 15000ms for recv operation", NCCL's
@@ -214,29 +222,17 @@ def ask_rank(address: RankAddress, timeout_s: float) -> Answer:
     return Answer(address, stacks, collectives, waited or None)
 
 
-def pending_collective(recorder: dict[str, Any] | None) -> Collective | None:
-    """The oldest collective this rank entered and has not completed, or None."""
-    pending: list[Collective] = []
-    for group_id, status in ((recorder or {}).get("pg_status") or {}).items():
-        completed = int(status.get("last_completed_collective", -1))
-        if int(status.get("last_enqueued_collective", -1)) > completed:
-            entry = entry_of(recorder or {}, group_id, completed + 1)
-            pending.append(entry or Collective(group_id, completed + 1, "?"))
-    return min(pending, key=lambda collective: collective.created_ns, default=None)
-
-
 def waited_collective(recorder: dict[str, Any] | None) -> Collective:
-    """The collective a rank whose wait timed out was in: the oldest pending one, else the last it
-    entered (gloo marks a barrier completed as soon as it is enqueued, so a timed-out barrier shows none)."""
-    pending = pending_collective(recorder)
-    if pending is not None:
-        return pending
-    entries = (recorder or {}).get("entries") or []
-    if not entries:
-        return Collective("?", -1, "a collective")
-    last = max(entries, key=lambda entry: entry.get("time_created_ns") or 0)
-    found = entry_of(recorder or {}, str(last["process_group"][0]), int(last["collective_seq_id"]))
-    return found or Collective("?", -1, "a collective")
+    """The collective a rank waits in (or whose wait failed): the newest one it entered, on any group.
+
+    Not "the oldest one not marked completed": gloo's flight recorder marks a collective completed
+    from its worker thread after the waiting call has returned, a failed one as completed too, and
+    each worker writes its own collective's number, so two in flight at once can leave an older
+    number last. Under load a rank's record can show, for seconds, a collective it has long left
+    as pending (a barrier's predecessor, with the barrier itself entered and waited in). What a
+    rank has entered is written by the calling thread, in order, before the call waits."""
+    newest = newest_collectives(recorder)
+    return max(newest, key=lambda collective: collective.created_ns, default=Collective("?", -1, "a collective"))
 
 
 def last_entered(recorder: dict[str, Any] | None, group: str) -> int:
@@ -245,14 +241,21 @@ def last_entered(recorder: dict[str, Any] | None, group: str) -> int:
     return int(status.get("last_enqueued_collective", -1))
 
 
-def entry_of(recorder: dict[str, Any], group: str, seq: int) -> Collective | None:
-    for entry in recorder.get("entries") or []:
-        if str(entry.get("process_group", [""])[0]) == group and entry.get("collective_seq_id") == seq:
+def entries_by_seq(recorder: dict[str, Any] | None, group: str) -> dict[int, Collective]:
+    """Every collective the flight recorder still holds for `group`, by sequence number."""
+    found: dict[int, Collective] = {}
+    for entry in (recorder or {}).get("entries") or []:
+        seq = entry.get("collective_seq_id")
+        if str(entry.get("process_group", [""])[0]) == group and isinstance(seq, int):
             op = str(entry.get("profiling_name", "?")).split(":")[-1]
             shapes = zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False)
             sizes = " ".join(f"{dtype.lower()}{size}" for size, dtype in shapes)
-            return Collective(group, seq, op, sizes, int(entry.get("time_created_ns") or 0))
-    return None
+            found[seq] = Collective(group, seq, op, sizes, int(entry.get("time_created_ns") or 0))
+    return found
+
+
+def entry_of(recorder: dict[str, Any], group: str, seq: int) -> Collective | None:
+    return entries_by_seq(recorder, group).get(seq)
 
 
 def newest_collectives(recorder: dict[str, Any] | None) -> list[Collective]:
@@ -303,7 +306,7 @@ def is_library(filename: str) -> bool:
 def call_site(frames: list[Frame]) -> str:
     """Where a stack stands, in words: DDP's gradient all-reduce, else the innermost frame of the
     user's (or this project's) code, else the innermost frame outside torch (Lightning's, torchmetrics')."""
-    if any(frame.name in ("backward", "_engine_run_backward") and is_library(frame.filename) for frame in frames):
+    if is_gradient_all_reduce(frames):
         return "DDP gradient all-reduce in loss.backward()"
     for frame in reversed(frames):
         if not is_library(frame.filename) and not frame.filename.endswith(PLUMBING):
@@ -329,56 +332,138 @@ def short_path(filename: str) -> str:
     return filename if relative.startswith("..") else relative
 
 
-def where_it_is(answer: Answer, waiting: Collective, this_host: str) -> str | None:
-    """Why `answer`'s rank is not in `waiting` with the others, or None if it is."""
+def first_difference(
+    mine: dict[str, Any] | None, theirs: dict[str, Any] | None, group: str, waiting: Collective
+) -> tuple[Collective, Collective] | None:
+    """(mine, theirs): the first collective on `group`, up to `waiting`, that both ranks entered as
+    different operations (a certain deadlock: neither can complete), or `waiting` itself with other
+    sizes. Earlier sizes are not compared: some collectives take per-rank sizes (gather, scatter)."""
+    my_entries, their_entries = entries_by_seq(mine, group), entries_by_seq(theirs, group)
+    for seq in sorted(set(my_entries) & set(their_entries)):
+        if seq > waiting.seq:
+            break
+        ours, other = my_entries[seq], their_entries[seq]
+        if ours.op != other.op or (seq == waiting.seq and ours.sizes != other.sizes):
+            return ours, other
+    return None
+
+
+def is_gradient_all_reduce(frames: list[Frame]) -> bool:
+    """Inside `loss.backward()`, where DDP's reducer waits for its gradient all-reduce."""
+    return any(frame.name in ("backward", "_engine_run_backward") and is_library(frame.filename) for frame in frames)
+
+
+def is_in_collective(frames: list[Frame]) -> bool:
+    """Whether a main thread's stack may be waiting in a collective: in torch.distributed, DDP, or a
+    backward (DDP's all-reduce). A stack with none of these (a data loader, a `time.sleep`, the model's
+    forward) certainly is not. Only that side of the answer is used as evidence."""
+    return is_gradient_all_reduce(frames) or any(part in frame.filename for frame in frames for part in COLLECTIVE_CODE)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why one rank is not in the collective the reporting rank waits in, or that this cannot be told."""
+
+    missed: Collective  # the reporting rank's collective this rank did not arrive at
+    reason: str
+    known: bool = True  # False: this rank may have arrived; its records cannot tell
+
+
+def where_it_is(answer: Answer, mine: dict[str, Any] | None, this_host: str) -> Verdict | None:
+    """Why `answer`'s rank is not in the collective the reporting rank (flight recorder `mine`) waits
+    in, or None if it is: it entered the same collectives in the same order, no more and no fewer,
+    and its stack (if known) is in a collective too. A rank whose sequence runs behind (it has not
+    entered the reporter's newest collective), ahead (it entered more) or apart (another operation
+    at the same sequence number) is named with where it is."""
+    waiting = waited_collective(mine)
     if answer.problem == "unreachable":
-        return f"its host {answer.address.host} is unreachable from {this_host}"
+        return Verdict(waiting, f"its host {answer.address.host} is unreachable from {this_host}")
     if answer.problem == "gone":
-        return "its process has ended"
+        return Verdict(waiting, "its process has ended")
     if answer.problem:
-        return "it does not answer (stopped, e.g. by SIGSTOP, or stuck in native code holding the GIL)"
+        return Verdict(
+            waiting, "it does not answer (stopped, e.g. by SIGSTOP, or stuck in native code holding the GIL)"
+        )
     # A rank whose own wait timed out has left that place to write its report: it says where it was.
     frames = answer.waited or main_thread_frames(answer.stacks or "")
     place = f" ({call_site(frames)}{', where its own wait failed' if answer.waited else ''})"
-    if answer.collectives is None:
-        return f"its collectives are unknown{place}"
-    if last_entered(answer.collectives, waiting.group) < waiting.seq:
-        elsewhere = pending_collective(answer.collectives)
-        if elsewhere is not None:
-            return f"it waits in {elsewhere} on group {elsewhere.group}{place}"
-        return f"it is not in a collective{place}"
-    same = entry_of(answer.collectives, waiting.group, waiting.seq)
-    if same is not None and (same.op, same.sizes) != (waiting.op, waiting.sizes):
-        return f"it called {same} [{same.sizes}] instead{place}"
+    in_collective = bool(answer.waited) or is_in_collective(frames)
+    if answer.collectives is None or waiting.seq < 0:
+        if not in_collective:
+            return Verdict(waiting, f"it is not in a collective{place}")
+        unknown = "its flight recorder did not answer" if answer.collectives is None else "no collective is recorded"
+        return Verdict(waiting, f"{unknown}{place}", known=False)
+    group = waiting.group
+    entered = last_entered(answer.collectives, group)
+    differs = first_difference(mine, answer.collectives, group, waiting)
+    if differs is not None:
+        ours, theirs = differs
+        return Verdict(ours, f"it called {theirs} [{theirs.sizes}] instead{place}")
+    if entered < waiting.seq:  # behind: it has not entered the reporter's collective after its last
+        missed = entry_of(mine or {}, group, entered + 1) or Collective(group, entered + 1, "?")
+        if not in_collective:
+            return Verdict(missed, f"it is not in a collective{place}")
+        newest = waited_collective(answer.collectives)
+        if newest.group != group:
+            return Verdict(missed, f"it waits in {newest} on group {newest.group}{place}")
+        return Verdict(missed, f"its newest collective is {newest}{place}")
+    if entered > waiting.seq:  # ahead: it has left the collective the reporter waits in, or never waited in it
+        ahead = entry_of(answer.collectives, group, entered) or Collective(group, entered, "?")
+        return Verdict(waiting, f"its collectives run ahead, to {ahead} [{ahead.sizes}]{place}")
+    if answer.stacks is not None and not in_collective:
+        # Its record was read before it entered its next collective: it is not stuck in this one.
+        return Verdict(waiting, f"it entered it and is no longer in a collective{place}")
     return None
 
 
 def describe_hang(
     reporter: RankAddress,
-    waiting: Collective,
+    mine: dict[str, Any] | None,
     context: str,
     waited_s: float,
     answers: list[Answer],
     directory: str,
     note: str = "",
+    rechecked_s: float = 0.0,
 ) -> str:
-    """The one line: who did not arrive, where it is, and the collective the others wait in."""
-    reasons = {answer.address: where_it_is(answer, waiting, reporter.host) for answer in answers}
-    culprits = [(address, reason) for address, reason in reasons.items() if reason]
-    waiting_ranks = [str(reporter)] + [f"rank {address.rank}" for address, reason in reasons.items() if not reason]
-    what = f"{waiting} [{waiting.sizes}] ({context})" if waiting.sizes else f"{waiting} ({context})"
+    """The one line: who did not arrive, where it is, and the collective the others wait in (`mine`:
+    the reporting rank's flight recorder). `rechecked_s`: the records were read a second time this
+    much later (`HangReport.report`), and `answers` are that second reading."""
+    waiting = waited_collective(mine)
+    verdicts = {answer.address: where_it_is(answer, mine, reporter.host) for answer in answers}
+    culprits = [(address, verdict) for address, verdict in verdicts.items() if verdict and verdict.known]
+    unsure = [(address, verdict) for address, verdict in verdicts.items() if verdict and not verdict.known]
+    waiting_ranks = [str(reporter)] + [f"rank {address.rank}" for address, verdict in verdicts.items() if not verdict]
+
+    def what(collective: Collective) -> str:
+        sizes = f" [{collective.sizes}]" if collective.sizes else ""
+        if collective.seq == waiting.seq:
+            return f"{collective}{sizes} ({context})"
+        return f"{collective}{sizes} (entered before {waiting}, where it waits: {context})"
+
     waited = f"{', '.join(waiting_ranks)} waited {waited_s:.0f} s"
-    if not culprits:
-        story = f"every rank arrived at {what}, yet it did not complete ({waited}): the network between them stalled"
-    elif reporter.rank != 0 and all(answer.problem == "unreachable" for answer in answers):
+    if not culprits and not unsure:
+        again = f" and were still in it {rechecked_s:.0f} s later" if rechecked_s else ""
+        story = (
+            f"every rank arrived at {what(waiting)}{again}, yet it did not complete ({waited}): "
+            "the network between them stalled"
+        )
+    elif reporter.rank != 0 and answers and all(answer.problem == "unreachable" for answer in answers):
         # Rank 0 hosts the rendezvous; any other rank that reaches no one is the one cut off.
         story = (
             f"no other rank is reachable from {reporter} ({', '.join(str(address) for address, _ in culprits)}): "
-            f"this host may have lost its network; it waited {waited_s:.0f} s in {what}"
+            f"this host may have lost its network; it waited {waited_s:.0f} s in {what(waiting)}"
         )
     else:
-        story = "; ".join(f"{address} did not arrive at {what}: {reason}" for address, reason in culprits)
-        story += f"; {waited}"
+        # Never "the network" while a rank's records or stack cannot tell where it is.
+        parts = [
+            f"{address} did not arrive at {what(verdict.missed)}: {verdict.reason}" for address, verdict in culprits
+        ]
+        parts += [
+            f"cannot tell whether {address} arrived at {what(verdict.missed)}: {verdict.reason}"
+            for address, verdict in unsure
+        ]
+        story = "; ".join([*parts, waited])
     note = f" {note}" if note else ""
     return f"ddp-app: hang: {story}.{note} Stacks and last collectives: {directory}"
 
@@ -523,8 +608,14 @@ class HangReport(Callback):
         """Ask every rank, write the directory, return the line. `frames`: where this rank waits."""
         me = self.peers[trainer.global_rank]
         timed_out_ns = time.time_ns()
-        with ThreadPoolExecutor(max_workers=len(self.peers)) as pool:
-            answers = list(pool.map(lambda address: ask_rank(address, self.ask_timeout_s), self.peers))
+        answers, earlier, rechecked_s = self._ask_everyone(), None, 0.0
+        others = [answer for answer in answers if answer.address.rank != me.rank]
+        if not any(where_it_is(answer, answers[me.rank].collectives, me.host) for answer in others):
+            # Every rank looks as if it waits where this one does: before blaming the network, read
+            # again, so that a rank read just before it entered its next collective is seen to move.
+            time.sleep(RECHECK_S)
+            earlier, answers, rechecked_s = answers, self._ask_everyone(), RECHECK_S
+            others = [answer for answer in answers if answer.address.rank != me.rank]
         own = answers[me.rank]
         waiting = waited_collective(own.collectives)
         stage = trainer.state.stage.value if trainer.state.stage is not None else "run"
@@ -532,20 +623,33 @@ class HangReport(Callback):
         waited_s = (timed_out_ns - waiting.created_ns) / 1e9 if waiting.created_ns else float("nan")
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         directory = Path(trainer.default_root_dir) / f"hang-{stamp}-rank{me.rank}"
-        others = [answer for answer in answers if answer.address.rank != me.rank]
-        line = describe_hang(me, waiting, context, waited_s, others, f"{directory}/", note)
-        write_hang_directory(directory, line, answers, me.rank, where_text)
+        line = describe_hang(me, own.collectives, context, waited_s, others, f"{directory}/", note, rechecked_s)
+        write_hang_directory(directory, line, answers, me.rank, where_text, earlier)
         return line
 
+    def _ask_everyone(self) -> list[Answer]:
+        """Every rank's answer (this one's too), in rank order, asked in parallel."""
+        with ThreadPoolExecutor(max_workers=len(self.peers)) as pool:
+            return list(pool.map(lambda address: ask_rank(address, self.ask_timeout_s), self.peers))
 
-def write_hang_directory(directory: Path, line: str, answers: list[Answer], reporter: int, where_text: str) -> None:
-    """summary.txt, and rank<R>-stacks.txt and rank<R>-collectives.json of every rank that answered."""
+
+def write_hang_directory(
+    directory: Path, line: str, answers: list[Answer], reporter: int, where_text: str, earlier: list[Answer] | None
+) -> None:
+    """summary.txt, and rank<R>-stacks.txt and rank<R>-collectives.json of every rank that answered
+    (`answers`; `earlier`: a first reading, if the records were read twice)."""
     with contextlib.suppress(OSError):  # the line is printed even where the directory cannot be written
         directory.mkdir(parents=True, exist_ok=True)
         summary = [line, ""]
         for answer in answers:
             state = answer.problem or "answered"
-            summary.append(f"{answer.address} at {answer.address.ip}:{answer.address.port}: {state}")
+            entered = ""
+            if answer.collectives is not None:
+                newest = waited_collective(answer.collectives)
+                before = next((old for old in earlier or [] if old.address == answer.address), None)
+                first = f" (read {RECHECK_S:.0f} s earlier: {waited_collective(before.collectives)})" if before else ""
+                entered = f"; newest collective entered: {newest}{first}"
+            summary.append(f"{answer.address} at {answer.address.ip}:{answer.address.port}: {state}{entered}")
             if answer.stacks is not None:
                 stacks = answer.stacks
                 # The reporting rank has left the place where it waited to write this: that place comes first.

@@ -1,18 +1,21 @@
 """The hang report's reading of other ranks' answers (app/cluster/hangs.py), on recorded shapes.
 
 The real endpoint and flight recorder are exercised by tests/fault/test_hangs.py (every kind of
-hang) and their format by tests/test_private_apis.py; here, each verdict in one line.
+hang) and their format by tests/test_private_apis.py; here, each verdict in one line. The records
+are shaped as gloo's flight recorder writes them on a busy machine: `last_completed_collective`
+lags behind (it is written by a worker thread after the waiting call returned, and out of order
+when two collectives were in flight), so it says nothing about where a rank waits.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from app.cluster.hangs import Answer, Collective, RankAddress, describe_hang, main_thread_frames, waited_collective
+from app.cluster.hangs import Answer, Frame, RankAddress, describe_hang, main_thread_frames, waited_collective
 
 ME = RankAddress(0, "node1", 100, "10.0.0.1", 5000)
 PEER = RankAddress(1, "node2", 200, "10.0.0.2", 5001)
-WAITING = Collective("0", 57, "all_reduce", "float[19210]", 1)
+GRADIENTS = [[19210]]
 LOADER_STACK = """Thread 0x00007f (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 320 in wait
 
@@ -21,42 +24,118 @@ Thread 0x00007e (most recent call first):
   File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 700 in __next__
   File "/venv/bin/ddp-app", line 8 in <module>
 """
+COLLECTIVE_STACK = """Thread 0x00007e (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 4800 in barrier
+  File "/home/me/my_callback.py", line 30 in on_train_batch_end
+  File "/venv/bin/ddp-app", line 8 in <module>
+"""
+HISTORY = [(seq, "all_reduce", GRADIENTS) for seq in range(95, 100)]
 
 
-def recorder(last_entered: int, *entries: tuple[int, str, list[list[int]]]) -> dict:
+def recorder(last_entered: int, *entries: tuple[int, str, list[list[int]]], completed: int = 97) -> dict:
     return {
-        "pg_status": {"0": {"last_enqueued_collective": str(last_entered), "last_completed_collective": "56"}},
+        "pg_status": {
+            "0": {"last_enqueued_collective": str(last_entered), "last_completed_collective": str(completed)}
+        },
         "entries": [
             {
                 "process_group": ["0", "default_pg"], "collective_seq_id": seq, "profiling_name": f"gloo:{op}",
                 "input_sizes": sizes, "input_dtypes": ["Float"] * len(sizes), "time_created_ns": seq,
             }
-            for seq, op, sizes in entries
+            for seq, op, sizes in [*HISTORY, *entries]
         ],
     }  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("answer", "says"),
-    [
-        (Answer(PEER, problem="silent"), "rank 1 (host node2, pid 200) did not arrive at all_reduce #57"),
-        (Answer(PEER, problem="unreachable"), "its host node2 is unreachable from node1"),
-        (Answer(PEER, problem="gone"), "its process has ended"),
-        (Answer(PEER, LOADER_STACK, recorder(56)), "it is not in a collective (__getitem__ at /home/me/my_data"),
-        (Answer(PEER, LOADER_STACK, recorder(57, (57, "barrier", []))), "it called barrier #57 [] instead"),
-        (Answer(PEER, LOADER_STACK, recorder(57, (57, "all_reduce", [[19210]]))), "every rank arrived at all_red"),
-    ],
-    ids=["stopped", "unreachable", "ended", "loader", "mismatch", "all-arrived"],
-)  # fmt: skip
-def test_each_answer_gives_its_verdict(answer: Answer, says: str) -> None:
-    line = describe_hang(ME, WAITING, "DDP gradient all-reduce in loss.backward(), train step 9", 15, [answer], "d/")
+# Rank 0 waits in the DDP gradient all-reduce #100 of step 9 (its record still shows #98 as pending).
+IN_GRADIENTS = recorder(100, (100, "all_reduce", GRADIENTS))
+# Rank 0 waits in a barrier #101 after step 25's all-reduce #100, which its record does not show completed.
+IN_BARRIER = recorder(101, (100, "all_reduce", GRADIENTS), (101, "barrier", []), completed=99)
+
+
+GRADIENT_WAIT = "(DDP gradient all-reduce in loss.backward(), train step 9)"
+# id: (rank 0's record, rank 1's answer, what the line says)
+VERDICTS = {
+    "stopped": (
+        IN_GRADIENTS,
+        Answer(PEER, problem="silent"),
+        "(host node2, pid 200) did not arrive at all_reduce #100",
+    ),
+    "unreachable": (IN_GRADIENTS, Answer(PEER, problem="unreachable"), "its host node2 is unreachable from node1"),
+    "ended": (IN_GRADIENTS, Answer(PEER, problem="gone"), "its process has ended"),
+    "loader": (
+        IN_GRADIENTS,
+        Answer(PEER, LOADER_STACK, recorder(99)),
+        f"all_reduce #100 [float[19210]] {GRADIENT_WAIT}: it is not in a collective (__getitem__ at /home/me/my_data",
+    ),
+    "mismatch": (
+        IN_GRADIENTS,
+        Answer(PEER, LOADER_STACK, recorder(100, (100, "barrier", []))),
+        "it called barrier #100 [] instead",
+    ),
+    # The issue's case: rank 1 skipped the barrier. The old reading took rank 0's stale pending #100
+    # as the collective it waits in, found rank 1 there too, and blamed the network.
+    "skip-stale-completion": (
+        IN_BARRIER,
+        Answer(PEER, COLLECTIVE_STACK, recorder(101, (100, "all_reduce", GRADIENTS), (101, "all_reduce", GRADIENTS))),
+        f"did not arrive at barrier #101 {GRADIENT_WAIT}: it called all_reduce #101 [float[19210]] instead",
+    ),
+    # Read before it entered its next collective: behind, and where it is.
+    "behind": (
+        IN_BARRIER,
+        Answer(PEER, LOADER_STACK, recorder(100, (100, "all_reduce", GRADIENTS), completed=98)),
+        f"did not arrive at barrier #101 {GRADIENT_WAIT}: it is not in a collective (__getitem__",
+    ),
+    "ahead": (
+        IN_GRADIENTS,
+        Answer(PEER, COLLECTIVE_STACK, recorder(101, (100, "all_reduce", GRADIENTS), (101, "all_reduce", [[3]]))),
+        "its collectives run ahead, to all_reduce #101 [float[3]] (on_train_batch_end at /home/me/my_callback.py:30)",
+    ),
+    "left-it": (
+        IN_GRADIENTS,
+        Answer(PEER, LOADER_STACK, recorder(100, (100, "all_reduce", GRADIENTS))),
+        "it entered it and is no longer in a collective (__getitem__",
+    ),
+    "unknown-record": (
+        IN_GRADIENTS,
+        Answer(PEER, COLLECTIVE_STACK, None),
+        "cannot tell whether rank 1 (host node2, pid 200) arrived at all_reduce #100",
+    ),
+    "no-record-here": (
+        {"pg_status": {}, "entries": []},
+        Answer(PEER, COLLECTIVE_STACK, recorder(100)),
+        "cannot tell whether rank 1 (host node2, pid 200) arrived at a collective",
+    ),
+    "all-arrived": (
+        IN_GRADIENTS,
+        Answer(PEER, COLLECTIVE_STACK, recorder(100, (100, "all_reduce", GRADIENTS))),
+        f"every rank arrived at all_reduce #100 [float[19210]] {GRADIENT_WAIT} and were still in it 2 s later, "
+        "yet it did not complete (rank 0 (host node1, pid 100), rank 1 waited 15 s): the network between them stalled",
+    ),
+}
+
+
+@pytest.mark.parametrize(("mine", "answer", "says"), VERDICTS.values(), ids=VERDICTS.keys())
+def test_each_answer_gives_its_verdict(mine: dict, answer: Answer, says: str) -> None:
+    context = "DDP gradient all-reduce in loss.backward(), train step 9"
+    line = describe_hang(ME, mine, context, 15, [answer], "d/", rechecked_s=2)
     assert line.startswith("ddp-app: hang: ") and line.endswith("Stacks and last collectives: d/"), line
     assert says in line, line
-    assert "rank 0 (host node1, pid 100) waited 15 s" in line or "every rank arrived" in line, line
+    assert "rank 0 (host node1, pid 100)" in line and "waited 15 s" in line, line
+    if "every rank arrived" not in says:  # the network is blamed only when no rank's record or stack says otherwise
+        assert "network" not in line and "rank 1 (host node2, pid 200)" in line, line
+
+
+def test_a_rank_whose_own_wait_failed_in_the_same_collective_is_with_the_others() -> None:
+    # Its main thread left the collective to write its own report; where it waited says it was in it.
+    waited = [Frame("/venv/lib/python3.11/site-packages/torch/_tensor.py", 600, "backward")]
+    peer = Answer(PEER, LOADER_STACK, recorder(100, (100, "all_reduce", GRADIENTS)), waited)
+    line = describe_hang(ME, IN_GRADIENTS, "x", 15, [peer], "d/")
+    assert "every rank arrived at all_reduce #100" in line and "the network between them stalled" in line, line
 
 
 def test_a_rank_that_reaches_no_one_says_its_own_host_lost_the_network() -> None:
-    line = describe_hang(PEER, WAITING, "x", 15, [Answer(ME, problem="unreachable")], "d/")
+    line = describe_hang(PEER, IN_GRADIENTS, "x", 15, [Answer(ME, problem="unreachable")], "d/")
     assert line.startswith("ddp-app: hang: no other rank is reachable from rank 1 (host node2, pid 200)"), line
 
 
@@ -64,8 +143,8 @@ def test_the_main_thread_is_the_one_that_runs_the_program() -> None:
     assert [frame.name for frame in main_thread_frames(LOADER_STACK)] == ["<module>", "__next__", "__getitem__"]
 
 
-def test_a_timed_out_barrier_is_found_as_the_last_collective_entered() -> None:
-    # gloo marks a barrier completed when it is enqueued: nothing is pending, the last entry is it.
-    found = recorder(57, (56, "all_reduce", [[3]]), (57, "barrier", []))
-    found["pg_status"]["0"]["last_completed_collective"] = "57"
-    assert str(waited_collective(found)) == "barrier #57"
+def test_the_collective_a_rank_waits_in_is_the_newest_it_entered_whatever_is_marked_completed() -> None:
+    # gloo marks a failed wait completed, and a finished one only after the caller has moved on.
+    assert str(waited_collective(recorder(101, (100, "all_reduce", GRADIENTS), (101, "barrier", []), completed=101)))
+    assert str(waited_collective(IN_BARRIER)) == "barrier #101"
+    assert str(waited_collective(recorder(100, (100, "all_reduce", GRADIENTS), completed=100))) == "all_reduce #100"
