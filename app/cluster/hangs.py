@@ -508,6 +508,9 @@ class HangReport(Callback):
         dist.all_gather_object(everyone, mine)
         self.peers = everyone
         if port and self.mismatch_check_s > 0:
+            # The watcher reads the main thread's stack: without this CPython API it would fail in its
+            # thread, and a mismatch would be reported only when collective_timeout_s runs out.
+            require(sys, "_current_frames", "python", "naming a rank's call site in a collective mismatch")
             self._watch_stop.clear()
             self._watch = threading.Thread(
                 target=self._watch_for_mismatch, args=(trainer,), name="ddp-app-mismatch-watch", daemon=True
