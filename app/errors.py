@@ -33,6 +33,10 @@ class InvalidConfigError(UserFacingError, ValueError):
     """A config value out of its range. Also a ValueError, which is what callers validating input expect."""
 
 
+class TrainerArgumentError(UserFacingError):
+    """A `trainer.*` value that Lightning refuses, or would accept and then fail on during training."""
+
+
 class NonFiniteLossError(UserFacingError):
     """The gradients became NaN/Inf; no checkpoint holds weights updated with them
     (app.run.callbacks.NonFiniteGuard)."""

@@ -20,7 +20,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from app.errors import UserFacingError
+from app.errors import TrainerArgumentError, UserFacingError
 
 # `strategy: fsdp` in a ddp-app config is FSDP2 with every default (app/parallel/fsdp.py), not
 # Lightning's FSDP1 strategy registered under that name.
@@ -123,9 +123,9 @@ def _resolve_name(name: str, world_size: int) -> ResolvedStrategy:
         if name.lower().startswith(FSDP_NAME):  # fsdp2, FSDP, fsdp_v2: ddp-app's fsdp is FSDP2
             close = [FSDP_NAME, *(choice for choice in close if choice != FSDP_NAME)][:1]
         hint = f"Did you mean {' or '.join(f'`{choice}`' for choice in close)}? " if close else ""
-        raise UserFacingError(
-            f"trainer.strategy {name!r} is not a strategy ddp-app or Lightning knows. {hint}Fix: `ddp` (data "
-            "parallel), `fsdp` (sharded: FSDP2), `auto`, another of Lightning's names (python -c 'from "
+        raise TrainerArgumentError(
+            f"invalid value {name!r} for trainer.strategy: not a strategy ddp-app or Lightning knows. {hint}Fix: "
+            "`ddp` (data parallel), `fsdp` (sharded: FSDP2), `auto`, another of Lightning's names (python -c 'from "
             "lightning.pytorch.strategies import StrategyRegistry as r; print(r.available_strategies())'), "
             "or a class_path."
         )

@@ -29,12 +29,7 @@ import lightning
 import torch
 from jsonargparse import Namespace
 
-from app.errors import UserFacingError
-
-
-class TrainerArgumentError(UserFacingError):
-    """A `trainer.*` value that Lightning refuses, or would accept and then fail on during training."""
-
+from app.errors import TrainerArgumentError
 
 # Left out of the check's Trainer: they choose nothing about devices, strategy or precision, and
 # building them can run a user's code or prepare to write (loggers); every rank still builds them.
