@@ -28,8 +28,9 @@ import argparse
 import datetime
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -183,8 +184,24 @@ def worker(rank: int, world_size: int, local_rank: int, options: dict[str, Any])
         dist.destroy_process_group()
 
 
+def end_rank() -> NoReturn:
+    """Exit a rank whose work is done and saved, without the interpreter's teardown.
+
+    destroy_process_group does not release the gloo group here: the device mesh keeps it (and its
+    three gloo threads) alive, and DTensor's sharding caches keep the mesh, past the end of
+    `worker`, until the interpreter's teardown. Releasing it there, after Python has started to shut
+    down, can abort the finished rank ("terminate called without an active exception", SIGABRT),
+    which mp.spawn and torchrun report as a failed run. Nothing is left to do that the teardown
+    would do, so the rank ends here, as ddp-app's own ranks do (docs/fsdp.md, "Clean exit").
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_entry(index: int, world_size: int, options: dict[str, Any]) -> None:
     worker(index, world_size, index, options)
+    end_rank()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: one process per rank, env:// rendezvous
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), options)
-        return
+        end_rank()
     from app.reference.train import free_port
 
     world_size = args.world_size or int(trainer.get("devices", 1))
