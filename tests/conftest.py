@@ -1,7 +1,8 @@
-"""Shared fixtures: leave no distributed state or launcher variables behind."""
+"""Shared fixtures: leave no distributed state or launcher variables behind, and the user's runs alone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +55,62 @@ def restore_distributed_state() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# What a user's commands write in the repository: `./quickstart.sh train` writes runs/digits and the
+# README's tour the rest of runs/; a fit without a default_root_dir writes lightning_logs/ (and a tool
+# its outputs) into the working directory, the repository for a test. A test that read them would pass
+# or fail by what the user ran before (issue 42: 12 failures after `./quickstart.sh train`); one that
+# wrote them would change the user's runs. So a test gives every run a directory of its own (tmp_path).
+USER_RUNS = run.REPO / "runs"
+
+
+def user_output() -> dict[str, int]:
+    """The repository's top-level names (but dot-names: tooling's caches) and every path under runs/
+    with its modification time (ns)."""
+    state = {entry.name: 0 for entry in run.REPO.iterdir() if not entry.name.startswith(".")}
+    for directory, names, files in os.walk(USER_RUNS):
+        for name in (*names, *files):
+            path = os.path.join(directory, name)
+            with contextlib.suppress(FileNotFoundError):
+                state[path] = os.lstat(path).st_mtime_ns
+    return state
+
+
+def changes(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    return sorted(
+        {f"{name} (new)" for name in after.keys() - before.keys()}
+        | {f"{name} (gone)" for name in before.keys() - after.keys()}
+        | {f"{name} (rewritten)" for name in before.keys() & after.keys() if before[name] != after[name]}
+    )
+
+
+@pytest.fixture(scope="session")
+def user_output_seen() -> Iterator[dict[str, int]]:
+    """The user's outputs as the last check saw them; at the session's end a session or module
+    fixture's teardown is checked too."""
+    seen = user_output()
+    yield seen
+    changed = changes(seen, user_output())
+    if changed:
+        pytest.fail(f"the test session changed the user's outputs in {run.REPO}: {changed[:10]}")
+
+
+@pytest.fixture(autouse=True)
+def leave_the_users_runs_alone(user_output_seen: dict[str, int]) -> Iterator[None]:
+    """Fail a test that wrote into runs/ or the repository's top level. Compared with the state after
+    the previous test, so a wider-scoped fixture set up for this test is caught here too."""
+    yield
+    now = user_output()
+    changed = changes(user_output_seen, now)
+    user_output_seen.clear()
+    user_output_seen.update(now)
+    if changed:
+        pytest.fail(
+            f"this test (or its fixtures; under pytest-xdist possibly a test running beside it) changed "
+            f"the user's outputs in {run.REPO}: {changed[:10]}. Fix: give its runs "
+            f"--trainer.default_root_dir under tmp_path, or run it with cwd=tmp_path."
+        )
 
 
 @pytest.fixture(scope="session")

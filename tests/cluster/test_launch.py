@@ -17,10 +17,11 @@ from tests.helpers.run import REPO, clean_env, ddp_app, run
 DIGITS = str(REPO / "configs" / "digits.yaml")
 
 
-def plan_of(*overrides: str) -> RankPlan:
-    """The plan `ddp-app fit --config digits.yaml <overrides>` makes, from the same parser as the ranks."""
+def plan_of(root: Path, *overrides: str) -> RankPlan:
+    """The plan `ddp-app fit --config digits.yaml <overrides>` makes, from the same parser as the ranks
+    (into `root`: the config's runs/digits may hold the user's run, which a fresh fit is refused)."""
     with pytest.raises(ConfigParsed) as checked:
-        DDPAppCLI(args=["fit", "--config", DIGITS, *overrides], parse_only=True)
+        DDPAppCLI(args=["fit", "--config", DIGITS, f"--trainer.default_root_dir={root}", *overrides], parse_only=True)
     return checked.value.plan
 
 
@@ -41,9 +42,9 @@ def plan_of(*overrides: str) -> RankPlan:
     ],
 )
 def test_every_devices_form_and_ddp_strategy_takes_the_one_launch_path(
-    overrides: tuple[str, ...], processes: int, extra: tuple[str, ...]
+    overrides: tuple[str, ...], processes: int, extra: tuple[str, ...], tmp_path: Path
 ) -> None:
-    plan = plan_of(*overrides)
+    plan = plan_of(tmp_path, *overrides)
     assert (plan.processes, plan.extra_args) == (processes, extra)
 
 
@@ -51,7 +52,11 @@ def test_a_later_config_wins_as_in_the_cli(tmp_path: Path) -> None:
     overlay = tmp_path / "three.yaml"
     overlay.write_text("trainer:\n  devices: 1\n")
     with pytest.raises(ConfigParsed) as checked:
-        DDPAppCLI(args=["fit", "--trainer.devices=2", "--config", DIGITS, "--config", str(overlay)], parse_only=True)
+        DDPAppCLI(
+            args=["fit", "--trainer.devices=2", "--config", DIGITS, "--config", str(overlay)]
+            + [f"--trainer.default_root_dir={tmp_path}"],
+            parse_only=True,
+        )
     assert checked.value.plan.processes == 1
 
 

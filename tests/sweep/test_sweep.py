@@ -47,25 +47,6 @@ def assert_same_weights(expected: dict, actual: dict) -> None:
 
 
 @pytest.mark.distributed
-def test_a_grid_runs_every_point_as_an_ordinary_fit(tmp_path: Path) -> None:
-    out = tmp_path / "grid"
-    result = sweep(
-        "run", "--config", CONFIG, "--out", str(out), "--grid", "optimizer.init_args.lr=0.001,0.01", *ONE_RANK
-    )
-    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
-    rows = results(out)
-    assert [(row["optimizer.init_args.lr"], row["state"]) for row in rows] == [("0.001", "done"), ("0.01", "done")]
-    assert all(0.5 < float(row["best val_acc"]) <= 1 and row["epoch"] in ("0", "1") for row in rows)
-    assert "| 001 | 0.01 | done |" in (out / "results.md").read_text()
-    assert (out / "results.png").stat().st_size > 10_000
-    # A point is `ddp-app fit` with its values: the same weights as that command run alone.
-    alone = ddp_app("fit", "--config", CONFIG, *ONE_RANK, "--optimizer.init_args.lr=0.01",
-                    f"--trainer.default_root_dir={tmp_path / 'alone'}")  # fmt: skip
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    assert_same_weights(weights(tmp_path / "alone"), weights(out / "points" / "001"))
-
-
-@pytest.mark.distributed
 def test_an_optuna_search_records_every_trial_in_its_journal_study(tmp_path: Path) -> None:
     import optuna
 
@@ -87,8 +68,12 @@ def test_an_optuna_search_records_every_trial_in_its_journal_study(tmp_path: Pat
 
 @pytest.mark.distributed
 @pytest.mark.fault
-def test_a_sweep_stopped_with_ctrl_c_resumes_its_point_from_its_checkpoint(tmp_path: Path) -> None:
-    out = tmp_path / "stopped"
+def test_a_grid_runs_every_point_as_an_ordinary_fit_and_resumes_one_stopped_with_ctrl_c(tmp_path: Path) -> None:
+    """One grid sweep, stopped with Ctrl-C after point 000's first checkpoint and resumed: every point
+    done, its results table and plot written, and the stopped point continued from its checkpoint to the
+    weights of `ddp-app fit` run alone with its values (a point is an ordinary fit)."""
+    out = tmp_path / "grid"
+    # 6 epochs: point 000 is still training when its first epoch-end checkpoint appears.
     args = ["--trainer.devices=1", "--trainer.max_epochs=6", "--trainer.enable_progress_bar=false"]
     command = [sys.executable, "-m", "app.sweep", "run", "--config", CONFIG, "--out", str(out),
                "--grid", "optimizer.init_args.lr=0.002,0.004", *args]  # fmt: skip
@@ -111,7 +96,11 @@ def test_a_sweep_stopped_with_ctrl_c_resumes_its_point_from_its_checkpoint(tmp_p
 
     resumed = sweep("resume", str(out))
     assert resumed.returncode == 0, resumed.stderr[-3000:] + resumed.stdout[-3000:]
-    assert [row["state"] for row in results(out)] == ["done", "done"]
+    rows = results(out)
+    assert [(row["optimizer.init_args.lr"], row["state"]) for row in rows] == [("0.002", "done"), ("0.004", "done")]
+    assert all(0.5 < float(row["best val_acc"]) <= 1 and 0 <= int(row["epoch"]) < 6 for row in rows), rows
+    assert "| 001 | 0.004 | done |" in (out / "results.md").read_text()
+    assert (out / "results.png").stat().st_size > 10_000
     point = json.loads((out / "points" / "000" / "point.json").read_text())
     assert [attempt["exit_code"] for attempt in point["attempts"]] == [130, 0]
     assert "resuming from" in (out / "points" / "000" / "fit.log").read_text()
@@ -234,9 +223,10 @@ def test_two_different_directories_are_one_line(command: str, capsys: pytest.Cap
     )
 
 
-def test_a_sweep_without_a_directory_goes_under_runs(tmp_path: Path) -> None:
+def test_a_sweep_without_a_directory_goes_under_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`run` without DIR: runs/sweeps/<config>-<swept keys>, a new one beside an earlier sweep of that name;
     the other subcommands need to be told which sweep."""
+    monkeypatch.chdir(tmp_path)  # runs/ is looked up in the working directory: not the user's runs/
     spec = build_spec(["--config", CONFIG], ["optimizer.init_args.lr=0.1,1", "trainer.max_epochs=1,2"], [], None,
                       None, None, "median", 0)  # fmt: skip
     assert parse(["run", "--config", CONFIG])[0].out is None
