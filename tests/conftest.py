@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from app.cluster.launch import LAUNCHER_VARIABLES
 from tests.helpers import run
+from tests.helpers.run import REPO
 
 # Tiers that start processes, need the Slurm cluster or take long; every other test is `quick`.
 # `more_cases`: further command tests whose case or mechanism the quick tier already runs once (a
@@ -121,3 +122,21 @@ def digits_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("digits_trained")
     run.train("configs/digits.yaml", root, epochs=3)
     return root
+
+
+@pytest.fixture(scope="session")
+def shipped_config_overrides(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """The data_dir overrides for the shipped configs whose data the launcher checks before any rank
+    starts (their `data/imagenet` is a placeholder; app/run/config_checks.py): 10 class folders of small
+    JPEGs, and their shards. By config file name; `.get(name, [])` for the others."""
+    from app.bench.data import write_image_folder
+    from app.data.shard import main as shard_main
+
+    folder = write_image_folder(tmp_path_factory.mktemp("images"), images=20, classes=10, pixels=16)
+    shards = tmp_path_factory.mktemp("shards") / "out"
+    image_config = str(REPO / "configs" / "imagefolder_resnet18.yaml")
+    assert shard_main(["--config", image_config, "--out", str(shards), f"--data.init_args.data_dir={folder}"]) == 0
+    return {
+        "imagefolder_resnet18.yaml": [f"--data.init_args.data_dir={folder}"],
+        "streaming_resnet18.yaml": [f"--data.init_args.data_dir={shards}"],
+    }

@@ -22,12 +22,18 @@ NOTICE = "so this run uses static_graph=false"
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
 def test_accumulation_runs_ddp_without_static_graph_on_both_sides(
-    config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], shipped_config_overrides: dict[str, list[str]]
 ) -> None:
     trainer_config = load_config(config)["trainer"]
     configured = ddp_arguments(trainer_config).get("static_graph", False)
     cli = DDPAppCLI(
-        args=["--config", str(config), "--trainer.accumulate_grad_batches=2", f"--trainer.default_root_dir={tmp_path}"],
+        args=[
+            "--config",
+            str(config),
+            "--trainer.accumulate_grad_batches=2",
+            f"--trainer.default_root_dir={tmp_path}",
+            *shipped_config_overrides.get(config.name, []),
+        ],  # fmt: skip
         run=False,
     )
     # What DistributedDataParallel will be given (a private attribute: this fails loudly if it moves).

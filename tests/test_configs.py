@@ -7,9 +7,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.cli import LightningCLI
 
-from app.bench.data import write_image_folder
 from app.cli import DDPAppCLI
-from app.data.shard import main as shard_main
 from tests.helpers.run import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -25,21 +23,9 @@ def test_configs_exist() -> None:
     assert {"digits.yaml", "toy.yaml", "mnist.yaml", "cifar10_resnet18.yaml", "bench_cnn.yaml"} <= names
 
 
-@pytest.fixture(scope="module")
-def image_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A data_dir for the configs whose classes are read before the model is built (app/run/config_checks.py):
-    10 class folders of small JPEGs, and their shards."""
-    folder = write_image_folder(tmp_path_factory.mktemp("images"), images=20, classes=10, pixels=16)
-    shards = tmp_path_factory.mktemp("shards") / "out"
-    image_config = str(REPO / "configs" / "imagefolder_resnet18.yaml")
-    assert shard_main(["--config", image_config, "--out", str(shards), f"--data.init_args.data_dir={folder}"]) == 0
-    return {"imagefolder_resnet18.yaml": str(folder), "streaming_resnet18.yaml": str(shards)}
-
-
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
-def test_config_instantiates(config: Path, tmp_path: Path, image_data: dict[str, str]) -> None:
-    data_dir = [f"--data.init_args.data_dir={image_data[config.name]}"] if config.name in image_data else []
-    cli = build(config, f"--trainer.default_root_dir={tmp_path}", *data_dir)
+def test_config_instantiates(config: Path, tmp_path: Path, shipped_config_overrides: dict[str, list[str]]) -> None:
+    cli = build(config, f"--trainer.default_root_dir={tmp_path}", *shipped_config_overrides.get(config.name, []))
     expected = (
         "FSDP2Strategy" if "fsdp" in config.name else "DDPStrategy"
     )  # app/parallel/fsdp.py for the sharded configs
