@@ -814,7 +814,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.config.is_file():
         parser.error(f"config {args.config} does not exist")
     started = time.perf_counter()
-    if is_fsdp_config(load_config(args.config)):  # strategy fsdp: its own rows (app/parity_fsdp.py)
+    if is_fsdp_config(load_config(args.config)):  # strategy fsdp: its own rows (P9a-c, below)
         print(f"parity (fsdp): {args.config}, {args.world_size} ranks, {args.epochs} epochs: P9a-c", flush=True)
         checks, step_seconds = fsdp_parity(args.config, args.world_size, args.epochs, args.out), {}
     else:
