@@ -284,14 +284,17 @@ def run_case(case: Case, scratch: Path) -> subprocess.CompletedProcess[str]:
     failed continuation of one is `test_disk_full_while_saving_keeps_the_old_checkpoint`."""
     root = scratch / "run"
     extra = case.prepare(scratch) if case.prepare else []
+    # Last, unless the case sets its own: a case's `--config` (mnist.yaml, toy.yaml) would otherwise
+    # bring its own default_root_dir, the repository's runs/<config>.
+    own_root = any(arg.startswith("--trainer.default_root_dir") for arg in [*extra, *case.args])
     args = [
         "fit",
         "--config",
         "configs/digits.yaml",
-        f"--trainer.default_root_dir={root}",
         "--trainer.enable_progress_bar=false",
         *extra,
         *case.args,
+        *([] if own_root else [f"--trainer.default_root_dir={root}"]),
     ]
     return ddp_app(*args, timeout=TIMEOUT_S, env=clean_env(**case.env))
 
@@ -362,9 +365,10 @@ def test_refused_before_any_rank(
         monkeypatch.delenv(variable)
     before = digest(previous_run)
     extra = case.prepare(tmp_path) if case.prepare else []
+    own_root = any(arg.startswith("--trainer.default_root_dir") for arg in [*extra, *case.args])
     args = [
-        "fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={previous_run}",
-        "--trainer.enable_progress_bar=false", *extra, *case.args,
+        "fit", "--config", "configs/digits.yaml", "--trainer.enable_progress_bar=false", *extra, *case.args,
+        *([] if own_root else [f"--trainer.default_root_dir={previous_run}"]),  # after a case's own --config
     ]  # fmt: skip
     with pytest.raises(SystemExit) as refused:
         check_before_launch(args)
