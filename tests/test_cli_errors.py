@@ -20,8 +20,11 @@ from tests.helpers.run import REPO, ddp_app
         pytest.param("--data.init_args.batch_size=0", "data.batch_size", marks=pytest.mark.more_cases),
     ],
 )
-def test_bad_override_names_the_key(override: str, named: str) -> None:
-    result = ddp_app("fit", "--config", "configs/digits.yaml", override, timeout=120)
+def test_bad_override_names_the_key(override: str, named: str, tmp_path: Path) -> None:
+    # A run directory of its own: after ./quickstart.sh train, runs/digits holds a run (issue 42).
+    result = ddp_app(
+        "fit", "--config", "configs/digits.yaml", override, f"--trainer.default_root_dir={tmp_path}", timeout=120
+    )
     assert result.returncode != 0
     assert named in result.stderr
     assert "Traceback" not in result.stderr

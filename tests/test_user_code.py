@@ -81,8 +81,11 @@ def test_a_bad_class_path_says_what_is_wrong(
 
 
 @pytest.mark.more_cases
-def test_the_issue_command_exits_2_and_suggests_the_class() -> None:
-    result = ddp_app("fit", "--config", "configs/digits.yaml", "--model", "app.models.MLPClasifier", timeout=120)
+def test_the_issue_command_exits_2_and_suggests_the_class(tmp_path: Path) -> None:
+    result = ddp_app(
+        "fit", "--config", "configs/digits.yaml", "--model", "app.models.MLPClasifier",
+        f"--trainer.default_root_dir={tmp_path}", timeout=120,
+    )  # fmt: skip
     assert result.returncode == 2
     (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
     assert "MLPClassifier" in line and "Traceback" not in result.stderr
