@@ -71,7 +71,9 @@ def test_bad_compression_settings_fail_in_one_line(override: str, expected: str,
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("before", "after"), [(25, 0.01), (0.01, 25)], ids=["split", "merge"])
+@pytest.mark.parametrize(  # merge: about 20 s, the same move the other way
+    ("before", "after"), [(25, 0.01), pytest.param(0.01, 25, marks=pytest.mark.slow)], ids=["split", "merge"]
+)
 def test_powersgd_state_moves_exactly_between_bucketings(before: float, after: float, tmp_path: Path) -> None:
     """Saved mid-run and restored into a fresh DDP (its initial one-bucket layout, then rebuilt
     buckets; also under another bucket_cap_mb): the weights equal those of the uninterrupted run.

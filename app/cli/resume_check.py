@@ -445,6 +445,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--limit-batches", type=int, default=10, help="training batches per epoch (default 10)")
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary directory)")
+    parser.add_argument(
+        "--fail-fast", action="store_true", help="stop at the first moment that differs (a quicker answer)"
+    )
     known, config_args = parser.parse_known_args(argv)
     if "--config" not in " ".join(config_args):
         parser.error("give the run's --config (and any overrides), as for ddp-app fit")
@@ -457,6 +460,8 @@ def main(argv: list[str]) -> int:
         for case in CHECK_CASES:
             print(f"ddp-app resume-check: {case.describe()} ...", flush=True)
             outcomes.append(runner.run(case))
+            if known.fail_fast and not outcomes[-1].exact:
+                break
     print(format_table(outcomes))
     different = [outcome for outcome in outcomes if not outcome.exact]
     cause = likely_cause(config_args) if different else ""

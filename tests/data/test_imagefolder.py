@@ -247,6 +247,7 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
 
 @pytest.mark.fault
 @pytest.mark.distributed
+@pytest.mark.slow  # about 55 s; tests/fault/test_resume_matrix.py's imagefolder row kills and resumes this data
 def test_a_2_rank_fit_killed_mid_epoch_resumes_to_the_same_weights(runner: Runner) -> None:
     """SIGKILL of rank 1 mid-epoch, `--ckpt_path last`: the uninterrupted run's weights bit for bit, with
     num_workers 2 and random crop and flip (tests/helpers/imagefolder.yaml)."""
@@ -257,6 +258,7 @@ def test_a_2_rank_fit_killed_mid_epoch_resumes_to_the_same_weights(runner: Runne
 
 @pytest.mark.fault
 @pytest.mark.distributed
+@pytest.mark.slow  # about 30 s; the LitData shards of the same images resume on 3 ranks in the default run
 def test_a_2_rank_fit_resumed_on_3_ranks_ends_within_rounding(runner: Runner, tmp_path: Path) -> None:
     """Stopped by a max_steps budget mid-epoch 1, resumed on 3 ranks (global batch 32 as 11+11+10)."""
     expected = safe_load(runner.baseline("default") / "checkpoints" / "last.ckpt")

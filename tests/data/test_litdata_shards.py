@@ -221,6 +221,7 @@ def runner(tmp_path_factory: pytest.TempPathFactory, shards: Path) -> Runner:
 
 @pytest.mark.fault
 @pytest.mark.distributed
+@pytest.mark.slow  # about 80 s; tests/fault/test_resume_matrix.py's streaming row kills and resumes shards
 def test_a_2_rank_fit_killed_twice_resumes_to_the_same_weights(runner: Runner) -> None:
     """SIGKILL of rank 1 mid-epoch 0, `--ckpt_path last`, SIGKILL again mid-epoch 1, `--ckpt_path last`:
     the uninterrupted run's weights, optimizer state and metric history bit for bit (num_workers 2)."""

@@ -93,6 +93,7 @@ def test_a_per_rank_mean_logged_with_sync_dist_is_reported_once(baseline, tmp_pa
     assert len(warnings) == 1 and "'val_loss_mean'" in warnings[0], result.stderr[-3000:]
 
 
+@pytest.mark.slow  # about 20 s each; `ddp-app resume-check` on this example is the default run's resume
 @pytest.mark.parametrize(
     "checkpoint", ["step-step=45.ckpt", "epoch-epoch=3.ckpt"], ids=["epoch2-after-batch13", "end-of-epoch3"]
 )
@@ -130,6 +131,7 @@ def test_powersgd_state_follows_the_users_parameter_names_and_resumes_bit_exact(
     assert_same_weights(checkpoints / final, tmp_path / "resumed" / "checkpoints" / final)
 
 
+@pytest.mark.slow  # about 30 s; SIGUSR1 preemption is tests/fault/test_resume.py's, this example resume-check's
 def test_preemption_saves_at_a_step_boundary_and_resumes_bit_exactly(baseline, tmp_path: Path) -> None:
     extra, checkpoints = baseline
     code, log = stop_with_signal(CONFIG, extra, tmp_path / "run", signal.SIGUSR1, at_step=60)

@@ -51,7 +51,7 @@ SETUPS = {
         callback("tests.helpers.user_callbacks.LogsSyncedValues"),
     ],
 }
-DEFAULT_SETUPS = ("none", "sync-dist")
+DEFAULT_SETUPS = ("sync-dist",)  # "none": the users-own-module test below has no callbacks either
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,11 @@ def test_checkpoints_hold_every_ranks_powersgd_state(powersgd_uninterrupted) -> 
     assert first["q"], "no warm-start Q saved"
 
 
-@pytest.mark.parametrize("checkpoint", ["step-step=21.ckpt", "epoch-epoch=2.ckpt"], ids=["mid-epoch", "epoch-end"])
+@pytest.mark.parametrize(
+    "checkpoint",
+    ["step-step=21.ckpt", pytest.param("epoch-epoch=2.ckpt", marks=pytest.mark.slow)],  # one resume a tier
+    ids=["mid-epoch", "epoch-end"],
+)
 def test_powersgd_resume_is_bit_exact(powersgd_uninterrupted, checkpoint: str, tmp_path: Path) -> None:
     """The first step after a restart runs on DDP's initial buckets, the next ones on rebuilt
     buckets: the state must follow the parameters, not the bucket numbers."""
@@ -62,6 +66,7 @@ def test_powersgd_resume_is_bit_exact(powersgd_uninterrupted, checkpoint: str, t
     assert_same_weights(checkpoints / "epoch-epoch=5.ckpt", tmp_path / "checkpoints" / "epoch-epoch=5.ckpt")
 
 
+@pytest.mark.slow  # about 30 s; the resume matrix's default powersgd row stops and resumes a PowerSGD run
 def test_kill_9_mid_run_with_powersgd_then_resume_last_is_bit_exact(powersgd_uninterrupted, tmp_path: Path) -> None:
     extra, checkpoints = powersgd_uninterrupted
     process = start_fit("configs/digits.yaml", extra, tmp_path / "run", *POWERSGD)

@@ -116,9 +116,13 @@ def stop_all(processes: list[subprocess.Popen]) -> None:
         process.wait()
 
 
-# A stopped rank 1 is the stopped rank 0 case below with the roles swapped: `slow` (and `fault`).
+# A stopped rank 1 is the stopped rank 0 case below with the roles swapped; a hung loader worker is a
+# rank that never arrives, as the stopped one (about 30 s): `slow` (and `fault`).
+SLOW_KINDS = ("sigstop", "loader")
+
+
 @pytest.mark.parametrize(
-    "kind", [pytest.param(kind, marks=pytest.mark.slow) if kind == "sigstop" else kind for kind in INJECTIONS]
+    "kind", [pytest.param(kind, marks=pytest.mark.slow) if kind in SLOW_KINDS else kind for kind in INJECTIONS]
 )
 def test_a_hung_rank_is_named(kind: str, tmp_path: Path) -> None:
     overrides, said, rank1_shows = INJECTIONS[kind]

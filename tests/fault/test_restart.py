@@ -50,6 +50,7 @@ def test_torchrun_restarts_the_group_after_kill_9_and_ends_bit_exact(uninterrupt
     assert_same_weights(expected, last)
 
 
+@pytest.mark.slow  # about 50 s; torchrun's restart of the whole group is the test above, with one agent
 def test_torchrun_with_two_agents_restarts_after_kill_9_and_ends_bit_exact(uninterrupted, tmp_path: Path) -> None:
     """Two agents, one rank each, meeting at a c10d rendezvous as on two nodes (torchrun.sbatch): the
     agent whose rank died counts a restart, the other does not, and the ranks still meet."""

@@ -28,9 +28,15 @@ VARIANTS = {"sized": [], "unsized": ["--data.init_args.sized=false"]}
 CASES = [
     pytest.param(Case("kill-rank1", "mid-epoch", variant="sized", epoch=1), id="sized-kill-mid-epoch"),
     pytest.param(Case("sigterm", "last-batch", variant="unsized", epoch=0), id="unsized-sigterm-last-batch"),
-    pytest.param(Case("kill-rank0", "validation", variant="unsized", epoch=1), id="unsized-kill-validation"),
+    pytest.param(  # about 20 s each; the two above are the default run's
+        Case("kill-rank0", "validation", variant="unsized", epoch=1),
+        id="unsized-kill-validation",
+        marks=pytest.mark.slow,
+    ),
     pytest.param(
-        Case("max_steps", continues="more-epochs", variant="unsized", epoch=1), id="unsized-max-steps-more-epochs"
+        Case("max_steps", continues="more-epochs", variant="unsized", epoch=1),
+        id="unsized-max-steps-more-epochs",
+        marks=pytest.mark.slow,
     ),
     pytest.param(
         Case("kill-rank1", "mid-epoch", variant="unsized", epoch=1), id="unsized-kill-mid-epoch", marks=pytest.mark.slow

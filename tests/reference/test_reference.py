@@ -18,6 +18,7 @@ def reference(*args: str, timeout: float = 240, env: dict[str, str] | None = Non
     return run([sys.executable, "-m", "app.reference", *args], timeout=timeout, env=env)
 
 
+@pytest.mark.slow  # about 45 s; the snapshot resume on another number of ranks below continues a run as well
 def test_snapshot_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     """Rank-0 snapshot + barrier + map_location load: 2 epochs, then 1 more, equals 3 at once."""
     straight = reference("--config", "configs/toy.yaml", "--epochs", "3", "--out", str(tmp_path / "a"))

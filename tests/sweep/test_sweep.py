@@ -47,6 +47,7 @@ def assert_same_weights(expected: dict, actual: dict) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # about 60 s; the default run has optuna in the pruning test and a sweep in the grid test
 def test_an_optuna_search_records_every_trial_in_its_journal_study(tmp_path: Path) -> None:
     import optuna
 
