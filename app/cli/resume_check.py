@@ -370,6 +370,12 @@ CHECK_CASES = (
 )
 
 
+STATE_OUTSIDE = (
+    "state outside the checkpoint: a callback or the module keeps values across steps that are not in "
+    "state_dict (or randomness drawn in a callback or collate_fn)"
+)
+
+
 def likely_cause(base_args: list[str]) -> str:
     """The most likely reason a resume differs, from checks that need no training run."""
     import importlib
@@ -396,6 +402,8 @@ def likely_cause(base_args: list[str]) -> str:
         getattr(loader, "sampler", None), torch.utils.data.DistributedSampler
     ):
         return "the training loader has a sampler of its own, which ddp-app cannot position mid-epoch"
+    if dataset is None:  # whole tensors cut into batches (app/data/on_device.py): no per-sample draws to compare
+        return STATE_OUTSIDE
     seeded = PerSampleSeeded(dataset.dataset if isinstance(dataset, PerSampleSeeded) else dataset, seed=0)
     first, second = seeded[SampleKey(0, 0)], seeded[SampleKey(0, 0)]
     if max_abs_diff(_as_tensors(first), _as_tensors(second)) != 0:
@@ -404,10 +412,7 @@ def likely_cause(base_args: list[str]) -> str:
             "(seed, epoch, index), so it draws from a generator of its own (numpy.random.default_rng(), a "
             "torch.Generator or random.Random it keeps). Fix: draw from torch, numpy.random or random"
         )
-    return (
-        "state outside the checkpoint: a callback or the module keeps values across steps that are not in "
-        "state_dict (or randomness drawn in a callback or collate_fn)"
-    )
+    return STATE_OUTSIDE
 
 
 def _as_tensors(sample: Any) -> Any:

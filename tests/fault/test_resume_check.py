@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from app.cli.resume_check import STATE_OUTSIDE, likely_cause
 from tests.helpers.run import ddp_app
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -43,6 +44,12 @@ def test_a_dataset_with_a_private_generator_differs_and_the_cause_is_named(tmp_p
     assert not report["exact"] and [case["result"] for case in report["cases"]] == ["DIFFERS"], report
     assert "generator of its own" in report["cause"] and "numpy.random.default_rng()" in report["cause"]
     assert "most likely cause: randomness drawn outside the seeded paths" in output
+
+
+def test_the_cause_named_for_data_read_as_whole_tensors_is_state_outside_the_checkpoint(tmp_path: Path) -> None:
+    """configs/digits.yaml's training loader cuts batches from whole tensors (no dataset to read twice):
+    the cause is not the data's, and naming it must not fail (it once raised a TypeError)."""
+    assert likely_cause(["--config", "configs/digits.yaml", f"--trainer.default_root_dir={tmp_path}"]) == STATE_OUTSIDE
 
 
 @pytest.mark.slow
