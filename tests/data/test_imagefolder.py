@@ -16,7 +16,6 @@ import yaml
 from PIL import Image
 from torch.utils.data import DataLoader, Subset
 
-from app.checkpoints.io import safe_load
 from app.cli.resume_check import Case, Runner
 from app.data.image_datasets import (
     ImageFiles,
@@ -31,7 +30,7 @@ from app.errors import UserFacingError
 from app.models import ResNetClassifier
 from app.models.nets import resnet_classifier_parts
 from app.reference.config import build_job, load_config
-from tests.helpers.run import clean_env, ddp_app, run
+from tests.helpers.run import ddp_app, resume_on_3_ranks, run
 
 CLASSES = ("cat", "dog", "fish", "owl")
 SMALL = {"image_size": 12, "resize_size": 16}
@@ -259,21 +258,7 @@ def test_a_2_rank_fit_killed_mid_epoch_resumes_to_the_same_weights(runner: Runne
 @pytest.mark.distributed
 def test_a_2_rank_fit_resumed_on_3_ranks_ends_within_rounding(runner: Runner, tmp_path: Path) -> None:
     """Stopped by a max_steps budget mid-epoch 1, resumed on 3 ranks (global batch 32 as 11+11+10)."""
-    expected = safe_load(runner.baseline("default") / "checkpoints" / "last.ckpt")
-    env = clean_env(DDP_APP_ALLOW_OVERSUBSCRIBE="1")  # 3 ranks with 2 workers each on a 2-core machine
-    common = ["fit", *runner.base_args, f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"]
-    for extra in (["--trainer.max_steps=12"], ["--trainer.devices=3", "--ckpt_path=last"]):
-        result = ddp_app(*common, *extra, timeout=300, env=env)
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert (
-        "ddp-app: resuming a 2-rank run on 3 ranks: global batch 32 kept (11+11+10 per micro-step)" in result.stderr
-    ), result.stderr[-3000:]
-    actual = safe_load(tmp_path / "checkpoints" / "last.ckpt")
-    assert actual["global_step"] == expected["global_step"] == 16
-    weights = expected["state_dict"]
-    for name, value in weights.items():
-        scale = float(value.abs().max()) or 1.0
-        assert float((actual["state_dict"][name] - value).abs().max()) / scale <= 1e-5, name
+    assert resume_on_3_ranks(runner, tmp_path, "--trainer.max_steps=12") == 16
 
 
 @pytest.fixture(scope="module")
