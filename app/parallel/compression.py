@@ -192,6 +192,15 @@ class CommunicationHook:
     """The DDP communication hook of one `gradient_compression` setting; `attach` registers it.
 
     Trainer-independent: the Lightning callback below and `python -m app.bench.network` use it.
+
+    Args:
+        method: none | fp16 | bf16 | powersgd | auto (see the module docstring).
+        powersgd_rank: PowerSGD's matrix approximation rank (values sent per matrix: (rows + columns) x rank).
+        start_iter: plain all-reduce steps before PowerSGD compresses (>= 2; PyTorch's default is 1000).
+        warm_start: PowerSGD reuses last step's Q (better approximation, no new random Q per step;
+            required for a bit-exact resume).
+        error_feedback: PowerSGD adds what the last step's approximation missed to this step's gradients.
+        probe_steps: auto: timed steps per candidate (after AUTO_WARMUP_STEPS untimed ones).
     """
 
     def __init__(
@@ -377,29 +386,12 @@ def communication_hook(state, bucket):  # type: ignore[no-untyped-def]
 class GradientCompression(L.Callback):
     """The `gradient_compression:` config key: registers `CommunicationHook` on Lightning's DDP model
     (on any device, where Lightning 2.6 registers `ddp_comm_hook` on CUDA only) and keeps its state,
-    every rank's, in the checkpoint.
-
-    Args:
-        method: none | fp16 | bf16 | powersgd | auto (see the module docstring).
-        powersgd_rank: PowerSGD's matrix approximation rank (values sent per matrix: (rows + columns) x rank).
-        start_iter: plain all-reduce steps before PowerSGD compresses (>= 2; PyTorch's default is 1000).
-        warm_start: PowerSGD reuses last step's Q (better approximation, no new random Q per step;
-            required for a bit-exact resume).
-        error_feedback: PowerSGD adds what the last step's approximation missed to this step's gradients.
-        probe_steps: auto: timed steps per candidate (after AUTO_WARMUP_STEPS untimed ones).
+    every rank's, in the checkpoint. Its settings are `CommunicationHook`'s (the parser reads them there).
     """
 
-    def __init__(
-        self,
-        method: str = "none",
-        powersgd_rank: int = 4,
-        start_iter: int = 10,
-        warm_start: bool = True,
-        error_feedback: bool = True,
-        probe_steps: int = 6,
-    ) -> None:
+    def __init__(self, **settings: Any) -> None:
         # The hook checks the values; it is registered at train start, once there is a DDP model.
-        self.hook = CommunicationHook(method, powersgd_rank, start_iter, warm_start, error_feedback, probe_steps)
+        self.hook = CommunicationHook(**settings)
         self._attached = False
         self._saved: dict[str, Any] | None = None
 

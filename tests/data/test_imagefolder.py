@@ -30,7 +30,7 @@ from app.errors import UserFacingError
 from app.models import ResNetClassifier
 from app.models.nets import resnet_classifier_parts
 from app.reference.config import build_job, load_config
-from tests.helpers.run import ddp_app, resume_on_3_ranks, run
+from tests.helpers.run import ddp_app, float64_runner, resume_on_3_ranks, run
 
 CLASSES = ("cat", "dog", "fish", "owl")
 SMALL = {"image_size": 12, "resize_size": 16}
@@ -230,18 +230,9 @@ def test_a_samples_augmentation_depends_on_seed_epoch_and_index_only(tmp_path: P
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    """One uninterrupted 2-rank run (2 epochs of 8 steps), shared by the resume tests below. Without
-    dropout and in float64, so that the 3-rank resume's other summation order stays at rounding level
-    (tests/fault/test_elastic_resume.py says why); the exact resume does not depend on either."""
+    """One uninterrupted 2-rank run (2 epochs of 8 steps), shared by the resume tests below."""
     root = make_image_folder(tmp_path_factory.mktemp("images"), {"train": 64, "val": 8}, size=32)
-    config = [
-        "--config",
-        "tests/helpers/imagefolder.yaml",
-        f"--data.init_args.data_dir={root}",
-        "--model.init_args.dropout=false",
-        "--trainer.precision=64-true",
-    ]
-    return Runner(config, tmp_path_factory.mktemp("runs"), epochs=2)
+    return float64_runner("tests/helpers/imagefolder.yaml", root, tmp_path_factory.mktemp("runs"), epochs=2)
 
 
 @pytest.mark.fault

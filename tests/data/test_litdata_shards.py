@@ -17,7 +17,7 @@ from app.data.image_datasets import read_layout
 from app.data.litdata_shards import StreamingDataModule
 from app.data.samplers import chunked_shard
 from app.data.shard import main as shard_main
-from tests.helpers.run import resume_on_3_ranks
+from tests.helpers.run import float64_runner, resume_on_3_ranks
 
 CHUNK = 16  # samples per chunk: 200 training images in 2 writers give 2 x 7 chunks
 
@@ -206,16 +206,8 @@ def test_with_a_window_of_one_chunk_each_chunk_is_read_whole_before_the_next(sha
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory, shards: Path) -> Runner:
-    """One uninterrupted 2-rank run of 3 epochs (7 steps each), without dropout and in float64 (so that
-    the 3-rank resume's other summation order stays at rounding level)."""
-    config = [
-        "--config",
-        "tests/helpers/streaming.yaml",
-        f"--data.init_args.data_dir={shards}",
-        "--model.init_args.dropout=false",
-        "--trainer.precision=64-true",
-    ]
-    return Runner(config, tmp_path_factory.mktemp("runs"), epochs=3)
+    """One uninterrupted 2-rank run of 3 epochs (7 steps each)."""
+    return float64_runner("tests/helpers/streaming.yaml", shards, tmp_path_factory.mktemp("runs"), epochs=3)
 
 
 @pytest.mark.fault

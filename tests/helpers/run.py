@@ -191,3 +191,13 @@ def resume_on_3_ranks(runner: Runner, root: Path, stop: str) -> int:
         scale = float(value.abs().max()) or 1.0
         assert float((actual["state_dict"][name] - value).abs().max()) / scale <= 1e-5, name
     return actual["global_step"]
+
+
+def float64_runner(config: str, data_dir: Path, root: Path, epochs: int) -> Runner:
+    """A resume `Runner` of `config` on `data_dir`, without dropout and in float64, so that a resume on
+    3 ranks (another summation order, `resume_on_3_ranks`) stays at rounding level
+    (tests/fault/test_elastic_resume.py says why); the exact resume depends on neither."""
+    from app.cli.resume_check import Runner
+
+    overrides = ["--model.init_args.dropout=false", "--trainer.precision=64-true"]
+    return Runner(["--config", config, f"--data.init_args.data_dir={data_dir}", *overrides], root, epochs=epochs)
