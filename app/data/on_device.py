@@ -18,16 +18,14 @@ No Lightning here.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler, Subset, TensorDataset, default_collate
 
-from app.data.seeding import SampleKey
+from app.data.seeding import SampleKey, generators_kept, seed_generators
 from app.errors import InvalidConfigError
 
 
@@ -63,16 +61,9 @@ def in_memory_tensors(dataset: Dataset | None) -> TensorRows | None:
 
 
 def _read_with_seed(dataset: Dataset, index: int, seed: int) -> Any:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        numpy_state, python_state = np.random.get_state(), random.getstate()
-        np.random.seed(seed)
-        random.seed(seed)
-        try:
-            return dataset[index]
-        finally:
-            np.random.set_state(numpy_state)
-            random.setstate(python_state)
+    with generators_kept():
+        seed_generators(seed, 0, index)
+        return dataset[index]
 
 
 def _same(first: Any, second: Any) -> bool:

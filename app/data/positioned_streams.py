@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from app.data.seeding import sample_seed
+from app.data.seeding import generators_kept, seed_generators
 from app.errors import ResumeError
 
 # The key of the state recorded when the stream ran out (the epoch's end).
@@ -132,17 +129,9 @@ class PositionedStream(IterableDataset):
     def _next(self, iterator: Iterator[Any], epoch: int, count: int) -> Any:
         if self.seed is None:
             return next(iterator)
-        saved = (torch.default_generator.get_state(), np.random.get_state(), random.getstate())
-        seed = sample_seed(self.seed, epoch, count * self.world_size + self.rank)
-        torch.default_generator.manual_seed(seed)
-        np.random.seed(seed & 0xFFFFFFFF)
-        random.seed(seed)
-        try:
+        with generators_kept():
+            seed_generators(self.seed, epoch, count * self.world_size + self.rank)
             return next(iterator)
-        finally:
-            torch.default_generator.set_state(saved[0])
-            np.random.set_state(saved[1])
-            random.setstate(saved[2])
 
 
 # What a worker's `next` gives when its stream has run out (no sample is this object).
@@ -358,10 +347,7 @@ class WorkerPositionedStream(IterableDataset):
         """The worker's next sample (RAN_OUT when its stream ran out), seeded as sample `count` of `worker`."""
         if self.seed is not None:
             index = (count * self.num_workers + worker) * self.world_size + self.rank
-            seed = sample_seed(self.seed, self._epoch, index)
-            torch.default_generator.manual_seed(seed)
-            np.random.seed(seed & 0xFFFFFFFF)
-            random.seed(seed)
+            seed_generators(self.seed, self._epoch, index)
         return next(iterator, RAN_OUT)
 
 

@@ -9,7 +9,8 @@ point). No Lightning here: the reference trainer can use it too.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,27 @@ def _mix64(value: int) -> int:
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of one sample's loading in one epoch: a function of (seed, epoch, index) only."""
     return _mix64(_mix64(_mix64(seed & _MASK64) ^ epoch) ^ index)
+
+
+def seed_generators(seed: int, epoch: int, index: int) -> None:
+    """Seed torch's CPU generator, NumPy's and Python's global ones for one sample's loading."""
+    seed = sample_seed(seed, epoch, index)
+    torch.default_generator.manual_seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    random.seed(seed)
+
+
+@contextmanager
+def generators_kept() -> Iterator[None]:
+    """Put the generators `seed_generators` seeds back afterwards: the training step's own random
+    stream (dropout) in this process stays untouched."""
+    saved = (torch.default_generator.get_state(), np.random.get_state(), random.getstate())
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
 
 
 def reads_without_randomness(dataset: Dataset) -> bool:
@@ -105,10 +127,7 @@ class PerSampleSeeded(Dataset):
     def _load(self, key: SampleKey | int) -> Any:
         # A plain index comes from an evaluation sampler: the same draws in every evaluation.
         epoch, index = (key.epoch, key.index) if isinstance(key, SampleKey) else (EVALUATION_EPOCH, key)
-        seed = sample_seed(self.seed, epoch, index)
-        torch.default_generator.manual_seed(seed)
-        np.random.seed(seed & 0xFFFFFFFF)
-        random.seed(seed)
+        seed_generators(self.seed, epoch, index)
         return self.dataset[index]
 
     def __getitem__(self, key: SampleKey | int) -> Any:
@@ -117,10 +136,5 @@ class PerSampleSeeded(Dataset):
     def __getitems__(self, keys: Sequence[SampleKey | int]) -> list[Any]:
         if get_worker_info() is not None:  # a worker process: its generators serve nobody else
             return [self._load(key) for key in keys]
-        saved = (torch.default_generator.get_state(), np.random.get_state(), random.getstate())
-        try:
+        with generators_kept():
             return [self._load(key) for key in keys]
-        finally:
-            torch.default_generator.set_state(saved[0])
-            np.random.set_state(saved[1])
-            random.setstate(saved[2])

@@ -23,7 +23,7 @@ PowerSGD keeps its state per DDP bucket (`error_dict[bucket_index]` is the flat 
 bucket, `q_memory_dict` the warm-started Q matrices), and DDP's buckets are not stable: the first
 step of every (re)started run uses the initial bucketing, from the second step on DDP uses buckets
 rebuilt in the order the gradients became ready. A checkpoint therefore stores the state per
-parameter name, and `CommunicationHook` moves it into whatever buckets DDP has when a bucket's
+parameter name, and `ParameterMemory` moves it into whatever buckets DDP has when a bucket's
 parameters change. The same checkpoint so resumes under another `bucket_cap_mb` as well.
 """
 
@@ -56,7 +56,6 @@ AUTO_TOLERANCE = 0.03
 # Steps of each auto candidate that are not timed: the switch, PowerSGD's two plain all-reduces
 # (`start_powerSGD_iter` must be >= 2) and its first compressed step, which allocates P and Q.
 AUTO_WARMUP_STEPS = 3
-# Where a checkpoint keeps every rank's hook state.
 
 
 def check_settings(method: str, powersgd_rank: int, start_iter: int, probe_steps: int) -> None:
@@ -94,10 +93,114 @@ def compressed_matrix(shape: torch.Size, rank: int, min_compression_rate: float)
     return None
 
 
+class ParameterMemory:
+    """PowerSGD's per-bucket memories (error feedback, warm-started Q) kept by parameter name, so
+    that they move into whatever buckets DDP has and into a checkpoint (the module docstring says why).
+
+    PowerSGD's state is passed in on every call: `CommunicationHook` replaces it (auto, a resume).
+    """
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}  # {id(parameter): name}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.stashed: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}
+        self._bucket_names: dict[int, tuple[str, ...]] = {}  # PowerSGD's buckets: their parameters
+
+    def match(self, state: powersgd.PowerSGDState, bucket: dist.GradBucket) -> None:
+        """Give PowerSGD this bucket's state, moving it from the buckets of a previous bucketing."""
+        index = bucket.index()
+        names = tuple(self.names[id(parameter)] for parameter in bucket.parameters())
+        if self._bucket_names.get(index) == names:
+            return
+        if any(not set(names).isdisjoint(previous) for previous in self._bucket_names.values()):
+            self._stash_buckets(state)  # DDP rebuilt its buckets: everything goes per parameter first
+        self.shapes.update({name: tuple(g.shape) for name, g in zip(names, bucket.gradients(), strict=True)})
+        self._bucket_names[index] = names
+        self._unstash_bucket(state, index, bucket)
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """A checkpoint's per-parameter tensors, moved into PowerSGD's buckets as DDP calls them."""
+        self.stashed = {"error": dict(saved["error"]), "q": dict(saved["q"])}
+        self.shapes.update({name: tuple(shape) for name, shape in saved["shapes"].items()})
+        self._bucket_names.clear()
+
+    def _layout(
+        self, state: powersgd.PowerSGDState, names: tuple[str, ...]
+    ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]], int]:
+        """Where each parameter sits in a bucket's flat buffer (name, start, length), where in its flat
+        Q memory, and the length of its P memory.
+
+        Q memory follows `powerSGD_hook`: the compressed gradients grouped by shape, in the order
+        each shape first appears, then by position in the bucket.
+        """
+        offsets, by_shape, start, p_length = [], {}, 0, 0
+        for name in names:
+            shape = torch.Size(self.shapes[name])
+            offsets.append((name, start, shape.numel()))
+            start += shape.numel()
+            matrix = compressed_matrix(shape, state.matrix_approximation_rank, state.min_compression_rate)
+            if matrix is not None:
+                rows, columns, rank = matrix
+                by_shape.setdefault((rows, columns), []).append((name, columns * rank))
+                p_length += rows * rank
+        q_offsets, start = [], 0
+        for entries in by_shape.values():
+            for name, length in entries:
+                q_offsets.append((name, start, length))
+                start += length
+        return offsets, q_offsets, p_length
+
+    def per_parameter(self, state: powersgd.PowerSGDState) -> dict[str, dict[str, torch.Tensor]]:
+        """The error feedback and Q matrices per parameter name (copies; PowerSGD's dicts untouched)."""
+        stashed = {
+            kind: {name: t.detach().clone() for name, t in tensors.items()} for kind, tensors in self.stashed.items()
+        }
+        for index, names in self._bucket_names.items():
+            offsets, q_offsets, _ = self._layout(state, names)
+            for kind, memory, entries in (("error", state.error_dict, offsets), ("q", state.q_memory_dict, q_offsets)):
+                if index in memory:
+                    for name, start, length in entries:
+                        stashed[kind][name] = memory[index][start : start + length].detach().clone()
+        return stashed
+
+    def _stash_buckets(self, state: powersgd.PowerSGDState) -> None:
+        """PowerSGD's per-bucket tensors -> per parameter name; empties its dicts."""
+        self.stashed = self.per_parameter(state)
+        state.error_dict.clear()
+        state.p_memory_dict.clear()
+        state.q_memory_dict.clear()
+        self._bucket_names.clear()
+
+    def _unstash_bucket(self, state: powersgd.PowerSGDState, index: int, bucket: dist.GradBucket) -> None:
+        """Build PowerSGD's tensors for this bucket from the per-parameter ones, where they exist."""
+        offsets, q_offsets, p_length = self._layout(state, self._bucket_names[index])
+        buffer = bucket.buffer()
+        errors, qs = self.stashed["error"], self.stashed["q"]
+        if any(name in errors for name, _, _ in offsets):
+            error = torch.zeros(buffer.numel(), device=buffer.device, dtype=buffer.dtype)
+            for name, start, length in offsets:
+                if name in errors:
+                    error[start : start + length] = errors.pop(name).to(buffer.device)
+            state.error_dict[index] = error
+        if q_offsets and all(name in qs for name, _, _ in q_offsets):
+            state.q_memory_dict[index] = torch.cat([qs.pop(name).to(buffer.device) for name, _, _ in q_offsets])
+            # Only its presence matters (warm start: no new random Q); P is recomputed every step.
+            state.p_memory_dict[index] = torch.empty(p_length, device=buffer.device, dtype=buffer.dtype)
+
+
 class CommunicationHook:
     """The DDP communication hook of one `gradient_compression` setting; `attach` registers it.
 
     Trainer-independent: the Lightning callback below and `python -m app.bench.network` use it.
+
+    Args:
+        method: none | fp16 | bf16 | powersgd | auto (see the module docstring).
+        powersgd_rank: PowerSGD's matrix approximation rank (values sent per matrix: (rows + columns) x rank).
+        start_iter: plain all-reduce steps before PowerSGD compresses (>= 2; PyTorch's default is 1000).
+        warm_start: PowerSGD reuses last step's Q (better approximation, no new random Q per step;
+            required for a bit-exact resume).
+        error_feedback: PowerSGD adds what the last step's approximation missed to this step's gradients.
+        probe_steps: auto: timed steps per candidate (after AUTO_WARMUP_STEPS untimed ones).
     """
 
     def __init__(
@@ -123,10 +226,7 @@ class CommunicationHook:
         self._group: Any = None
         self._on_gloo = False
         self._agree_group: Any = None
-        self._names: dict[int, str] = {}
-        self._bucket_names: dict[int, tuple[str, ...]] = {}  # PowerSGD's buckets: their parameters
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self._stashed: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}
+        self._memory = ParameterMemory()
         self._pending_state: dict[str, Any] | None = None
         # auto's probe: per candidate the times between the ends of consecutive backward passes.
         self._probe_index = 0
@@ -146,7 +246,8 @@ class CommunicationHook:
         # On gloo each bucket's PowerSGD therefore completes before backward goes on (same numbers,
         # no overlap of that bucket's communication with the rest of the backward pass).
         self._on_gloo = dist.get_backend(self._group) == "gloo"
-        self._names = dict(names) if names is not None else {id(p): n for n, p in model.module.named_parameters()}
+        own_names = {id(parameter): name for name, parameter in model.module.named_parameters()}
+        self._memory.names = dict(names) if names is not None else own_names
         if self.method == "auto":
             # The ranks agree on the probe's times on a CPU group of their own, not among DDP's
             # in-flight all-reduces (on GPUs the default group is NCCL).
@@ -167,7 +268,7 @@ class CommunicationHook:
             use_error_feedback=self.error_feedback,
             warm_start=self.warm_start,
         )
-        # Private layout: the per-bucket memories checkpointed per parameter (_per_parameter, _unstash_bucket).
+        # Private layout: the per-bucket memories checkpointed per parameter (ParameterMemory).
         for name in ("error_dict", "q_memory_dict"):
             require(state, name, "torch", "checkpointing PowerSGD's state")
         return state
@@ -180,7 +281,7 @@ class CommunicationHook:
             self._probe_step()
         method = self.chosen
         if method == "powersgd":
-            self._match_buckets(bucket)
+            self._memory.match(self.powersgd, bucket)
             future = powersgd.powerSGD_hook(self.powersgd, bucket)
             if self._on_gloo:
                 future.wait()  # see `attach`
@@ -228,96 +329,13 @@ class CommunicationHook:
         if dist.get_rank() == 0:
             print(f"ddp-app: {self.decision}", file=sys.stderr, flush=True)
 
-    # -- PowerSGD state independent of DDP's buckets --------------------------------------------
-
-    def _match_buckets(self, bucket: dist.GradBucket) -> None:
-        """Give PowerSGD this bucket's state, moving it from the buckets of a previous bucketing."""
-        index = bucket.index()
-        names = tuple(self._names[id(parameter)] for parameter in bucket.parameters())
-        if self._bucket_names.get(index) == names:
-            return
-        if any(not set(names).isdisjoint(previous) for previous in self._bucket_names.values()):
-            self._stash_buckets()  # DDP rebuilt its buckets: everything goes per parameter first
-        self._shapes.update({name: tuple(g.shape) for name, g in zip(names, bucket.gradients(), strict=True)})
-        self._bucket_names[index] = names
-        self._unstash_bucket(index, bucket)
-
-    def _layout(self, names: tuple[str, ...]) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]], int]:
-        """Where each parameter sits in a bucket's flat buffer (name, start, length), where in its flat
-        Q memory, and the length of its P memory.
-
-        Q memory follows `powerSGD_hook`: the compressed gradients grouped by shape, in the order
-        each shape first appears, then by position in the bucket.
-        """
-        state = self.powersgd
-        assert state is not None
-        offsets, by_shape, start, p_length = [], {}, 0, 0
-        for name in names:
-            shape = torch.Size(self._shapes[name])
-            offsets.append((name, start, shape.numel()))
-            start += shape.numel()
-            matrix = compressed_matrix(shape, state.matrix_approximation_rank, state.min_compression_rate)
-            if matrix is not None:
-                rows, columns, rank = matrix
-                by_shape.setdefault((rows, columns), []).append((name, columns * rank))
-                p_length += rows * rank
-        q_offsets, start = [], 0
-        for entries in by_shape.values():
-            for name, length in entries:
-                q_offsets.append((name, start, length))
-                start += length
-        return offsets, q_offsets, p_length
-
-    def _per_parameter(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The error feedback and Q matrices per parameter name (copies; PowerSGD's dicts untouched)."""
-        state = self.powersgd
-        assert state is not None
-        stashed = {
-            kind: {name: t.detach().clone() for name, t in tensors.items()} for kind, tensors in self._stashed.items()
-        }
-        for index, names in self._bucket_names.items():
-            offsets, q_offsets, _ = self._layout(names)
-            for kind, memory, entries in (("error", state.error_dict, offsets), ("q", state.q_memory_dict, q_offsets)):
-                if index in memory:
-                    for name, start, length in entries:
-                        stashed[kind][name] = memory[index][start : start + length].detach().clone()
-        return stashed
-
-    def _stash_buckets(self) -> None:
-        """PowerSGD's per-bucket tensors -> per parameter name; empties its dicts."""
-        state = self.powersgd
-        assert state is not None
-        self._stashed = self._per_parameter()
-        state.error_dict.clear()
-        state.p_memory_dict.clear()
-        state.q_memory_dict.clear()
-        self._bucket_names.clear()
-
-    def _unstash_bucket(self, index: int, bucket: dist.GradBucket) -> None:
-        """Build PowerSGD's tensors for this bucket from the per-parameter ones, where they exist."""
-        state = self.powersgd
-        assert state is not None
-        offsets, q_offsets, p_length = self._layout(self._bucket_names[index])
-        buffer = bucket.buffer()
-        errors, qs = self._stashed["error"], self._stashed["q"]
-        if any(name in errors for name, _, _ in offsets):
-            error = torch.zeros(buffer.numel(), device=buffer.device, dtype=buffer.dtype)
-            for name, start, length in offsets:
-                if name in errors:
-                    error[start : start + length] = errors.pop(name).to(buffer.device)
-            state.error_dict[index] = error
-        if q_offsets and all(name in qs for name, _, _ in q_offsets):
-            state.q_memory_dict[index] = torch.cat([qs.pop(name).to(buffer.device) for name, _, _ in q_offsets])
-            # Only its presence matters (warm start: no new random Q); P is recomputed every step.
-            state.p_memory_dict[index] = torch.empty(p_length, device=buffer.device, dtype=buffer.dtype)
-
     # -- checkpoint state -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, in types `torch.load(weights_only=True)` accepts."""
         state: dict[str, Any] = {"method": self.method, "chosen": self.chosen, "decision": self.decision}
         if self.powersgd is not None and self.chosen == "powersgd":
-            per_parameter = self._per_parameter()
+            per_parameter = self._memory.per_parameter(self.powersgd)
             kind, keys, position, has_gauss, cached_gaussian = self.powersgd.rng.get_state()
             state["powersgd"] = {
                 "iter": self.powersgd.iter,
@@ -325,7 +343,7 @@ class CommunicationHook:
                 "rng": [kind, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
                 "error": {name: t.cpu() for name, t in per_parameter["error"].items()},
                 "q": {name: t.cpu() for name, t in per_parameter["q"].items()},
-                "shapes": {name: list(shape) for name, shape in self._shapes.items()},
+                "shapes": {name: list(shape) for name, shape in self._memory.shapes.items()},
                 "numel_before": self.powersgd.total_numel_before_compression,
                 "numel_after": self.powersgd.total_numel_after_compression,
             }
@@ -333,7 +351,7 @@ class CommunicationHook:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a rank's state; before `attach` it waits for it."""
-        if self._names:
+        if self._memory.names:
             self._apply_state(state)
         else:
             self._pending_state = state
@@ -353,9 +371,7 @@ class CommunicationHook:
         self.powersgd.rng.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
         self.powersgd.total_numel_before_compression = saved["numel_before"]
         self.powersgd.total_numel_after_compression = saved["numel_after"]
-        self._stashed = {"error": dict(saved["error"]), "q": dict(saved["q"])}
-        self._shapes.update({name: tuple(shape) for name, shape in saved["shapes"].items()})
-        self._bucket_names.clear()
+        self._memory.restore(saved)
 
 
 def communication_hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -370,45 +386,21 @@ def communication_hook(state, bucket):  # type: ignore[no-untyped-def]
 class GradientCompression(L.Callback):
     """The `gradient_compression:` config key: registers `CommunicationHook` on Lightning's DDP model
     (on any device, where Lightning 2.6 registers `ddp_comm_hook` on CUDA only) and keeps its state,
-    every rank's, in the checkpoint.
-
-    Args:
-        method: none | fp16 | bf16 | powersgd | auto (see the module docstring).
-        powersgd_rank: PowerSGD's matrix approximation rank (values sent per matrix: (rows + columns) x rank).
-        start_iter: plain all-reduce steps before PowerSGD compresses (>= 2; PyTorch's default is 1000).
-        warm_start: PowerSGD reuses last step's Q (better approximation, no new random Q per step;
-            required for a bit-exact resume).
-        error_feedback: PowerSGD adds what the last step's approximation missed to this step's gradients.
-        probe_steps: auto: timed steps per candidate (after AUTO_WARMUP_STEPS untimed ones).
+    every rank's, in the checkpoint. Its settings are `CommunicationHook`'s (the parser reads them there).
     """
 
-    def __init__(
-        self,
-        method: str = "none",
-        powersgd_rank: int = 4,
-        start_iter: int = 10,
-        warm_start: bool = True,
-        error_feedback: bool = True,
-        probe_steps: int = 6,
-    ) -> None:
-        check_settings(method, powersgd_rank, start_iter, probe_steps)
-        self.settings = {
-            "method": method,
-            "powersgd_rank": powersgd_rank,
-            "start_iter": start_iter,
-            "warm_start": warm_start,
-            "error_feedback": error_feedback,
-            "probe_steps": probe_steps,
-        }
-        self.hook: CommunicationHook | None = None
+    def __init__(self, **settings: Any) -> None:
+        # The hook checks the values; it is registered at train start, once there is a DDP model.
+        self.hook = CommunicationHook(**settings)
+        self._attached = False
         self._saved: dict[str, Any] | None = None
 
     @property
     def method(self) -> str:
-        return self.settings["method"]
+        return self.hook.method
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.method == "none" or self.hook is not None:
+        if self.method == "none" or self._attached:
             return
         model = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
@@ -420,11 +412,11 @@ class GradientCompression(L.Callback):
                     flush=True,
                 )
             return
-        self.hook = CommunicationHook(**self.settings)
         state = self._state_for_this_rank(trainer)
         if state is not None:
             self.hook.load_state_dict(state)
         self.hook.attach(model, {id(parameter): name for name, parameter in pl_module.named_parameters()})
+        self._attached = True
 
     def _state_for_this_rank(self, trainer: L.Trainer) -> dict[str, Any] | None:
         saved, self._saved = self._saved, None
@@ -444,7 +436,7 @@ class GradientCompression(L.Callback):
         return saved["per_rank"][trainer.global_rank]
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if self.hook is None:
+        if not self._attached:
             return
         # Every rank builds the checkpoint (rank 0 writes it), so a collective is safe here; the
         # error feedback differs per rank, so every rank's state is kept (gathered on rank 0 only).

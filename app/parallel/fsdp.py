@@ -160,42 +160,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._optimize_sharded_parameters(unsharded)
+            optimize_sharded_parameters(self.optimizers, self.model, unsharded)
         self.setup_precision_plugin()
 
-    def _optimize_sharded_parameters(self, unsharded: dict[int, str]) -> None:
-        """Point the optimizers at the sharded parameters where they hold the unsharded ones.
-
-        `fully_shard` replaces every parameter with a sharded one (a DTensor) of the same name, and
-        LightningCLI builds the config's `optimizer:` on the module's parameters when it parses the
-        config, long before the strategy shards them: that optimizer would step parameters nothing
-        uses. Nothing has stepped it yet (a resume loads its state later), so each parameter is
-        replaced by its sharded successor, in place, keeping the groups and any scheduler bound to it.
-        """
-        assert self.model is not None
-        for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [
-                    self.model.get_parameter(unsharded[id(parameter)]) if id(parameter) in unsharded else parameter
-                    for parameter in group["params"]
-                ]
-
     def shard(self, module: nn.Module) -> list[str]:
-        """`fully_shard` the units bottom-up (the `shard_modules` classes, then each child of the
-        LightningModule that holds parameters); returns the units' names, outermost last."""
-        own = [name for name, _ in module.named_parameters(recurse=False)]
-        if own:
-            raise UserFacingError(
-                f"{type(module).__name__} holds parameters directly ({', '.join(own[:3])}): strategy fsdp shards "
-                "submodules. Fix: keep them in a submodule (self.net = ...), or use strategy ddp."
-            )
-        classes = set(self.shard_modules) if self.shard_modules is not None else _module_list_classes(module)
-        if self.shard_modules is not None and not any(type(sub).__name__ in classes for sub in module.modules()):
-            raise UserFacingError(
-                f"trainer.strategy.init_args.shard_modules={self.shard_modules}: {type(module).__name__} has no "
-                f"submodule of these classes. Fix: class names of its submodules, e.g. "
-                f"{sorted(_class_names(module))[:5]}, or leave it out (null) for the default."
-            )
+        """`fully_shard` the units `shard_units` names, bottom-up; returns their names, outermost last."""
+        blocks, units = shard_units(module, self.shard_modules)
         mesh = self.device_mesh
         policy = MixedPrecisionPolicy(
             param_dtype=DTYPES[self.param_dtype] if self.param_dtype else None,
@@ -204,16 +174,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         # cpu_offload: the sharded parameters, their gradients and so the optimizer state live in host
         # memory; FSDP2 copies each unit's shard to the device for its all-gather (pinned on a GPU).
         offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
-        blocks = [name for name, sub in module.named_modules() if name and type(sub).__name__ in classes]
         if self.activation_checkpointing:
             checkpoint = require(composable, "checkpoint", "torch", "activation_checkpointing of strategy fsdp")
             for name in blocks:
                 # The composable form: the block keeps its parameter names (a wrapper module would add
                 # one to every key of every checkpoint), and FSDP2 composes with it.
                 checkpoint(module.get_submodule(name))
-        units = blocks + [
-            name for name, child in module.named_children() if name not in blocks and _has_parameters(child)
-        ]
         # Inner units first: fully_shard of a parent leaves the parameters its sharded children own.
         for name in sorted(units, key=lambda unit: unit.count("."), reverse=True):
             fully_shard(
@@ -304,3 +270,44 @@ def _module_list_classes(module: nn.Module) -> set[str]:
         for element in sub
         if _has_parameters(element)
     }
+
+
+def shard_units(module: nn.Module, shard_modules: list[str] | None) -> tuple[list[str], list[str]]:
+    """The submodules `FSDP2Strategy.shard` makes shard units: (the blocks, every unit, outermost last).
+    The blocks are of the `shard_modules` classes (by default those held in an `nn.ModuleList`); each
+    child of the LightningModule that holds parameters outside them is a unit too."""
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise UserFacingError(
+            f"{type(module).__name__} holds parameters directly ({', '.join(own[:3])}): strategy fsdp shards "
+            "submodules. Fix: keep them in a submodule (self.net = ...), or use strategy ddp."
+        )
+    classes = set(shard_modules) if shard_modules is not None else _module_list_classes(module)
+    if shard_modules is not None and not any(type(sub).__name__ in classes for sub in module.modules()):
+        raise UserFacingError(
+            f"trainer.strategy.init_args.shard_modules={shard_modules}: {type(module).__name__} has no "
+            f"submodule of these classes. Fix: class names of its submodules, e.g. "
+            f"{sorted(_class_names(module))[:5]}, or leave it out (null) for the default."
+        )
+    blocks = [name for name, sub in module.named_modules() if name and type(sub).__name__ in classes]
+    children = [name for name, child in module.named_children() if name not in blocks and _has_parameters(child)]
+    return blocks, blocks + children
+
+
+def optimize_sharded_parameters(
+    optimizers: list[torch.optim.Optimizer], model: nn.Module, unsharded: dict[int, str]
+) -> None:
+    """Point the optimizers at the sharded parameters where they hold the unsharded ones.
+
+    `fully_shard` replaces every parameter with a sharded one (a DTensor) of the same name, and
+    LightningCLI builds the config's `optimizer:` on the module's parameters when it parses the
+    config, long before the strategy shards them: that optimizer would step parameters nothing
+    uses. Nothing has stepped it yet (a resume loads its state later), so each parameter is
+    replaced by its sharded successor, in place, keeping the groups and any scheduler bound to it.
+    """
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [
+                model.get_parameter(unsharded[id(parameter)]) if id(parameter) in unsharded else parameter
+                for parameter in group["params"]
+            ]

@@ -16,7 +16,6 @@ import yaml
 from PIL import Image
 from torch.utils.data import DataLoader, Subset
 
-from app.checkpoints.io import safe_load
 from app.cli.resume_check import Case, Runner
 from app.data.image_datasets import (
     ImageFiles,
@@ -31,7 +30,7 @@ from app.errors import UserFacingError
 from app.models import ResNetClassifier
 from app.models.nets import resnet_classifier_parts
 from app.reference.config import build_job, load_config
-from tests.helpers.run import clean_env, ddp_app, run
+from tests.helpers.run import ddp_app, float64_runner, resume_on_3_ranks, run
 
 CLASSES = ("cat", "dog", "fish", "owl")
 SMALL = {"image_size": 12, "resize_size": 16}
@@ -231,18 +230,9 @@ def test_a_samples_augmentation_depends_on_seed_epoch_and_index_only(tmp_path: P
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    """One uninterrupted 2-rank run (2 epochs of 8 steps), shared by the resume tests below. Without
-    dropout and in float64, so that the 3-rank resume's other summation order stays at rounding level
-    (tests/fault/test_elastic_resume.py says why); the exact resume does not depend on either."""
+    """One uninterrupted 2-rank run (2 epochs of 8 steps), shared by the resume tests below."""
     root = make_image_folder(tmp_path_factory.mktemp("images"), {"train": 64, "val": 8}, size=32)
-    config = [
-        "--config",
-        "tests/helpers/imagefolder.yaml",
-        f"--data.init_args.data_dir={root}",
-        "--model.init_args.dropout=false",
-        "--trainer.precision=64-true",
-    ]
-    return Runner(config, tmp_path_factory.mktemp("runs"), epochs=2)
+    return float64_runner("tests/helpers/imagefolder.yaml", root, tmp_path_factory.mktemp("runs"), epochs=2)
 
 
 @pytest.mark.fault
@@ -261,21 +251,7 @@ def test_a_2_rank_fit_killed_mid_epoch_resumes_to_the_same_weights(runner: Runne
 @pytest.mark.slow  # about 30 s; the LitData shards of the same images resume on 3 ranks in the default run
 def test_a_2_rank_fit_resumed_on_3_ranks_ends_within_rounding(runner: Runner, tmp_path: Path) -> None:
     """Stopped by a max_steps budget mid-epoch 1, resumed on 3 ranks (global batch 32 as 11+11+10)."""
-    expected = safe_load(runner.baseline("default") / "checkpoints" / "last.ckpt")
-    env = clean_env(DDP_APP_ALLOW_OVERSUBSCRIBE="1")  # 3 ranks with 2 workers each on a 2-core machine
-    common = ["fit", *runner.base_args, f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"]
-    for extra in (["--trainer.max_steps=12"], ["--trainer.devices=3", "--ckpt_path=last"]):
-        result = ddp_app(*common, *extra, timeout=300, env=env)
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert (
-        "ddp-app: resuming a 2-rank run on 3 ranks: global batch 32 kept (11+11+10 per micro-step)" in result.stderr
-    ), result.stderr[-3000:]
-    actual = safe_load(tmp_path / "checkpoints" / "last.ckpt")
-    assert actual["global_step"] == expected["global_step"] == 16
-    weights = expected["state_dict"]
-    for name, value in weights.items():
-        scale = float(value.abs().max()) or 1.0
-        assert float((actual["state_dict"][name] - value).abs().max()) / scale <= 1e-5, name
+    assert resume_on_3_ranks(runner, tmp_path, "--trainer.max_steps=12") == 16
 
 
 @pytest.fixture(scope="module")

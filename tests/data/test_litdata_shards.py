@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from app.bench.data import write_image_folder
-from app.checkpoints.io import safe_load
 from app.cli.resume_check import Case, Runner
 from app.data.datasets import DataNotFoundError
 from app.data.image_datasets import read_layout
 from app.data.litdata_shards import StreamingDataModule
 from app.data.samplers import chunked_shard
 from app.data.shard import main as shard_main
-from tests.helpers.run import clean_env, ddp_app
+from tests.helpers.run import float64_runner, resume_on_3_ranks
 
 CHUNK = 16  # samples per chunk: 200 training images in 2 writers give 2 x 7 chunks
 
@@ -207,16 +206,8 @@ def test_with_a_window_of_one_chunk_each_chunk_is_read_whole_before_the_next(sha
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory, shards: Path) -> Runner:
-    """One uninterrupted 2-rank run of 3 epochs (7 steps each), without dropout and in float64 (so that
-    the 3-rank resume's other summation order stays at rounding level)."""
-    config = [
-        "--config",
-        "tests/helpers/streaming.yaml",
-        f"--data.init_args.data_dir={shards}",
-        "--model.init_args.dropout=false",
-        "--trainer.precision=64-true",
-    ]
-    return Runner(config, tmp_path_factory.mktemp("runs"), epochs=3)
+    """One uninterrupted 2-rank run of 3 epochs (7 steps each)."""
+    return float64_runner("tests/helpers/streaming.yaml", shards, tmp_path_factory.mktemp("runs"), epochs=3)
 
 
 @pytest.mark.fault
@@ -234,16 +225,4 @@ def test_a_2_rank_fit_killed_twice_resumes_to_the_same_weights(runner: Runner) -
 @pytest.mark.distributed
 def test_a_2_rank_fit_resumed_on_3_ranks_ends_within_rounding(runner: Runner, tmp_path: Path) -> None:
     """Stopped by a max_steps budget mid-epoch 1, resumed on 3 ranks (global batch 32 as 11+11+10)."""
-    expected = safe_load(runner.baseline("default") / "checkpoints" / "last.ckpt")
-    env = clean_env(DDP_APP_ALLOW_OVERSUBSCRIBE="1")  # 3 ranks with 2 workers each on a 2-core machine
-    common = ["fit", *runner.base_args, f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"]
-    common.append("--trainer.max_epochs=3")
-    for extra in (["--trainer.max_steps=10"], ["--trainer.devices=3", "--ckpt_path=last"]):
-        result = ddp_app(*common, *extra, timeout=300, env=env)
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "resuming a 2-rank run on 3 ranks: global batch 32 kept (11+11+10 per micro-step)" in result.stderr
-    actual = safe_load(tmp_path / "checkpoints" / "last.ckpt")
-    assert actual["global_step"] == expected["global_step"] == 21
-    for name, value in expected["state_dict"].items():
-        scale = float(value.abs().max()) or 1.0
-        assert float((actual["state_dict"][name] - value).abs().max()) / scale <= 1e-5, name
+    assert resume_on_3_ranks(runner, tmp_path, "--trainer.max_steps=10") == 21

@@ -11,8 +11,12 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.cluster.launch import env_without_launcher
+
+if TYPE_CHECKING:
+    from app.cli.resume_check import Runner
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -164,3 +168,36 @@ def copy_of(run_directory: Path, destination: Path) -> Path:
     """A writable copy of a shared run directory (a test that runs ddp-app in it, or changes a file)."""
     shutil.copytree(run_directory, destination)
     return destination
+
+
+def resume_on_3_ranks(runner: Runner, root: Path, stop: str) -> int:
+    """`runner`'s 2-rank fit stopped mid-run by `stop` (a max_steps budget), resumed on 3 ranks with
+    `--ckpt_path last`: the global batch of 32 is kept, and the weights end within rounding of the
+    uninterrupted run's (its other summation order). Returns the global step both ended at."""
+    from app.checkpoints.io import safe_load  # torch: only for the tests that call this
+
+    expected = safe_load(runner.baseline("default") / "checkpoints" / "last.ckpt")
+    env = clean_env(DDP_APP_ALLOW_OVERSUBSCRIBE="1")  # 3 ranks with 2 workers each on a 2-core machine
+    common = ["fit", *runner.base_args, f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false"]
+    common.append(f"--trainer.max_epochs={runner.epochs}")
+    for extra in ([stop], ["--trainer.devices=3", "--ckpt_path=last"]):
+        result = ddp_app(*common, *extra, timeout=300, env=env)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    line = "ddp-app: resuming a 2-rank run on 3 ranks: global batch 32 kept (11+11+10 per micro-step)"
+    assert line in result.stderr, result.stderr[-3000:]
+    actual = safe_load(root / "checkpoints" / "last.ckpt")
+    assert actual["global_step"] == expected["global_step"]
+    for name, value in expected["state_dict"].items():
+        scale = float(value.abs().max()) or 1.0
+        assert float((actual["state_dict"][name] - value).abs().max()) / scale <= 1e-5, name
+    return actual["global_step"]
+
+
+def float64_runner(config: str, data_dir: Path, root: Path, epochs: int) -> Runner:
+    """A resume `Runner` of `config` on `data_dir`, without dropout and in float64, so that a resume on
+    3 ranks (another summation order, `resume_on_3_ranks`) stays at rounding level
+    (tests/fault/test_elastic_resume.py says why); the exact resume depends on neither."""
+    from app.cli.resume_check import Runner
+
+    overrides = ["--model.init_args.dropout=false", "--trainer.precision=64-true"]
+    return Runner(["--config", config, f"--data.init_args.data_dir={data_dir}", *overrides], root, epochs=epochs)

@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,7 @@ class Job:
     state: str
     seconds: float  # from submission until Slurm reports the final state
     output: str
+    info: dict[str, str]  # scontrol's record of the job at its end
 
 
 @pytest.fixture(scope="module")
@@ -65,20 +66,35 @@ def submit(
     args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     timeout: float = 150,
+    interrupt: tuple[Path, Callable[[int], object]] | None = None,
 ) -> Job:
-    """sbatch SCRIPT ARGS from workdir, wait for a final state (cancel on timeout), read the output."""
+    """sbatch SCRIPT ARGS from workdir, wait for a final state (cancel on timeout), read the output.
+    `interrupt`: (a run directory, what to do to the job id) once training is under way there (the
+    first epoch's last.ckpt exists)."""
     start = time.monotonic()
     submitted = cluster.run(
         ["sbatch", "--parsable", f"--chdir={workdir}", *options, str(script), *args], env=env, timeout=30
     )
     job_id = int(submitted.stdout.strip().split(";")[0])
     try:
+        if interrupt is not None:
+            root, action = interrupt
+            deadline = time.monotonic() + 120
+            while not (root / "checkpoints" / "last.ckpt").exists():
+                assert time.monotonic() < deadline, "training did not start within 120 s"
+                time.sleep(0.1)
+            action(job_id)
         state = cluster.wait_for_state(job_id, FINAL_STATES, timeout=timeout)
     finally:
         cluster.run(["scancel", str(job_id)], check=False)
     seconds = time.monotonic() - start
-    output = Path(cluster.job_info(job_id)["StdOut"]).read_text(errors="replace")
-    return Job(job_id, state, seconds, output)
+    info = cluster.job_info(job_id)
+    return Job(job_id, state, seconds, Path(info["StdOut"]).read_text(errors="replace"), info)
+
+
+def preempt(cluster: LocalSlurmCluster, root: Path) -> tuple[Path, Callable[[int], object]]:
+    """`submit`'s interrupt: Slurm's preemption signal (USR1, as the scripts ask) once `root` has saved."""
+    return root, lambda job_id: cluster.run(["scancel", "--signal=USR1", str(job_id)])
 
 
 def weights(root: Path) -> dict:
@@ -370,23 +386,12 @@ def test_preemption_requeues_and_resumes_exactly(
     the uninterrupted run's metric history."""
     root = workdir / "preempted"
     args = (CONFIG, *LONG_RUN, f"--trainer.default_root_dir={root}", "--tracking.mlflow.experiment=requeued")
-    submitted = slurm_cluster.run(
-        ["sbatch", "--parsable", f"--chdir={workdir}", *CPU_ONLY, str(SLURM / "train.sbatch"), *args], timeout=30
-    )
-    job_id = int(submitted.stdout.strip().split(";")[0])
-    try:
-        # Preempt once training is under way: the first epoch's checkpoint exists.
-        deadline = time.monotonic() + 120
-        while not (root / "checkpoints" / "last.ckpt").exists():
-            assert time.monotonic() < deadline, "training did not start within 120 s"
-            time.sleep(0.1)
-        slurm_cluster.run(["scancel", "--signal=USR1", str(job_id)])
-        state = slurm_cluster.wait_for_state(job_id, FINAL_STATES, timeout=240)
-    finally:
-        slurm_cluster.run(["scancel", str(job_id)], check=False)
-    info = slurm_cluster.job_info(job_id)
-    output = Path(info["StdOut"]).read_text(errors="replace")
-    assert state == "COMPLETED", output[-4000:]
+    job = submit(
+        slurm_cluster, workdir, SLURM / "train.sbatch", *CPU_ONLY, args=args, timeout=240,
+        interrupt=preempt(slurm_cluster, root),
+    )  # fmt: skip
+    job_id, info, output = job.job_id, job.info, job.output
+    assert job.state == "COMPLETED", output[-4000:]
     assert info["Restarts"] == "1", info
     assert "ddp-app: preempted at global step" in output and "requeued SLURM job" in output, output[-4000:]
     assert f"job {job_id} (restart 1)" in output
@@ -448,28 +453,21 @@ def test_a_two_node_job_requeued_onto_one_node_continues_elastically(
     and ends within 1e-5 (relative) of the uninterrupted 2-rank run."""
     root = workdir / "elastic"
     args = (CONFIG, *LONG_RUN, "--trainer.devices=1", "--trainer.num_nodes=2", f"--trainer.default_root_dir={root}")
-    submitted = slurm_cluster.run(
-        ["sbatch", "--parsable", f"--chdir={workdir}", *CPU_ONLY, "--ntasks-per-node=1",
-         str(SLURM / "multinode.sbatch"), *args], timeout=30,
-    )  # fmt: skip
-    job_id = int(submitted.stdout.strip().split(";")[0])
-    try:
-        deadline = time.monotonic() + 120
-        while not (root / "checkpoints" / "last.ckpt").exists():  # the first epoch is saved
-            assert time.monotonic() < deadline, "training did not start within 120 s"
-            time.sleep(0.1)
+
+    def shrink_to_one_node(job_id: int) -> None:
         slurm_cluster.run(["scontrol", "requeuehold", str(job_id)])
         slurm_cluster.wait_for_state(job_id, ("PENDING",), timeout=120)
         # One task per node: the task count shrinks with the nodes.
         for change in ("NumNodes=1", "NumTasks=1"):
             slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", change])
         slurm_cluster.run(["scontrol", "release", str(job_id)])
-        state = slurm_cluster.wait_for_state(job_id, FINAL_STATES, timeout=400)
-    finally:
-        slurm_cluster.run(["scancel", str(job_id)], check=False)
-    info = slurm_cluster.job_info(job_id)
-    output = Path(info["StdOut"]).read_text(errors="replace")
-    assert state == "COMPLETED", output[-4000:]
+
+    job = submit(
+        slurm_cluster, workdir, SLURM / "multinode.sbatch", *CPU_ONLY, "--ntasks-per-node=1", args=args,
+        timeout=400, interrupt=(root, shrink_to_one_node),
+    )  # fmt: skip
+    info, output = job.info, job.output
+    assert job.state == "COMPLETED", output[-4000:]
     assert info["Restarts"] == "1", {key: info.get(key) for key in ("NumNodes", "NodeList", "Restarts", "NumTasks")}
     assert info["NumNodes"] == "1", {key: info.get(key) for key in ("NumNodes", "NodeList", "Restarts", "NumTasks")}
     assert "ddp-app: the requeued job runs on 1 node(s); trainer.num_nodes 2 -> 1" in output, output[-4000:]
@@ -500,22 +498,13 @@ def test_an_fsdp_run_on_two_nodes_is_preempted_requeued_and_resumes_exactly(
         "--trainer.num_nodes=2",
         f"--trainer.default_root_dir={root}",
     )
-    command = ["sbatch", "--parsable", f"--chdir={workdir}", *CPU_ONLY, "--ntasks-per-node=1"]
-    submitted = slurm_cluster.run([*command, str(SLURM / "multinode.sbatch"), *args], timeout=30)
-    job_id = int(submitted.stdout.strip().split(";")[0])
-    try:
-        deadline = time.monotonic() + 120
-        while not (root / "checkpoints" / "last.ckpt").exists():
-            assert time.monotonic() < deadline, "training did not start within 120 s"
-            time.sleep(0.1)
-        slurm_cluster.run(["scancel", "--signal=USR1", str(job_id)])
-        state = slurm_cluster.wait_for_state(job_id, FINAL_STATES, timeout=240)
-    finally:
-        slurm_cluster.run(["scancel", str(job_id)], check=False)
-    info = slurm_cluster.job_info(job_id)
-    output = Path(info["StdOut"]).read_text(errors="replace")
-    assert state == "COMPLETED", output[-4000:]
-    assert info["Restarts"] == "1" and slurm_cluster.job_info(job_id)["NodeList"] == "node[1-2]", info
+    job = submit(
+        slurm_cluster, workdir, SLURM / "multinode.sbatch", *CPU_ONLY, "--ntasks-per-node=1", args=args, timeout=240,
+        interrupt=preempt(slurm_cluster, root),
+    )  # fmt: skip
+    output = job.output
+    assert job.state == "COMPLETED", output[-4000:]
+    assert job.info["Restarts"] == "1" and job.info["NodeList"] == "node[1-2]", job.info
     assert "ddp-app: preempted at global step" in output and "requeued SLURM job" in output, output[-4000:]
 
     one_node = tmp_path / "one-node"
