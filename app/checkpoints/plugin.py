@@ -87,8 +87,10 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
     - a failed write stops every later write and removal (a ModelCheckpoint's previous best-k file
       stays), and its one line (`CheckpointWriteError`, naming the path) is raised by the next save,
       by `wait` or at teardown: the run never claims a checkpoint it does not have;
-    - `wait` is what a stop (preemption, Ctrl-C) and the end of training call before they say a
-      checkpoint exists (app/run/coordinator.py).
+    - only training's saves are written in the background (`start_background_writes`, at fit's train
+      start); a stop (preemption, Ctrl-C) and the end of training wait for them (`finish_writes`)
+      before they name a checkpoint, and a save after that, or outside fit (a script's own
+      `trainer.save_checkpoint(path)` followed by a load), is on disk when the call returns.
     """
 
     SLOW_WAIT_S = 1.0  # a wait for the previous write at least this long is said in the log...
@@ -100,10 +102,14 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
         self._in_flight: Future | None = None
         self._failure: BaseException | None = None
         self._next_notice = 0.0
+        self.in_background = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         started = time.monotonic()
         self.wait()
+        if not self.in_background:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+            return
         waited = time.monotonic() - started
         if waited >= self.SLOW_WAIT_S and started >= self._next_notice:
             self._next_notice = started + self.NOTICE_EVERY_S
@@ -118,6 +124,8 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         # Queued behind the write before it: a ModelCheckpoint removes its previous best once the new one is on disk.
         self._submit(self.checkpoint_io.remove_checkpoint, path)
+        if not self.in_background:
+            self.wait()
 
     def _submit(self, task: Any, *args: Any) -> None:
         if self._writer is None:
@@ -131,6 +139,10 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
             task(*args)
         except BaseException as error:  # a CheckpointWriteError, or a bug raised with its traceback by `wait`
             self._failure = error
+
+    def writing(self) -> bool:
+        """Whether a write is in flight now."""
+        return self._in_flight is not None and not self._in_flight.done()
 
     def wait(self) -> None:
         """Block until every write queued so far is on disk; raise a failed one's error (once)."""
@@ -157,8 +169,16 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
                 self._writer = None
 
 
+def start_background_writes(trainer: L.Trainer) -> None:
+    """From here on, this Trainer's saves are written in the background (if it has BackgroundCheckpointIO)."""
+    checkpoint_io = trainer.strategy.checkpoint_io
+    if isinstance(checkpoint_io, BackgroundCheckpointIO):
+        checkpoint_io.in_background = True
+
+
 def finish_writes(trainer: L.Trainer) -> None:
-    """Block until every checkpoint this rank saved is on disk (a no-op for synchronous saves)."""
+    """Block until every checkpoint this rank saved is on disk; later saves are written before they return."""
     checkpoint_io = trainer.strategy.checkpoint_io
     if isinstance(checkpoint_io, BackgroundCheckpointIO):
         checkpoint_io.wait()
+        checkpoint_io.in_background = False

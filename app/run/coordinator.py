@@ -48,7 +48,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint
 
 from app.checkpoints.last import LastCheckpoint, checkpoint_directory
-from app.checkpoints.plugin import finish_writes
+from app.checkpoints.plugin import finish_writes, start_background_writes
 from app.cluster.preemption import (
     LIGHTNING_PER_STEP_SIGTERM_BROADCAST,
     STOP_SIGNAL_FLAG,
@@ -189,6 +189,7 @@ class RunCoordinator(Checkpoint):
             # `app.cli.entry.run` recorded SIGUSR1 and SIGTERM since the rank started; Ctrl-C is recorded from here on.
             self._taken_signals = self._signals.install(STOP_SIGNALS)
             self.last_checkpoint.start(trainer)
+            start_background_writes(trainer)  # until on_train_end or a stop (`finish_writes`)
         self._world_size = trainer.world_size
         bar = trainer.progress_bar_callback
         if isinstance(bar, LogLineProgressBar):
