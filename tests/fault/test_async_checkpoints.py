@@ -83,7 +83,8 @@ def test_kill_9_of_the_other_rank_mid_write_resumes_bit_exact(uninterrupted, tmp
 
 
 @pytest.mark.parametrize(
-    "act", ["sigusr1", pytest.param("sigterm", marks=pytest.mark.slow)]  # sigterm: about 60 s here, same path
+    "act",
+    ["sigusr1", pytest.param("sigterm", marks=pytest.mark.slow)],  # sigterm: about 60 s here, same path
 )
 def test_preemption_mid_write_waits_for_it_saves_the_final_state_and_resumes_bit_exact(
     uninterrupted, tmp_path: Path, act: str
