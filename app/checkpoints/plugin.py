@@ -7,8 +7,11 @@ path (strategy fsdp) writes through app/parallel/fsdp.py instead.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +26,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from app.checkpoints.io import atomic_torch_save, refuse_url, remove_stale_temporaries, safe_load
 from app.errors import UserFacingError
+
+WRITER_NICENESS = 10  # about a tenth of a core's time against a training thread at 0 (the kernel's weights)
 
 
 class CheckpointWriteError(UserFacingError):
@@ -129,7 +134,7 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
 
     def _submit(self, task: Any, *args: Any) -> None:
         if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp-app-checkpoint-writer")
+            self._writer = ThreadPoolExecutor(1, "ddp-app-checkpoint-writer", initializer=_yield_to_training)
         self._in_flight = self._writer.submit(self._run, task, *args)
 
     def _run(self, task: Any, *args: Any) -> None:
@@ -167,6 +172,14 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
                 self._writer = None
+
+
+def _yield_to_training() -> None:
+    """The writer thread at a lower priority (Linux: a thread's own nice value): where training keeps
+    every core busy (a CPU run), its steps take the CPU first and the write the rest; a stop waits
+    for the write with training idle. `python -m app.bench.saves` measures it."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
 
 
 def start_background_writes(trainer: L.Trainer) -> None:
