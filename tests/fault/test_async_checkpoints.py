@@ -72,7 +72,8 @@ def test_kill_9_of_the_writer_mid_write_keeps_the_previous_last_ckpt_and_resumes
     assert not list(last.parent.glob("*.tmp")), "the resumed run's first save removes the cut write"
 
 
-@pytest.mark.slow  # about 130 s on the loaded 2-core VM (a stopped run and its resume); the writer's kill above is the harder case
+# About 130 s on the loaded 2-core VM (a stopped run and its resume); the writer's kill above is the harder case.
+@pytest.mark.slow
 def test_kill_9_of_the_other_rank_mid_write_resumes_bit_exact(uninterrupted, tmp_path: Path) -> None:
     plain, expected = uninterrupted
     run = tmp_path / "run"
@@ -82,7 +83,8 @@ def test_kill_9_of_the_other_rank_mid_write_resumes_bit_exact(uninterrupted, tmp
     resume_and_compare(CONFIG, plain, run, expected)
 
 
-@pytest.mark.slow  # about 130 s each on the loaded 2-core VM; the default run's signal tests run with background saves too
+# About 130 s each on the loaded 2-core VM; the default run's signal tests run with background saves too.
+@pytest.mark.slow
 @pytest.mark.parametrize("act", ["sigusr1", "sigterm"])
 def test_preemption_mid_write_waits_for_it_saves_the_final_state_and_resumes_bit_exact(
     uninterrupted, tmp_path: Path, act: str
@@ -100,7 +102,8 @@ def test_preemption_mid_write_waits_for_it_saves_the_final_state_and_resumes_bit
     resume_and_compare(CONFIG, plain, run, expected)
 
 
-@pytest.mark.slow  # about 65 s on the loaded 2-core VM; the same one line on real files: tests/checkpoints/test_background_writes.py
+# About 65 s on the loaded 2-core VM; the same one line on real files: tests/checkpoints/test_background_writes.py.
+@pytest.mark.slow
 def test_a_save_directory_made_read_only_mid_run_is_one_line_naming_it(tmp_path: Path) -> None:
     """The checkpoint directory is a tmpfs, remounted read-only once last.ckpt is on it."""
     if shutil.which("mount") is None or subprocess.run(["mount", "--version"], capture_output=True).returncode:
