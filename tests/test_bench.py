@@ -133,3 +133,14 @@ def test_floor_bench_reports_every_side_and_what_each_lightning_side_adds(tmp_pa
     assert list(figures["ms_per_step"]) == list(SIDES)
     assert all(side["median"] > 0 for side in figures["ms_per_step"].values())
     assert list(figures["added_ms_per_step"]) == list(SIDES[1:])
+
+
+def test_save_bench_times_sync_and_background_saves_side_by_side(tmp_path: Path) -> None:
+    from app.bench.saves import main
+
+    out = tmp_path / "saves.json"
+    main(["--hidden", "256", "--layers", "2", "--saves", "1", "--dir", str(tmp_path), "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["blocked_ms_per_save"]["sync"] > 0 and figures["blocked_ms_per_save"]["async"] > 0
+    assert figures["step_ms"]["no_write"] > 0 and figures["checkpoint_mb"] > 1
+    assert not [path for path in tmp_path.iterdir() if path.is_dir()], "the bench leaves its checkpoints behind"

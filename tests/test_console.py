@@ -22,6 +22,8 @@ ALLOWED = [
         r"",  # before the model summary
         r"ddp-app: launched as a plain command: LightningEnvironment, world size 2 = 1 node\(s\) x 2 process\(es\), "
         r"rendezvous [\d.]+:\d+",
+        # How checkpoints are written (app/run/build.py `checkpoint_save_mode`), once, at fit's start.
+        r"ddp-app: checkpoints: written in the background \(.*\)",
         # Rank 0's one line that the ranks met (Lightning's rules and backend line around it: verbose only).
         r"All distributed processes registered\. Starting with 2 processes",
         # The model summary, without its FLOPs column and total: all zeros without example_input_array.

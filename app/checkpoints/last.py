@@ -86,10 +86,18 @@ class LastCheckpoint:
             save (0 turns the time interval off). A crash loses at most this much work.
         every_n_steps: also save every this many optimizer steps (None: no step interval).
         check_interval_s: how often the ranks compare stop signals and the time interval.
+        async_save: write every checkpoint the Trainer saves (last.ckpt and ModelCheckpoints' files) in
+            the background: a save blocks training only for a copy to host memory
+            (app/checkpoints/plugin.py `BackgroundCheckpointIO`). DDP and one process only; false: wait
+            for the disk at every save.
     """
 
     def __init__(
-        self, every_n_seconds: float = 300.0, every_n_steps: int | None = None, check_interval_s: float = 1.0
+        self,
+        every_n_seconds: float = 300.0,
+        every_n_steps: int | None = None,
+        check_interval_s: float = 1.0,
+        async_save: bool = True,
     ) -> None:
         if every_n_seconds < 0:
             raise InvalidConfigError(f"last_checkpoint.every_n_seconds must be >= 0 (0: off), got {every_n_seconds}.")
@@ -100,6 +108,7 @@ class LastCheckpoint:
         self.every_n_seconds = every_n_seconds
         self.every_n_steps = every_n_steps
         self.check_interval_s = check_interval_s
+        self.async_save = async_save
         self.dirpath: str | None = None
         self.last_model_path = ""
         # True while last.ckpt is written: the save `--ckpt_path last` resumes from, unlike a

@@ -1,4 +1,5 @@
-"""The Trainer's checkpoint I/O (`trainer.plugins`): Lightning's own, made atomic and safe to load.
+"""The Trainer's checkpoint I/O (`trainer.plugins`): Lightning's own, made atomic and safe to load,
+and written in the background by default.
 
 Every ddp-app Trainer gets it (app/run/build.py), a config with its own `plugins:` too; the sharded
 path (strategy fsdp) writes through app/parallel/fsdp.py instead.
@@ -6,12 +7,31 @@ path (strategy fsdp) writes through app/parallel/fsdp.py instead.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from app.checkpoints.io import atomic_torch_save, refuse_url, remove_stale_temporaries, safe_load
+from app.errors import UserFacingError
+
+WRITER_NICENESS = 10  # about a tenth of a core's time against a training thread at 0 (the kernel's weights)
+
+
+class CheckpointWriteError(UserFacingError):
+    """A checkpoint that could not be written (disk full, read-only or missing directory)."""
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
@@ -24,8 +44,16 @@ class SafeCheckpointIO(TorchCheckpointIO):
                 "ddp-app writes checkpoints to a filesystem path only (docs/resume.md)."
             )
         refuse_url(path, "checkpoint path")
-        remove_stale_temporaries(Path(path))
-        atomic_torch_save(checkpoint, path)
+        try:
+            remove_stale_temporaries(Path(path))
+            atomic_torch_save(checkpoint, path)
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise CheckpointWriteError(
+                f"could not write the checkpoint {path}: {reason[:1].lower()}{reason[1:]}; the previous checkpoint "
+                f"there, if any, is unchanged. Fix: free space on, or make writable, {Path(path).parent} (or set "
+                "trainer.default_root_dir elsewhere), then continue with --ckpt_path last."
+            ) from error
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = safe_load(path, map_location=map_location if map_location is not None else "cpu")
@@ -35,3 +63,135 @@ class SafeCheckpointIO(TorchCheckpointIO):
         if isinstance(checkpoint, dict):
             checkpoint.setdefault("callbacks", {})
         return checkpoint
+
+
+def snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `checkpoint` that the next training steps cannot change: every tensor copied to host
+    memory (from a GPU, a device-to-host copy) and everything else deep-copied (a scheduler's lists,
+    a callback's state), the tensors just copied excepted."""
+    copies: dict[int, Any] = {}  # deepcopy's memo: these are copies already
+
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        copied = tensor.detach().to("cpu", copy=True)
+        copies[id(copied)] = copied
+        return copied
+
+    return copy.deepcopy(apply_to_collection(checkpoint, torch.Tensor, to_host), copies)
+
+
+class BackgroundCheckpointIO(AsyncCheckpointIO):
+    """`SafeCheckpointIO`'s atomic saves, written by a background thread: a save blocks training only
+    for `snapshot`, a copy to host memory (`last_checkpoint.async_save`, docs/resume.md).
+
+    Lightning's `AsyncCheckpointIO` is the base (its wrapping of a CheckpointIO, its loads), not its
+    saves: they queue any number of writes, clone tensors on their device, and raise a failed write's
+    error raw at a later save, after queueing that one. Here:
+
+    - at most one write in flight: a save first waits for the previous one (and says so when that
+      took long: saves come faster than the disk takes them), so host memory holds one copy at most;
+    - a failed write stops every later write and removal (a ModelCheckpoint's previous best-k file
+      stays), and its one line (`CheckpointWriteError`, naming the path) is raised by the next save,
+      by `wait` or at teardown: the run never claims a checkpoint it does not have;
+    - only training's saves are written in the background (`start_background_writes`, at fit's train
+      start); a stop (preemption, Ctrl-C) and the end of training wait for them (`finish_writes`)
+      before they name a checkpoint, and a save after that, or outside fit (a script's own
+      `trainer.save_checkpoint(path)` followed by a load), is on disk when the call returns.
+    """
+
+    SLOW_WAIT_S = 1.0  # a wait for the previous write at least this long is said in the log...
+    NOTICE_EVERY_S = 600.0  # ...at most this often
+
+    def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
+        super().__init__(checkpoint_io or SafeCheckpointIO())
+        self._writer: ThreadPoolExecutor | None = None
+        self._in_flight: Future | None = None
+        self._failure: BaseException | None = None
+        self._next_notice = 0.0
+        self.in_background = False
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        started = time.monotonic()
+        self.wait()
+        if not self.in_background:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+            return
+        waited = time.monotonic() - started
+        if waited >= self.SLOW_WAIT_S and started >= self._next_notice:
+            self._next_notice = started + self.NOTICE_EVERY_S
+            print(
+                f"ddp-app: this save of {Path(path).name} waited {waited:.1f} s for the previous checkpoint write: "
+                "saves come faster than the disk writes them (last_checkpoint.every_n_seconds / every_n_steps, "
+                "ModelCheckpoint's every_n_*).",
+                flush=True,
+            )
+        self._submit(self.checkpoint_io.save_checkpoint, snapshot(checkpoint), path, storage_options)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        # Queued behind the write before it: a ModelCheckpoint removes its previous best once the new one is on disk.
+        self._submit(self.checkpoint_io.remove_checkpoint, path)
+        if not self.in_background:
+            self.wait()
+
+    def _submit(self, task: Any, *args: Any) -> None:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, "ddp-app-checkpoint-writer", initializer=_yield_to_training)
+        self._in_flight = self._writer.submit(self._run, task, *args)
+
+    def _run(self, task: Any, *args: Any) -> None:
+        if self._failure is not None:  # after a failed write, nothing on disk changes until it is reported
+            return
+        try:
+            task(*args)
+        except BaseException as error:  # a CheckpointWriteError, or a bug raised with its traceback by `wait`
+            self._failure = error
+
+    def writing(self) -> bool:
+        """Whether a write is in flight now."""
+        return self._in_flight is not None and not self._in_flight.done()
+
+    def wait(self) -> None:
+        """Block until every write queued so far is on disk; raise a failed one's error (once)."""
+        if self._in_flight is not None:
+            self._in_flight.result()  # `_run` raises nothing; the writes are in order (one thread)
+            self._in_flight = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def teardown(self) -> None:
+        """Lightning's teardown, also after an exception: the writes finish; a failed one is raised, or
+        printed if the run already fails with another error (which keeps its own report)."""
+        handling = sys.exc_info()[1]
+        try:
+            self.wait()
+        except Exception as failure:
+            if handling is None:
+                raise
+            print(f"ddp-app: error: {failure}", file=sys.stderr, flush=True)
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+
+
+def _yield_to_training() -> None:
+    """The writer thread at a lower priority (Linux: a thread's own nice value): where training keeps
+    every core busy (a CPU run), its steps take the CPU first and the write the rest; a stop waits
+    for the write with training idle. `python -m app.bench.saves` measures it."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+
+
+def start_background_writes(trainer: L.Trainer) -> None:
+    """From here on, this Trainer's saves are written in the background (if it has BackgroundCheckpointIO)."""
+    checkpoint_io = trainer.strategy.checkpoint_io
+    if isinstance(checkpoint_io, BackgroundCheckpointIO):
+        checkpoint_io.in_background = True
+
+
+def finish_writes(trainer: L.Trainer) -> None:
+    """Block until every checkpoint this rank saved is on disk; later saves are written before they return."""
+    checkpoint_io = trainer.strategy.checkpoint_io
+    if isinstance(checkpoint_io, BackgroundCheckpointIO):
+        checkpoint_io.wait()
+        checkpoint_io.in_background = False

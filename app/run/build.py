@@ -43,7 +43,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 
 from app.checkpoints.io import CheckpointSummary, check_model_class, check_state_fits
 from app.checkpoints.last import agreed_last_checkpoint
-from app.checkpoints.plugin import SafeCheckpointIO
+from app.checkpoints.plugin import BackgroundCheckpointIO, SafeCheckpointIO
 from app.checkpoints.sharded import is_checkpoint, summarize_any
 from app.cluster.ddp_stream import build_ddp_on_the_current_stream
 from app.cluster.hangs import HangReport
@@ -54,6 +54,7 @@ from app.errors import UserFacingError
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
 from app.parallel.compression import GradientCompression
+from app.parallel.strategy import StrategyKind, resolve_strategy
 from app.run.callbacks import LogLineProgressBar, PlainModelSummary, PredictionWriter, ThrottledProgressBar
 from app.run.config_checks import apply_collective_timeout, drop_static_graph_for_accumulation
 from app.run.coordinator import RunCoordinator
@@ -113,6 +114,24 @@ def config_for_the_ranks(config: Any, launch: Launch | None, rank_zero: bool) ->
         print(notice, flush=True)
 
 
+IN_THE_BACKGROUND = "written in the background"
+
+
+def checkpoint_save_mode(config: Any) -> str:
+    """How this run's checkpoints are written, as the line at fit's start says it."""
+    strategy = resolve_strategy(config["trainer"].get("strategy"))
+    plugins = config["trainer"].get("plugins") or []
+    plugins = plugins if isinstance(plugins, list) else [plugins]
+    own = [type(p).__name__ for p in plugins if isinstance(p, CheckpointIO) and type(p) is not SafeCheckpointIO]
+    if not config["last_checkpoint"].async_save:
+        return "written before training goes on (last_checkpoint.async_save: false)"
+    if strategy.kind not in (StrategyKind.DDP, StrategyKind.SINGLE):
+        return f"written before training goes on (strategy {strategy.written} writes its own checkpoints)"
+    if own:
+        return f"written before training goes on, by the config's checkpoint I/O plugin {own[0]}"
+    return f"{IN_THE_BACKGROUND} (a save pauses training for a copy to host memory; last_checkpoint.async_save)"
+
+
 def build_trainer(
     config: Any, subcommand: str | None, launch: Launch | None, make_trainer: Callable[..., Trainer]
 ) -> tuple[Trainer, EvaluationThroughput | None]:
@@ -123,6 +142,11 @@ def build_trainer(
     plugins = list(plugins) if isinstance(plugins, list) else [plugins]
     if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
         plugins.append(SafeCheckpointIO())
+    # Saves in the background where the Trainer writes one file from rank 0 through this plugin (not
+    # under fsdp, whose strategy writes its shards itself), unless the config brings its own plugin.
+    save_mode = checkpoint_save_mode(config)
+    if save_mode.startswith(IN_THE_BACKGROUND):
+        plugins = [BackgroundCheckpointIO(p) if type(p) is SafeCheckpointIO else p for p in plugins]
     # Not SLURMEnvironment.detect(): that is also true under torchrun inside a Slurm job. Preemption is
     # handled by ddp-app at a step boundary, not by Lightning's SIGUSR1 handler, which saves inside the
     # signal handler (Lightning #21406).
@@ -171,6 +195,8 @@ def build_trainer(
     environment = getattr(trainer.strategy, "cluster_environment", None)
     if launch is not None and launch.global_rank == 0 and environment is not None:
         print(describe_launch(launch, environment), flush=True)
+    if subcommand == "fit" and saves_last and trainer.is_global_zero:
+        print(f"ddp-app: checkpoints: {save_mode}", flush=True)
     if config["trainer"]["logger"] in (None, True) and subcommand != "fit":
         trainer.loggers = default_loggers(trainer.default_root_dir)  # fit's: the tracked run, `prepare_run`
     if subcommand == "predict":

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint
 
 from app.checkpoints.last import LastCheckpoint, checkpoint_directory
+from app.checkpoints.plugin import finish_writes, start_background_writes
 from app.cluster.preemption import (
     LIGHTNING_PER_STEP_SIGTERM_BROADCAST,
     STOP_SIGNAL_FLAG,
@@ -188,6 +189,7 @@ class RunCoordinator(Checkpoint):
             # `app.cli.entry.run` recorded SIGUSR1 and SIGTERM since the rank started; Ctrl-C is recorded from here on.
             self._taken_signals = self._signals.install(STOP_SIGNALS)
             self.last_checkpoint.start(trainer)
+            start_background_writes(trainer)  # until on_train_end or a stop (`finish_writes`)
         self._world_size = trainer.world_size
         bar = trainer.progress_bar_callback
         if isinstance(bar, LogLineProgressBar):
@@ -289,6 +291,7 @@ class RunCoordinator(Checkpoint):
         saves = self.last_checkpoint
         if saves is not None and trainer.global_step != saves.saved_step:  # stopped mid-epoch by max_steps or max_time
             saves.save(trainer)
+        finish_writes(trainer)  # what the tracker and the summary name next is on disk (or its failure said)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # Keep the flag-only handlers while a stopped job exits: after a requeue SLURM sends SIGTERM to
@@ -297,6 +300,7 @@ class RunCoordinator(Checkpoint):
             self._signals.restore(self._taken_signals)
 
     def _stop(self, trainer: L.Trainer, signum: int, saved: bool = True) -> None:
+        finish_writes(trainer)  # the stop line names last.ckpt: its background write (if any) is done
         path = self.last_model_path if saved else None
         step, epoch = self._stop_at or (trainer.global_step, trainer.current_epoch)
         message, exit_code = stop_message(signum, step, epoch, path, trainer.is_global_zero)

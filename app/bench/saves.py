@@ -1,0 +1,112 @@
+"""`python -m app.bench.saves [--hidden 1536] [--layers 8] [--saves 3] [--dir D] [--json F]`: what a
+checkpoint save costs the training loop, synchronous against background (issue 44).
+
+One CPU process trains `layers` Linear(hidden, hidden) layers with AdamW; at each save, the dict a
+Lightning checkpoint holds (`state_dict`, `optimizer_states`: 3x the parameters) goes through
+ddp-app's own plugins: `SafeCheckpointIO` (the write on the training thread) or
+`BackgroundCheckpointIO` (a host-memory snapshot on it, the write in the writer thread). Under DDP
+rank 0 makes exactly this call while the other ranks wait at the save's barrier. Per mode: the
+milliseconds the training thread is blocked per save, and the median step time with no write in
+flight against steps that ran while a background write did (both in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from app.checkpoints.plugin import BackgroundCheckpointIO, SafeCheckpointIO
+from app.cluster.threads import configure_cpu_threads
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    started = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    model(batch).square().mean().backward()
+    optimizer.step()
+    return time.perf_counter() - started
+
+
+def measure(hidden: int, layers: int, saves: int, directory: Path) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(hidden, hidden) for _ in range(layers)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randn(32, hidden)
+    for _ in range(3):  # AdamW's state exists after the first step; the rest warms the allocator
+        train_step(model, optimizer, batch)
+    quiet = [train_step(model, optimizer, batch) for _ in range(10)]
+
+    def checkpoint() -> dict[str, object]:
+        return {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}
+
+    sync, background = SafeCheckpointIO(), BackgroundCheckpointIO()
+    background.in_background = True  # as during fit's training (`start_background_writes`)
+    blocked: dict[str, list[float]] = {"sync": [], "async": []}
+    during_write: list[float] = []
+    write_s: list[float] = []
+    for _ in range(saves):
+        started = time.perf_counter()
+        sync.save_checkpoint(checkpoint(), directory / "sync.ckpt")
+        blocked["sync"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        background.save_checkpoint(checkpoint(), directory / "async.ckpt")
+        blocked["async"].append(time.perf_counter() - started)
+        while background.writing():
+            during_write.append(train_step(model, optimizer, batch))
+        write_s.append(time.perf_counter() - started)
+        quiet += [train_step(model, optimizer, batch) for _ in range(3)]
+    background.teardown()
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    sync_ms, async_ms = (1000 * statistics.median(blocked[mode]) for mode in ("sync", "async"))
+    quiet_ms = 1000 * statistics.median(quiet)
+    during_ms = 1000 * statistics.median(during_write) if during_write else None
+    return {
+        "parameters": parameters,
+        "checkpoint_mb": (directory / "sync.ckpt").stat().st_size / 2**20,
+        "blocked_ms_per_save": {"sync": sync_ms, "async": async_ms, "async_over_sync": async_ms / sync_ms},
+        "background_write_s": statistics.median(write_s),
+        "step_ms": {
+            "no_write": quiet_ms,
+            "during_background_write": during_ms,
+            "steps_during_writes": len(during_write),
+            "during_over_no_write": during_ms / quiet_ms if during_ms is not None else None,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.bench.saves", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=1536, help="width of each Linear layer")
+    parser.add_argument("--layers", type=int, default=8, help="number of Linear layers")
+    parser.add_argument("--saves", type=int, default=3, help="saves per mode (the medians are over these)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    configure_cpu_threads()
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        figures = measure(args.hidden, args.layers, args.saves, Path(directory))
+    blocked, steps = figures["blocked_ms_per_save"], figures["step_ms"]
+    print(f"checkpoint {figures['checkpoint_mb']:.0f} MB ({figures['parameters']:,} parameters, AdamW), 1 CPU process")
+    print(f"{'blocked per save':<30}{'sync ms':>10}{'async ms':>10}{'async/sync':>12}")
+    print(f"{'':<30}{blocked['sync']:>10.0f}{blocked['async']:>10.0f}{blocked['async_over_sync']:>12.1%}")
+    during = steps["during_background_write"]
+    print(f"{'step time':<30}{'no write':>10}{'writing':>10}{'ratio':>12}")
+    if during is not None:
+        print(f"{'':<30}{steps['no_write']:>10.0f}{during:>10.0f}{steps['during_over_no_write']:>12.2f}")
+    if args.json is not None:
+        command = " ".join(["python -m app.bench.saves", *(argv if argv is not None else sys.argv[1:])])
+        args.json.write_text(json.dumps({"command": command, **figures}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Background checkpoint writes (`last_checkpoint.async_save`, on by default under DDP) keep every
+guarantee of a synchronous save, tested while a write is really in flight: a user's callback with a
+100 MB state (tests/helpers/slow_writes.py) makes each write of last.ckpt span several steps, and
+stops its rank when the next write's temporary file is in the checkpoint directory."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from app.checkpoints.io import safe_load
+from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
+from tests.fault.test_resume import fit, resume_and_compare, start_fit
+from tests.helpers.run import kill_job
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+CONFIG = "configs/digits.yaml"
+EPOCHS = 3  # 20 steps each on 2 ranks; last.ckpt every 5 steps and at each epoch's end
+OVERLAY = """
+trainer:
+  max_epochs: {epochs}
+  enable_progress_bar: false
+  logger: false
+  callbacks:
+    - class_path: tests.helpers.slow_writes.ReplayBuffer
+      init_args: {{megabytes: 100, act: {act}, rank: {rank}}}
+last_checkpoint:
+  every_n_steps: 5
+"""
+
+
+def overlay(directory: Path, act: str = "none", rank: int = 0, epochs: int = EPOCHS) -> Path:
+    path = directory / f"overlay-{act}-{rank}.yaml"
+    path.write_text(OVERLAY.format(epochs=epochs, act=act, rank=rank))
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the overlay without a stop, the uninterrupted run's last.ckpt)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    plain = overlay(root)
+    result = fit(CONFIG, plain, root / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "checkpoints: written in the background" in result.stdout, result.stdout[-2000:]
+    return plain, root / "run" / "checkpoints" / "last.ckpt"
+
+
+def acted_at(root: Path) -> int:
+    (marker,) = root.glob("acted-at-step-*")
+    return int(marker.name.rsplit("-", 1)[1])
+
+
+def test_kill_9_of_the_writer_mid_write_keeps_the_previous_last_ckpt_and_resumes_bit_exact(
+    uninterrupted, tmp_path: Path
+) -> None:
+    plain, expected = uninterrupted
+    run = tmp_path / "run"
+    result = fit(CONFIG, overlay(tmp_path, act="kill", rank=0), run)
+    assert result.returncode != 0
+    last = run / "checkpoints" / "last.ckpt"
+    killed_at, previous = acted_at(run), safe_load(last)["global_step"]  # loads: complete
+    assert previous < killed_at and previous % 5 == 0, (previous, killed_at)
+    assert list(last.parent.glob(".last.ckpt.*.tmp")), "no write was cut: the kill proved nothing"
+    resume_and_compare(CONFIG, plain, run, expected)
+    assert not list(last.parent.glob("*.tmp")), "the resumed run's first save removes the cut write"
+
+
+# About 130 s on the loaded 2-core VM (a stopped run and its resume); the writer's kill above is the harder case.
+@pytest.mark.slow
+def test_kill_9_of_the_other_rank_mid_write_resumes_bit_exact(uninterrupted, tmp_path: Path) -> None:
+    plain, expected = uninterrupted
+    run = tmp_path / "run"
+    result = fit(CONFIG, overlay(tmp_path, act="kill", rank=1), run)
+    assert result.returncode != 0
+    assert safe_load(run / "checkpoints" / "last.ckpt")["global_step"] <= acted_at(run)
+    resume_and_compare(CONFIG, plain, run, expected)
+
+
+# About 130 s each on the loaded 2-core VM; the default run's signal tests run with background saves too.
+@pytest.mark.slow
+@pytest.mark.parametrize("act", ["sigusr1", "sigterm"])
+def test_preemption_mid_write_waits_for_it_saves_the_final_state_and_resumes_bit_exact(
+    uninterrupted, tmp_path: Path, act: str
+) -> None:
+    plain, expected = uninterrupted
+    run = tmp_path / "run"
+    result = fit(CONFIG, overlay(tmp_path, act=act, rank=1), run)
+    log = result.stdout + result.stderr
+    assert result.returncode == PREEMPTED_EXIT_CODE, log[-3000:]
+    step = int(re.search(r"preempted at global step (\d+)", log).group(1))
+    assert step >= acted_at(run)
+    last = run / "checkpoints" / "last.ckpt"
+    assert safe_load(last)["global_step"] == step  # the final state, not the write that was in flight
+    assert not list(last.parent.glob("*.tmp")) and "Traceback" not in log
+    resume_and_compare(CONFIG, plain, run, expected)
+
+
+# About 65 s on the loaded 2-core VM; the same one line on real files: tests/checkpoints/test_background_writes.py.
+@pytest.mark.slow
+def test_a_save_directory_made_read_only_mid_run_is_one_line_naming_it(tmp_path: Path) -> None:
+    """The checkpoint directory is a tmpfs, remounted read-only once last.ckpt is on it."""
+    if shutil.which("mount") is None or subprocess.run(["mount", "--version"], capture_output=True).returncode:
+        pytest.skip("needs mount")
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(checkpoints)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    process = start_fit(CONFIG, overlay(tmp_path, epochs=30), run)
+    try:
+        deadline = time.monotonic() + 180
+        while not (checkpoints / "last.ckpt").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "no last.ckpt was written"
+            time.sleep(0.05)
+        # Remounting fails while a file is open for writing (a write in flight): try between writes.
+        while subprocess.run(["mount", "-o", "remount,ro", str(checkpoints)], capture_output=True).returncode:
+            assert process.poll() is None, "training ended before the directory became read-only"
+            time.sleep(0.05)
+        previous = safe_load(checkpoints / "last.ckpt")["global_step"]
+        process.wait(timeout=180)
+        log = (tmp_path / "run.log").read_text()
+        errors = sorted({line for line in log.splitlines() if "error:" in line})
+        assert process.returncode != 0 and len(errors) == 1, log[-3000:]
+        assert f"could not write the checkpoint {checkpoints}/" in errors[0] and "read-only" in errors[0], errors
+        assert "Traceback" not in log and "last checkpoint:" not in log, log[-3000:]
+        assert safe_load(checkpoints / "last.ckpt")["global_step"] == previous  # still loads, unchanged
+    finally:
+        kill_job(process.pid)
+        process.wait()
+        subprocess.run(["umount", str(checkpoints)], check=False)
