@@ -91,7 +91,8 @@ class Record:
     step_times: tuple[float, ...] = NOT_TIMED
 
     def as_row(self) -> list[float]:
-        return [float(self.signal), float(self.save_due), float(self.next_check_in), self.samples_per_s, *self.step_times]
+        head = [float(self.signal), float(self.save_due), float(self.next_check_in), self.samples_per_s]
+        return [*head, *self.step_times]
 
 
 @dataclass(frozen=True)

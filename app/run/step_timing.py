@@ -26,8 +26,9 @@ summary (app/run/summary.py) prints them; the loggers and trackers get them as a
 `ablation` and `record_dir` are for `ddp-app diagnose` (app/cli/diagnose.py), which runs the config
 once per ablation: `batch_in_memory` trains on the first batch again and again (no data cost;
 app/run/build.py `prepare_run` puts it in place), `no_communication` registers a DDP communication
-hook that keeps each rank's own gradients (PyTorch's `noop_hook`, made for this headroom analysis:
-no all-reduce, so no rank waits for another; DDP's buffer broadcast, for BatchNorm, still runs). `record_dir` gets every step of every rank
+hook that keeps each rank's own gradients (PyTorch's `noop_hook`, made for this headroom
+analysis: no all-reduce, so no rank waits for another; DDP's buffer broadcast, for BatchNorm,
+still runs). `record_dir` gets every step of every rank
 (`rank<N>.json`) at the end of training.
 """
 
@@ -123,7 +124,9 @@ class StepTiming(L.Callback):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._previous_end = None
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._communication = 0.0
         self._started = time.perf_counter()
 

@@ -1,4 +1,4 @@
-"""A user's DataModule whose training samples are slow to load (a slow disk or decoder): `ddp-app diagnose`'s data case."""
+"""A DataModule whose training samples are slow to load (a slow disk or decoder): diagnose's data case."""
 
 from __future__ import annotations
 

@@ -60,6 +60,8 @@ class SleepOnRank(L.Callback):
         self.rank = rank
         self.seconds = seconds
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int
+    ) -> None:
         if trainer.global_rank == self.rank:
             time.sleep(self.seconds)
