@@ -46,7 +46,6 @@ from app.cluster.preemption import (
     LIGHTNING_SIGNAL_HANDLER_INSTALL,
     keep_lightning_off_stop_signals,
 )
-from app.run.build import TRAINING_FETCH
 from app.data.image_datasets import WORKER_PREFIX, UnreadableImageError
 from app.errors import one_line_message
 from app.export import config_from_hyperparameters
@@ -55,6 +54,7 @@ from app.resume.exact import DataPosition, ExactResume, canonical_fit_loop_state
 from app.resume.metric_state import UPDATE_COUNT, load_per_rank_module_state, per_rank_module_state
 from app.resume.position import saved_position
 from app.run import console
+from app.run.build import TRAINING_FETCH
 
 DOC = "see docs/private_apis.md"
 

@@ -8,9 +8,11 @@ time by ablation, on the numbers app/run/step_timing.py records on every rank:
   batch in memory     the first batch again at every step: T - T(batch in memory) is the data share;
   no communication    a DDP hook that keeps each rank's own gradients, so every rank runs alone:
                       its step time then is its own work. T - the slowest rank's own work is the
-                      communication share; the slowest rank's against the median's, the straggler
-                      share; each rank's score is the fastest rank's own time over its own (1.0 =
-                      as fast as the fastest).
+                      lockstep cost, split into the all-reduce itself (at each step, the smallest
+                      wait over the ranks: the last to arrive waits for the all-reduce alone) and
+                      waiting for whichever rank is late at that step; the slowest rank's own work
+                      against the median's is the straggler share; each rank's score is the fastest
+                      rank's own time over its own (1.0 = as fast as the fastest).
 
 Each rank's figure is the mean of its steps after `WARMUP_STEPS`, less its slowest tenth (a step
 that met another process's burst on a shared machine). It prints a table per rank and one verdict
@@ -41,7 +43,8 @@ VARIANTS = {
 WARMUP_STEPS = 3
 # A part is the verdict when it is the largest of those past its threshold (a fraction of the step).
 DATA_BOUND = 0.2
-COMMUNICATION_BOUND = 0.2
+COMMUNICATION_BOUND = 0.3
+WAITING_NOTED = 0.2
 STRAGGLER_SHARE = 0.1
 STRAGGLER_SCORE = 0.8  # a rank at or below this score (fastest own time / its own) is a straggler
 
@@ -59,10 +62,16 @@ class RankTimes:
     other: float
 
 
-def rank_times(record: dict[str, Any]) -> RankTimes:
+def trimmed(record: dict[str, Any], part: int) -> list[float]:
+    """One part of a rank's steps after `WARMUP_STEPS`, in step order."""
     steps = record["steps"][WARMUP_STEPS:] or record["steps"]
     if not steps:
         raise ValueError(f"rank {record['rank']} recorded no timed step")
+    return [step[part] for step in steps]
+
+
+def rank_times(record: dict[str, Any]) -> RankTimes:
+    steps = list(zip(*(trimmed(record, part) for part in range(5)), strict=True))
     kept = sorted(steps, key=lambda step: step[0])[: max(1, math.ceil(len(steps) * 0.9))]
     means = [statistics.fmean(step[part] for step in kept) for part in range(5)]
     return RankTimes(record["rank"], record["host"], *means)
@@ -84,9 +93,16 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         rank.step - rank.communication for rank in base
     ]
     facts = variants["as_configured"][0]
+    # The lockstep cost (the step less the slowest rank's alone) is the all-reduce itself plus waiting
+    # for whichever rank is late at that step. The rank that arrives last at a step waits for the
+    # all-reduce alone: the steps' smallest wait over the ranks measures it.
+    lockstep = max(step - max(alone), 0.0)
+    waits = [min(parts) for parts in zip(*(trimmed(record, 3) for record in variants["as_configured"]), strict=False)]
+    all_reduce = min(statistics.fmean(waits), lockstep)
     shares = {
         "data": max(step - in_memory, 0.0) / step,
-        "communication": max(step - max(alone), 0.0) / step,
+        "communication": all_reduce / step,
+        "waiting": (lockstep - all_reduce) / step,
         "straggler": (max(alone) - statistics.median(alone)) / step,
     }
     shares["compute_and_other"] = max(1.0 - sum(shares.values()), 0.0)
@@ -96,10 +112,7 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "step_ms": 1000 * step,
         "batch_in_memory_step_ms": 1000 * in_memory,
         "shares": shares,
-        "ranks": [
-            {**asdict(rank), "alone": alone[index], "score": scores[index]}
-            for index, rank in enumerate(base)
-        ],
+        "ranks": [{**asdict(rank), "alone": alone[index], "score": scores[index]} for index, rank in enumerate(base)],
         "gradient_bytes_per_step": facts["gradient_bytes"],
         "num_workers": facts["num_workers"],
         "world_size": facts["world_size"],
@@ -143,9 +156,14 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     else:
         text = (
             f"compute-bound and balanced: data {percent['data']}, communication {percent['communication']}, "
-            f"straggler {percent['straggler']} of a {1000 * step:.1f} ms step; the slowest rank scores "
-            f"{scores[slowest]:.2f}. Next: trainer.precision: bf16-mixed (GPUs), compile: true, a larger per-rank "
-            "batch if memory allows."
+            f"waiting for a late rank {percent['waiting']}, straggler {percent['straggler']} of a {1000 * step:.1f} "
+            f"ms step; the slowest rank scores {scores[slowest]:.2f}. Next: trainer.precision: bf16-mixed (GPUs), "
+            "compile: true, a larger per-rank batch if memory allows."
+        )
+    if shares["waiting"] >= WAITING_NOTED:
+        text += (
+            f" Note: the ranks wait {percent['waiting']} of each step for whichever is late at that step (no rank "
+            "is late steadily): other load on the host, or more threads than cores (torch threads x ranks)."
         )
     report["verdict"] = kind
     report["verdict_text"] = text
@@ -219,6 +237,8 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, list[dict[str, Any]]] = {}
     for variant, overrides in VARIANTS.items():
+        if variant == "no_communication" and records["as_configured"][0]["world_size"] == 1:
+            break  # one rank: nobody to communicate with
         print(f"ddp-app diagnose: {variant.replace('_', ' ')} ...", flush=True)
         root, log = out / "runs" / variant, out / "runs" / f"{variant}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -241,8 +261,6 @@ def main(argv: list[str]) -> int:
             print(errors[-1] if errors else f"ddp-app diagnose: the {variant} run failed (exit {code}); see {log}")
             return code
         records[variant] = [json.loads(path.read_text()) for path in sorted((root / "step_times").glob("rank*.json"))]
-        if records[variant][0]["world_size"] == 1:  # one rank: nobody to communicate with
-            break
     report = verdict(records)
     print(format_table(report))
     print(report["verdict_text"])

@@ -50,6 +50,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from app.checkpoints import state as checkpoint_state
 from app.errors import InvalidConfigError
 from app.tracking.layout import STEP_TIME_METRICS
 
@@ -98,7 +99,6 @@ class StepTiming(L.Callback):
         self._profiler = trainer.profiler if hasattr(trainer.profiler, "training_fetch_s") else None
         self._previous_end = None
         self._record = []
-        self._sums, self._steps = [0.0] * 5, 0  # a resume mid-epoch starts without on_train_epoch_start
         ddp = trainer.strategy.model
         if self.ablation == "no_communication" and isinstance(ddp, DistributedDataParallel):
             ddp.register_comm_hook(None, noop_hook)
@@ -115,6 +115,15 @@ class StepTiming(L.Callback):
             "device": str(trainer.strategy.root_device),
             "data_measured": self._profiler is not None,
         }
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint_state.put(checkpoint, "step_timing", {"sums": self._sums, "steps": self._steps})
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # An epoch resumed in its middle or at its end (no on_train_epoch_start) continues rank 0's sums
+        # (the checkpoint's): an attempt that trains none of its steps still logs the epoch's figures.
+        saved = checkpoint_state.get(checkpoint, "step_timing") or {}
+        self._sums, self._steps = list(saved.get("sums", [0.0] * 5)), int(saved.get("steps", 0))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._previous_end = None
