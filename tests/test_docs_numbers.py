@@ -517,3 +517,7 @@ def test_performance_doc_quotes_the_diagnose_report_and_the_step_timing_cost() -
     prose = " ".join(PERFORMANCE.read_text().split())
     assert bench("diagnose_straggler")["verdict_text"] in prose
     assert [round(rank["score"], 2) for rank in bench("diagnose_straggler")["ranks"]] == [1.0, 0.38]
+    cost = bench("bench_step_timing")
+    overhead = cost["overhead_pct"]
+    assert f"{cost['off_step_ms_median']:.3f} ms off and {cost['on_step_ms_median']:.3f} ms on" in prose
+    assert f"{overhead['median']:+.2f}% [{overhead['min']:+.2f}, {overhead['max']:+.2f}]" in prose

@@ -64,7 +64,7 @@ class StepTiming(L.Callback):
     """The `step_timing:` config section; see the module docstring.
 
     Args:
-        enabled: time every training step (costs under 1% of a digits step: docs/performance.md).
+        enabled: time every training step (its cost: docs/performance.md).
         ablation: none, or one of `ddp-app diagnose`'s variants (batch_in_memory, no_communication).
         record_dir: write every step's times of every rank there (`ddp-app diagnose` sets it).
     """
