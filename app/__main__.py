@@ -19,6 +19,10 @@ def main() -> None:
         from app.cli.resume_check import main as resume_check
 
         raise SystemExit(resume_check(sys.argv[2:]))
+    if sys.argv[1:2] == ["diagnose"]:  # the same: it runs ddp-app fit once per variant
+        from app.cli.diagnose import main as diagnose
+
+        raise SystemExit(diagnose(sys.argv[2:]))
     from app.cli.entry import main as entry_main
 
     entry_main()

@@ -38,6 +38,9 @@ ALLOWED = [
         # The fit's summary (app/run/summary.py).
         r"ddp-app: fit done in [\d.]+ s: 1 epochs, 20 steps on 2 processes, [\d,]+ samples/s \(last epoch\)",
         r"  last: (\w+=[\d.e+-]+ ?)+",
+        # Where the step's time went (app/run/step_timing.py), from the same logged values.
+        r"  step [\d.]+ ms \(last epoch, mean of the ranks\): data \d+%, compute \d+%, communication \d+%, "
+        r"other \d+%; slowest rank [01]: [\d.]+ ms of its own work, median rank [\d.]+ ms",
         r"  best val_acc=[\d.]+ \(max\): \S+\.ckpt",
         r"  last checkpoint: \S+/last\.ckpt \(continue: --ckpt_path last\)",
         r"  logs: \S+ \(curves: python -m app\.plot \S+\)",
@@ -66,7 +69,8 @@ def test_the_readme_command_prints_only_known_lines_each_once(tmp_path: Path) ->
     repeated = [line for line, count in Counter(lines).items() if count > 1 and line.strip("-")]
     assert not repeated, f"said more than once (once per rank?): {repeated}"
     said = "\n".join(lines)
-    for expected in ("ddp-app: launched", "processes registered", "| Name", "epoch=0 step=20", "`Trainer.fit` stopped"):
+    expected_lines = ("ddp-app: launched", "processes registered", "| Name", "epoch=0 step=20", "`Trainer.fit` stopped")
+    for expected in (*expected_lines, "  step "):
         assert expected in said, f"{expected!r} missing:\n{said}"
 
 

@@ -511,3 +511,13 @@ def test_performance_doc_quotes_ddp_apps_own_cost_per_step() -> None:
     assert f"{one['median']:+.2f} ms per step over the reference at 1 rank" in prose
     assert f"and {two['median']:+.2f} ms at 2 ranks" in prose
     assert two["median"] <= one["median"] + 0.2
+
+
+def test_performance_doc_quotes_the_diagnose_report_and_the_step_timing_cost() -> None:
+    prose = " ".join(PERFORMANCE.read_text().split())
+    assert bench("diagnose_straggler")["verdict_text"] in prose
+    assert [round(rank["score"], 2) for rank in bench("diagnose_straggler")["ranks"]] == [1.0, 0.38]
+    cost = bench("bench_step_timing")
+    overhead = cost["overhead_pct"]
+    assert f"{cost['off_step_ms_median']:.3f} ms off and {cost['on_step_ms_median']:.3f} ms on" in prose
+    assert f"{overhead['median']:+.2f}% [{overhead['min']:+.2f}, {overhead['max']:+.2f}]" in prose

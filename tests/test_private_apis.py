@@ -38,7 +38,7 @@ from torchvision import datasets
 
 from app.checkpoints.io import CLI_CLASS_PATH_KEY, CLI_INSTANTIATOR_KEY, summarize_checkpoint
 from app.checkpoints.sharded import DCP_INDEX, SafeFileSystemReader, SafeLoadPlanner
-from app.cli import DDPAppCLI, SafeCheckpointIO
+from app.cli import DDPAppCLI, NoProfiler, SafeCheckpointIO
 from app.cluster import hangs
 from app.cluster.ddp_stream import LIGHTNING_DDP_WRAP
 from app.cluster.preemption import (
@@ -54,6 +54,7 @@ from app.resume.exact import DataPosition, ExactResume, canonical_fit_loop_state
 from app.resume.metric_state import UPDATE_COUNT, load_per_rank_module_state, per_rank_module_state
 from app.resume.position import saved_position
 from app.run import console
+from app.run.build import TRAINING_FETCH
 
 DOC = "see docs/private_apis.md"
 
@@ -209,6 +210,19 @@ def test_a_checkpoint_without_callback_states_still_reaches_exact_resume(tmp_pat
     resumed = _Counted()
     _fit(tmp_path / "resumed", resumed, [ExactResume(per_sample_seeding=False)], tmp_path / "converted.ckpt")
     assert resumed.trained == {1: 6}, f"resumed from a checkpoint without callback states: trained {resumed.trained}"
+
+
+def test_lightning_still_profiles_the_training_loaders_next_under_the_name_no_profiler_times(tmp_path: Path) -> None:
+    profiler = NoProfiler()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, profiler=profiler, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(_Counted())
+    assert profiler.training_fetch_s > 0, (
+        f"Lightning no longer calls trainer.profiler.start({TRAINING_FETCH!r}) around the training loader's next(): "
+        f"the data part of every step's time (app/run/step_timing.py) reads 0 ({DOC})"
+    )
 
 
 def test_atexit_can_still_run_the_exit_handlers_of_a_forked_rank() -> None:

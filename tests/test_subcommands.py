@@ -15,7 +15,7 @@ from app.models import MLPClassifier
 from tests.helpers.run import REPO, ddp_app
 
 # Subcommands `ddp-app` takes besides LightningCLI's, each dispatched in app/__main__.py.
-OWN_SUBCOMMANDS = ["resume-check"]
+OWN_SUBCOMMANDS = ["resume-check", "diagnose"]
 
 
 def test_help_names_every_subcommand_on_one_line_each() -> None:
@@ -26,9 +26,10 @@ def test_help_names_every_subcommand_on_one_line_each() -> None:
     assert SUBCOMMANDS_HELP in result.stdout
     listed = re.findall(r"^  ([a-z-]+)  +\S.*$", SUBCOMMANDS_HELP, re.MULTILINE)
     assert listed == [*LightningCLI.subcommands(), *OWN_SUBCOMMANDS], listed
-    assert "resume-check" in (REPO / "app" / "__main__.py").read_text()
-    own = ddp_app("resume-check", "--help", timeout=180)
-    assert own.returncode == 0 and own.stdout.startswith("usage: ddp-app resume-check"), own.stdout + own.stderr
+    for subcommand in OWN_SUBCOMMANDS:
+        assert f'["{subcommand}"]' in (REPO / "app" / "__main__.py").read_text()
+        own = ddp_app(subcommand, "--help", timeout=180)
+        assert own.returncode == 0 and own.stdout.startswith(f"usage: ddp-app {subcommand}"), own.stdout + own.stderr
 
 
 @pytest.fixture(scope="module")

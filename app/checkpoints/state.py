@@ -33,6 +33,7 @@ PARTS = {
     "tracking": "app/tracking/run.py Tracking: the tracked run and its journal position, the epoch's measured "
     "throughput so far",
     "gradient_compression": "app/parallel/compression.py GradientCompression: each rank's compression state",
+    "step_timing": "app/run/step_timing.py StepTiming: the epoch's step-time sums so far",
 }
 
 # Format 1 (ddp-app 689925d and earlier): the top-level keys each part wrote.

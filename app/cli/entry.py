@@ -57,6 +57,7 @@ subcommands (`ddp-app SUBCOMMAND --help` for each one's options):
   test          test metrics of a checkpoint (--ckpt_path), the same at any world size
   predict       a checkpoint's predictions, written to <trainer.default_root_dir>/predictions.pt
   resume-check  prove your config resumes exactly: runs it stopped and resumed where resumes go wrong
+  diagnose      why is my run slow: where each rank's step time goes, one verdict and its fix
 """
 
 

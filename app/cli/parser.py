@@ -57,6 +57,7 @@ from app.run.config_checks import (
 )
 from app.run.console import STARTED_VARIABLE
 from app.run.directory import RunLock, claim_run_directory
+from app.run.step_timing import StepTiming
 from app.run.summary import EvaluationThroughput, evaluation_summary, fit_summary, scalar_metrics
 from app.run.trainer_check import LEFT_OUT, check_trainer_arguments
 from app.tracking.run import Tracking, check_remote_mlflow_answers
@@ -119,6 +120,8 @@ def add_ddp_app_arguments(parser: LightningArgumentParser) -> None:
     parser.add_class_arguments(ExactResume, "exact_resume")
     # `tracking.mlflow`, `tracking.wandb`, `tracking.tensorboard` (app/tracking/run.py).
     parser.add_class_arguments(Tracking, "tracking")
+    # `step_timing.enabled` (app/run/step_timing.py): where each step's time goes, in every fit.
+    parser.add_class_arguments(StepTiming, "step_timing")
     parser.add_argument(
         "--sweep",
         type=dict | None,

@@ -28,6 +28,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,10 +59,14 @@ from app.parallel.strategy import StrategyKind, resolve_strategy
 from app.run.callbacks import LogLineProgressBar, PlainModelSummary, PredictionWriter, ThrottledProgressBar
 from app.run.config_checks import apply_collective_timeout, drop_static_graph_for_accumulation
 from app.run.coordinator import RunCoordinator
+from app.run.step_timing import StepTiming, serve_first_batch_again
 from app.run.summary import EvaluationThroughput
 from app.tracking.run import Tracking
 
 NO_PROFILING = contextlib.nullcontext()
+# Lightning 2.6's name for the training loader's `next()` in `trainer.profiler.start/stop`
+# (docs/private_apis.md; tests/test_private_apis.py checks that a fit still uses it).
+TRAINING_FETCH = "[_TrainingEpochLoop].train_dataloader_next"
 
 
 class NoProfiler(PassThroughProfiler):
@@ -71,10 +76,24 @@ class NoProfiler(PassThroughProfiler):
     times per training step; the inherited `@contextmanager` costs about 5x a shared `nullcontext`
     (`python -m app.bench.per_call`: 3.1 vs 0.6 us on a 2-core CPU VM, so about 0.2 ms per step).
     `--trainer.profiler` still works.
+
+    It adds up the time in the training loader's `next()` (`training_fetch_s`), the data part of
+    app/run/step_timing.py: two clock reads per step.
     """
+
+    training_fetch_s = 0.0
+    _fetch_started = 0.0
 
     def profile(self, action_name: str) -> contextlib.AbstractContextManager:
         return NO_PROFILING
+
+    def start(self, action_name: str) -> None:
+        if action_name == TRAINING_FETCH:
+            self._fetch_started = time.perf_counter()
+
+    def stop(self, action_name: str) -> None:
+        if action_name == TRAINING_FETCH:
+            self.training_fetch_s += time.perf_counter() - self._fetch_started
 
 
 def default_loggers(root_dir: str) -> list[Logger]:
@@ -156,6 +175,8 @@ def build_trainer(
     # Callbacks, in this order (a user's callbacks, anywhere in their list, change nothing of what ours do):
     # - ExactResume first: at a resumed run's first hooks it restores the random state before any
     #   other callback (the user's included) draws from it, and its log flush precedes any save.
+    # - StepTiming (fit, unless `step_timing.enabled: false`) next: its step window opens before
+    #   every other callback's batch-start hook, so those count in the step, not between steps.
     # - Tracking second: the tracked run is open before a user's callback logs.
     # - GradientCompression (only when it compresses) registers its DDP hook at train start; it talks
     #   to other ranks only inside DDP's backward and inside saves, which every rank reaches together.
@@ -167,13 +188,17 @@ def build_trainer(
     user_callbacks = config["trainer"].get("callbacks") or []
     user_callbacks = user_callbacks if isinstance(user_callbacks, list) else [user_callbacks]
     compression: GradientCompression = config["gradient_compression"]
-    callbacks = [config["exact_resume"], config["tracking"], *user_callbacks]
+    step_timing: StepTiming = config["step_timing"]
+    timed = subcommand in (None, "fit") and step_timing.enabled
+    callbacks = [config["exact_resume"], *([step_timing] if timed else []), config["tracking"], *user_callbacks]
     if compression.method != "none":
         callbacks.append(compression)
     saves_last = config["trainer"].get("enable_checkpointing") is not False
     coordinator = None
     if subcommand in (None, "fit"):  # no subcommand (`run=False`): the caller may fit
-        coordinator = RunCoordinator(config["last_checkpoint"] if saves_last else None, config["tracking"])
+        coordinator = RunCoordinator(
+            config["last_checkpoint"] if saves_last else None, config["tracking"], step_timing if timed else None
+        )
         if saves_last:  # a Checkpoint callback: Lightning adds no default ModelCheckpoint beside it
             callbacks.append(coordinator)
 
@@ -261,6 +286,8 @@ def prepare_run(
             summary = summarize_any(ckpt_path) if is_checkpoint(ckpt_path) else None
         open_tracked_run(ckpt_path, asked_for_last and not ckpt_path, summary if ckpt_path else None)
     shard_all_loaders(trainer, datamodule, model)
+    if subcommand == "fit" and config["step_timing"].ablation == "batch_in_memory":  # `ddp-app diagnose`
+        serve_first_batch_again(datamodule if datamodule is not None else model)
     warn_on_per_rank_means(trainer, model)
     if isinstance(trainer.precision_plugin, DoublePrecision):
         # Lightning restores a checkpoint's weights before its precision plugin converts the module: a

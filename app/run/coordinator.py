@@ -11,7 +11,7 @@ exchanged here, in one message per fixed point, and nowhere else:
   training, at the same step on every rank): a stop signal, whether a time-interval save of
   last.ckpt is due, and the step of the next check (the smallest any rank proposes);
 - **the epoch's end** (`on_train_epoch_end`, after every other callback and the module): a stop
-  signal and the epoch's training samples/s.
+  signal, the epoch's training samples/s and its mean step time by part (app/run/step_timing.py).
 
 Each message is one `all_gather` of a small float64 record per rank (`Record`), on a CPU (gloo)
 group; every rank then reads the same table the same way (`agree`). One rank never decides alone,
@@ -69,17 +69,31 @@ class MeasuresThroughput(Protocol):
     def log_samples_per_s(self, pl_module: L.LightningModule, samples_per_s: float) -> None: ...
 
 
+class MeasuresSteps(Protocol):
+    """What the coordinator asks of `app.run.step_timing.StepTiming` at an epoch's end."""
+
+    def epoch_means(self) -> tuple[float, ...] | None: ...
+
+    def log_epoch(self, pl_module: L.LightningModule, rows: list[list[float]]) -> None: ...
+
+
+NOT_TIMED = (-1.0,) * 5  # `Record.step_times` of a rank without timed steps
+
+
 @dataclass(frozen=True)
 class Record:
-    """What one rank sends at a fixed point. `samples_per_s` < 0: not measured."""
+    """What one rank sends at a fixed point. `samples_per_s` < 0: not measured; `step_times`: the
+    epoch's mean step, data, compute, communication and other (s), negative: not measured."""
 
     signal: int = 0
     save_due: bool = False
     next_check_in: int = 1
     samples_per_s: float = -1.0
+    step_times: tuple[float, ...] = NOT_TIMED
 
     def as_row(self) -> list[float]:
-        return [float(self.signal), float(self.save_due), float(self.next_check_in), self.samples_per_s]
+        head = [float(self.signal), float(self.save_due), float(self.next_check_in), self.samples_per_s]
+        return [*head, *self.step_times]
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,7 @@ class Agreement:
     save_due: bool  # any rank's time interval has passed
     next_check_in: int  # steps to the next check: the smallest proposal
     samples_per_s: float | None  # the mean over the ranks of each rank's samples/s; None unless all measured
+    step_times: list[list[float]] | None = None  # every rank's `Record.step_times`; None unless all measured
 
 
 def agree(rows: list[list[float]]) -> Agreement:
@@ -100,6 +115,7 @@ def agree(rows: list[list[float]]) -> Agreement:
         save_due=any(row[1] > 0 for row in rows),
         next_check_in=int(min(row[2] for row in rows)),
         samples_per_s=sum(rates) / len(rates) if all(rate >= 0 for rate in rates) else None,
+        step_times=[row[4:9] for row in rows] if all(row[4] >= 0 for row in rows) else None,
     )
 
 
@@ -122,13 +138,18 @@ class RunCoordinator(Checkpoint):
     Args:
         last_checkpoint: the writer of last.ckpt and its settings; None: no last.ckpt.
         tracking: where the epoch's per-rank samples and seconds come from; None: no samples/s.
+        step_timing: where the epoch's per-rank step times come from; None: not timed.
     """
 
     def __init__(
-        self, last_checkpoint: LastCheckpoint | None = None, tracking: MeasuresThroughput | None = None
+        self,
+        last_checkpoint: LastCheckpoint | None = None,
+        tracking: MeasuresThroughput | None = None,
+        step_timing: MeasuresSteps | None = None,
     ) -> None:
         self.last_checkpoint = last_checkpoint
         self.tracking = tracking
+        self.step_timing = step_timing
         self.check_interval_s = last_checkpoint.check_interval_s if last_checkpoint is not None else 1.0
         self._signals = STOP_SIGNAL_FLAG
         self._taken_signals: tuple[int, ...] = ()  # those the flag handles since on_train_start, not before
@@ -163,7 +184,7 @@ class RunCoordinator(Checkpoint):
         dist.all_gather(table, mine, group=self._group)
         return agree(torch.stack(table).tolist())
 
-    def _check(self, samples_per_s: float = -1.0) -> Agreement:
+    def _check(self, samples_per_s: float = -1.0, step_times: tuple[float, ...] = NOT_TIMED) -> Agreement:
         """Exchange this rank's signal, due save and proposed next check; fixes the step of the next check."""
         now = time.monotonic()
         saves = self.last_checkpoint
@@ -172,6 +193,7 @@ class RunCoordinator(Checkpoint):
             save_due=saves is not None and saves.interval_due(now),
             next_check_in=steps_between_checks(now - self._last_check, self._steps_since_check, self.check_interval_s),
             samples_per_s=samples_per_s,
+            step_times=step_times,
         )
         self._steps_since_check, self._last_check = 0, now
         agreement = self._exchange(record)
@@ -260,9 +282,12 @@ class RunCoordinator(Checkpoint):
         settle_logged_values(trainer)
         self._save_due = False  # the epoch-end save below supersedes a step save still due
         rate = self.tracking.epoch_samples_per_s() if self.tracking is not None else None
-        agreement = self._check(samples_per_s=rate if rate is not None else -1.0)
+        means = self.step_timing.epoch_means() if self.step_timing is not None else None
+        agreement = self._check(samples_per_s=rate if rate is not None else -1.0, step_times=means or NOT_TIMED)
         if agreement.samples_per_s is not None and self.tracking is not None:
             self.tracking.log_samples_per_s(pl_module, agreement.samples_per_s)
+        if agreement.step_times is not None and self.step_timing is not None:
+            self.step_timing.log_epoch(pl_module, agreement.step_times)
         signum = max(agreement.signal, self._pending[0], self._stop_due)
         self._pending = (0, False)
         if self.last_checkpoint is not None:

@@ -23,7 +23,8 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from app.checkpoints.last import LAST_NAME, checkpoint_directory
-from app.tracking.layout import SAMPLES_PER_S
+from app.run.step_timing import step_line
+from app.tracking.layout import SAMPLES_PER_S, STEP_TIME_METRICS
 from app.tracking.throughput import batch_size_of
 
 
@@ -84,9 +85,12 @@ def fit_summary(trainer: L.Trainer, metrics: dict[str, float], elapsed_s: float,
     if SAMPLES_PER_S in metrics:
         head += f", {metrics[SAMPLES_PER_S]:,.0f} samples/s (last epoch)"
     lines = [head]
-    shown = metric_fields(metrics, leave_out=(SAMPLES_PER_S, "epoch", "step"))
+    shown = metric_fields(metrics, leave_out=(SAMPLES_PER_S, "epoch", "step", *STEP_TIME_METRICS))
     if shown:
         lines.append(f"  last: {shown}")
+    steps = step_line(metrics)
+    if steps:
+        lines.append(f"  {steps}")
     lines += [f"  {line}" for line in monitored(trainer)]
     last = checkpoint_directory(trainer) / LAST_NAME
     if last.exists():  # a file, or a link to a sharded checkpoint (strategy fsdp)

@@ -17,7 +17,19 @@ RUN_FILE = "run.json"
 JOURNAL_FILE = "journal.jsonl"
 # Logged per epoch by app.tracking.run.Tracking; measured, not computed: no two runs agree on it.
 SAMPLES_PER_S = "samples_per_s"
-MEASURED_METRICS = frozenset({SAMPLES_PER_S})
+# Logged per epoch by app.run.step_timing.StepTiming: the mean step (ms), its parts (%), the slowest
+# rank by its own work and that work's time against the median rank's (ms).
+STEP_TIME_METRICS = (
+    "step_ms",
+    "step_data_pct",
+    "step_compute_pct",
+    "step_communication_pct",
+    "step_other_pct",
+    "step_slowest_rank",
+    "step_slowest_rank_ms",
+    "step_median_rank_ms",
+)
+MEASURED_METRICS = frozenset({SAMPLES_PER_S, *STEP_TIME_METRICS})
 
 
 def _natural(name: str) -> list[int | str]:

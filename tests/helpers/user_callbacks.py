@@ -51,3 +51,17 @@ class SlowRankZero(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero and trainer.current_epoch == 0:
             time.sleep(self.seconds)
+
+
+class SleepOnRank(L.Callback):
+    """One rank slowed by `seconds` at every training step (a slower or shared host): a straggler."""
+
+    def __init__(self, rank: int = 1, seconds: float = 0.03) -> None:
+        self.rank = rank
+        self.seconds = seconds
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int
+    ) -> None:
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)

@@ -1,0 +1,270 @@
+"""`ddp-app diagnose --config CONFIG [overrides] [--steps 60] [--out DIR]`: why is my run slow?
+
+Runs the config shortened to `--steps` training steps (no validation) three times, as `resume-check`
+does (each a `ddp-app fit` of its own, built by the same code as any fit), and attributes the step
+time by ablation, on the numbers app/run/step_timing.py records on every rank:
+
+  as configured       the step time T (the mean of the ranks), and each rank's measured parts;
+  batch in memory     the first batch again at every step: T - T(batch in memory) is the data share;
+  no communication    a DDP hook that keeps each rank's own gradients, so every rank runs alone:
+                      its step time then is its own work. T - the slowest rank's own work is the
+                      lockstep cost, split into the all-reduce itself (at each step, the smallest
+                      wait over the ranks: the last to arrive waits for the all-reduce alone) and
+                      waiting for whichever rank is late at that step; the slowest rank's own work
+                      against the median's is the straggler share; each rank's score is the fastest
+                      rank's own time over its own (1.0 = as fast as the fastest).
+
+Each rank's figure is the mean of its steps after `WARMUP_STEPS`, less its slowest tenth (a step
+that met another process's burst on a shared machine). It prints a table per rank and one verdict
+with the fix, and writes `report.json` and `report.png` (stacked bars per rank) in
+`<default_root_dir>-diagnose/<time>/` (or `--out`), beside the run, whose own directory it leaves
+untouched. `verdict` is a function of the recorded numbers alone (tests/test_diagnose.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from app.cli.resume_check import run_ddp_app
+
+# The variants and the overrides that make them (besides the shortened run's).
+VARIANTS = {
+    "as_configured": [],
+    "batch_in_memory": ["--step_timing.ablation=batch_in_memory"],
+    "no_communication": ["--step_timing.ablation=no_communication", "--gradient_compression.method=none"],
+}
+WARMUP_STEPS = 3
+# A part is the verdict when it is the largest of those past its threshold (a fraction of the step).
+DATA_BOUND = 0.2
+COMMUNICATION_BOUND = 0.3
+WAITING_NOTED = 0.2
+STRAGGLER_SHARE = 0.1
+STRAGGLER_SCORE = 0.8  # a rank at or below this score (fastest own time / its own) is a straggler
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """One rank's mean step and its measured parts, in seconds (app/run/step_timing.py)."""
+
+    rank: int
+    host: str
+    step: float
+    data: float
+    compute: float
+    communication: float
+    other: float
+
+
+def trimmed(record: dict[str, Any], part: int) -> list[float]:
+    """One part of a rank's steps after `WARMUP_STEPS`, in step order."""
+    steps = record["steps"][WARMUP_STEPS:] or record["steps"]
+    if not steps:
+        raise ValueError(f"rank {record['rank']} recorded no timed step")
+    return [step[part] for step in steps]
+
+
+def rank_times(record: dict[str, Any]) -> RankTimes:
+    steps = list(zip(*(trimmed(record, part) for part in range(5)), strict=True))
+    kept = sorted(steps, key=lambda step: step[0])[: max(1, math.ceil(len(steps) * 0.9))]
+    means = [statistics.fmean(step[part] for step in kept) for part in range(5)]
+    return RankTimes(record["rank"], record["host"], *means)
+
+
+def suggested_workers(workers: int, step_s: float, in_memory_s: float) -> int:
+    """Loader workers that keep up: each takes `max(workers, 1) x step_s` per batch as measured now,
+    and a step without data takes `in_memory_s`; one more as a margin."""
+    return max(workers + 1, math.ceil(max(workers, 1) * step_s / max(in_memory_s, 1e-6)) + 1)
+
+
+def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The report from each variant's per-rank records (`rank<N>.json` of app/run/step_timing.py)."""
+    variants = {name: sorted(records, key=lambda record: record["rank"]) for name, records in variants.items()}
+    base = [rank_times(record) for record in variants["as_configured"]]
+    step = statistics.fmean(rank.step for rank in base)
+    in_memory = statistics.fmean(rank_times(record).step for record in variants["batch_in_memory"])
+    alone = [rank_times(record).step for record in variants.get("no_communication", [])] or [
+        rank.step - rank.communication for rank in base
+    ]
+    facts = variants["as_configured"][0]
+    # The lockstep cost (the step less the slowest rank's alone) is the all-reduce itself plus waiting
+    # for whichever rank is late at that step. The rank that arrives last at a step waits for the
+    # all-reduce alone: the steps' smallest wait over the ranks measures it.
+    lockstep = max(step - max(alone), 0.0)
+    waits = [min(parts) for parts in zip(*(trimmed(record, 3) for record in variants["as_configured"]), strict=False)]
+    all_reduce = min(statistics.fmean(waits), lockstep)
+    shares = {
+        "data": max(step - in_memory, 0.0) / step,
+        "communication": all_reduce / step,
+        "waiting": (lockstep - all_reduce) / step,
+        "straggler": (max(alone) - statistics.median(alone)) / step,
+    }
+    shares["compute_and_other"] = max(1.0 - sum(shares.values()), 0.0)
+    scores = [min(alone) / own for own in alone]
+    slowest = max(range(len(alone)), key=lambda rank: alone[rank])
+    report: dict[str, Any] = {
+        "step_ms": 1000 * step,
+        "batch_in_memory_step_ms": 1000 * in_memory,
+        "shares": shares,
+        "ranks": [{**asdict(rank), "alone": alone[index], "score": scores[index]} for index, rank in enumerate(base)],
+        "gradient_bytes_per_step": facts["gradient_bytes"],
+        "num_workers": facts["num_workers"],
+        "world_size": facts["world_size"],
+    }
+    percent = {name: f"{100 * share:.0f}%" for name, share in shares.items()}
+    candidates = {}
+    if scores[slowest] <= STRAGGLER_SCORE and shares["straggler"] >= STRAGGLER_SHARE:
+        candidates["straggler"] = shares["straggler"]
+    if shares["data"] >= DATA_BOUND:
+        candidates["data-bound"] = shares["data"]
+    if shares["communication"] >= COMMUNICATION_BOUND:
+        candidates["communication-bound"] = shares["communication"]
+    kind = max(candidates, key=candidates.__getitem__) if candidates else "compute-bound and balanced"
+    if kind == "straggler":
+        host = base[slowest].host
+        text = (
+            f"straggler: rank {slowest} on host {host} does its own work in {1000 * alone[slowest]:.1f} ms per step, "
+            f"the fastest rank in {1000 * min(alone):.1f} ms (score {scores[slowest]:.2f}); the others wait for it "
+            f"{percent['straggler']} of each step. Fix: find what slows that rank or host (another job on it, "
+            f"throttling, its data or a callback of its own); on a cluster exclude the node (sbatch --exclude={host})."
+        )
+    elif kind == "data-bound":
+        workers = int(facts["num_workers"] or 0)
+        report["suggested_num_workers"] = suggested_workers(workers, step, in_memory)
+        text = (
+            f"data-bound: {percent['data']} of each step waits for the next batch ({1000 * step:.1f} ms per step, "
+            f"{1000 * in_memory:.1f} ms with the batch already in memory). Fix: data.init_args.num_workers: "
+            f"{report['suggested_num_workers']} (now {workers}; this host has {facts['cpu_count']} cores for "
+            f"{facts['world_size']} ranks: beyond them, workers help only loading that waits on I/O), "
+            "persistent_workers: true, pin_memory: true on GPUs; data.init_args.on_device: true for data that fits "
+            "in memory; LitData shards for many small files (docs/performance.md)."
+        )
+    elif kind == "communication-bound":
+        text = (
+            f"communication-bound: the gradient all-reduce adds {percent['communication']} to each step "
+            f"({facts['gradient_bytes'] / 1e6:.2f} MB of gradients per rank per step; {1000 * max(alone):.1f} ms "
+            f"per step without it). Fix: gradient_compression.method: auto (or powersgd), a larger per-rank batch "
+            "or trainer.accumulate_grad_batches (fewer all-reduces per sample), "
+            "trainer.strategy.init_args.bucket_cap_mb (docs/compression.md)."
+        )
+    else:
+        text = (
+            f"compute-bound and balanced: data {percent['data']}, communication {percent['communication']}, "
+            f"waiting for a late rank {percent['waiting']}, straggler {percent['straggler']} of a {1000 * step:.1f} "
+            f"ms step; the slowest rank scores {scores[slowest]:.2f}. Next: trainer.precision: bf16-mixed (GPUs), "
+            "compile: true, a larger per-rank batch if memory allows."
+        )
+    if shares["waiting"] >= WAITING_NOTED:
+        text += (
+            f" Note: the ranks wait {percent['waiting']} of each step for whichever is late at that step (no rank "
+            "is late steadily): other load on the host, or more threads than cores (torch threads x ranks)."
+        )
+    report["verdict"] = kind
+    report["verdict_text"] = text
+    return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [("rank", "host", "step ms", "data", "compute", "communication", "other", "alone ms", "score")]
+    for rank in report["ranks"]:
+        rows.append(
+            (
+                str(rank["rank"]),
+                rank["host"],
+                *(f"{1000 * rank[part]:.2f}" for part in ("step", "data", "compute", "communication", "other")),
+                f"{1000 * rank['alone']:.2f}",
+                f"{rank['score']:.2f}",
+            )
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Stacked bars per rank (as configured: data, compute, communication, other) beside its time alone."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = report["ranks"]
+    positions = range(len(ranks))
+    figure, axes = plt.subplots(figsize=(2.2 + 1.2 * len(ranks), 4))
+    bottom = [0.0] * len(ranks)
+    for part in ("data", "compute", "communication", "other"):
+        heights = [1000 * rank[part] for rank in ranks]
+        axes.bar(positions, heights, bottom=bottom, label=part, width=0.6)
+        bottom = [low + height for low, height in zip(bottom, heights, strict=True)]
+    axes.scatter(positions, [1000 * rank["alone"] for rank in ranks], marker="_", s=900, color="black", label="alone")
+    axes.set_xticks(list(positions), [f"rank {rank['rank']}\n{rank['score']:.2f}" for rank in ranks])
+    axes.set_ylabel("ms per step")
+    axes.set_title(report["verdict"], fontsize=10)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def report_directory(config_args: list[str]) -> Path:
+    """`<default_root_dir>-diagnose/<time>`: beside the run, never inside it."""
+    from app.cli import parse_config  # the CLI's own parser, files and precedence
+
+    root = Path(parse_config(["fit", *config_args])["trainer"]["default_root_dir"] or ".").resolve()
+    return root.parent / f"{root.name}-diagnose" / time.strftime("%Y%m%d-%H%M%S")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ddp-app diagnose",
+        description="Run your config shortened, as configured and with the data, the communication and the "
+        "waiting for other ranks taken out in turn; say where each rank's step time goes and what to change.",
+    )
+    parser.add_argument("--steps", type=int, default=60, help="training steps of each run (default 60)")
+    parser.add_argument("--out", type=Path, help="write the report and the runs here (default: beside the run)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take (default 600)")
+    known, config_args = parser.parse_known_args(argv)
+    if "--config" not in " ".join(config_args):
+        parser.error("give the run's --config (and any overrides), as for ddp-app fit")
+    if known.steps <= WARMUP_STEPS + 3:
+        parser.error(f"--steps must be more than {WARMUP_STEPS + 3}, got {known.steps}")
+    out = known.out or report_directory(config_args)
+    out.mkdir(parents=True, exist_ok=True)
+    records: dict[str, list[dict[str, Any]]] = {}
+    for variant, overrides in VARIANTS.items():
+        if variant == "no_communication" and records["as_configured"][0]["world_size"] == 1:
+            break  # one rank: nobody to communicate with
+        print(f"ddp-app diagnose: {variant.replace('_', ' ')} ...", flush=True)
+        root, log = out / "runs" / variant, out / "runs" / f"{variant}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        args = [
+            "fit",
+            *config_args,
+            *overrides,
+            f"--trainer.default_root_dir={root}",
+            f"--trainer.max_steps={known.steps}",
+            "--trainer.max_epochs=-1",
+            "--trainer.limit_val_batches=0",
+            "--trainer.num_sanity_val_steps=0",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.logger=false",
+            f"--step_timing.record_dir={root / 'step_times'}",
+        ]
+        code = run_ddp_app(args, log, known.timeout)
+        if code != 0:
+            errors = [line for line in log.read_text().splitlines() if line.startswith("ddp-app: error:")]
+            print(errors[-1] if errors else f"ddp-app diagnose: the {variant} run failed (exit {code}); see {log}")
+            return code
+        records[variant] = [json.loads(path.read_text()) for path in sorted((root / "step_times").glob("rank*.json"))]
+    report = verdict(records)
+    print(format_table(report))
+    print(report["verdict_text"])
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / "report.png")
+    print(f"ddp-app diagnose: report {out / 'report.json'}, chart {out / 'report.png'}")
+    return 0

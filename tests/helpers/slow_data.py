@@ -1,0 +1,35 @@
+"""A DataModule whose training samples are slow to load (a slow disk or decoder): diagnose's data case."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from app.data import DigitsDataModule
+
+
+class SlowSamples(Dataset):
+    def __init__(self, dataset: Dataset, seconds: float) -> None:
+        self.dataset = dataset
+        self.seconds = seconds
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        time.sleep(self.seconds)  # waits as on I/O: loader workers overlap it
+        return self.dataset[index]
+
+
+class SlowLoadingDigits(DigitsDataModule):
+    """Digits whose training samples take `load_ms` each to load."""
+
+    def __init__(self, load_ms: float = 5.0, **loader_options: Any) -> None:
+        super().__init__(**loader_options)
+        self.load_ms = load_ms
+
+    def make_splits(self) -> tuple[Dataset, Dataset, Dataset]:
+        train, val, test = super().make_splits()
+        return SlowSamples(train, self.load_ms / 1000), val, test
