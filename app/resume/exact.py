@@ -23,6 +23,9 @@
 Randomness inside data loading is not a stream at all: `app.data.seeding.PerSampleSeeded` seeds torch, NumPy and
 Python's `random` from (seed, epoch, sample index) around each `__getitem__` of a training set, so a
 sample's augmentation is the same whichever worker, rank or resumed process loads it.
+
+What a checkpoint's record becomes in the fit that resumes from it, and the checks that refuse in one
+line what cannot continue exactly: app/resume/resumed.py (`Resumed`).
 """
 
 from __future__ import annotations
@@ -132,7 +135,90 @@ def validates_after_epoch(trainer: L.Trainer, epoch: int) -> bool:
     return bool(trainer.enable_validation) and (every is None or (epoch + 1) % every == 0)
 
 
-class ExactResume(L.Callback, TrainingPositioner):
+class TrainingPosition(TrainingPositioner):
+    """The data position: counted by `ExactResume` at Lightning's hooks, asked for by the training
+    loaders, which tell it of themselves (app/data/positioning.py); `resumed` is the checkpoint's
+    position that a resumed fit continues from."""
+
+    def __init__(self) -> None:
+        # Told by the data layer as it builds the training loaders: the stateful streams it positions
+        # (app.data.positioned_streams), and one line for each loader it cannot.
+        self.streams: list[Any] = []
+        self.notices: list[str] = []
+        # The per-rank batch size the user's training loader asked for, and its dataset's length (set
+        # where ddp-app builds the training loader).
+        self.configured_batch_size: int | None = None
+        self.dataset_length: int | None = None
+        self._reset_position()
+
+    def _reset_position(self) -> None:
+        self.epoch = 0
+        self.batches_seen = 0  # this epoch's batches through on_train_batch_end
+        self.batches_done = 0  # of those, the ones whose optimizer step completed
+        self.epoch_end_done = False
+        self._skip = 0  # batches of `epoch` the next iterator skips (a mid-epoch resume)
+        self._last_batch_seen = False  # the epoch's last batch went through on_train_batch_end
+        self.resumed: Resumed | None = None  # set when a fit resumes from a checkpoint
+
+    def sampler_position(self) -> tuple[int, int]:
+        # Not consumed here: an iterator may be created and never read (a resume that only has the
+        # epoch's validation left), or created twice. The skip ends with the resumed epoch.
+        return (self.epoch + 1, 0) if self.epoch_end_done else (self.epoch, self._skip)
+
+    def training_loader_built(self, configured_batch_size: int | None, dataset_length: int) -> ElasticLayout | None:
+        self.configured_batch_size = configured_batch_size
+        self.dataset_length = dataset_length
+        return self.resumed.layout if self.resumed else None
+
+    def next_stream_start(self) -> Callable[[], StreamStart]:
+        return functools.partial(self.stream_start, len(self.streams))
+
+    def add_stream(self, stream: Any) -> None:
+        self.streams.append(stream)
+
+    def add_notice(self, line: str) -> None:
+        self.notices.append(line)
+
+    def training_loaders_rebuilt(self) -> None:
+        self.streams.clear()
+        self.notices.clear()
+        self.configured_batch_size = None
+
+    def stream_start(self, index: int) -> StreamStart:
+        """What the training stream `index` asks when it starts now (app.data.positioned_streams)."""
+        epoch, skip = self.sampler_position()
+        return (epoch, skip, None, False) if self.resumed is None else self.resumed.stream_start(index, epoch, skip)
+
+    def _epoch_length(self, trainer: L.Trainer) -> int | None:
+        """Batches in this epoch: Lightning's count, or for a stream without length, what it yielded once it ran out."""
+        if math.isfinite(trainer.num_training_batches):
+            return int(trainer.num_training_batches)
+        return self.batches_seen if self._last_batch_seen else None
+
+    def position(self, trainer: L.Trainer) -> DataPosition:
+        configured = self.configured_batch_size
+        if configured is None:  # a loader ddp-app did not build
+            configured = _training_batch_size(trainer)
+        resumed = self.resumed.position if self.resumed else None
+        order_world_size, order_batch_size = resumed.order if resumed else (trainer.world_size, configured)
+        return DataPosition(
+            epoch=self.epoch,
+            batches_done=self.batches_done,
+            epoch_end_done=self.epoch_end_done,
+            batches_per_epoch=self._epoch_length(trainer),
+            global_step=trainer.global_step,
+            seed=_run_seed(trainer),
+            world_size=trainer.world_size,
+            per_rank_batch_size=configured,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            order_world_size=order_world_size,
+            order_batch_size=order_batch_size,
+            order_micro_batch=resumed.order_micro_batch if resumed else None,
+            dataset_length=self.dataset_length,
+        )
+
+
+class ExactResume(L.Callback, TrainingPosition):
     """Owns the data position and the random state that exact resume needs; see the module docstring.
 
     Counting costs one integer compare per step. The position is checked against Lightning's own
@@ -163,94 +249,15 @@ class ExactResume(L.Callback, TrainingPositioner):
         self.per_sample_seeding = per_sample_seeding
         self.elastic = elastic
         self.global_batch_size = global_batch_size
-        # Told by the data layer (app/data/positioning.py) as it builds the training loaders: the
-        # stateful streams it positions (app.data.positioned_streams), and one line for each loader it cannot.
-        self.streams: list[Any] = []
-        self.notices: list[str] = []
-        # The per-rank batch size the user's training loader asked for, and its dataset's length (set
-        # where ddp-app builds the training loader).
-        self.configured_batch_size: int | None = None
-        self.dataset_length: int | None = None
+        super().__init__()
         self._reset()
 
     def _reset(self) -> None:
-        self.epoch = 0
-        self.batches_seen = 0  # this epoch's batches through on_train_batch_end
-        self.batches_done = 0  # of those, the ones whose optimizer step completed
-        self.epoch_end_done = False
-        self._skip = 0  # batches of `epoch` the next iterator skips (a mid-epoch resume)
+        self._reset_position()
         self._step_seen = -1
         self._flush_due = False
-        self._resumed: Resumed | None = None  # from a checkpoint's position, set when the fit resumes
-        self._last_batch_seen = False  # the epoch's last batch went through on_train_batch_end
         self._noticed = False
         self._rng_after_training: dict[str, Any] | None = None  # see on_train_batch_end
-
-    # ----- the position, as the training sampler asks for it -----
-
-    def sampler_position(self) -> tuple[int, int]:
-        """(epoch, batches to skip) for the training iterator that is being created now."""
-        # Not consumed here: an iterator may be created and never read (a resume that only has the
-        # epoch's validation left), or created twice. The skip ends with the resumed epoch.
-        return (self.epoch + 1, 0) if self.epoch_end_done else (self.epoch, self._skip)
-
-    def training_loader_built(self, configured_batch_size: int | None, dataset_length: int) -> ElasticLayout | None:
-        self.configured_batch_size = configured_batch_size
-        self.dataset_length = dataset_length
-        return self._resumed.layout if self._resumed else None
-
-    def next_stream_start(self) -> Callable[[], StreamStart]:
-        return functools.partial(self.stream_start, len(self.streams))
-
-    def add_stream(self, stream: Any) -> None:
-        self.streams.append(stream)
-
-    def add_notice(self, line: str) -> None:
-        self.notices.append(line)
-
-    def training_loaders_rebuilt(self) -> None:
-        self.streams.clear()
-        self.notices.clear()
-        self.configured_batch_size = None
-
-    def stream_start(self, index: int) -> StreamStart:
-        """(epoch, batches to skip, state to load or None, whether the epoch's batches are all trained)
-        for the training stream `index` starting now (app.data.positioned_streams)."""
-        epoch, skip = self.sampler_position()
-        resumed = self._resumed
-        if resumed is None:
-            return epoch, skip, None, False
-        per_epoch = resumed.position.batches_per_epoch
-        trained = skip > 0 and per_epoch is not None and skip >= per_epoch
-        return epoch, skip, resumed.stream_state(index), trained
-
-    def _epoch_length(self, trainer: L.Trainer) -> int | None:
-        """Batches in this epoch: Lightning's count, or for a stream without length, what it yielded once it ran out."""
-        if math.isfinite(trainer.num_training_batches):
-            return int(trainer.num_training_batches)
-        return self.batches_seen if self._last_batch_seen else None
-
-    def position(self, trainer: L.Trainer) -> DataPosition:
-        configured = self.configured_batch_size
-        if configured is None:  # a loader ddp-app did not build
-            configured = _training_batch_size(trainer)
-        resumed = self._resumed.position if self._resumed else None
-        order_world_size, order_batch_size = resumed.order if resumed else (trainer.world_size, configured)
-        return DataPosition(
-            epoch=self.epoch,
-            batches_done=self.batches_done,
-            epoch_end_done=self.epoch_end_done,
-            batches_per_epoch=self._epoch_length(trainer),
-            global_step=trainer.global_step,
-            seed=_run_seed(trainer),
-            world_size=trainer.world_size,
-            per_rank_batch_size=configured,
-            accumulate_grad_batches=trainer.accumulate_grad_batches,
-            order_world_size=order_world_size,
-            order_batch_size=order_batch_size,
-            order_micro_batch=resumed.order_micro_batch if resumed else None,
-            dataset_length=self.dataset_length,
-        )
 
     # ----- counting -----
 
@@ -269,8 +276,8 @@ class ExactResume(L.Callback, TrainingPositioner):
             self._noticed = True
             for line in dict.fromkeys(self.notices):
                 print(f"ddp-app: {line}", file=sys.stderr, flush=True)
-        if self._resumed is not None:
-            self._resumed.start(trainer, pl_module, self.position(trainer), bool(self.streams))
+        if self.resumed is not None:
+            self.resumed.start(trainer, pl_module, self.position(trainer), bool(self.streams))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Only for an epoch that starts from its first batch (Lightning does not call it when resuming mid-epoch).
@@ -284,8 +291,8 @@ class ExactResume(L.Callback, TrainingPositioner):
                 f"ddp-app bug: epoch {trainer.current_epoch} started, the data position says {self.epoch}"
             )
 
-    @staticmethod
-    def _flush_logs(trainer: L.Trainer) -> None:
+    def _flush_logs(self, trainer: L.Trainer) -> None:
+        self._flush_due = False
         for logger in trainer.loggers:
             logger.save()
 
@@ -293,18 +300,16 @@ class ExactResume(L.Callback, TrainingPositioner):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._flush_due:
-            self._flush_due = False
             self._flush_logs(trainer)
-        if self._resumed is not None:
-            self._resumed.restore_rng()
+        if self.resumed is not None:
+            self.resumed.restore_rng()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._flush_due:
-            self._flush_due = False
             self._flush_logs(trainer)
         # A resume at "validation pending" runs validation before any training batch.
-        if self._resumed is not None and not trainer.sanity_checking:
-            self._resumed.restore_rng()
+        if self.resumed is not None and not trainer.sanity_checking:
+            self.resumed.restore_rng()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -381,8 +386,8 @@ class ExactResume(L.Callback, TrainingPositioner):
         self._last_batch_seen = position.batches_per_epoch is not None and position.batches_done >= (
             position.batches_per_epoch
         )
-        self._resumed = resumed
+        self.resumed = resumed
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._resumed is not None:
-            self._resumed.teardown()
+        if self.resumed is not None:
+            self.resumed.teardown()

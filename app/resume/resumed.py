@@ -16,6 +16,7 @@ import lightning as L
 import numpy as np
 import torch
 
+from app.data.positioning import StreamStart
 from app.data.samplers import ElasticLayout
 from app.errors import ResumeError
 from app.resume.elastic import (
@@ -98,12 +99,14 @@ class Resumed:
             restore_rng_state(self.rank_state)
             self.rank_state = None
 
-    def stream_state(self, index: int) -> Any:
-        """The saved state of this rank's training stream `index`, once (then None)."""
-        if index >= len(self.stream_states):
-            return None
-        state, self.stream_states[index] = self.stream_states[index], None
-        return state
+    def stream_start(self, index: int, epoch: int, skip: int) -> StreamStart:
+        """(epoch, batches to skip, state to load or None, whether the epoch's batches are all trained)
+        for this rank's training stream `index` starting now at (epoch, skip) (app.data.positioned_streams)."""
+        state = None
+        if index < len(self.stream_states):  # each saved state is loaded once
+            state, self.stream_states[index] = self.stream_states[index], None
+        per_epoch = self.position.batches_per_epoch
+        return epoch, skip, state, skip > 0 and per_epoch is not None and skip >= per_epoch
 
     def start(self, trainer: L.Trainer, pl_module: L.LightningModule, now: DataPosition, streams: bool) -> None:
         """At the fit's start: the module's per-rank state restored, the run checked against the position
