@@ -114,18 +114,14 @@ def run_params(config_yaml: str) -> dict[str, str]:
 def git_state(directory: Path) -> dict[str, str]:
     """The commit of the code the run was started from (the current directory's repository) and
     whether it had uncommitted changes to tracked files; empty outside a repository."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=10, check=True)
+        return done.stdout.strip()
+
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=directory,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        commit = git("rev-parse", "HEAD")
+        status = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return {}
     return {"git.commit": commit, "git.dirty": str(bool(status)).lower()}
