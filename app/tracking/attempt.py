@@ -184,9 +184,7 @@ def run_identity(
     version = f"slurm-{job_id}" if job_id and f"slurm-{job_id}" not in taken else None
     if version is None:
         numbers = [
-            int(name.split("_")[1])
-            for name in taken
-            if name.startswith("version_") and name.split("_")[1].isdigit()
+            int(name.split("_")[1]) for name in taken if name.startswith("version_") and name.split("_")[1].isdigit()
         ]
         version = f"version_{max(numbers, default=-1) + 1}"
     identity = {
@@ -264,9 +262,7 @@ def open_sinks(
     if wandb is not None:
         mode = wandb.mode or os.environ.get("WANDB_MODE") or "offline"
         if mode not in ("offline", "online"):
-            raise UserFacingError(
-                f"tracking.wandb.mode must be offline or online, got {mode!r}. Fix: one of those."
-            )
+            raise UserFacingError(f"tracking.wandb.mode must be offline or online, got {mode!r}. Fix: one of those.")
         sink = WandbSink(log_dir, wandb.project, wandb.entity, mode)
         sink.open_run(identity["run_id"], run_name, {})
         identity["wandb"] = {"project": wandb.project, "mode": mode, "run_id": identity["run_id"]}
