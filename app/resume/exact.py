@@ -23,6 +23,9 @@
 Randomness inside data loading is not a stream at all: `app.data.seeding.PerSampleSeeded` seeds torch, NumPy and
 Python's `random` from (seed, epoch, sample index) around each `__getitem__` of a training set, so a
 sample's augmentation is the same whichever worker, rank or resumed process loads it.
+
+What a checkpoint's record becomes in the fit that resumes from it, and the checks that refuse in one
+line what cannot continue exactly: app/resume/resumed.py (`Resumed`).
 """
 
 from __future__ import annotations
@@ -30,14 +33,11 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import random
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
-import numpy as np
-import torch
 
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import gather_per_rank
@@ -45,16 +45,9 @@ from app.data.positioning import StreamStart, TrainingPositioner
 from app.data.samplers import ElasticLayout
 from app.errors import ResumeError
 from app.private_apis import require
-from app.resume.elastic import (
-    check_elastic_loader,
-    elastic_layout_for,
-    elastic_summary,
-    rebatched_position,
-    unweigh_losses,
-    weigh_losses,
-)
-from app.resume.metric_state import load_per_rank_module_state, per_rank_module_state
+from app.resume.metric_state import per_rank_module_state
 from app.resume.position import DataPosition
+from app.resume.resumed import Resumed, capture_rng_state
 from app.user_code import USER_CODE_DIRECTORIES
 
 
@@ -126,28 +119,6 @@ def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, v
     return state
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """This process's random generators, in types that `torch.load(weights_only=True)` accepts."""
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _training_batch_size(trainer: L.Trainer) -> int | None:
     loader = trainer.train_dataloader
     return getattr(loader, "batch_size", None) if loader is not None else None
@@ -164,7 +135,90 @@ def validates_after_epoch(trainer: L.Trainer, epoch: int) -> bool:
     return bool(trainer.enable_validation) and (every is None or (epoch + 1) % every == 0)
 
 
-class ExactResume(L.Callback, TrainingPositioner):
+class TrainingPosition(TrainingPositioner):
+    """The data position: counted by `ExactResume` at Lightning's hooks, asked for by the training
+    loaders, which tell it of themselves (app/data/positioning.py); `resumed` is the checkpoint's
+    position that a resumed fit continues from."""
+
+    def __init__(self) -> None:
+        # Told by the data layer as it builds the training loaders: the stateful streams it positions
+        # (app.data.positioned_streams), and one line for each loader it cannot.
+        self.streams: list[Any] = []
+        self.notices: list[str] = []
+        # The per-rank batch size the user's training loader asked for, and its dataset's length (set
+        # where ddp-app builds the training loader).
+        self.configured_batch_size: int | None = None
+        self.dataset_length: int | None = None
+        self._reset_position()
+
+    def _reset_position(self) -> None:
+        self.epoch = 0
+        self.batches_seen = 0  # this epoch's batches through on_train_batch_end
+        self.batches_done = 0  # of those, the ones whose optimizer step completed
+        self.epoch_end_done = False
+        self._skip = 0  # batches of `epoch` the next iterator skips (a mid-epoch resume)
+        self._last_batch_seen = False  # the epoch's last batch went through on_train_batch_end
+        self.resumed: Resumed | None = None  # set when a fit resumes from a checkpoint
+
+    def sampler_position(self) -> tuple[int, int]:
+        # Not consumed here: an iterator may be created and never read (a resume that only has the
+        # epoch's validation left), or created twice. The skip ends with the resumed epoch.
+        return (self.epoch + 1, 0) if self.epoch_end_done else (self.epoch, self._skip)
+
+    def training_loader_built(self, configured_batch_size: int | None, dataset_length: int) -> ElasticLayout | None:
+        self.configured_batch_size = configured_batch_size
+        self.dataset_length = dataset_length
+        return self.resumed.layout if self.resumed else None
+
+    def next_stream_start(self) -> Callable[[], StreamStart]:
+        return functools.partial(self.stream_start, len(self.streams))
+
+    def add_stream(self, stream: Any) -> None:
+        self.streams.append(stream)
+
+    def add_notice(self, line: str) -> None:
+        self.notices.append(line)
+
+    def training_loaders_rebuilt(self) -> None:
+        self.streams.clear()
+        self.notices.clear()
+        self.configured_batch_size = None
+
+    def stream_start(self, index: int) -> StreamStart:
+        """What the training stream `index` asks when it starts now (app.data.positioned_streams)."""
+        epoch, skip = self.sampler_position()
+        return (epoch, skip, None, False) if self.resumed is None else self.resumed.stream_start(index, epoch, skip)
+
+    def _epoch_length(self, trainer: L.Trainer) -> int | None:
+        """Batches in this epoch: Lightning's count, or for a stream without length, what it yielded once it ran out."""
+        if math.isfinite(trainer.num_training_batches):
+            return int(trainer.num_training_batches)
+        return self.batches_seen if self._last_batch_seen else None
+
+    def position(self, trainer: L.Trainer) -> DataPosition:
+        configured = self.configured_batch_size
+        if configured is None:  # a loader ddp-app did not build
+            configured = _training_batch_size(trainer)
+        resumed = self.resumed.position if self.resumed else None
+        order_world_size, order_batch_size = resumed.order if resumed else (trainer.world_size, configured)
+        return DataPosition(
+            epoch=self.epoch,
+            batches_done=self.batches_done,
+            epoch_end_done=self.epoch_end_done,
+            batches_per_epoch=self._epoch_length(trainer),
+            global_step=trainer.global_step,
+            seed=_run_seed(trainer),
+            world_size=trainer.world_size,
+            per_rank_batch_size=configured,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            order_world_size=order_world_size,
+            order_batch_size=order_batch_size,
+            order_micro_batch=resumed.order_micro_batch if resumed else None,
+            dataset_length=self.dataset_length,
+        )
+
+
+class ExactResume(L.Callback, TrainingPosition):
     """Owns the data position and the random state that exact resume needs; see the module docstring.
 
     Counting costs one integer compare per step. The position is checked against Lightning's own
@@ -195,105 +249,15 @@ class ExactResume(L.Callback, TrainingPositioner):
         self.per_sample_seeding = per_sample_seeding
         self.elastic = elastic
         self.global_batch_size = global_batch_size
-        # Told by the data layer (app/data/positioning.py) as it builds the training loaders: the
-        # stateful streams it positions (app.data.positioned_streams), and one line for each loader it cannot.
-        self.streams: list[Any] = []
-        self.notices: list[str] = []
-        # The per-rank batch size the user's training loader asked for, and its dataset's length (set
-        # where ddp-app builds the training loader).
-        self.configured_batch_size: int | None = None
-        self.dataset_length: int | None = None
+        super().__init__()
         self._reset()
 
     def _reset(self) -> None:
-        self.epoch = 0
-        self.batches_seen = 0  # this epoch's batches through on_train_batch_end
-        self.batches_done = 0  # of those, the ones whose optimizer step completed
-        self.epoch_end_done = False
-        self._skip = 0  # batches of `epoch` the next iterator skips (a mid-epoch resume)
+        self._reset_position()
         self._step_seen = -1
         self._flush_due = False
-        self._pending_rng: dict[str, Any] | None = None
-        self._pending_streams: list[Any] = []
-        self._resumed_from: DataPosition | None = None
-        self._last_batch_seen = False  # the epoch's last batch went through on_train_batch_end
         self._noticed = False
-        self._order: tuple[int, int | None] | None = None  # a resumed run's sample order
-        self._micro_batch: int | None = None  # and its global micro-batch, where a resume set a new one
-        self._rebatched_from: DataPosition | None = None
-        self.layout: ElasticLayout | None = None  # set when it continues on another number of ranks
-        self._unweighted_step: Any = None
         self._rng_after_training: dict[str, Any] | None = None  # see on_train_batch_end
-
-    # ----- the position, as the training sampler asks for it -----
-
-    def sampler_position(self) -> tuple[int, int]:
-        """(epoch, batches to skip) for the training iterator that is being created now."""
-        # Not consumed here: an iterator may be created and never read (a resume that only has the
-        # epoch's validation left), or created twice. The skip ends with the resumed epoch.
-        return (self.epoch + 1, 0) if self.epoch_end_done else (self.epoch, self._skip)
-
-    def training_loader_built(self, configured_batch_size: int | None, dataset_length: int) -> ElasticLayout | None:
-        self.configured_batch_size = configured_batch_size
-        self.dataset_length = dataset_length
-        return self.layout
-
-    def next_stream_start(self) -> Callable[[], StreamStart]:
-        return functools.partial(self.stream_start, len(self.streams))
-
-    def add_stream(self, stream: Any) -> None:
-        self.streams.append(stream)
-
-    def add_notice(self, line: str) -> None:
-        self.notices.append(line)
-
-    def training_loaders_rebuilt(self) -> None:
-        self.streams.clear()
-        self.notices.clear()
-        self.configured_batch_size = None
-
-    def stream_start(self, index: int) -> StreamStart:
-        """(epoch, batches to skip, state to load or None, whether the epoch's batches are all trained)
-        for the training stream `index` starting now (app.data.positioned_streams)."""
-        epoch, skip = self.sampler_position()
-        state = None
-        if index < len(self._pending_streams):
-            state, self._pending_streams[index] = self._pending_streams[index], None
-        resumed = self._resumed_from
-        trained = (
-            skip > 0
-            and resumed is not None
-            and resumed.batches_per_epoch is not None
-            and skip >= resumed.batches_per_epoch
-        )
-        return epoch, skip, state, trained
-
-    def _epoch_length(self, trainer: L.Trainer) -> int | None:
-        """Batches in this epoch: Lightning's count, or for a stream without length, what it yielded once it ran out."""
-        if math.isfinite(trainer.num_training_batches):
-            return int(trainer.num_training_batches)
-        return self.batches_seen if self._last_batch_seen else None
-
-    def position(self, trainer: L.Trainer) -> DataPosition:
-        configured = self.configured_batch_size
-        if configured is None:  # a loader ddp-app did not build
-            configured = _training_batch_size(trainer)
-        order_world_size, order_batch_size = self._order or (trainer.world_size, configured)
-        return DataPosition(
-            epoch=self.epoch,
-            batches_done=self.batches_done,
-            epoch_end_done=self.epoch_end_done,
-            batches_per_epoch=self._epoch_length(trainer),
-            global_step=trainer.global_step,
-            seed=_run_seed(trainer),
-            world_size=trainer.world_size,
-            per_rank_batch_size=configured,
-            accumulate_grad_batches=trainer.accumulate_grad_batches,
-            order_world_size=order_world_size,
-            order_batch_size=order_batch_size,
-            order_micro_batch=self._micro_batch,
-            dataset_length=self.dataset_length,
-        )
 
     # ----- counting -----
 
@@ -312,34 +276,8 @@ class ExactResume(L.Callback, TrainingPositioner):
             self._noticed = True
             for line in dict.fromkeys(self.notices):
                 print(f"ddp-app: {line}", file=sys.stderr, flush=True)
-        resumed = self._resumed_from
-        if resumed is None:
-            return
-        if self._pending_rng is not None and "module" in self._pending_rng:
-            load_per_rank_module_state(pl_module, self._pending_rng.pop("module"))
-        if self._pending_rng is not None and resumed.batches_to_skip >= (resumed.batches_per_epoch or math.inf):
-            # Validation comes first, and creating its loader's iterator draws from the global generator.
-            restore_rng_state(self._pending_rng)
-            self._pending_rng = None
-        self._check_resume_fits(trainer, resumed)
-        if self.layout is not None:
-            sampler = getattr(trainer.train_dataloader, "sampler", None)
-            automatic = pl_module.automatic_optimization
-            layout_of_sampler = getattr(sampler, "layout", None)
-            check_elastic_loader(
-                resumed, self.layout, trainer.world_size, layout_of_sampler, bool(self.streams), automatic
-            )
-            length = len(trainer.train_dataloader.sampler.dataset)
-            if weigh_losses(pl_module, self.layout, length, trainer.global_rank):
-                self._unweighted_step = pl_module
-        if (trainer.world_size != resumed.world_size or self._rebatched_from is not None) and trainer.is_global_zero:
-            summary = elastic_summary(resumed, self.layout, trainer.world_size, self._rebatched_from)
-            print(f"ddp-app: {summary}", file=sys.stderr, flush=True)
-        if trainer.current_epoch != resumed.next_epoch:
-            raise AssertionError(
-                f"ddp-app bug: Lightning restored epoch {trainer.current_epoch}, the data position says "
-                f"{resumed.next_epoch} ({resumed.describe()})"
-            )
+        if self.resumed is not None:
+            self.resumed.start(trainer, pl_module, self.position(trainer), bool(self.streams))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Only for an epoch that starts from its first batch (Lightning does not call it when resuming mid-epoch).
@@ -353,8 +291,8 @@ class ExactResume(L.Callback, TrainingPositioner):
                 f"ddp-app bug: epoch {trainer.current_epoch} started, the data position says {self.epoch}"
             )
 
-    @staticmethod
-    def _flush_logs(trainer: L.Trainer) -> None:
+    def _flush_logs(self, trainer: L.Trainer) -> None:
+        self._flush_due = False
         for logger in trainer.loggers:
             logger.save()
 
@@ -362,20 +300,16 @@ class ExactResume(L.Callback, TrainingPositioner):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._flush_due:
-            self._flush_due = False
             self._flush_logs(trainer)
-        if self._pending_rng is not None:
-            restore_rng_state(self._pending_rng)
-            self._pending_rng = None
+        if self.resumed is not None:
+            self.resumed.restore_rng()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._flush_due:
-            self._flush_due = False
             self._flush_logs(trainer)
         # A resume at "validation pending" runs validation before any training batch.
-        if self._pending_rng is not None and not trainer.sanity_checking:
-            restore_rng_state(self._pending_rng)
-            self._pending_rng = None
+        if self.resumed is not None and not trainer.sanity_checking:
+            self.resumed.restore_rng()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -437,17 +371,10 @@ class ExactResume(L.Callback, TrainingPositioner):
         if trainer.state.fn != "fit":
             return
         saved = checkpoint_state.get(checkpoint, "exact_resume") or {}
-        record = saved.get("position")
-        if record is None:
-            raise ResumeError(
-                "this checkpoint has no data position (it was written by plain Lightning or an older ddp-app), so "
-                "where to continue in the data is unknown. Fix: resume from a checkpoint written by this ddp-app, "
-                "or load only its weights (python -m app.export) and start a new run."
-            )
-        position = DataPosition.from_checkpoint(record)
-        if self.global_batch_size is not None and self.global_batch_size != position.global_batch_size:
-            self._rebatched_from = position
-            position = rebatched_position(position, self.global_batch_size, trainer.world_size)
+        resumed = Resumed.from_checkpoint(
+            saved, trainer.world_size, trainer.global_rank, self.global_batch_size, self.elastic
+        )
+        position = resumed.position
         loops = checkpoint.get("loops") or {}
         if "fit_loop" in loops:
             loops["fit_loop"] = canonical_fit_loop_state(
@@ -459,41 +386,8 @@ class ExactResume(L.Callback, TrainingPositioner):
         self._last_batch_seen = position.batches_per_epoch is not None and position.batches_done >= (
             position.batches_per_epoch
         )
-        self._resumed_from = position
-        self._order = position.order
-        self._micro_batch = position.order_micro_batch
-        order_world_size, order_batch_size = position.order
-        natural = None if order_batch_size is None else order_world_size * order_batch_size
-        changed = trainer.world_size != order_world_size or position.micro_batch != natural
-        self.layout = elastic_layout_for(position, trainer.world_size, self.elastic) if changed else None
-        states = saved.get("per_rank")
-        # Per-rank states belong to the ranks that saved them: on another number of ranks, random
-        # draws in the step (dropout) and per-rank metric accumulators start afresh (docs/resume.md).
-        if states and len(states) == trainer.world_size:
-            self._pending_rng = states[trainer.global_rank]
-            self._pending_streams = list(self._pending_rng.pop("streams", []))
+        self.resumed = resumed
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._unweighted_step is not None:
-            unweigh_losses(self._unweighted_step)
-            self._unweighted_step = None
-
-    def _check_resume_fits(self, trainer: L.Trainer, saved: DataPosition) -> None:
-        """The data and the run's shape must be those the position was counted in."""
-        now = self.position(trainer)
-        saved_batch, now_batch = saved.order[1], now.per_rank_batch_size
-        changed = [
-            f"{name} {getattr(saved, name)} -> {getattr(now, name)}"
-            for name in ("accumulate_grad_batches", "batches_per_epoch", "seed")
-            if getattr(saved, name) != getattr(now, name)
-            and not (name == "batches_per_epoch" and None in (saved.batches_per_epoch, now.batches_per_epoch))
-        ]
-        # With a new global batch accepted, the per-rank batch follows from it and the config's is not used.
-        if saved_batch != now_batch and self._rebatched_from is None:
-            changed.insert(0, f"per-rank batch_size {saved_batch} -> {now_batch}")
-        if changed:
-            raise ResumeError(
-                f"this run cannot continue the checkpoint's position ({saved.describe()}) exactly: "
-                f"{', '.join(changed)} since it was written. Fix: resume with the batch size, "
-                "accumulate_grad_batches, data and seed it was trained with (another number of ranks is fine)."
-            )
+        if self.resumed is not None:
+            self.resumed.teardown()

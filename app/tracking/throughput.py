@@ -48,9 +48,10 @@ class TrainingClock:
     def __init__(self) -> None:
         self.reset()
 
-    def reset(self) -> None:
-        self._samples = 0.0
-        self._closed_s = 0.0  # seconds of the stretches closed by a pause
+    def reset(self, samples: float = 0.0, seconds: float = 0.0) -> None:
+        """Start from (samples, seconds) measured before: an earlier attempt's share of a resumed epoch."""
+        self._samples = samples
+        self._closed_s = seconds  # seconds of the stretches closed by a pause
         self._open_at: float | None = None  # start of the stretch being timed
         self._last_end = 0.0
 

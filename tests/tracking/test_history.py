@@ -124,19 +124,19 @@ def test_metrics_csv_never_holds_two_values_for_one_name_and_step(tmp_path: Path
 
 
 def test_which_run_an_attempt_belongs_to(tmp_path: Path) -> None:
-    from app.tracking.run import Tracking
+    from app.tracking.attempt import run_identity, write_identity
 
     logs = tmp_path / "lightning_logs"
-    first, seq, step = Tracking._identity(logs, None, continue_latest=False)
+    first, seq, step = run_identity(logs, None, continue_latest=False)
     assert (first["log_version"], seq, step) == ("version_0", 0, -1)
-    Tracking._write_identity(logs / "version_0", first)
+    write_identity(logs / "version_0", first)
     # A resume from one of this directory's checkpoints continues its run, from the checkpoint's position.
     state = {"run_id": first["run_id"], "log_version": "version_0", "seq": 7, "step": 39}
-    assert Tracking._identity(logs, state, continue_latest=False) == (first, 7, 39)
+    assert run_identity(logs, state, continue_latest=False) == (first, 7, 39)
     # `--ckpt_path last` before any checkpoint: the directory's latest run, nothing of it final yet.
-    assert Tracking._identity(logs, None, continue_latest=True) == (first, 0, -1)
+    assert run_identity(logs, None, continue_latest=True) == (first, 0, -1)
     # A checkpoint of another directory's run (fine-tuning), or a fresh fit: a new run, a new version.
     foreign = {"run_id": "elsewhere", "log_version": "version_0", "seq": 3, "step": 9}
     for other, continue_latest in ((foreign, False), (None, False)):
-        new, seq, step = Tracking._identity(logs, other, continue_latest)
+        new, seq, step = run_identity(logs, other, continue_latest)
         assert new["run_id"] != first["run_id"] and new["log_version"] == "version_1" and (seq, step) == (0, -1)
