@@ -137,8 +137,7 @@ class RunCoordinator(Checkpoint):
 
     Args:
         last_checkpoint: the writer of last.ckpt and its settings; None: no last.ckpt.
-        tracking: where the epoch's per-rank samples and seconds come from; None: no samples/s.
-        step_timing: where the epoch's per-rank step times come from; None: not timed.
+        tracking, step_timing: where the epoch's per-rank samples/s and step times come from; None: not measured.
     """
 
     def __init__(
