@@ -39,7 +39,7 @@ from typing import Any
 
 from app.errors import UserFacingError
 from app.figures import fits_one_axis, save
-from app.tracking.layout import latest_run
+from app.tracking.layout import STEP_TIME_METRICS, latest_run
 
 METRICS_FILE = "metrics.csv"
 
@@ -214,7 +214,9 @@ def plot(series: Series, out: Path, title: str, version_starts: list[int]) -> No
     matplotlib.use("Agg")  # files only: no display needed, also on a cluster node
     import matplotlib.pyplot as plt
 
-    names = sorted({name for values in series.values() for name in values} - {"epoch"})
+    # The per-step time breakdown is a diagnosis, not a training curve: it is in the fit's summary, the
+    # trackers, and `ddp-app diagnose`'s chart (docs/performance.md).
+    names = sorted({name for values in series.values() for name in values} - {"epoch", *STEP_TIME_METRICS})
     curves = {name: values for name in names if (values := curve(series, name)[1])}
     if not curves:
         raise PlotError(f"{title} has logged steps but no finite values. Fix: plot after a logged metric.")
