@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.profilers import SimpleProfiler
 from lightning.pytorch.strategies import DDPStrategy
 
+from app.checkpoints.plugin import BackgroundCheckpointIO
 from app.cli import DDPAppCLI, NoProfiler, SafeCheckpointIO
 from app.run.callbacks import PredictionWriter
 from tests.helpers.run import REPO
@@ -31,11 +33,20 @@ def test_the_default_profiler_is_the_cheap_no_op_and_a_configured_one_is_kept(tm
     assert type(build(tmp_path, "--trainer.profiler=simple").trainer.profiler) is SimpleProfiler
 
 
+def safe_io(trainer) -> CheckpointIO:
+    """The safe (atomic) checkpoint I/O under the background writer that fits use by default."""
+    io = trainer.strategy.checkpoint_io
+    assert type(io) is BackgroundCheckpointIO, type(io)
+    return io.checkpoint_io
+
+
 def test_checkpoints_are_safe_by_default_and_with_a_configs_own_plugins(tmp_path: Path) -> None:
-    assert type(build(tmp_path).trainer.strategy.checkpoint_io) is SafeCheckpointIO
+    assert type(safe_io(build(tmp_path).trainer)) is SafeCheckpointIO
+    off = "--last_checkpoint.async_save=false"
+    assert type(build(tmp_path, off).trainer.strategy.checkpoint_io) is SafeCheckpointIO
     own = "--trainer.plugins=lightning.fabric.plugins.environments.LightningEnvironment"
     trainer = build(tmp_path, own).trainer
-    assert type(trainer.strategy.checkpoint_io) is SafeCheckpointIO
+    assert type(safe_io(trainer)) is SafeCheckpointIO
     assert type(trainer.strategy.cluster_environment).__name__ == "LightningEnvironment"
     custom = "--trainer.plugins=lightning.fabric.plugins.io.torch_io.TorchCheckpointIO"
     assert type(build(tmp_path, custom).trainer.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"

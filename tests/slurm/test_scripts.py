@@ -28,6 +28,7 @@ from app.checkpoints.io import net_state_dict, safe_load
 from app.checkpoints.sharded import load_full_tensors
 from app.cluster.slurm_env import job_master_port
 from app.parity import compare_states
+from app.tracking.layout import MEASURED_METRICS
 from tests.helpers.run import ddp_app
 
 pytestmark = pytest.mark.slurm
@@ -365,14 +366,14 @@ def uninterrupted(uninterrupted_root: Path) -> dict:
 
 
 def logged_values(root: Path) -> dict[tuple[str, int], float]:
-    """The run's metrics.csv as {(name, step): value}, without the measured samples_per_s."""
+    """The run's metrics.csv as {(name, step): value}, without the measured ones (throughput, step times)."""
     (metrics,) = (root / "lightning_logs").glob("*/metrics.csv")
     with metrics.open() as file:
         return {
             (name, int(row["step"])): float(value)
             for row in csv.DictReader(file)
             for name, value in row.items()
-            if value and name not in ("step", "epoch", "samples_per_s")
+            if value and name not in ("step", "epoch", *MEASURED_METRICS)
         }
 
 
@@ -407,13 +408,13 @@ def test_preemption_requeues_and_resumes_exactly(
     history = {
         (name, metric.step): metric.value
         for name in run.data.metrics
-        if name not in ("epoch", "samples_per_s")
+        if name not in ("epoch", *MEASURED_METRICS)
         for metric in client.get_metric_history(run.info.run_id, name)
     }
     assert len(history) == sum(
         len(client.get_metric_history(run.info.run_id, name))
         for name in run.data.metrics
-        if name not in ("epoch", "samples_per_s")
+        if name not in ("epoch", *MEASURED_METRICS)
     ), "a step logged twice in MLflow"
     assert history == logged_values(uninterrupted_root)
     attempts = [json.loads(run.data.tags[f"attempt.{number}"]) for number in (1, 2)]

@@ -19,6 +19,7 @@ import yaml
 from app.bench.recovery import clock_arguments, kill_rank
 from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.cluster.launch import free_port
+from app.tracking.layout import MEASURED_METRICS
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job
 from tests.helpers.wandb_files import wandb_history
 from tests.tracking.mlflow_helpers import csv_values, histories, only_run, start_mlflow_server, stop_mlflow_server
@@ -33,7 +34,7 @@ FIT = ["--config", "configs/digits.yaml", "--trainer.max_epochs=3", "--trainer.e
 # the epoch's train_acc (logged after that save, never logged again by the resume) and the loss at
 # step 49 and the rows up to the kill (redone by the resume).
 KILL_AT_STEP = 57
-TIMING = {"samples_per_s"}  # measured, not computed: differs between any two runs
+TIMING = MEASURED_METRICS  # measured, not computed: differs between any two runs
 
 
 @pytest.fixture(scope="module")
