@@ -35,6 +35,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop this test process's zygote (tests/helpers/zygote.py), if a test started it."""
+    run.stop_zygote()
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Let `tests.helpers.run` check that a test which starts several ranks is marked `distributed`
     (set before any fixture runs: a module-scoped fixture may start the ranks)."""

@@ -234,6 +234,23 @@ def test_atexit_can_still_run_the_exit_handlers_of_a_forked_rank() -> None:
     )
 
 
+def test_threading_can_still_join_the_threads_a_forked_test_command_leaves(tmp_path: Path) -> None:
+    # tests/helpers/zygote.py ends a forked ddp-app command as the interpreter does: threading._shutdown()
+    # joins its non-daemon threads before the exit handlers run.
+    ended = tmp_path / "ended"
+    script = (
+        "import threading, time, pathlib, os\n"
+        f"threading.Thread(target=lambda: (time.sleep(0.2), pathlib.Path({str(ended)!r}).touch())).start()\n"
+        "threading._shutdown()\n"
+        f"os._exit(0 if pathlib.Path({str(ended)!r}).exists() else 3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], timeout=60)
+    assert result.returncode == 0, (
+        "CPython's threading._shutdown no longer joins non-daemon threads: a ddp-app command forked from the "
+        f"tests' zygote (tests/helpers/zygote.py) would end before its threads do ({DOC})"
+    )
+
+
 def test_ddp_strategy_keeps_ddp_arguments_in_ddp_kwargs() -> None:
     # Read by tests/test_accumulation.py only (the strategy has no public getter for them).
     assert DDPStrategy(static_graph=True)._ddp_kwargs == {"static_graph": True}, (

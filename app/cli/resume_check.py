@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,8 @@ class Runner:
     timeout: float = 300.0
     variants: dict[str, list[str]] = field(default_factory=lambda: {"default": []})
     progress_bar: bool = False  # the runs' progress display (a line per epoch in a log)
+    # How each fit runs: `ddp-app ARGS >> log`, its exit code (the tests fork theirs from a warm process).
+    run_command: Callable[[list[str], Path, float], int] = run_ddp_app
     _baselines: dict[str, Path] = field(default_factory=dict)
 
     def _args(self, variant: str, root: Path) -> list[str]:
@@ -295,7 +298,8 @@ class Runner:
         if variant not in self._baselines:
             root = self.workdir / f"uninterrupted-{variant}"
             log = self.workdir / f"uninterrupted-{variant}.log"
-            code = run_ddp_app([*self._args(variant, root), f"--trainer.max_epochs={self.epochs}"], log, self.timeout)
+            args = [*self._args(variant, root), f"--trainer.max_epochs={self.epochs}"]
+            code = self.run_command(args, log, self.timeout)
             if code != 0:
                 raise RuntimeError(f"the uninterrupted run failed (exit {code}); see {log}")
             self._baselines[variant] = root
@@ -341,7 +345,7 @@ class Runner:
             first += self._stop_at(case, case.epoch, steps, batches)
         if case.stops == 2 and (case.stop in ("max_steps", "max_time") or case.epoch + 2 > self.epochs):
             raise ValueError(f"{case.name}: a second stop needs a StopAt stop and an epoch after it")
-        code = run_ddp_app(first, log, self.timeout)
+        code = self.run_command(first, log, self.timeout)
         if case.stop in ("max_steps", "max_time") and code != 0:
             return Outcome(case, -1, math.inf, math.inf, False, f"the stopped run failed with exit code {code}")
         if case.stop == "max_time":
@@ -349,11 +353,11 @@ class Runner:
             extra_steps = {reached - 1, reached}
         resumed = self._args(case.variant, root) + [f"--trainer.max_epochs={self.epochs}", "--ckpt_path=last"]
         if case.stops == 2:
-            run_ddp_app(resumed + self._stop_at(case, case.epoch + 1, steps, batches), log, self.timeout)
+            self.run_command(resumed + self._stop_at(case, case.epoch + 1, steps, batches), log, self.timeout)
             reached = load_whole(root / "checkpoints" / "last.ckpt")["global_step"]
             if reached >= total:
                 return Outcome(case, reached, math.inf, math.inf, False, "the first resumed run was not stopped")
-        code = run_ddp_app(resumed, log, self.timeout)
+        code = self.run_command(resumed, log, self.timeout)
         if code != 0:
             return Outcome(
                 case, -1, math.inf, math.inf, False, f"the resumed run failed with exit code {code} (see {log})"

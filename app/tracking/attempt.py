@@ -270,9 +270,10 @@ def open_sinks(
     return sinks
 
 
-def attempt_start(facts: dict[str, Any], step: int, config_yaml: str, run_id: str) -> RunFacts:
-    """What every tracker records at this attempt's start: the config as params, versions, git state
-    and the attempt's facts as tags."""
+def attempt_start(attempts: list[dict[str, Any]], step: int, config_yaml: str, run_id: str) -> RunFacts:
+    """What every tracker records at this attempt's start (the last of `attempts`, run.json's list):
+    the config as params, versions, git state and every attempt's facts as tags. An attempt killed
+    before its tracker thread sent anything (a kill in its first seconds) is recorded by the next."""
     tags = {**versions(), **git_state(Path.cwd()), "ddp_app.run_id": run_id}
-    tags[f"attempt.{facts['attempt']}"] = json.dumps(facts)
-    return RunFacts(facts["attempt"], max(step, 0), run_params(config_yaml), tags, config_yaml)
+    tags.update({f"attempt.{facts['attempt']}": json.dumps(facts) for facts in attempts})
+    return RunFacts(attempts[-1]["attempt"], max(step, 0), run_params(config_yaml), tags, config_yaml)

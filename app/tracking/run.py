@@ -349,7 +349,7 @@ class Tracking(L.Callback):
         facts = attempt_facts(trainer, len(attempts) + 1, resumed_from, step)
         attempts.append(facts)
         sinks = open_sinks(log_dir, identity, run_name, mlflow_sink, self.tensorboard, self.wandb)
-        start = attempt_start(facts, step, config_yaml, identity["run_id"])
+        start = attempt_start(attempts, step, config_yaml, identity["run_id"])
         self.run = TrackedRun(log_dir, identity, sinks, worker)
         write_identity(log_dir, identity)
         self.run.begin(seq, step, facts, start)

@@ -30,7 +30,7 @@ from app.errors import UserFacingError
 from app.models import ResNetClassifier
 from app.models.nets import resnet_classifier_parts
 from app.reference.config import build_job, load_config
-from tests.helpers.run import ddp_app, float64_runner, resume_on_3_ranks, run
+from tests.helpers.run import ddp_app, fit_runner, float64_runner, resume_on_3_ranks, run
 
 CLASSES = ("cat", "dog", "fish", "owl")
 SMALL = {"image_size": 12, "resize_size": 16}
@@ -295,7 +295,7 @@ def test_with_skip_bad_files_a_2_rank_fit_killed_mid_epoch_resumes_to_the_same_w
     process meets it: every epoch keeps its 8 steps, and the resumed run ends bit for bit."""
     root, damaged = damaged_folder
     config = ["--config", "tests/helpers/imagefolder.yaml", f"--data.init_args.data_dir={root}"]
-    runner = Runner([*config, "--data.init_args.skip_bad_files=true"], tmp_path, epochs=2)
+    runner = fit_runner([*config, "--data.init_args.skip_bad_files=true"], tmp_path, epochs=2)
     outcome = runner.run(Case("kill-rank1", "mid-epoch", epoch=1))
     assert outcome.exact, outcome.detail or outcome
     assert outcome.weights_diff == 0 and outcome.steps == 16

@@ -15,13 +15,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset, SequentialSampler, Subset, TensorDataset
 
 from app.cli import DDPAppCLI
-from app.cli.resume_check import Case, Runner
+from app.cli.resume_check import Case
 from app.data.base import ResumableDataLoader
 from app.data.datasets import default_num_workers
 from app.data.on_device import TensorBatchLoader, in_memory_tensors, materialize
 from app.data.samplers import UnpaddedDistributedSampler
 from app.errors import InvalidConfigError
-from tests.helpers.run import REPO
+from tests.helpers.run import REPO, fit_runner
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
 
@@ -107,7 +107,7 @@ def test_workers_are_sized_to_the_machine_only_where_they_help() -> None:
 @pytest.mark.distributed
 @pytest.mark.fault
 def test_a_split_on_the_device_resumes_exactly_after_a_kill_mid_epoch(tmp_path: Path) -> None:
-    runner = Runner(
+    runner = fit_runner(
         ["--config", DIGITS], tmp_path, epochs=2, variants={"on-device": ["--data.init_args.on_device=true"]}
     )
     outcome = runner.run(Case("kill-rank1", "mid-epoch", "same", "on-device"))

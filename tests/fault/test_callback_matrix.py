@@ -20,7 +20,7 @@ import pytest
 from app.checkpoints.io import safe_load
 from app.cli.resume_check import Case, Runner
 from app.resume.position import saved_position
-from tests.helpers.run import BIN, REPO, clean_env
+from tests.helpers.run import BIN, REPO, clean_env, fit_runner
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -56,7 +56,7 @@ DEFAULT_SETUPS = ("sync-dist",)  # "none": the users-own-module test below has n
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    return Runner(
+    return fit_runner(
         base_args=["--config", str(REPO / "configs" / "digits.yaml"), "--trainer.callbacks=[]"],
         workdir=tmp_path_factory.mktemp("callback-matrix"),
         epochs=EPOCHS,
@@ -91,7 +91,7 @@ def test_any_callback_setup_completes_fresh_and_resumes_exactly(runner: Runner, 
 def test_a_users_own_module_without_callbacks_completes_and_resumes_exactly(tmp_path: Path) -> None:
     """The same on a user's plain LightningModule and DataModule (examples/custom, issue 31's second
     acceptance command): no callbacks, the progress line on, a kill of rank 1 mid-epoch."""
-    runner = Runner(
+    runner = fit_runner(
         base_args=["--config", str(REPO / "examples" / "custom" / "config.yaml"), "--trainer.callbacks=[]"],
         workdir=tmp_path,
         epochs=EPOCHS,

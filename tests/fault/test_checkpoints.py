@@ -38,7 +38,7 @@ from app.checkpoints.io import (
 from app.export import main as export_main
 from app.run.config_checks import command_line_model_keys
 from tests.fault.test_bad_input import malicious_checkpoint
-from tests.helpers.run import BIN, REPO, clean_env, copy_of, ddp_app, kill_job, train
+from tests.helpers.run import BIN, REPO, clean_env, copy_of, ddp_app, kill_job, start, train
 
 pytestmark = pytest.mark.fault
 
@@ -96,14 +96,7 @@ def test_lightning_run_killed_during_saves_keeps_a_loadable_last_ckpt(tmp_path: 
         ]
         if attempt:
             command.append("--ckpt_path=last")
-        job = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=clean_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        job = start(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 60
             while not last.exists() and time.monotonic() < deadline:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from app.cluster.exit_codes import HANG_EXIT_CODE
-from tests.helpers.run import BIN, REPO, clean_env, kill_job, live_job_processes, rank_pids
+from tests.helpers.run import BIN, REPO, clean_env, kill_job, live_job_processes, rank_pids, start
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -53,14 +53,7 @@ INJECTIONS = {
 
 def start_job(root: Path, log_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log_path, "w") as log:
-        return subprocess.Popen(
-            [str(BIN / "ddp-app"), *args],
-            cwd=REPO,
-            env=env or clean_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        return start([str(BIN / "ddp-app"), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for(condition, job: subprocess.Popen, log_path: Path, seconds: float, what: str) -> None:  # noqa: ANN001

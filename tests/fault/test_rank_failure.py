@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.run import BIN, REPO, clean_env, kill_job, live_job_processes, rank_pids
+from tests.helpers.run import BIN, kill_job, live_job_processes, rank_pids, start
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -26,7 +26,7 @@ def test_killing_one_rank_ends_the_job_within_bound(devices: str, victim: int, t
     """Every `devices` form runs under the one launcher, which names the rank that died."""
     log_path = tmp_path / "job.log"
     with open(log_path, "w") as log:
-        job = subprocess.Popen(
+        job = start(
             [
                 str(BIN / "ddp-app"),
                 "fit",
@@ -37,11 +37,8 @@ def test_killing_one_rank_ends_the_job_within_bound(devices: str, victim: int, t
                 "--trainer.enable_progress_bar=false",
                 f"--trainer.default_root_dir={tmp_path / 'run'}",
             ],
-            cwd=REPO,
-            env=clean_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
     try:
         deadline = time.monotonic() + 120

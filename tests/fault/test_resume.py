@@ -15,7 +15,7 @@ import torch
 
 from app.checkpoints.io import CheckpointError, safe_load
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
-from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, live_job_processes, rank_pids
+from tests.helpers.run import BIN, ddp_app, kill_job, live_job_processes, rank_pids, start
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -136,9 +136,7 @@ def start_fit(config: str, extra: Path, root: Path, *args: str) -> subprocess.Po
         *args,
     ]
     log = open(root.parent / f"{root.name}.log", "w")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(
-        command, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    return start(command, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for_step(last: Path, step: int, process: subprocess.Popen[str], timeout: float = 120) -> int:

@@ -25,7 +25,7 @@ import pytest
 from app.bench.data import write_image_folder
 from app.cli.resume_check import CONTINUES, MOMENTS, STOPS, Case, Outcome, Runner, format_table
 from app.data.shard import main as write_shards
-from tests.helpers.run import REPO
+from tests.helpers.run import REPO, fit_runner
 from tests.helpers.wandb_files import wandb_history
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -94,7 +94,7 @@ DEFAULT_SUBSET = [
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    return Runner(CONFIG, tmp_path_factory.mktemp("matrix"), epochs=3, variants=VARIANTS)
+    return fit_runner(CONFIG, tmp_path_factory.mktemp("matrix"), epochs=3, variants=VARIANTS)
 
 
 def check(runner: Runner, case: Case) -> Outcome:
@@ -163,7 +163,7 @@ def test_the_whole_pairwise_matrix_is_exact_and_written_to_the_docs(runner: Runn
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", list(MOMENTS.keys() - {"micro-batch"}))
 def test_every_stop_moment_on_the_default_config(tmp_path: Path, moment: str) -> None:
-    runner = Runner(["--config", "configs/digits.yaml"], tmp_path, epochs=3)
+    runner = fit_runner(["--config", "configs/digits.yaml"], tmp_path, epochs=3)
     check(runner, Case("kill-rank1", moment, epoch=0 if moment in ("last-batch", "validation") else 1))
 
 
@@ -198,7 +198,7 @@ def data_runners(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Runner]:
     )
     data_dirs = {"imagefolder": images, "streaming": shards}
     return {
-        name: Runner(
+        name: fit_runner(
             ["--config", config, f"--data.init_args.data_dir={data_dirs[name]}", "--tracking.wandb.project=matrix"],
             tmp_path_factory.mktemp(name),
             epochs=3,
@@ -244,7 +244,7 @@ FSDP_VARIANTS = {"fsdp": []}
 @pytest.fixture(scope="module")
 def fsdp_runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
     """configs/gpt_fsdp.yaml on 2 ranks, 3 epochs of 16 steps; checkpoints sharded by every rank."""
-    return Runner(FSDP_CONFIG, tmp_path_factory.mktemp("fsdp"), epochs=3, variants=FSDP_VARIANTS)
+    return fit_runner(FSDP_CONFIG, tmp_path_factory.mktemp("fsdp"), epochs=3, variants=FSDP_VARIANTS)
 
 
 def test_fsdp_resume_after_a_kill_mid_epoch_is_exact(fsdp_runner: Runner) -> None:

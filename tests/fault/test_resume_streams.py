@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_wor
 from app.cli.resume_check import Case, Runner
 from app.data.positioned_streams import WorkerPositionedStream
 from app.errors import ResumeError
-from tests.helpers.run import ddp_app
+from tests.helpers.run import ddp_app, fit_runner
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -54,7 +54,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    return Runner(CONFIG, tmp_path_factory.mktemp("streams"), epochs=3, variants=VARIANTS)
+    return fit_runner(CONFIG, tmp_path_factory.mktemp("streams"), epochs=3, variants=VARIANTS)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -219,7 +219,7 @@ def test_a_stateful_stream_in_uneven_loader_workers_resumes_with_the_same_batche
 
 @pytest.fixture(scope="module")
 def worker_stream_runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    return Runner(WORKER_STREAM, tmp_path_factory.mktemp("worker-streams"), epochs=2)
+    return fit_runner(WORKER_STREAM, tmp_path_factory.mktemp("worker-streams"), epochs=2)
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.cluster.launch import env_without_launcher
+from tests.helpers.zygote import ForkedCommand, Zygote
 
 if TYPE_CHECKING:
     from app.cli.resume_check import Runner
@@ -36,16 +38,59 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen[str]:
-    """Start a command in the background in its own session (its output piped); stop it with `kill_job`."""
+_zygote: Zygote | None = None
+EXEC_ONLY = os.environ.get("DDP_APP_TESTS_EXEC") == "1"
+
+
+def zygote() -> Zygote | None:
+    """This test process's zygote (tests/helpers/zygote.py), started on first use; None when
+    DDP_APP_TESTS_EXEC=1 asks for a new interpreter per command."""
+    global _zygote
+    if EXEC_ONLY:
+        return None
+    if _zygote is None:
+        env = clean_env()
+        del env[JOB_TAG]
+        _zygote = Zygote(env, Path(tempfile.mkdtemp(prefix="ddp-app-zygote-")))
+    return _zygote
+
+
+def stop_zygote() -> None:
+    """Called at the end of the session (tests/conftest.py)."""
+    if _zygote is not None:
+        _zygote.stop()
+        shutil.rmtree(Path(_zygote.socket_path).parent, ignore_errors=True)
+
+
+def start(
+    args: list[str],
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
+) -> subprocess.Popen[str]:
+    """Start a command in the background in its own session (its output piped, as text, unless
+    `stdout`/`stderr` say otherwise, as Popen's do); stop it with `kill_job`. A `ddp-app` command is
+    forked from the zygote where it can be (tests/helpers/zygote.py says why)."""
+    env = env or clean_env()
+    forker = zygote()
+    if forker is not None and forker.serves(args, env):
+        command = ForkedCommand(args, forker, env, cwd or REPO, stdout, stderr)
+        _job_tags[command.pid] = (f"{JOB_TAG}={env[JOB_TAG]}".encode() if JOB_TAG in env else None, command.marker)
+        return command  # type: ignore[return-value]  # Popen's interface, as far as the tests use it
+    return start_interpreter(args, env, cwd, stdout, stderr)
+
+
+def start_interpreter(
+    args: list[str],
+    env: dict[str, str],
+    cwd: Path | None = None,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
+) -> subprocess.Popen[str]:
+    """`start` as a new process that runs `args`, never forked from the zygote."""
     return subprocess.Popen(
-        args,
-        cwd=cwd or REPO,
-        env=env or clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        args, cwd=cwd or REPO, env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True
     )
 
 
@@ -102,7 +147,20 @@ def _environ(pid: int) -> list[bytes]:
         return []
 
 
-_job_tags: dict[int, bytes] = {}
+# {job's first pid: (its JOB_TAG entry, the /proc fd link of its zygote marker)}
+_job_tags: dict[int, tuple[bytes | None, str | None]] = {}
+
+
+def _holds(pid: int, marker: str) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == marker:
+                return True
+    return False
 
 
 def live_job_processes(root: int) -> list[int]:
@@ -110,20 +168,24 @@ def live_job_processes(root: int) -> list[int]:
 
     A job's processes are found by the JOB_TAG variable they all inherit from `clean_env()`: the
     ddp-app launcher starts each rank in a session of its own, and a rank whose launcher was killed
-    is no longer its child, but it must be counted until it is gone.
+    is no longer its child, but it must be counted until it is gone. A command forked from the test
+    zygote has the zygote's /proc environ: its processes are found by the marker pipe they hold.
     """
     if root not in _job_tags:
         tags = [entry for entry in _environ(root) if entry.startswith(JOB_TAG.encode() + b"=")]
         if not tags:
             return [root] if (_stat(root) or ["Z"])[0] != "Z" else []
-        _job_tags[root] = tags[0]
-    tag = _job_tags[root]
+        _job_tags[root] = (tags[0], None)
+    tag, marker = _job_tags[root]
     members = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and tag in _environ(int(entry.name)):
-            fields = _stat(int(entry.name))
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        if (tag is not None and tag in _environ(pid)) or (marker is not None and _holds(pid, marker)):
+            fields = _stat(pid)
             if fields is not None and fields[0] != "Z":
-                members.append(int(entry.name))
+                members.append(pid)
     return members
 
 
@@ -193,11 +255,29 @@ def resume_on_3_ranks(runner: Runner, root: Path, stop: str) -> int:
     return actual["global_step"]
 
 
+def run_logged(args: list[str], log: Path, timeout: float) -> int:
+    """`ddp-app ARGS`, its output appended to `log`, started by `start`; its exit code. The `run_command`
+    of the resume harness's fits in the tests (`fit_runner`)."""
+    with log.open("a") as out:
+        process = start([str(BIN / "ddp-app"), *args], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        return process.wait(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            kill_job(process.pid)
+            process.wait()
+
+
+def fit_runner(*args: Any, **kwargs: Any) -> Runner:
+    """`app.cli.resume_check.Runner` whose fits are forked from the zygote where they can be."""
+    from app.cli.resume_check import Runner
+
+    return Runner(*args, run_command=run_logged, **kwargs)
+
+
 def float64_runner(config: str, data_dir: Path, root: Path, epochs: int) -> Runner:
     """A resume `Runner` of `config` on `data_dir`, without dropout and in float64, so that a resume on
     3 ranks (another summation order, `resume_on_3_ranks`) stays at rounding level
     (tests/fault/test_elastic_resume.py says why); the exact resume depends on neither."""
-    from app.cli.resume_check import Runner
-
     overrides = ["--model.init_args.dropout=false", "--trainer.precision=64-true"]
-    return Runner(["--config", config, f"--data.init_args.data_dir={data_dir}", *overrides], root, epochs=epochs)
+    return fit_runner(["--config", config, f"--data.init_args.data_dir={data_dir}", *overrides], root, epochs=epochs)

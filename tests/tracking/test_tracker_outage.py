@@ -19,7 +19,7 @@ from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from app.cluster.launch import STOP_GRACE_S, free_port
 from app.tracking.run import CLOSE_WAIT_S, MLFLOW_OPEN_DEADLINE_S
-from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job
+from tests.helpers.run import BIN, ddp_app, kill_job, start
 from tests.tracking.mlflow_helpers import csv_values, histories, only_run, start_mlflow_server, stop_mlflow_server
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -38,8 +38,7 @@ def test_an_unreachable_mlflow_uri_ends_the_run_in_one_line_before_any_rank_star
     command = [str(BIN / "ddp-app"), "fit", *FIT, "--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path}",
                f"--tracking.mlflow.tracking_uri={uri}"]  # fmt: skip
     started = time.monotonic()
-    process = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)  # fmt: skip
+    process = start(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         assert process.stdout is not None
         lines = [(time.monotonic() - started, line.rstrip("\n")) for line in process.stdout]
@@ -103,8 +102,7 @@ def test_a_server_that_goes_away_costs_no_training_time_and_the_next_attempt_sen
     server = start_mlflow_server(store, port)
     try:
         with open(tmp_path / "first.log", "w") as log:
-            process = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)  # fmt: skip
+            process = start(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             alive = lambda: process.poll() is None  # noqa: E731
             wait_for_mlflow_step(uri, "val_acc", 2 * STEPS_PER_EPOCH - 1, alive)  # MLflow has epoch 1

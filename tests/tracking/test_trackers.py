@@ -20,7 +20,7 @@ from app.bench.recovery import clock_arguments, kill_rank
 from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.cluster.launch import free_port
 from app.tracking.layout import MEASURED_METRICS
-from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job
+from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, start
 from tests.helpers.wandb_files import wandb_history
 from tests.tracking.mlflow_helpers import csv_values, histories, only_run, start_mlflow_server, stop_mlflow_server
 
@@ -81,8 +81,7 @@ def test_a_run_killed_and_restarted_is_one_mlflow_run_and_one_wandb_run_with_the
                f"--tracking.mlflow.tracking_uri={mlflow_server}", "--tracking.mlflow.experiment=killed",
                "--tracking.wandb.project=killed", *clock_arguments(clock)]  # fmt: skip
     with open(tmp_path / "run.log", "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # fmt: skip
+        process = start(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for_clock_step(clock, KILL_AT_STEP, lambda: process.poll() is None)
         kill_rank(clock, 1)
@@ -136,8 +135,7 @@ def test_a_preempted_run_continued_on_one_rank_is_one_run_in_the_default_sqlite_
     command = [str(BIN / "ddp-app"), "fit", *FIT, f"--trainer.default_root_dir={root}",
                "--tracking.mlflow.experiment=preempted", *clock_arguments(clock)]  # fmt: skip
     with open(tmp_path / "first.log", "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # fmt: skip
+        process = start(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for_clock_step(clock, 25, lambda: process.poll() is None)
         os.killpg(process.pid, signal.SIGTERM)
