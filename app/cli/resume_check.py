@@ -444,6 +444,14 @@ def format_table(outcomes: list[Outcome]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
 
 
+def check_runner(
+    config_args: list[str], workdir: Path, epochs: int = 2, limit_batches: int = 10, run_command: Any = run_ddp_app
+) -> Runner:
+    """The shortened run `ddp-app resume-check` stops and resumes at each of `CHECK_CASES`."""
+    base = [*config_args, f"--trainer.limit_train_batches={limit_batches}", "--trainer.limit_val_batches=4"]
+    return Runner(base, workdir, epochs=epochs, run_command=run_command)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ddp-app resume-check",
@@ -460,11 +468,10 @@ def main(argv: list[str]) -> int:
     known, config_args = parser.parse_known_args(argv)
     if "--config" not in " ".join(config_args):
         parser.error("give the run's --config (and any overrides), as for ddp-app fit")
-    base = [*config_args, f"--trainer.limit_train_batches={known.limit_batches}", "--trainer.limit_val_batches=4"]
     with tempfile.TemporaryDirectory(prefix="resume-check-") as temporary:
         workdir = known.workdir or Path(temporary)
         workdir.mkdir(parents=True, exist_ok=True)
-        runner = Runner(base, workdir, epochs=known.epochs)
+        runner = check_runner(config_args, workdir, known.epochs, known.limit_batches)
         outcomes = []
         for case in CHECK_CASES:
             print(f"ddp-app resume-check: {case.describe()} ...", flush=True)

@@ -3,12 +3,12 @@ imports, instead of a new interpreter that imports it again.
 
 Why: every `ddp-app` command spends about 10 s of CPU importing torch, torchvision, Lightning and
 torchmetrics before it reads its config, more than a short 2-rank fit spends training; the default
-run starts a few hundred commands on 2 cores (docs/testing.md has the measurement). `ddp-app` itself
+run starts a few hundred commands on 2 cores (README, Tests, has the measurement). `ddp-app` itself
 already works this way: its launcher forks the ranks after the imports (app/cluster/launch.py).
 
-How: one zygote per test process (`python tests/helpers/zygote.py SOCKET`) imports `app.__main__`
-and `app.cli.entry` and waits. Each command is one connection: the test sends argv, cwd, environment
-and its stdin/stdout/stderr file descriptors (SCM_RIGHTS); the zygote forks a child that takes them,
+How: one zygote per test process (`python tests/helpers/zygote.py SOCKET`) imports `PRELOADED` and
+waits. Each command is one connection: the test sends argv, cwd, environment and its
+stdin/stdout/stderr file descriptors (SCM_RIGHTS); the zygote forks a child that takes them,
 starts a session of its own (as `start_new_session=True`), runs `app.__main__.main()` as the
 console script would, and ends the way the interpreter ends (non-daemon threads joined, atexit
 handlers run, exit status from SystemExit, traceback and status 1 for an uncaught exception, death
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -48,6 +49,9 @@ STARTUP_VARIABLES = ("PYTHON", "TORCH", "PL_", "LIGHTNING", "DDP_APP_VERBOSE", "
                      "WORLD_SIZE", "GROUP_RANK", "JSM_", "PMI", "OMPI_", "OMP_", "MKL_", "KMP_", "LD_", "CUDA",
                      "NCCL", "MALLOC", "HOME", "TMPDIR")  # fmt: skip
 FDS = 4  # stdin, stdout, stderr, the job marker
+# What `ddp-app` imports first, and TensorBoard's writer, which most commands import later once per rank
+# (not sklearn's datasets: importing them starts jemalloc's background thread, see `serve`).
+PRELOADED = ("app.__main__", "app.cli.entry", "torch.utils.tensorboard")
 
 
 def startup_environment(env: Mapping[str, str]) -> dict[str, str]:
@@ -106,6 +110,10 @@ def _child(request: dict, fds: list[int], bin_dir: str) -> None:
 
 
 def serve(socket_path: str) -> None:
+    threads = os.listdir("/proc/self/task")
+    if len(threads) != 1:  # a fork copies only the calling thread: a library's own thread would be missing
+        names = [Path(f"/proc/self/task/{thread}/comm").read_text().strip() for thread in threads]
+        raise SystemExit(f"the test zygote must fork from one thread; the imports started {names}")
     bin_dir = str(Path(sys.executable).parent)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
@@ -289,7 +297,6 @@ class ForkedCommand:
 
 if __name__ == "__main__":
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # what app.__main__ sets before torch loads
-    import app.__main__  # noqa: F401
-    import app.cli.entry  # noqa: F401
-
+    for name in PRELOADED:
+        importlib.import_module(name)
     serve(sys.argv[1])
