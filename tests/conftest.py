@@ -22,10 +22,28 @@ from tests.helpers.run import REPO
 NOT_QUICK = ("distributed", "slurm", "parity", "slow", "gpu", "more_cases")
 
 
+# The default run's longest modules (each runs on one worker, `--dist loadgroup`), longest first: started
+# first, so that the two workers finish together instead of one waiting for the other's last long module.
+LONGEST_FIRST = (
+    "tests/fault/test_resume_matrix.py",
+    "tests/test_readme_tour.py",
+    "tests/fault/test_hangs.py",
+    "tests/reference/test_reference.py",
+    "tests/fault/test_resume_check.py",
+    "tests/test_bench.py",
+    "tests/fault/test_resume.py",
+    "tests/tracking/test_trackers.py",
+    "tests/fault/test_restart.py",
+    "tests/fault/test_elastic_resume.py",
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own hook of the same name)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`quick`: every in-process test, plus the few marked `quick` by hand (one real 2-rank fit,
     one Lightning-vs-reference check): the tier to run before every commit (README, Tests)."""
+    rank = {module: index for index, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest in order
     for item in items:
         if not any(item.get_closest_marker(name) for name in NOT_QUICK):
             item.add_marker(pytest.mark.quick)
