@@ -32,8 +32,9 @@ case "${1:-}" in
         shift
         setup
         # Two workers (pytest-xdist), a module per worker at a time (tests/conftest.py): most tests wait
-        # on processes they started. `-n 0` runs in this one process.
-        exec "$VENV/bin/python" -m pytest -n 2 --dist loadgroup "$@"
+        # on processes they started. `-n 0` runs in this one process. --no-loadscope-reorder: modules
+        # in the order tests/conftest.py gives them (the longest first), not by their number of tests.
+        exec "$VENV/bin/python" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder "$@"
         ;;
     setup)
         setup
