@@ -36,6 +36,7 @@ def both_ways(args: list[str], env: dict[str, str], cwd: Path) -> tuple[tuple, t
     return outcomes[0], outcomes[1]
 
 
+@pytest.mark.more_cases  # two new interpreters (about 20 s): the default run's, not the quick tier's
 @pytest.mark.skipif(EXEC_ONLY, reason="DDP_APP_TESTS_EXEC=1: every command is a new interpreter")
 def test_a_forked_command_reads_its_own_environment_and_directory_and_exits_as_the_interpreter_would(
     tmp_path: Path,
