@@ -445,7 +445,11 @@ def format_table(outcomes: list[Outcome]) -> str:
 
 
 def check_runner(
-    config_args: list[str], workdir: Path, epochs: int = 2, limit_batches: int = 10, run_command: Any = run_ddp_app
+    config_args: list[str],
+    workdir: Path,
+    epochs: int = 2,
+    limit_batches: int = 10,
+    run_command: Callable[[list[str], Path, float], int] = run_ddp_app,
 ) -> Runner:
     """The shortened run `ddp-app resume-check` stops and resumes at each of `CHECK_CASES`."""
     base = [*config_args, f"--trainer.limit_train_batches={limit_batches}", "--trainer.limit_val_batches=4"]
