@@ -108,12 +108,17 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
         self._failure: BaseException | None = None
         self._next_notice = 0.0
         self.in_background = False
+        # Saves handed to this CheckpointIO, and those of them on disk: writes complete in order and a
+        # failed one stops the rest, so the first `saves_written` saves are on disk (`save_ticket`).
+        self.saves_started = 0
+        self.saves_written = 0
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         started = time.monotonic()
+        self.saves_started += 1
         self.wait()
         if not self.in_background:
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+            self._write(checkpoint, path, storage_options)
             return
         waited = time.monotonic() - started
         if waited >= self.SLOW_WAIT_S and started >= self._next_notice:
@@ -124,7 +129,11 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
                 "ModelCheckpoint's every_n_*).",
                 flush=True,
             )
-        self._submit(self.checkpoint_io.save_checkpoint, snapshot(checkpoint), path, storage_options)
+        self._submit(self._write, snapshot(checkpoint), path, storage_options)
+
+    def _write(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None) -> None:
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+        self.saves_written += 1
 
     def remove_checkpoint(self, path: Any) -> None:
         # Queued behind the write before it: a ModelCheckpoint removes its previous best once the new one is on disk.
@@ -187,6 +196,23 @@ def start_background_writes(trainer: L.Trainer) -> None:
     checkpoint_io = trainer.strategy.checkpoint_io
     if isinstance(checkpoint_io, BackgroundCheckpointIO):
         checkpoint_io.in_background = True
+
+
+def save_ticket(trainer: L.Trainer) -> int | None:
+    """A number for the save being made now, to ask `is_on_disk` later; call it from a callback's
+    `on_save_checkpoint`, which Lightning calls just before it hands that checkpoint to the
+    CheckpointIO (`Trainer.save_checkpoint`). None where the CheckpointIO writes synchronously: the
+    file is on disk once the save returns, before the next hook.
+
+    What a save holds is final only once it is on disk: app/tracking/run.py settles the values logged
+    up to last.ckpt then, not at the next hook, while a background write may still be in flight."""
+    checkpoint_io = trainer.strategy.checkpoint_io
+    return checkpoint_io.saves_started + 1 if isinstance(checkpoint_io, BackgroundCheckpointIO) else None
+
+
+def is_on_disk(trainer: L.Trainer, ticket: int | None) -> bool:
+    """Whether the save `save_ticket` numbered is on disk (for None: it was written when it returned)."""
+    return ticket is None or trainer.strategy.checkpoint_io.saves_written >= ticket
 
 
 def finish_writes(trainer: L.Trainer) -> None:

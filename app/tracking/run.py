@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.last import LastCheckpoint
+from app.checkpoints.plugin import is_on_disk, save_ticket
 from app.cluster.preemption import Stopped
 from app.errors import UserFacingError
 from app.tracking.attempt import (
@@ -307,7 +308,8 @@ class Tracking(L.Callback):
         self.tensorboard = tensorboard
         self.run: TrackedRun | None = None
         self._viewing: list[str] = []
-        self._save_in_flight: tuple[int, int] | None = None
+        # (seq, step, save_ticket) of each last.ckpt save not yet known to be on disk, oldest first.
+        self._saves_unsettled: list[tuple[int, int, int | None]] = []
         self._status = "failed"
         # samples/s per epoch, on every rank of a fit that logs: this attempt's share of the epoch
         # (app/tracking/throughput.py defines it), plus what earlier attempts measured of it (kept in
@@ -379,14 +381,14 @@ class Tracking(L.Callback):
         state: dict[str, Any] = {"epoch_throughput": {"epoch": self._epoch, "samples": samples, "seconds": seconds}}
         run = self.run
         if run is not None:
-            self._settle_save(trainer)  # two saves in one step (last.ckpt, then another file): the first is on disk
+            self._settle_save(trainer)  # two saves in one step (last.ckpt, then another file)
             state["run"] = record = run.checkpoint_record()
             # Only last.ckpt settles values: `--ckpt_path last` resumes from it, and a user's
             # ModelCheckpoint (every_n_train_steps, best-k) can hold a later step than last.ckpt does. A
             # save of that file settled the values logged up to it, which a resume from the older
             # last.ckpt then logged a second time.
             if is_last_checkpoint_save(trainer):
-                self._save_in_flight = (record["seq"], record["step"])
+                self._saves_unsettled.append((record["seq"], record["step"], save_ticket(trainer)))
         checkpoint_state.put(checkpoint, "tracking", state)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -398,17 +400,20 @@ class Tracking(L.Callback):
             self._clock.reset(float(throughput["samples"]), float(throughput["seconds"]))
 
     def _settle_save(self, trainer: L.Trainer) -> None:
-        """The hook after a save: the file is on disk, what it holds is final."""
-        if self._save_in_flight is None or self.run is None:
-            return
-        seq, step = self._save_in_flight
-        self._save_in_flight = None
-        self.run.saved(seq, step, checkpoint_tags(trainer))
+        """At a hook after a save of last.ckpt: once the file is on disk, what it holds is final.
+
+        A background write (app/checkpoints/plugin.py) may still be in flight at the next hook, or
+        several after: journaling `saved` before the file is on disk would settle values that a kill
+        now makes a resume from the previous last.ckpt log a second time. Until then the save stays
+        unsettled and the next hook asks again (writes complete in order: the oldest first)."""
+        while self._saves_unsettled and self.run is not None and is_on_disk(trainer, self._saves_unsettled[0][2]):
+            seq, step, _ = self._saves_unsettled.pop(0)
+            self.run.saved(seq, step, checkpoint_tags(trainer))
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._save_in_flight is not None:
+        if self._saves_unsettled:
             self._settle_save(trainer)
         self._clock.batch_start()
 

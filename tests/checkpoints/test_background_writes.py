@@ -93,3 +93,21 @@ def test_teardown_raises_a_failed_last_write(tmp_path: Path) -> None:
     io.save_checkpoint({"step": 1}, tmp_path / "file" / "last.ckpt")
     with pytest.raises(CheckpointWriteError, match="could not write the checkpoint"):
         io.teardown()
+
+
+def test_a_save_counts_as_written_only_once_on_disk_and_a_failed_one_never(tmp_path: Path) -> None:
+    """`saves_written` is what app/tracking/run.py waits for before it calls a save's values final."""
+    io = in_training(GatedIO())
+    io.save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+    assert io.checkpoint_io.started.wait(10)
+    assert (io.saves_started, io.saves_written) == (1, 0)  # in flight: a kill now keeps no file
+    io.checkpoint_io.gate.set()
+    io.wait()
+    assert (io.saves_started, io.saves_written) == (1, 1) and (tmp_path / "last.ckpt").exists()
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the checkpoint directory should be")
+    io.save_checkpoint({"step": 2}, blocked / "last.ckpt")
+    with pytest.raises(CheckpointWriteError):
+        io.wait()
+    assert (io.saves_started, io.saves_written) == (2, 1)
+    io.teardown()

@@ -5,6 +5,7 @@ stops its rank when the next write's temporary file is in the checkpoint directo
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from app.checkpoints.io import safe_load
+from app.cli.resume_check import repeated_values
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
+from app.tracking.layout import JOURNAL_FILE
 from tests.fault.test_resume import fit, resume_and_compare, start_fit
 from tests.helpers.run import kill_job
 
@@ -26,7 +29,7 @@ OVERLAY = """
 trainer:
   max_epochs: {epochs}
   enable_progress_bar: false
-  logger: false
+  logger: {logger}
   callbacks:
     - class_path: tests.helpers.slow_writes.ReplayBuffer
       init_args: {{megabytes: 100, act: {act}, rank: {rank}}}
@@ -35,9 +38,9 @@ last_checkpoint:
 """
 
 
-def overlay(directory: Path, act: str = "none", rank: int = 0, epochs: int = EPOCHS) -> Path:
+def overlay(directory: Path, act: str = "none", rank: int = 0, epochs: int = EPOCHS, logger: bool = False) -> Path:
     path = directory / f"overlay-{act}-{rank}.yaml"
-    path.write_text(OVERLAY.format(epochs=epochs, act=act, rank=rank))
+    path.write_text(OVERLAY.format(epochs=epochs, act=act, rank=rank, logger=str(logger).lower()))
     return path
 
 
@@ -60,16 +63,22 @@ def acted_at(root: Path) -> int:
 def test_kill_9_of_the_writer_mid_write_keeps_the_previous_last_ckpt_and_resumes_bit_exact(
     uninterrupted, tmp_path: Path
 ) -> None:
+    """With the run tracked: the journal never calls a write in flight saved (it would settle the
+    values logged up to it, which the resume from the previous last.ckpt then logs a second time)."""
     plain, expected = uninterrupted
     run = tmp_path / "run"
-    result = fit(CONFIG, overlay(tmp_path, act="kill", rank=0), run)
+    result = fit(CONFIG, overlay(tmp_path, act="kill", rank=0, logger=True), run)
     assert result.returncode != 0
     last = run / "checkpoints" / "last.ckpt"
     killed_at, previous = acted_at(run), safe_load(last)["global_step"]  # loads: complete
     assert previous < killed_at and previous % 5 == 0, (previous, killed_at)
     assert list(last.parent.glob(".last.ckpt.*.tmp")), "no write was cut: the kill proved nothing"
+    (journal,) = run.rglob(JOURNAL_FILE)
+    saved = [event["step"] for event in map(json.loads, journal.read_text().splitlines()) if "saved" in event]
+    assert saved and max(saved) <= previous, f"saved steps {saved}, last.ckpt on disk holds step {previous}"
     resume_and_compare(CONFIG, plain, run, expected)
     assert not list(last.parent.glob("*.tmp")), "the resumed run's first save removes the cut write"
+    assert repeated_values(run) == ""
 
 
 # About 130 s on the loaded 2-core VM (a stopped run and its resume); the writer's kill above is the harder case.
