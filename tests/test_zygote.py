@@ -5,6 +5,7 @@ of its job found and stopped by `kill_job`."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -76,3 +77,21 @@ def test_kill_job_finds_and_stops_every_rank_of_a_forked_command(tmp_path: Path)
     while live_job_processes(job.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert live_job_processes(job.pid) == []
+
+
+@pytest.mark.more_cases  # two new interpreters (about 20 s): the default run's, not the quick tier's
+@pytest.mark.skipif(EXEC_ONLY, reason="DDP_APP_TESTS_EXEC=1: every command is a new interpreter")
+def test_a_forked_python_m_command_runs_its_module_as_main_as_the_interpreter_would(tmp_path: Path) -> None:
+    """`python -m app ...` runs app/__main__.py as __main__, though the zygote imported it already; a
+    module of the tests sees the working directory first on sys.path and its own file as argv[0]."""
+    env = clean_env()
+    args = [sys.executable, "-m", "app", "fit", "--config", str(REPO / "configs" / "digits.yaml"), "--print_config"]
+    forked, executed = both_ways(args, env, tmp_path)
+    assert forked == executed and forked[0] == 0 and "max_epochs:" in forked[1], forked
+    script = tmp_path / "tests" / "where.py"
+    script.parent.mkdir()
+    (script.parent / "__init__.py").write_text("")
+    script.write_text("import os, sys\nprint(__name__, sys.argv, sys.path[0] == os.getcwd())\nsys.exit(3)\n")
+    forked, executed = both_ways([sys.executable, "-m", "tests.where", "a b"], env, tmp_path)
+    assert forked == executed, (forked, executed)
+    assert forked[0] == 3 and forked[1] == f"__main__ [{str(script)!r}, 'a b'] True\n", forked

@@ -279,6 +279,9 @@ class Runner:
     timeout: float = 300.0
     variants: dict[str, list[str]] = field(default_factory=lambda: {"default": []})
     progress_bar: bool = False  # the runs' progress display (a line per epoch in a log)
+    # Arguments of the stopped and resumed runs only, not of the uninterrupted one: what only they are
+    # checked for (the tests' matrix logs them to W&B, about 4.5 s a run, to compare it with metrics.csv).
+    case_args: list[str] = field(default_factory=list)
     # How each fit runs: `ddp-app ARGS >> log`, its exit code (the tests fork theirs from a warm process).
     run_command: Callable[[list[str], Path, float], int] = run_ddp_app
     _baselines: dict[str, Path] = field(default_factory=dict)
@@ -329,7 +332,7 @@ class Runner:
         total = steps * self.epochs
         root = self.workdir / case.name.replace("/", "_").replace("@", "_").replace("->", "_")
         log = self.workdir / f"{root.name}.log"
-        first = self._args(case.variant, root)
+        first = self._args(case.variant, root) + self.case_args
         stop_step = case.epoch * steps + max(1, steps // 2)
         budget_epochs = self.epochs - 1 if case.continues == "more-epochs" else self.epochs
         first.append(f"--trainer.max_epochs={budget_epochs}")
@@ -351,7 +354,12 @@ class Runner:
         if case.stop == "max_time":
             reached = load_whole(root / "checkpoints" / "last.ckpt")["global_step"]
             extra_steps = {reached - 1, reached}
-        resumed = self._args(case.variant, root) + [f"--trainer.max_epochs={self.epochs}", "--ckpt_path=last"]
+        resumed = [
+            *self._args(case.variant, root),
+            *self.case_args,
+            f"--trainer.max_epochs={self.epochs}",
+            "--ckpt_path=last",
+        ]
         if case.stops == 2:
             self.run_command(resumed + self._stop_at(case, case.epoch + 1, steps, batches), log, self.timeout)
             reached = load_whole(root / "checkpoints" / "last.ckpt")["global_step"]

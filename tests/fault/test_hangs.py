@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from app.cluster.exit_codes import HANG_EXIT_CODE
-from tests.helpers.run import BIN, REPO, clean_env, kill_job, live_job_processes, rank_pids, start
+from tests.helpers.run import BIN, REPO, clean_env, kill_job, live_job_processes, rank_pids, run, start
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -334,12 +334,12 @@ def test_a_collective_only_rank_0_calls_ends_every_rank_well_before_the_collecti
 def test_a_rank_that_is_only_slow_is_waited_for(tmp_path: Path) -> None:
     """Rank 0 busy for 12 s at an epoch's end (two looks of the deadlock check) while rank 1 waits in the
     next collective: no deadlock is declared, the run completes."""
-    result = subprocess.run(
+    result = run(
         [
             str(BIN / "ddp-app"), *FIT[:-2], "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false",
             f"--trainer.default_root_dir={tmp_path}", "--trainer.callbacks+=tests.helpers.user_callbacks.SlowRankZero",
         ],
-        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=180,
+        timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hang" not in result.stderr, result.stderr[-3000:]

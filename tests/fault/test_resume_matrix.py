@@ -30,9 +30,11 @@ from tests.helpers.wandb_files import wandb_history
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
-# W&B (offline) in every run: the one tracker that cannot take a step's values out of order, so
-# each case also checks that it shows exactly what metrics.csv shows.
-CONFIG = ["--config", "tests/helpers/augmenting.yaml", "--tracking.wandb.project=matrix"]
+# W&B (offline) in every stopped and resumed run (`Runner.case_args`; the uninterrupted runs are compared
+# on metrics.csv only): the one tracker that cannot take a step's values out of order, so each case also
+# checks that it shows exactly what metrics.csv shows.
+CONFIG = ["--config", "tests/helpers/augmenting.yaml"]
+WANDB = ["--tracking.wandb.project=matrix"]
 USER_CKPT = {
     "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
     "init_args": {"every_n_train_steps": 7, "save_top_k": -1, "filename": "step-{step}"},
@@ -94,7 +96,7 @@ DEFAULT_SUBSET = [
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    return fit_runner(CONFIG, tmp_path_factory.mktemp("matrix"), epochs=3, variants=VARIANTS)
+    return fit_runner(CONFIG, tmp_path_factory.mktemp("matrix"), epochs=3, variants=VARIANTS, case_args=WANDB)
 
 
 def check(runner: Runner, case: Case) -> Outcome:
@@ -199,10 +201,11 @@ def data_runners(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Runner]:
     data_dirs = {"imagefolder": images, "streaming": shards}
     return {
         name: fit_runner(
-            ["--config", config, f"--data.init_args.data_dir={data_dirs[name]}", "--tracking.wandb.project=matrix"],
+            ["--config", config, f"--data.init_args.data_dir={data_dirs[name]}"],
             tmp_path_factory.mktemp(name),
             epochs=3,
             variants=DATA_VARIANTS,
+            case_args=WANDB,
         )
         for name, config in DATA_CONFIGS.items()
     }
@@ -237,14 +240,14 @@ def test_every_stop_and_moment_on_real_data(data_runners: dict[str, Runner], dat
     assert not different, "\n".join(f"{o.case.name}: {o.detail}" for o in different)
 
 
-FSDP_CONFIG = ["--config", "configs/gpt_fsdp.yaml", "--tracking.wandb.project=matrix"]
+FSDP_CONFIG = ["--config", "configs/gpt_fsdp.yaml"]
 FSDP_VARIANTS = {"fsdp": []}
 
 
 @pytest.fixture(scope="module")
 def fsdp_runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
     """configs/gpt_fsdp.yaml on 2 ranks, 3 epochs of 16 steps; checkpoints sharded by every rank."""
-    return fit_runner(FSDP_CONFIG, tmp_path_factory.mktemp("fsdp"), epochs=3, variants=FSDP_VARIANTS)
+    return fit_runner(FSDP_CONFIG, tmp_path_factory.mktemp("fsdp"), epochs=3, variants=FSDP_VARIANTS, case_args=WANDB)
 
 
 def test_fsdp_resume_after_a_kill_mid_epoch_is_exact(fsdp_runner: Runner) -> None:

@@ -17,13 +17,14 @@ by SIGINT for an uncaught KeyboardInterrupt). The zygote sends the child's pid, 
 What differs from a new interpreter, and how the tests stay honest about it:
 - What the interpreter, torch or Lightning read from the environment while importing cannot change
   per command: a command whose environment differs from the zygote's in such a variable
-  (`STARTUP_VARIABLES`) is started as a new interpreter instead. So is everything that is not
-  `ddp-app` (torchrun, srun, `python -m ...`), and every command when DDP_APP_TESTS_EXEC=1.
+  (`STARTUP_VARIABLES`) is started as a new interpreter instead. So is everything that is neither
+  `ddp-app` nor `python -m` of the project's own packages (`FORKED_MODULES`): torchrun, srun,
+  `python -c`, `python -I ...`; and every command when DDP_APP_TESTS_EXEC=1.
 - /proc/PID/environ shows the zygote's environment, not the command's: the job's processes are
   found by a pipe every one of them holds (`marker`), see tests/helpers/run.py `live_job_processes`.
 - The README's commands, the Slurm tier and torchrun still start real interpreters
-  (tests/test_readme_tour.py, tests/slurm/), as do `ddp-app resume-check`, sweeps and benches for
-  the fits they start themselves.
+  (tests/test_readme_tour.py, tests/slurm/), as do the product's own launches: the reference's
+  `mp.spawn` ranks, and the fits `ddp-app resume-check`, sweeps and benches start themselves.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import contextlib
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -54,8 +56,20 @@ FDS = 4  # stdin, stdout, stderr, the job marker
 PRELOADED = ("app.__main__", "app.cli.entry", "torch.utils.tensorboard")
 
 
+# `python -m MODULE` for these packages is forked too: the project's own tools (app.reference, app.bench,
+# app.sweep, app.plot, ...) and the tests' helper programs, which import what `ddp-app` imports.
+FORKED_MODULES = ("app", "tests")
+
+
 def startup_environment(env: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, value in env.items() if key.startswith(STARTUP_VARIABLES)}
+
+
+def python_module(argv: list[str]) -> str | None:
+    """MODULE of `PYTHON -m MODULE ...` (exactly that: no other interpreter option), else None."""
+    if len(argv) >= 3 and argv[1] == "-m" and argv[2].split(".")[0] in FORKED_MODULES:
+        return argv[2]
+    return None
 
 
 # ---- the zygote (this file run as a script) ----
@@ -102,11 +116,21 @@ def _child(request: dict, fds: list[int], bin_dir: str) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = request["argv"]
-    sys.path[0] = bin_dir  # a console script's first sys.path entry is its own directory
-    from app.__main__ import main
+    module = python_module(request["argv"])
+    if module is None:  # the console script
+        sys.argv = request["argv"]
+        sys.path[0] = bin_dir  # a console script's first sys.path entry is its own directory
+        from app.__main__ import main
 
-    _exit_like_the_interpreter(main)
+        _exit_like_the_interpreter(main)
+    else:
+        # `python -m MODULE ARGS` as the interpreter runs it: the working directory first on sys.path,
+        # the module executed as __main__ (not the copy `PRELOADED` imported), sys.argv[0] its file.
+        sys.argv = [module, *request["argv"][3:]]
+        sys.path[0] = os.getcwd()
+        for name in (module, f"{module}.__main__"):
+            sys.modules.pop(name, None)
+        _exit_like_the_interpreter(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
 
 
 def serve(socket_path: str) -> None:
@@ -178,9 +202,13 @@ class Zygote:
             raise RuntimeError(f"the test zygote did not start: {self.log.read_text()[-2000:]}")
 
     def serves(self, args: list[str], env: Mapping[str, str]) -> bool:
+        command = Path(args[0]) if args else None
         return (
             self.process.poll() is None
-            and Path(args[0]) == Path(sys.executable).parent / "ddp-app"
+            and (
+                command == Path(sys.executable).parent / "ddp-app"
+                or (command == Path(sys.executable) and python_module(args) is not None)
+            )
             and startup_environment(env) == startup_environment(self.env)
         )
 

@@ -21,15 +21,14 @@ import pytest
 from app.checkpoints.io import safe_load
 from app.sweep.__main__ import default_directory, main, parse
 from app.sweep.spec import SweepError, build_spec
-from tests.helpers.run import REPO, clean_env, ddp_app, kill_job
+from tests.helpers.run import REPO, clean_env, ddp_app, kill_job, run
 
 CONFIG = str(REPO / "configs" / "digits.yaml")
 ONE_RANK = ["--trainer.devices=1", "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false"]
 
 
 def sweep(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "app.sweep", *args], cwd=REPO, env=clean_env(), capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return run([sys.executable, "-m", "app.sweep", *args], timeout=timeout)
 
 
 def results(directory: Path) -> list[dict[str, str]]:

@@ -21,6 +21,7 @@ from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.cluster.launch import free_port
 from app.tracking.layout import MEASURED_METRICS
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, start
+from tests.helpers.run import run as run_command
 from tests.helpers.wandb_files import wandb_history
 from tests.tracking.mlflow_helpers import csv_values, histories, only_run, start_mlflow_server, stop_mlflow_server
 
@@ -159,8 +160,7 @@ def test_a_preempted_run_continued_on_one_rank_is_one_run_in_the_default_sqlite_
     assert [step for step, _ in history["val_acc"]] == [19, 39, 59]
     world_sizes = [json.loads(run.data.tags[f"attempt.{number}"])["world_size"] for number in (1, 2)]
     assert world_sizes == [2, 1]
-    plotted = subprocess.run([sys.executable, "-m", "app.plot", str(root), "--source", "mlflow"], cwd=REPO,
-                             env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    plotted = run_command([sys.executable, "-m", "app.plot", str(root), "--source", "mlflow"], timeout=120)
     assert plotted.returncode == 0 and "from version_0 (mlflow)" in plotted.stdout, plotted.stderr[-2000:]
     assert (root / "curves.png").stat().st_size > 20_000
 
