@@ -144,3 +144,24 @@ def test_save_bench_times_sync_and_background_saves_side_by_side(tmp_path: Path)
     assert figures["blocked_ms_per_save"]["sync"] > 0 and figures["blocked_ms_per_save"]["async"] > 0
     assert figures["step_ms"]["no_write"] > 0 and figures["checkpoint_mb"] > 1
     assert not [path for path in tmp_path.iterdir() if path.is_dir()], "the bench leaves its checkpoints behind"
+
+
+@pytest.mark.slow  # about 60 s: four tiny 2-rank fits; the figures in docs/performance.md come from its full size
+@pytest.mark.distributed
+def test_save_fits_bench_times_both_strategies_sync_and_background(tmp_path: Path) -> None:
+    out, plot_path = tmp_path / "save_fits.json", tmp_path / "save_fits.png"
+    result = run(
+        [sys.executable, "-m", "app.bench.save_fits", "--d-model", "64", "--layers", "2", "--saves", "2",
+         "--every", "2", "--out", str(tmp_path), "--json", str(out), "--plot", str(plot_path)],
+        timeout=480,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for strategy in ("ddp", "fsdp"):
+        figures = report["by_strategy"][strategy]
+        for mode in ("sync", "async"):
+            run_figures = figures["runs"][mode]
+            assert run_figures["ranks"] == 2 and run_figures["saves"] >= 2, (strategy, mode, run_figures)
+            assert figures["blocked_ms_per_save"][mode] is not None and run_figures["step_ms_no_write"] > 0
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [path for path in tmp_path.iterdir() if path.is_dir()], "the bench leaves its runs behind"

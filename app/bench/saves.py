@@ -48,7 +48,7 @@ def measure(hidden: int, layers: int, saves: int, directory: Path) -> dict[str, 
         return {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}
 
     sync, background = SafeCheckpointIO(), BackgroundCheckpointIO()
-    background.in_background = True  # as during fit's training (`start_background_writes`)
+    background.writer.in_background = True  # as during fit's training (`start_background_writes`)
     blocked: dict[str, list[float]] = {"sync": [], "async": []}
     during_write: list[float] = []
     write_s: list[float] = []
@@ -59,7 +59,7 @@ def measure(hidden: int, layers: int, saves: int, directory: Path) -> dict[str, 
         started = time.perf_counter()
         background.save_checkpoint(checkpoint(), directory / "async.ckpt")
         blocked["async"].append(time.perf_counter() - started)
-        while background.writing():
+        while background.writer.writing():
             during_write.append(train_step(model, optimizer, batch))
         write_s.append(time.perf_counter() - started)
         quiet += [train_step(model, optimizer, batch) for _ in range(3)]

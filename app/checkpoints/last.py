@@ -86,10 +86,10 @@ class LastCheckpoint:
             save (0 turns the time interval off). A crash loses at most this much work.
         every_n_steps: also save every this many optimizer steps (None: no step interval).
         check_interval_s: how often the ranks compare stop signals and the time interval.
-        async_save: write every checkpoint the Trainer saves (last.ckpt and ModelCheckpoints' files) in
-            the background: a save blocks training only for a copy to host memory
-            (app/checkpoints/plugin.py `BackgroundCheckpointIO`). DDP and one process only; false: wait
-            for the disk at every save.
+        async_save: write every checkpoint the Trainer saves during training (last.ckpt and
+            ModelCheckpoints' files) in the background: a save blocks training only for a copy to host
+            memory (app/checkpoints/plugin.py `BackgroundWriter`; under fsdp every rank's shards,
+            `dcp.async_save`). False: wait for the disk at every save.
     """
 
     def __init__(

@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,17 @@ class CheckpointWriteError(UserFacingError):
     """A checkpoint that could not be written (disk full, read-only or missing directory)."""
 
 
+def write_failed(path: Any, error: OSError, part: str = "") -> CheckpointWriteError:
+    """The one line for a checkpoint the disk refused (full, read-only, missing directory); `part`
+    names what of it failed where several processes write one (`" (rank 1's shards)"`)."""
+    reason = error.strerror or str(error)
+    return CheckpointWriteError(
+        f"could not write the checkpoint {path}{part}: {reason[:1].lower()}{reason[1:]}; the previous checkpoint "
+        f"there, if any, is unchanged. Fix: free space on, or make writable, {Path(path).parent} (or set "
+        "trainer.default_root_dir elsewhere), then continue with --ckpt_path last."
+    )
+
+
 class SafeCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint I/O with atomic, fsynced saves and `weights_only=True` loads."""
 
@@ -48,12 +60,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
             remove_stale_temporaries(Path(path))
             atomic_torch_save(checkpoint, path)
         except OSError as error:
-            reason = error.strerror or str(error)
-            raise CheckpointWriteError(
-                f"could not write the checkpoint {path}: {reason[:1].lower()}{reason[1:]}; the previous checkpoint "
-                f"there, if any, is unchanged. Fix: free space on, or make writable, {Path(path).parent} (or set "
-                "trainer.default_root_dir elsewhere), then continue with --ckpt_path last."
-            ) from error
+            raise write_failed(path, error) from error
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = safe_load(path, map_location=map_location if map_location is not None else "cpu")
@@ -79,74 +86,80 @@ def snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(apply_to_collection(checkpoint, torch.Tensor, to_host), copies)
 
 
-class BackgroundCheckpointIO(AsyncCheckpointIO):
-    """`SafeCheckpointIO`'s atomic saves, written by a background thread: a save blocks training only
-    for `snapshot`, a copy to host memory (`last_checkpoint.async_save`, docs/resume.md).
-
-    Lightning's `AsyncCheckpointIO` is the base (its wrapping of a CheckpointIO, its loads), not its
-    saves: they queue any number of writes, clone tensors on their device, and raise a failed write's
-    error raw at a later save, after queueing that one. Here:
+class BackgroundWriter:
+    """Checkpoint writes on one background thread, for both save paths: `BackgroundCheckpointIO` (a file
+    from rank 0, DDP or one process) and strategy fsdp's sharded saves (app/parallel/fsdp.py, which
+    bypass the CheckpointIO). What is written is the caller's; how and when is this class's:
 
     - at most one write in flight: a save first waits for the previous one (and says so when that
       took long: saves come faster than the disk takes them), so host memory holds one copy at most;
+    - writes and removals run in the order they were asked for, on a thread at a lower priority;
     - a failed write stops every later write and removal (a ModelCheckpoint's previous best-k file
       stays), and its one line (`CheckpointWriteError`, naming the path) is raised by the next save,
       by `wait` or at teardown: the run never claims a checkpoint it does not have;
     - only training's saves are written in the background (`start_background_writes`, at fit's train
       start); a stop (preemption, Ctrl-C) and the end of training wait for them (`finish_writes`)
       before they name a checkpoint, and a save after that, or outside fit (a script's own
-      `trainer.save_checkpoint(path)` followed by a load), is on disk when the call returns.
+      `trainer.save_checkpoint(path)` followed by a load), is on disk when the call returns;
+    - `saves_started` and `saves_written` count the saves asked for and those on disk (in order, so
+      the first `saves_written` are): app/tracking/run.py calls a save's values final only then.
     """
 
     SLOW_WAIT_S = 1.0  # a wait for the previous write at least this long is said in the log...
     NOTICE_EVERY_S = 600.0  # ...at most this often
 
-    def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
-        super().__init__(checkpoint_io or SafeCheckpointIO())
-        self._writer: ThreadPoolExecutor | None = None
+    def __init__(self) -> None:
+        self._thread: ThreadPoolExecutor | None = None
         self._in_flight: Future | None = None
         self._failure: BaseException | None = None
         self._next_notice = 0.0
         self.in_background = False
-        # Saves handed to this CheckpointIO, and those of them on disk: writes complete in order and a
-        # failed one stops the rest, so the first `saves_written` saves are on disk (`save_ticket`).
         self.saves_started = 0
         self.saves_written = 0
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def begin_save(self, name: str) -> bool:
+        """Where every save starts: wait for the previous write. True: write this one with
+        `write_in_background`, from a copy the training steps cannot change; False: write it now,
+        then call `written`."""
         started = time.monotonic()
         self.saves_started += 1
         self.wait()
-        if not self.in_background:
-            self._write(checkpoint, path, storage_options)
-            return
         waited = time.monotonic() - started
-        if waited >= self.SLOW_WAIT_S and started >= self._next_notice:
+        if self.in_background and waited >= self.SLOW_WAIT_S and started >= self._next_notice:
             self._next_notice = started + self.NOTICE_EVERY_S
             print(
-                f"ddp-app: this save of {Path(path).name} waited {waited:.1f} s for the previous checkpoint write: "
-                "saves come faster than the disk writes them (last_checkpoint.every_n_seconds / every_n_steps, "
-                "ModelCheckpoint's every_n_*).",
+                f"ddp-app: this save of {name} waited {waited:.1f} s for the previous checkpoint write: saves come "
+                "faster than the disk writes them (last_checkpoint.every_n_seconds / every_n_steps, ModelCheckpoint's "
+                "every_n_*).",
                 flush=True,
             )
-        self._submit(self._write, snapshot(checkpoint), path, storage_options)
+        return self.in_background
 
-    def _write(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None) -> None:
-        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+    def written(self) -> None:
+        """A save `begin_save` said to write now is on disk."""
         self.saves_written += 1
 
-    def remove_checkpoint(self, path: Any) -> None:
-        # Queued behind the write before it: a ModelCheckpoint removes its previous best once the new one is on disk.
-        self._submit(self.checkpoint_io.remove_checkpoint, path)
+    def write_in_background(self, write: Callable[..., None], *args: Any) -> None:
+        """`write(*args)` on the writer thread; the save counts as written once it returns."""
+        self._submit(self._write, write, *args)
+
+    def _write(self, write: Callable[..., None], *args: Any) -> None:
+        write(*args)
+        self.saves_written += 1
+
+    def remove(self, remove: Callable[..., None], *args: Any) -> None:
+        """`remove(*args)` queued behind the write before it: a ModelCheckpoint removes its previous
+        best once the new one is on disk."""
+        self._submit(remove, *args)
         if not self.in_background:
             self.wait()
 
-    def _submit(self, task: Any, *args: Any) -> None:
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, "ddp-app-checkpoint-writer", initializer=_yield_to_training)
-        self._in_flight = self._writer.submit(self._run, task, *args)
+    def _submit(self, task: Callable[..., None], *args: Any) -> None:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, "ddp-app-checkpoint-writer", initializer=_yield_to_training)
+        self._in_flight = self._thread.submit(self._run, task, *args)
 
-    def _run(self, task: Any, *args: Any) -> None:
+    def _run(self, task: Callable[..., None], *args: Any) -> None:
         if self._failure is not None:  # after a failed write, nothing on disk changes until it is reported
             return
         try:
@@ -168,8 +181,8 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
             raise failure
 
     def teardown(self) -> None:
-        """Lightning's teardown, also after an exception: the writes finish; a failed one is raised, or
-        printed if the run already fails with another error (which keeps its own report)."""
+        """At the Trainer's teardown, also after an exception: the writes finish; a failed one is raised,
+        or printed if the run already fails with another error (which keeps its own report)."""
         handling = sys.exc_info()[1]
         try:
             self.wait()
@@ -178,9 +191,37 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
                 raise
             print(f"ddp-app: error: {failure}", file=sys.stderr, flush=True)
         finally:
-            if self._writer is not None:
-                self._writer.shutdown(wait=True)
-                self._writer = None
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+                self._thread = None
+
+
+class BackgroundCheckpointIO(AsyncCheckpointIO):
+    """`SafeCheckpointIO`'s atomic saves, written by a `BackgroundWriter`: a save blocks training only
+    for `snapshot`, a copy to host memory (`last_checkpoint.async_save`, docs/resume.md).
+
+    Lightning's `AsyncCheckpointIO` is the base (its wrapping of a CheckpointIO, its loads), not its
+    saves: they queue any number of writes, clone tensors on their device, and raise a failed write's
+    error raw at a later save, after queueing that one.
+    """
+
+    def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
+        super().__init__(checkpoint_io or SafeCheckpointIO())
+        self.writer = BackgroundWriter()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        write = self.checkpoint_io.save_checkpoint
+        if self.writer.begin_save(Path(path).name):
+            self.writer.write_in_background(write, snapshot(checkpoint), path, storage_options)
+        else:
+            write(checkpoint, path, storage_options)
+            self.writer.written()
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.writer.remove(self.checkpoint_io.remove_checkpoint, path)
+
+    def teardown(self) -> None:
+        self.writer.teardown()
 
 
 def _yield_to_training() -> None:
@@ -191,33 +232,45 @@ def _yield_to_training() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
 
 
+def background_writer(trainer: L.Trainer) -> BackgroundWriter | None:
+    """The writer of this Trainer's background saves, if it has one: strategy fsdp's own (its shards
+    bypass the CheckpointIO; app/parallel/fsdp.py), else a BackgroundCheckpointIO's."""
+    strategy = trainer.strategy
+    own = getattr(strategy, "background_writer", None)
+    if isinstance(own, BackgroundWriter):
+        return own
+    checkpoint_io = strategy.checkpoint_io
+    return checkpoint_io.writer if isinstance(checkpoint_io, BackgroundCheckpointIO) else None
+
+
 def start_background_writes(trainer: L.Trainer) -> None:
-    """From here on, this Trainer's saves are written in the background (if it has BackgroundCheckpointIO)."""
-    checkpoint_io = trainer.strategy.checkpoint_io
-    if isinstance(checkpoint_io, BackgroundCheckpointIO):
-        checkpoint_io.in_background = True
+    """From here on, this Trainer's saves are written in the background (if it has a writer for them)."""
+    writer = background_writer(trainer)
+    if writer is not None:
+        writer.in_background = True
 
 
 def save_ticket(trainer: L.Trainer) -> int | None:
     """A number for the save being made now, to ask `is_on_disk` later; call it from a callback's
-    `on_save_checkpoint`, which Lightning calls just before it hands that checkpoint to the
-    CheckpointIO (`Trainer.save_checkpoint`). None where the CheckpointIO writes synchronously: the
-    file is on disk once the save returns, before the next hook.
+    `on_save_checkpoint`, which Lightning calls just before it hands that checkpoint to the strategy
+    (`Trainer.save_checkpoint`). None where saves are written synchronously: the file is on disk once
+    the save returns, before the next hook.
 
     What a save holds is final only once it is on disk: app/tracking/run.py settles the values logged
     up to last.ckpt then, not at the next hook, while a background write may still be in flight."""
-    checkpoint_io = trainer.strategy.checkpoint_io
-    return checkpoint_io.saves_started + 1 if isinstance(checkpoint_io, BackgroundCheckpointIO) else None
+    writer = background_writer(trainer)
+    return writer.saves_started + 1 if writer is not None else None
 
 
 def is_on_disk(trainer: L.Trainer, ticket: int | None) -> bool:
     """Whether the save `save_ticket` numbered is on disk (for None: it was written when it returned)."""
-    return ticket is None or trainer.strategy.checkpoint_io.saves_written >= ticket
+    writer = background_writer(trainer)
+    return ticket is None or writer is None or writer.saves_written >= ticket
 
 
 def finish_writes(trainer: L.Trainer) -> None:
     """Block until every checkpoint this rank saved is on disk; later saves are written before they return."""
-    checkpoint_io = trainer.strategy.checkpoint_io
-    if isinstance(checkpoint_io, BackgroundCheckpointIO):
-        checkpoint_io.wait()
-        checkpoint_io.in_background = False
+    writer = background_writer(trainer)
+    if writer is not None:
+        writer.wait()
+        writer.in_background = False

@@ -28,6 +28,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ VARIANTS = {
 WARMUP_STEPS = 3
 # A part is the verdict when it is the largest of those past its threshold (a fraction of the step).
 DATA_BOUND = 0.2
+DATA_FIXED = 0.1  # a data share below this after the suggested num_workers: fixed (issue 43)
+WORKER_TRIES = 3  # the suggested num_workers, then (twice at most) the one the last measured run calls for
 COMMUNICATION_BOUND = 0.3
 WAITING_NOTED = 0.2
 STRAGGLER_SHARE = 0.1
@@ -116,6 +119,7 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "gradient_bytes_per_step": facts["gradient_bytes"],
         "num_workers": facts["num_workers"],
         "world_size": facts["world_size"],
+        "cpu_count": facts["cpu_count"],
     }
     percent = {name: f"{100 * share:.0f}%" for name, share in shares.items()}
     candidates = {}
@@ -135,16 +139,8 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             f"throttling, its data or a callback of its own); on a cluster exclude the node (sbatch --exclude={host})."
         )
     elif kind == "data-bound":
-        workers = int(facts["num_workers"] or 0)
-        report["suggested_num_workers"] = suggested_workers(workers, step, in_memory)
-        text = (
-            f"data-bound: {percent['data']} of each step waits for the next batch ({1000 * step:.1f} ms per step, "
-            f"{1000 * in_memory:.1f} ms with the batch already in memory). Fix: data.init_args.num_workers: "
-            f"{report['suggested_num_workers']} (now {workers}; this host has {facts['cpu_count']} cores for "
-            f"{facts['world_size']} ranks: beyond them, workers help only loading that waits on I/O), "
-            "persistent_workers: true, pin_memory: true on GPUs; data.init_args.on_device: true for data that fits "
-            "in memory; LitData shards for many small files (docs/performance.md)."
-        )
+        report["suggested_num_workers"] = suggested_workers(int(facts["num_workers"] or 0), step, in_memory)
+        text = data_bound_text(report)
     elif kind == "communication-bound":
         text = (
             f"communication-bound: the gradient all-reduce adds {percent['communication']} to each step "
@@ -168,6 +164,62 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     report["verdict"] = kind
     report["verdict_text"] = text
     return report
+
+
+def data_bound_text(report: dict[str, Any]) -> str:
+    """The data-bound verdict, with the suggested num_workers and what trying it measured (if tried)."""
+    workers = int(report["num_workers"] or 0)
+    text = (
+        f"data-bound: {report['shares']['data']:.0%} of each step waits for the next batch "
+        f"({report['step_ms']:.1f} ms per step, {report['batch_in_memory_step_ms']:.1f} ms with the batch already "
+        f"in memory). Fix: data.init_args.num_workers: {report['suggested_num_workers']} (now {workers}; this host "
+        f"has {report['cpu_count']} cores for {report['world_size']} ranks: beyond them, workers help only loading "
+        "that waits on I/O), persistent_workers: true, pin_memory: true on GPUs; data.init_args.on_device: true for "
+        "data that fits in memory; LitData shards for many small files (docs/performance.md)."
+    )
+    tried = report.get("tried_num_workers") or []
+    if tried and "failed" in tried[-1]:
+        return text + f" (The run with num_workers {tried[-1]['num_workers']} failed: {tried[-1]['failed']}.)"
+    if tried:
+        measured = ", ".join(f"{row['data_share']:.0%} with {row['num_workers']}" for row in tried)
+        if tried[-1]["data_share"] < DATA_FIXED:
+            return text + f" Checked: the data share is {measured} workers."
+        return text + (
+            f" Checked: the data share is still {measured} workers: past a few workers the cost is the CPU "
+            "(the workers' and this process's handling of each batch), not waiting for samples; fewer ranks or "
+            "threads per host, larger batches, or data.init_args.on_device: true for data that fits, help more."
+        )
+    return text
+
+
+def check_workers(
+    report: dict[str, Any],
+    records: dict[str, list[dict[str, Any]]],
+    run_variant: Callable[[str, list[str]], tuple[int, Path]],
+) -> None:
+    """Try the suggested `num_workers` before suggesting it: one more shortened fit with it, and, where
+    the data share is still `DATA_FIXED` or more (loader workers slow each other down where they share
+    the cores), more with the number the last measured one calls for (`WORKER_TRIES` in all). The
+    report names the number measured to fix it, or says that none did."""
+    in_memory = statistics.fmean(rank_times(record).step for record in records["batch_in_memory"])
+    workers, tried = report["suggested_num_workers"], []
+    for _ in range(WORKER_TRIES):
+        variant = f"num_workers_{workers}"
+        code, log = run_variant(variant, [f"--data.init_args.num_workers={workers}"])
+        if code != 0:  # a DataModule without num_workers, or one the workers break: said, not tried further
+            tried.append({"num_workers": workers, "failed": f"exit {code}, see {log}"})
+            break
+        step = statistics.fmean(rank_times(record).step for record in records[variant])
+        share = max(step - in_memory, 0.0) / step
+        tried.append({"num_workers": workers, "step_ms": 1000 * step, "data_share": share})
+        if share < DATA_FIXED:
+            break
+        workers = suggested_workers(workers, step, in_memory)
+    report["tried_num_workers"] = tried
+    measured = [row for row in tried if "failed" not in row]
+    if measured:  # the number that did best: more than any of them bought nothing where loading is CPU-bound
+        report["suggested_num_workers"] = min(measured, key=lambda row: row["data_share"])["num_workers"]
+    report["verdict_text"] = data_bound_text(report)
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -235,10 +287,9 @@ def main(argv: list[str]) -> int:
         parser.error(f"--steps must be more than {WARMUP_STEPS + 3}, got {known.steps}")
     out = known.out or report_directory(config_args)
     out.mkdir(parents=True, exist_ok=True)
-    records: dict[str, list[dict[str, Any]]] = {}
-    for variant, overrides in VARIANTS.items():
-        if variant == "no_communication" and records["as_configured"][0]["world_size"] == 1:
-            break  # one rank: nobody to communicate with
+
+    def run_variant(variant: str, overrides: list[str]) -> tuple[int, Path]:
+        """One shortened fit; (its exit code, its log)."""
         print(f"ddp-app diagnose: {variant.replace('_', ' ')} ...", flush=True)
         root, log = out / "runs" / variant, out / "runs" / f"{variant}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -256,12 +307,23 @@ def main(argv: list[str]) -> int:
             f"--step_timing.record_dir={root / 'step_times'}",
         ]
         code = run_ddp_app(args, log, known.timeout)
+        if code == 0:
+            written = sorted((root / "step_times").glob("rank*.json"))
+            records[variant] = [json.loads(path.read_text()) for path in written]
+        return code, log
+
+    records: dict[str, list[dict[str, Any]]] = {}
+    for variant, overrides in VARIANTS.items():
+        if variant == "no_communication" and records["as_configured"][0]["world_size"] == 1:
+            break  # one rank: nobody to communicate with
+        code, log = run_variant(variant, overrides)
         if code != 0:
             errors = [line for line in log.read_text().splitlines() if line.startswith("ddp-app: error:")]
             print(errors[-1] if errors else f"ddp-app diagnose: the {variant} run failed (exit {code}); see {log}")
             return code
-        records[variant] = [json.loads(path.read_text()) for path in sorted((root / "step_times").glob("rank*.json"))]
     report = verdict(records)
+    if report["verdict"] == "data-bound":
+        check_workers(report, records, run_variant)
     print(format_table(report))
     print(report["verdict_text"])
     (out / "report.json").write_text(json.dumps(report, indent=2))

@@ -35,6 +35,7 @@ import lightning as L
 import torch
 
 from app.checkpoints import state as checkpoint_state
+from app.checkpoints.plugin import background_writer
 from app.checkpoints.sharded import load_whole
 from app.plot import is_resumed, join_versions, metrics_files, read_metrics
 from app.tracking.layout import MEASURED_METRICS
@@ -55,6 +56,8 @@ MOMENTS = {
     "last-batch": "on an epoch's last batch",
     "validation": "during validation",
     "checkpoint-write": "while a checkpoint is written",
+    # The stopped rank must be one that writes: rank 0 under DDP (kill-rank0), any rank under fsdp.
+    "background-write": "while its background checkpoint write is in flight",
     "after-epoch-save": "right after the epoch-end save",
     "micro-batch": "between accumulated micro-batches",
 }
@@ -111,6 +114,14 @@ class StopAt(L.Callback):
             or (self.moment == "micro-batch" and not stepped and batch_idx >= self.batch)
         ):
             self._act(trainer)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        # From `epoch` on, the first batch that starts while this rank's background write is in flight
+        # (right after a save, as a rank's training goes on while its copy is written).
+        if self.moment == "background-write" and trainer.current_epoch >= self.epoch:
+            writer = background_writer(trainer)
+            if writer is not None and writer.writing():
+                self._act(trainer)
 
     def on_validation_batch_start(
         self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int, *_: Any
@@ -351,6 +362,9 @@ class Runner:
         code = self.run_command(first, log, self.timeout)
         if case.stop in ("max_steps", "max_time") and code != 0:
             return Outcome(case, -1, math.inf, math.inf, False, f"the stopped run failed with exit code {code}")
+        if case.stop not in ("max_steps", "max_time") and code == 0:  # a kill or a signal ends it non-zero
+            detail = f"the run ended without its stop ({case.describe()}); see {log}"
+            return Outcome(case, -1, math.inf, math.inf, False, detail)
         if case.stop == "max_time":
             reached = load_whole(root / "checkpoints" / "last.ckpt")["global_step"]
             extra_steps = {reached - 1, reached}

@@ -20,12 +20,14 @@ atomically (app/checkpoints/sharded.py); a resume on another number of ranks res
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.distributed._composable as composable
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -33,6 +35,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,6 +48,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from app.checkpoints.io import CheckpointError, atomic_torch_save, safe_load
+from app.checkpoints.plugin import BackgroundWriter, write_failed
 from app.checkpoints.sharded import (
     META_NAME,
     SafeFileSystemReader,
@@ -54,6 +58,7 @@ from app.checkpoints.sharded import (
     publish,
     remove_sharded,
     remove_unpublished,
+    sharded_write_error,
 )
 from app.errors import UserFacingError
 from app.private_apis import require
@@ -116,6 +121,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.reduce_dtype = reduce_dtype
         self.cpu_offload = cpu_offload
         self._data_parallel_mesh: DeviceMesh | None = None
+        # Set by app/run/build.py where saves are written in the background (`last_checkpoint.async_save`).
+        self.background_writer: BackgroundWriter | None = None
+        self._checkpoint_group: dist.ProcessGroup | None = None  # the background writes' own (gloo)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -195,29 +203,87 @@ class FSDP2Strategy(ModelParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         """Every rank writes its shards into a fresh directory; rank 0 writes meta.pt and, once every
-        rank has finished, publishes it under `filepath` atomically (app/checkpoints/sharded.py)."""
+        rank has finished, publishes it under `filepath` atomically (app/checkpoints/sharded.py).
+
+        With `background_writer` (`last_checkpoint.async_save`, during training) the save blocks only
+        while DCP copies this rank's shards to host memory (`dcp.async_save`'s staging): the writes,
+        DCP's index and the publishing of the link run on the writer's thread, whose collectives go
+        over a process group of their own (gloo: DCP's background collectives need a CPU group, and
+        must not interleave with training's on the default group). A kill before the link moves
+        leaves the previous checkpoint published; the next save removes the unpublished directory."""
         if storage_options is not None:
             raise TypeError("FSDP2Strategy.save_checkpoint takes no storage_options (checkpoints go to a path).")
+        writer = self.background_writer
+        in_background = writer.begin_save(Path(filepath).name) if writer is not None else False
         path = Path(self.broadcast(str(filepath)))
         shards = new_shards_directory(path) if self.is_global_zero else None
         shards = Path(self.broadcast(str(shards)))
         if self.is_global_zero:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            remove_unpublished(path)  # directories of saves a kill interrupted
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                remove_unpublished(path)  # directories of saves a kill interrupted
+                shards.mkdir()
+            except OSError as error:
+                raise write_failed(path, error) from error
         self.barrier()
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{index}"] = optimizer_state
-        dcp.save(tensors, checkpoint_id=shards)  # returns once DCP's index is written (rank 0, after all)
+        if in_background:
+            assert writer is not None
+            if self._checkpoint_group is None:  # every rank, at the same save: a collective call
+                self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            writing = dcp.async_save(tensors, checkpoint_id=shards, process_group=self._checkpoint_group)
+            if self.is_global_zero:
+                self._write_meta(checkpoint, shards, path)
+            writer.write_in_background(self._publish_when_written, writing, shards, path)
+            return
+        try:
+            dcp.save(tensors, checkpoint_id=shards)  # returns once DCP's index is written (rank 0, after all)
+        except CheckpointException as error:
+            _raise_write_error(path, error)
         if self.is_global_zero:
-            atomic_torch_save(checkpoint, shards / META_NAME)
+            self._write_meta(checkpoint, shards, path)
         self.barrier()
         if self.is_global_zero:
             publish(shards, path)
+        if writer is not None:
+            writer.written()
+
+    def _publish_when_written(self, writing: Future, shards: Path, path: Path) -> None:
+        """On the writer's thread: wait for this rank's `dcp.async_save`; rank 0's returns once every
+        rank's shards and DCP's index are on disk (DCP gathers every rank's result before it writes the
+        index), and rank 0 then moves the link."""
+        try:
+            writing.result()
+        except CheckpointException as error:
+            _raise_write_error(path, error)
+        if self.is_global_zero:
+            try:
+                publish(shards, path)
+            except OSError as error:
+                raise write_failed(path, error) from error
+
+    @staticmethod
+    def _write_meta(checkpoint: dict[str, Any], shards: Path, path: Path) -> None:
+        try:
+            atomic_torch_save(checkpoint, shards / META_NAME)
+        except OSError as error:
+            raise write_failed(path, error) from error
 
     def remove_checkpoint(self, filepath: str | Path) -> None:
-        if self.is_global_zero:
+        if not self.is_global_zero:
+            return
+        if self.background_writer is not None:
+            self.background_writer.remove(remove_sharded, Path(filepath))  # after the save before it is published
+        else:
             remove_sharded(Path(filepath))
+
+    def teardown(self) -> None:
+        """The background writes finish (a failed one is said) while the process groups still exist."""
+        if self.background_writer is not None:
+            self.background_writer.teardown()
+        super().teardown()
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load this rank's part of the weights and optimizer state (DCP reshards them when the world
@@ -251,6 +317,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         return get_optimizer_state_dict(self.model, optimizer)
+
+
+def _raise_write_error(path: Path, error: CheckpointException) -> None:
+    """Raise the one line of a sharded save the disk refused, else DCP's own error (a bug's tracebacks)."""
+    one_line = sharded_write_error(path, error)
+    if one_line is None:
+        raise error
+    raise one_line from error
 
 
 def _has_parameters(module: nn.Module) -> bool:

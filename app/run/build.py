@@ -44,7 +44,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 
 from app.checkpoints.io import CheckpointSummary, check_model_class, check_state_fits
 from app.checkpoints.last import agreed_last_checkpoint
-from app.checkpoints.plugin import BackgroundCheckpointIO, SafeCheckpointIO
+from app.checkpoints.plugin import BackgroundCheckpointIO, BackgroundWriter, SafeCheckpointIO
 from app.checkpoints.sharded import is_checkpoint, summarize_any
 from app.cluster.ddp_stream import build_ddp_on_the_current_stream
 from app.cluster.hangs import HangReport
@@ -144,6 +144,11 @@ def checkpoint_save_mode(config: Any) -> str:
     own = [type(p).__name__ for p in plugins if isinstance(p, CheckpointIO) and type(p) is not SafeCheckpointIO]
     if not config["last_checkpoint"].async_save:
         return "written before training goes on (last_checkpoint.async_save: false)"
+    if strategy.kind == StrategyKind.FSDP:  # its shards bypass the CheckpointIO: a config's own plugin changes nothing
+        return (
+            f"{IN_THE_BACKGROUND} by every rank (a save pauses training for a copy of this rank's shards to host "
+            "memory; last_checkpoint.async_save)"
+        )
     if strategy.kind not in (StrategyKind.DDP, StrategyKind.SINGLE):
         return f"written before training goes on (strategy {strategy.written} writes its own checkpoints)"
     if own:
@@ -161,10 +166,12 @@ def build_trainer(
     plugins = list(plugins) if isinstance(plugins, list) else [plugins]
     if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
         plugins.append(SafeCheckpointIO())
-    # Saves in the background where the Trainer writes one file from rank 0 through this plugin (not
-    # under fsdp, whose strategy writes its shards itself), unless the config brings its own plugin.
+    # Saves in the background where the Trainer writes one file from rank 0 through this plugin, unless
+    # the config brings its own plugin; under fsdp the strategy writes its shards itself (below).
     save_mode = checkpoint_save_mode(config)
-    if save_mode.startswith(IN_THE_BACKGROUND):
+    in_background = save_mode.startswith(IN_THE_BACKGROUND)
+    sharded = resolve_strategy(config["trainer"].get("strategy")).kind == StrategyKind.FSDP
+    if in_background and not sharded:
         plugins = [BackgroundCheckpointIO(p) if type(p) is SafeCheckpointIO else p for p in plugins]
     # Not SLURMEnvironment.detect(): that is also true under torchrun inside a Slurm job. Preemption is
     # handled by ddp-app at a step boundary, not by Lightning's SIGUSR1 handler, which saves inside the
@@ -211,6 +218,9 @@ def build_trainer(
         trainer.callbacks.append(coordinator)
     if trainer.world_size == 1:  # no peer to hang on or to ask
         trainer.callbacks = [callback for callback in trainer.callbacks if not isinstance(callback, HangReport)]
+    if in_background and sharded:
+        # Strategy fsdp writes its shards itself (DCP), past the CheckpointIO: it gets the writer directly.
+        trainer.strategy.background_writer = BackgroundWriter()
     keep_lightning_off_stop_signals(trainer)  # private: Lightning's SIGTERM handler broadcasts inside it
     build_ddp_on_the_current_stream(trainer.strategy)  # private: Lightning wraps DDP on a side stream
     if subcommand not in (None, "fit") or not saves_last:

@@ -30,14 +30,14 @@ class GatedIO(SafeCheckpointIO):
 def in_training(checkpoint_io: SafeCheckpointIO | None = None) -> BackgroundCheckpointIO:
     """The plugin as fit's training has it (`start_background_writes`)."""
     io = BackgroundCheckpointIO(checkpoint_io)
-    io.in_background = True
+    io.writer.in_background = True
     return io
 
 
 def test_a_save_outside_training_is_on_disk_when_it_returns(tmp_path: Path) -> None:
     io = BackgroundCheckpointIO()  # a script's own trainer.save_checkpoint(path), then a load
     io.save_checkpoint({"step": 1}, tmp_path / "saved.ckpt")
-    assert safe_load(tmp_path / "saved.ckpt")["step"] == 1 and not io.writing()
+    assert safe_load(tmp_path / "saved.ckpt")["step"] == 1 and not io.writer.writing()
 
 
 def test_a_save_holds_the_state_of_its_moment_not_of_the_steps_after(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_a_save_holds_the_state_of_its_moment_not_of_the_steps_after(tmp_path: P
     weights.add_(1.0)  # the next optimizer step, in place, while the write waits
     state["loops"]["step"].append(2)
     io.checkpoint_io.gate.set()
-    io.wait()
+    io.writer.wait()
     saved = safe_load(tmp_path / "last.ckpt")
     assert torch.equal(saved["state_dict"]["w"], torch.zeros(1000)) and saved["loops"]["step"] == [1]
     io.teardown()
@@ -100,14 +100,14 @@ def test_a_save_counts_as_written_only_once_on_disk_and_a_failed_one_never(tmp_p
     io = in_training(GatedIO())
     io.save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
     assert io.checkpoint_io.started.wait(10)
-    assert (io.saves_started, io.saves_written) == (1, 0)  # in flight: a kill now keeps no file
+    assert (io.writer.saves_started, io.writer.saves_written) == (1, 0)  # in flight: a kill now keeps no file
     io.checkpoint_io.gate.set()
-    io.wait()
-    assert (io.saves_started, io.saves_written) == (1, 1) and (tmp_path / "last.ckpt").exists()
+    io.writer.wait()
+    assert (io.writer.saves_started, io.writer.saves_written) == (1, 1) and (tmp_path / "last.ckpt").exists()
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the checkpoint directory should be")
     io.save_checkpoint({"step": 2}, blocked / "last.ckpt")
     with pytest.raises(CheckpointWriteError):
-        io.wait()
-    assert (io.saves_started, io.saves_written) == (2, 1)
+        io.writer.wait()
+    assert (io.writer.saves_started, io.writer.saves_written) == (2, 1)
     io.teardown()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from app.checkpoints.io import safe_load
+from app.checkpoints.sharded import load_whole
 from app.cli.resume_check import repeated_values
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from app.tracking.layout import JOURNAL_FILE
@@ -111,10 +112,12 @@ def test_preemption_mid_write_waits_for_it_saves_the_final_state_and_resumes_bit
     resume_and_compare(CONFIG, plain, run, expected)
 
 
-# About 65 s on the loaded 2-core VM; the same one line on real files: tests/checkpoints/test_background_writes.py.
+# About 65 s each on the loaded 2-core VM; the same one line on real files: tests/checkpoints/test_background_writes.py.
 @pytest.mark.slow
-def test_a_save_directory_made_read_only_mid_run_is_one_line_naming_it(tmp_path: Path) -> None:
-    """The checkpoint directory is a tmpfs, remounted read-only once last.ckpt is on it."""
+@pytest.mark.parametrize("config", [CONFIG, "configs/gpt_fsdp.yaml"], ids=["ddp", "fsdp"])
+def test_a_save_directory_made_read_only_mid_run_is_one_line_naming_it(tmp_path: Path, config: str) -> None:
+    """The checkpoint directory is a tmpfs, remounted read-only once last.ckpt is on it (under fsdp a
+    link to the directory of shards every rank wrote in the background)."""
     if shutil.which("mount") is None or subprocess.run(["mount", "--version"], capture_output=True).returncode:
         pytest.skip("needs mount")
     run = tmp_path / "run"
@@ -122,7 +125,7 @@ def test_a_save_directory_made_read_only_mid_run_is_one_line_naming_it(tmp_path:
     checkpoints.mkdir(parents=True)
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(checkpoints)]).returncode:
         pytest.skip("mounting a tmpfs needs root")
-    process = start_fit(CONFIG, overlay(tmp_path, epochs=30), run)
+    process = start_fit(config, overlay(tmp_path, epochs=30), run)
     try:
         deadline = time.monotonic() + 180
         while not (checkpoints / "last.ckpt").exists():
@@ -132,14 +135,14 @@ def test_a_save_directory_made_read_only_mid_run_is_one_line_naming_it(tmp_path:
         while subprocess.run(["mount", "-o", "remount,ro", str(checkpoints)], capture_output=True).returncode:
             assert process.poll() is None, "training ended before the directory became read-only"
             time.sleep(0.05)
-        previous = safe_load(checkpoints / "last.ckpt")["global_step"]
+        previous = load_whole(checkpoints / "last.ckpt")["global_step"]
         process.wait(timeout=180)
         log = (tmp_path / "run.log").read_text()
         errors = sorted({line for line in log.splitlines() if "error:" in line})
         assert process.returncode != 0 and len(errors) == 1, log[-3000:]
         assert f"could not write the checkpoint {checkpoints}/" in errors[0] and "read-only" in errors[0], errors
         assert "Traceback" not in log and "last checkpoint:" not in log, log[-3000:]
-        assert safe_load(checkpoints / "last.ckpt")["global_step"] == previous  # still loads, unchanged
+        assert load_whole(checkpoints / "last.ckpt")["global_step"] == previous  # still loads, unchanged
     finally:
         kill_job(process.pid)
         process.wait()

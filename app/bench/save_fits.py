@@ -1,0 +1,225 @@
+"""`python -m app.bench.save_fits [--strategies ddp,fsdp] [--d-model 1024] [--layers 7] [--saves 3]
+[--every 3] [--out D] [--json F] [--plot F]`: what a checkpoint save costs a real 2-rank `ddp-app fit`,
+synchronous against background, under DDP and under FSDP2 (issue 44), side by side in one run.
+
+Each (strategy, mode) is one `ddp-app fit` of configs/gpt_fsdp.yaml scaled up by the overrides
+(`--d-model 1024 --layers 7`: 88 M parameters, a 1 GB training state with AdamW's two moments), on 2
+CPU ranks, saving last.ckpt every `--every` steps with `last_checkpoint.async_save` false
+("sync") or true ("async"). `SaveTimer`, a callback in the fit, measures on every rank:
+
+- each step's time, from its batch start to its batch end: a save step holds the save (the
+  coordinator saves at a batch's start, after every other callback's hook). Blocked time per save is
+  the median save step less the median quiet step, the largest over the ranks (a save is a
+  collective: every rank waits for the slowest);
+- the steps that start while a background write is in flight, against the quiet ones.
+
+Under DDP rank 0 writes the whole checkpoint while the others wait at the save's barrier; under
+FSDP2 every rank writes its shards (DCP). Progress: one line per fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from app.checkpoints.plugin import background_writer
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "gpt_fsdp.yaml")
+TIMES_FILE = "save-times-rank{rank}.json"
+MODES = {"sync": "false", "async": "true"}
+STRATEGIES = {"ddp": ["--trainer.strategy=ddp"], "fsdp": []}  # the config's own: FSDP2Strategy
+
+
+class SaveTimer(L.Callback):
+    """Per rank, during training: each step's time from its batch start to its batch end, as a save
+    step (the coordinator saves last.ckpt at a batch's start, after every other callback's hook: the
+    save is inside the step), a step while a background write was in flight, or a quiet step; written
+    to `<default_root_dir>/save-times-rank<r>.json` at the end of training."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, list[float]] = {"save": [], "writing": [], "quiet": []}
+        self._started = 0.0
+        self._saved_before = -1
+        self._writing = False
+        self._first = True
+
+    @staticmethod
+    def _saved_step(trainer: L.Trainer) -> int:
+        from app.run.coordinator import RunCoordinator
+
+        (coordinator,) = [callback for callback in trainer.callbacks if isinstance(callback, RunCoordinator)]
+        return coordinator.last_checkpoint.saved_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
+        writer = background_writer(trainer)
+        self._writing = writer is not None and writer.writing()  # a previous save's write, before this one's
+        self._saved_before = self._saved_step(trainer)
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, index: int
+    ) -> None:
+        elapsed = time.perf_counter() - self._started
+        if self._first:  # the first step warms up
+            self._first = False
+            return
+        kind = "save" if self._saved_step(trainer) != self._saved_before else "writing" if self._writing else "quiet"
+        self.steps[kind].append(elapsed)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        path = Path(trainer.default_root_dir) / TIMES_FILE.format(rank=trainer.global_rank)
+        path.write_text(json.dumps(self.steps))
+
+
+def _median_ms(values: list[float]) -> float | None:
+    return 1000 * statistics.median(values) if values else None
+
+
+def _size_mb(path: Path) -> float:
+    """A checkpoint's size: a file's, or every file of the directory a sharded checkpoint links to."""
+    target = path.resolve()
+    files = [target] if target.is_file() else [item for item in target.rglob("*") if item.is_file()]
+    return sum(item.stat().st_size for item in files) / 2**20
+
+
+def fit(strategy: str, mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """One fit; its figures, from every rank's SaveTimer."""
+    steps = args.every * (args.saves + 1) + 1
+    command = [
+        sys.executable, "-m", "app", "fit", "--config", CONFIG, *STRATEGIES[strategy],
+        f"--model.init_args.d_model={args.d_model}", f"--model.init_args.n_layers={args.layers}",
+        f"--data.init_args.num_sequences={64 * steps}",  # one epoch: no validation or epoch end among the saves
+        f"--trainer.max_steps={steps}", "--trainer.max_epochs=1", "--trainer.limit_val_batches=0",
+        "--trainer.logger=false", "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={root}",
+        "--trainer.callbacks+=app.bench.save_fits.SaveTimer", f"--last_checkpoint.every_n_steps={args.every}",
+        "--last_checkpoint.every_n_seconds=0", f"--last_checkpoint.async_save={MODES[mode]}",
+    ]  # fmt: skip
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{strategy} {mode}: ddp-app fit failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    ranks = [json.loads(path.read_text()) for path in sorted(root.glob(TIMES_FILE.format(rank="*")))]
+    blocked = []
+    for steps in ranks:  # a save is a collective: every rank waits for the slowest
+        save, quiet = _median_ms(steps["save"]), _median_ms(steps["quiet"])
+        if save is not None and quiet is not None:
+            blocked.append(save - quiet)
+    quiet = [step for steps in ranks for step in steps["quiet"]]
+    writing = [step for steps in ranks for step in steps["writing"]]
+    figures = {
+        "ranks": len(ranks),
+        "saves": min(len(steps["save"]) for steps in ranks),
+        "blocked_ms_per_save": max(blocked) if blocked else None,
+        "step_ms_no_write": _median_ms(quiet),
+        "step_ms_during_write": _median_ms(writing),
+        "steps_during_writes": len(writing),
+        "checkpoint_mb": _size_mb(root / "checkpoints" / "last.ckpt"),
+        "wall_s": time.monotonic() - started,
+    }
+    print(
+        f"  {strategy:<5} {mode:<6} blocked {figures['blocked_ms_per_save'] or 0:8.0f} ms per save, step "
+        f"{figures['step_ms_no_write'] or 0:6.0f} ms ({figures['wall_s']:.0f} s)",
+        flush=True,
+    )
+    return figures
+
+
+def compare(strategy: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    sync, background = runs["sync"], runs["async"]
+    blocked_sync, blocked_async = sync["blocked_ms_per_save"], background["blocked_ms_per_save"]
+    during = background["step_ms_during_write"]
+    return {
+        "checkpoint_mb": sync["checkpoint_mb"],
+        "blocked_ms_per_save": {
+            "sync": blocked_sync,
+            "async": blocked_async,
+            "async_over_sync": blocked_async / blocked_sync if blocked_sync and blocked_async is not None else None,
+        },
+        "step_ms": {
+            "no_write": sync["step_ms_no_write"],
+            "during_background_write": during,
+            "steps_during_writes": background["steps_during_writes"],
+            "during_over_no_write": during / sync["step_ms_no_write"] if during and sync["step_ms_no_write"] else None,
+        },
+        "runs": runs,
+    }
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from app.figures import save
+
+    strategies = list(report["by_strategy"])
+    figure, axis = plt.subplots(figsize=(6, 4))
+    width = 0.38
+    for offset, mode in ((-width / 2, "sync"), (width / 2, "async")):
+        values = [report["by_strategy"][name]["blocked_ms_per_save"][mode] or 0 for name in strategies]
+        axis.bar([index + offset for index in range(len(strategies))], values, width, label=mode)
+    axis.set_xticks(range(len(strategies)), [f"{name} ({report['by_strategy'][name]['checkpoint_mb']:.0f} MB)"
+                                             for name in strategies])  # fmt: skip
+    axis.set_ylabel("training blocked per save (ms)")
+    axis.set_title("Checkpoint saves on 2 ranks: synchronous against background")
+    axis.legend()
+    save(figure, path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.bench.save_fits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--strategies", default="ddp,fsdp", help="comma-separated: ddp, fsdp")
+    parser.add_argument("--d-model", type=int, default=1024, help="the GPT's width")
+    parser.add_argument("--layers", type=int, default=7, help="the GPT's blocks")
+    parser.add_argument("--saves", type=int, default=3, help="saves per fit (the medians are over these)")
+    parser.add_argument("--every", type=int, default=3, help="steps between saves")
+    parser.add_argument("--out", type=Path, default=None, help="where the fits write (default: a temporary directory)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw the blocked times here (PNG)")
+    args = parser.parse_args(argv)
+    strategies = [name for name in args.strategies.split(",") if name]
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        parser.error(f"--strategies: {', '.join(unknown)} unknown; choose from {', '.join(STRATEGIES)}")
+    with tempfile.TemporaryDirectory(dir=args.out) as directory:
+        fits = len(strategies) * len(MODES)
+        print(f"save bench: {fits} fits of 2 ranks (configs/gpt_fsdp.yaml, d_model {args.d_model}, {args.layers} "
+              f"blocks), a save every {args.every} steps", flush=True)  # fmt: skip
+        by_strategy = {
+            name: compare(name, {mode: fit(name, mode, args, Path(directory) / f"{name}-{mode}") for mode in MODES})
+            for name in strategies
+        }
+    report = {"command": " ".join(["python -m app.bench.save_fits", *(argv if argv is not None else sys.argv[1:])]),
+              "cpu_count": os.cpu_count(), "by_strategy": by_strategy}  # fmt: skip
+    print(f"{'':<14}{'state MB':>10}{'sync ms':>10}{'async ms':>10}{'async/sync':>12}{'step ms':>10}{'writing':>10}")
+    for name, figures in by_strategy.items():
+        blocked, steps = figures["blocked_ms_per_save"], figures["step_ms"]
+        ratio = blocked["async_over_sync"]
+        during = steps["during_over_no_write"]
+        print(
+            f"{name:<14}{figures['checkpoint_mb']:>10.0f}{blocked['sync'] or 0:>10.0f}{blocked['async'] or 0:>10.0f}"
+            f"{(f'{ratio:.1%}' if ratio is not None else '-'):>12}{steps['no_write'] or 0:>10.0f}"
+            f"{(f'{during:.2f}x' if during is not None else '-'):>10}"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot is not None:
+        plot(report, args.plot)
+
+
+if __name__ == "__main__":
+    main()
