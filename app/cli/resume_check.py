@@ -105,6 +105,7 @@ class StopAt(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.current_epoch != self.epoch:
             return
+        # An unsized stream's last batch is known only when it ends: `on_train_epoch_end` acts for it.
         last = batch_idx + 1 == trainer.num_training_batches
         stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or last
         if (
@@ -127,6 +128,13 @@ class StopAt(L.Callback):
         self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int, *_: Any
     ) -> None:
         if self.moment == "validation" and not trainer.sanity_checking and trainer.current_epoch == self.epoch:
+            self._act(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        # `last-batch` of a stream without a length: the first hook that knows the batches are over
+        # (after validation, before the coordinator's epoch-end save, which runs after every callback).
+        unsized = trainer.num_training_batches == float("inf")
+        if self.moment == "last-batch" and unsized and trainer.current_epoch == self.epoch:
             self._act(trainer)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict) -> None:

@@ -239,6 +239,7 @@ def _rank_main(run_rank: Callable[[], int], rank_env: dict[str, str], parent: in
     code = 1
     try:
         os.setsid()
+        recreate_thread_pools()
         _become_rank_process(parent, int(rank_env["LOCAL_RANK"]))
         os.dup2(stderr_fd, 2)
         os.close(stderr_fd)
@@ -255,6 +256,22 @@ def _rank_main(run_rank: Callable[[], int], rank_env: dict[str, str], parent: in
         traceback.print_exc()
     finally:
         end_rank(code)  # never return: that would run the parent's code (its callers, a test runner)
+
+
+def recreate_thread_pools() -> None:
+    """Re-create torch's intra-op thread pools in a forked child, on its one thread, first thing.
+
+    A fork marks the pools the parent used as lost (torch's pthread_atfork handler) and the first use
+    in the child builds them anew. Two threads making that first use at once race: the autograd
+    engine's worker thread starting at the first backward while the main thread runs an op, and the
+    loser sees no pool (`pool INTERNAL ASSERT FAILED ... ParallelOpenMP.cpp ... Invalid thread pool!`,
+    then SIGABRT). Seen in 1 of 3 one-step fits of a rank forked twice (the tests' zygote, then this
+    launcher; tests/parallel/test_strategy.py); `torch.set_num_threads` builds them here, before any
+    other thread exists.
+    """
+    import torch
+
+    torch.set_num_threads(torch.get_num_threads())
 
 
 def _forward_stderr(fd: int, held: list[bytes]) -> None:

@@ -107,6 +107,9 @@ def _exit_like_the_interpreter(run: Callable[[], object]) -> None:
 
 def _child(request: dict, fds: list[int], bin_dir: str) -> None:
     os.setsid()
+    from app.cluster.launch import recreate_thread_pools
+
+    recreate_thread_pools()  # as a forked rank does, before any thread: the first use after a fork races
     for number, fd in enumerate(fds[:3]):
         os.dup2(fd, number)
     for fd in fds[:3]:
