@@ -521,3 +521,16 @@ def test_performance_doc_quotes_the_diagnose_report_and_the_step_timing_cost() -
     overhead = cost["overhead_pct"]
     assert f"{cost['off_step_ms_median']:.3f} ms off and {cost['on_step_ms_median']:.3f} ms on" in prose
     assert f"{overhead['median']:+.2f}% [{overhead['min']:+.2f}, {overhead['max']:+.2f}]" in prose
+
+
+def test_performance_doc_quotes_the_two_rank_save_bench() -> None:
+    """docs/performance.md's table of background saves on 2 ranks is docs/bench_save_fits.json."""
+    text = (REPO / "docs" / "performance.md").read_text()
+    report = json.loads((REPO / "docs" / "bench_save_fits.json").read_text())
+    for name, label in (("ddp", "DDP (rank 0 writes"), ("fsdp", "FSDP2 (each rank")):
+        figures = report["by_strategy"][name]
+        blocked = figures["blocked_ms_per_save"]
+        row = next(line for line in text.splitlines() if line.strip().startswith(f"| {label}"))
+        expected = f"| {blocked['sync']:.0f} ms | {blocked['async']:.0f} ms | {blocked['async_over_sync']:.0%} |"
+        assert expected in row, (row, expected)
+        assert f"{figures['step_ms']['no_write']:.0f}" in row, row
