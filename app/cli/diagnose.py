@@ -201,7 +201,7 @@ def check_workers(
     the data share is still `DATA_FIXED` or more (loader workers slow each other down where they share
     the cores), more with the number the last measured one calls for (`WORKER_TRIES` in all). The
     report names the number measured to fix it, or says that none did."""
-    in_memory = statistics.fmean(rank_times(record).step for record in records["batch_in_memory"])
+    in_memory = report["batch_in_memory_step_ms"] / 1000  # as `verdict` measured it
     workers, tried = report["suggested_num_workers"], []
     for _ in range(WORKER_TRIES):
         variant = f"num_workers_{workers}"
