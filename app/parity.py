@@ -38,6 +38,10 @@ FSDP2 reference (app/reference/fsdp.py):
   P9c  elastic: Lightning FSDP2 with SGD stopped by a max_steps budget mid-epoch on N ranks and
        resumed on N + 1 (DCP reshards weights and optimizer state, app/resume/elastic.py keeps the sample
        order and the global batch) == the uninterrupted N-rank run within 1e-5 of the largest weight.
+  P9d  hybrid sharding (`shard_group_size`: N/2 ranks per group, 1 at N = 2, so 2 replicas): Lightning
+       == the plain-PyTorch reference on the same 2-D mesh, bit for bit.
+  P9e  hybrid ~= full sharding: P9d's weights against P9a's, within 1e-5 of the largest weight (the
+       gradients are summed within each group, then between groups; at 2 ranks a + b, bit for bit).
 
 Prints a table, writes it as JSON, exits 1 if any check fails.
 """
@@ -66,7 +70,7 @@ from app.checkpoints.io import load_net_weights, net_state_dict, safe_load
 from app.checkpoints.sharded import META_NAME, is_sharded_checkpoint, load_full_tensors
 from app.cluster.launch import env_without_launcher
 from app.cluster.threads import configure_cpu_threads
-from app.parallel.strategy import resolve_strategy
+from app.parallel.strategy import FSDP_CLASS_PATH, mesh_layout, resolve_strategy
 from app.reference.config import Job, build_job, instantiate, load_config
 
 OPTIMIZERS: dict[str, dict[str, Any]] = {
@@ -387,13 +391,20 @@ def stage_plan(optimizers: list[str]) -> list[str]:
 
 
 def fsdp_stage_plan(world_size: int) -> list[str]:
-    """Every stage `fsdp_parity` announces, in order (P9a's two trainings, P9b's, P9c's)."""
+    """Every stage `fsdp_parity` announces, in order (P9a's two trainings, P9b's, P9c's, P9d's two)."""
     return [
         "fsdp: Lightning FSDP2",
         "fsdp: the plain-PyTorch FSDP2 reference",
         "fsdp: Lightning DDP",
         f"fsdp: SGD, stopped on {world_size} ranks, resumed on {world_size + 1}",
+        f"fsdp: Lightning hybrid sharding, shard_group_size {hybrid_group_size(world_size)}",
+        f"fsdp: the reference's hybrid sharding, shard_group_size {hybrid_group_size(world_size)}",
     ]
+
+
+def hybrid_group_size(world_size: int) -> int:
+    """P9d's shard groups: two replicas of N/2 ranks (of 1 rank at N = 2; at odd N, N replicas of 1)."""
+    return world_size // 2 if world_size % 2 == 0 else 1
 
 
 def start_line(config_path: Path, world_size: int, epochs: int, optimizers: list[str]) -> str:
@@ -685,7 +696,7 @@ def elastic_check(config_path: Path, work: Path, optimizer: str, world_size: int
     )
 
 
-# strategy: fsdp (P9a-c)
+# strategy: fsdp (P9a-e)
 
 DDP_STRATEGY = {"class_path": "lightning.pytorch.strategies.DDPStrategy"}
 RELATIVE_TOLERANCE = 1e-5  # of the model's largest weight, as P8 (app/parity.py ELASTIC_TOLERANCE)
@@ -728,7 +739,7 @@ def write_variant(config: dict[str, Any], path: Path, strategy: dict[str, Any] |
 
 
 def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) -> list[Any]:
-    """P9a-c for an FSDP2 config; the `Check`s of app.parity."""
+    """P9a-e for an FSDP2 config; the `Check`s of app.parity."""
     config = yaml.safe_load(config_path.read_text())
     config.setdefault("trainer", {}).update({"devices": world_size, "max_epochs": epochs})
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -769,6 +780,25 @@ def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) 
     difference, detail = relative_difference(uninterrupted, resumed)
     compared = f"FSDP2 stopped on {world_size} ranks, resumed on {world_size + 1}, vs uninterrupted"
     checks.append(Check("P9c", "sgd", compared, difference, RELATIVE_TOLERANCE, not detail, detail))
+
+    size = hybrid_group_size(world_size)
+    strategy = {**config["trainer"]["strategy"]} if isinstance(config["trainer"].get("strategy"), dict) else {}
+    strategy = {"class_path": FSDP_CLASS_PATH, **strategy}
+    strategy["init_args"] = {**(strategy.get("init_args") or {}), "shard_group_size": size}
+    hybrid_config = write_variant(config, out_dir / "hybrid.yaml", strategy)
+    progress.stage(f"fsdp: Lightning hybrid sharding, shard_group_size {size}")
+    hybrid = lightning_fit(hybrid_config, out_dir / "hybrid", "ddp-app", world_size)
+    progress.stage(f"fsdp: the reference's hybrid sharding, shard_group_size {size}")
+    hybrid_out = out_dir / "reference-hybrid"
+    hybrid_command = [sys.executable, "-m", "app.reference.fsdp", "--config", str(hybrid_config)]
+    hybrid_command += ["--out", str(hybrid_out), "--world-size", str(world_size), "--save-every", "0"]
+    run_command(hybrid_command, out_dir / "reference-hybrid.log")
+    reference_hybrid = torch.load(hybrid_out / "final.pt", map_location="cpu", weights_only=True)
+    layout = mesh_layout(size, world_size, world_size).describe()
+    checks.append(state_check("P9d", optimizer, f"hybrid {layout}: Lightning vs reference", reference_hybrid, hybrid))
+    difference, detail = relative_difference(lightning, hybrid)
+    compared = f"hybrid {layout} vs full sharding, {world_size} ranks"
+    checks.append(Check("P9e", optimizer, compared, difference, RELATIVE_TOLERANCE, not detail, detail))
     progress.finish()
     return checks
 
@@ -814,8 +844,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.config.is_file():
         parser.error(f"config {args.config} does not exist")
     started = time.perf_counter()
-    if is_fsdp_config(load_config(args.config)):  # strategy fsdp: its own rows (P9a-c, below)
-        print(f"parity (fsdp): {args.config}, {args.world_size} ranks, {args.epochs} epochs: P9a-c", flush=True)
+    if is_fsdp_config(load_config(args.config)):  # strategy fsdp: its own rows (P9a-e, below)
+        print(f"parity (fsdp): {args.config}, {args.world_size} ranks, {args.epochs} epochs: P9a-e", flush=True)
         checks, step_seconds = fsdp_parity(args.config, args.world_size, args.epochs, args.out), {}
     else:
         print(start_line(args.config, args.world_size, args.epochs, optimizers), flush=True)

@@ -20,8 +20,9 @@ import fcntl
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,3 +200,44 @@ def tx_bytes(interface: str) -> int:
         if name.strip() == interface:
             return int(counters.split()[8])  # receive: 8 fields, then transmit bytes
     raise NetworkSetupError(f"interface {interface} not found in /proc/self/net/dev (wrong network namespace?)")
+
+
+def run_ranks(
+    prog: str, ranks: Sequence[tuple[int, list[str]]], env: Mapping[str, str], out: Path, timeout_s: float
+) -> None:
+    """Start each rank `(node, python -m arguments)` inside namespace `node` with gloo bound to that node's
+    link (GLOO_SOCKET_IFNAME), and wait for all. Rank 0 prints to our stdout; every rank's errors go to
+    out/rank<N>.log. A failed rank takes the others down at once; all are killed by PID in a `finally`."""
+    processes: list[subprocess.Popen[bytes]] = []
+    logs = [out / f"rank{rank}.log" for rank in range(len(ranks))]
+    try:
+        for rank, (node, arguments) in enumerate(ranks):
+            command = ["ip", "netns", "exec", NAMESPACES[node], sys.executable, "-m", *arguments]
+            with logs[rank].open("wb") as log:
+                processes.append(
+                    subprocess.Popen(
+                        command,
+                        env={**env, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": INTERFACES[node]},
+                        stdout=None if rank == 0 else log,
+                        stderr=log,
+                        start_new_session=True,  # Ctrl-C reaches the bench; it stops the ranks
+                    )
+                )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [process.poll() for process in processes]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank = failed[0]
+                tail = "\n".join(logs[rank].read_text(errors="replace").splitlines()[-30:])
+                raise RuntimeError(f"{prog}: rank {rank} exited with code {codes[rank]}\n--- {logs[rank]}:\n{tail}")
+            if all(code == 0 for code in codes):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{prog}: the ranks did not finish within --timeout {timeout_s:g} s")
+            time.sleep(0.2)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

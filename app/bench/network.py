@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ from app.bench.netns import (
     create_pair,
     parse_link,
     remove_pair,
+    run_ranks,
     tbf_burst_bytes,
 )
 from app.bench.network_report import build_report, format_table, plot
@@ -147,50 +147,6 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_ranks(plan_path: Path, out: Path, timeout_s: float) -> None:
-    """Start one rank per namespace and wait for both; a failed rank takes the other down at once."""
-    env = env_without_launcher(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    processes: list[subprocess.Popen[bytes]] = []
-    logs = [out / f"rank{rank}.log" for rank in range(len(NAMESPACES))]
-    try:
-        for rank, (namespace, interface) in enumerate(zip(NAMESPACES, INTERFACES, strict=True)):
-            command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "app.bench.network_worker"]
-            command += ["--plan", str(plan_path), "--rank", str(rank)]
-            # Rank 0 prints the progress lines to our stdout; each rank's errors also go to its log.
-            with logs[rank].open("wb") as log:
-                processes.append(
-                    subprocess.Popen(
-                        command,
-                        env={**env, "GLOO_SOCKET_IFNAME": interface},  # gloo's address: the bench link
-                        stdout=None if rank == 0 else log,
-                        stderr=log,
-                        start_new_session=True,  # Ctrl-C reaches us; we stop the ranks
-                    )
-                )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            codes = [process.poll() for process in processes]
-            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                details = "\n".join(f"--- rank {rank} ({logs[rank]}):\n{_tail(logs[rank])}" for rank in failed)
-                raise RuntimeError(f"{PROG}: rank {failed[0]} exited with code {codes[failed[0]]}\n{details}")
-            if all(code == 0 for code in codes):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{PROG}: the ranks did not finish within --timeout {timeout_s:g} s")
-            time.sleep(0.2)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
 def run_bench(args: argparse.Namespace, config: dict[str, Any], batch_size: int) -> dict[str, Any]:
     default_bucket = default_bucket_mb(config)
     schedule = build_schedule(args.links, args.methods, args.buckets, args.bucket_link, default_bucket, args.repeats)
@@ -225,7 +181,9 @@ def run_bench(args: argparse.Namespace, config: dict[str, Any], batch_size: int)
     try:
         remove_pair()  # a crashed run's leftovers: we hold the lock, so nothing uses them
         create_pair()
-        run_ranks(plan_path, args.out, args.timeout)
+        worker = ["app.bench.network_worker", "--plan", str(plan_path)]
+        ranks = [(rank, [*worker, "--rank", str(rank)]) for rank in range(len(NAMESPACES))]
+        run_ranks(PROG, ranks, env_without_launcher(os.environ), args.out, args.timeout)
     finally:
         try:
             remove_pair()

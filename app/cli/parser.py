@@ -231,6 +231,8 @@ class DDPAppCLI(LightningCLI):
         # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
         self.launch = preflight(config["trainer"])
         if self.launch is not None:
+            # A shard_group_size that does not divide the ranks stops here, in one line, before any rank starts.
+            resolve_strategy(config["trainer"].get("strategy")).mesh(self.launch.world_size, self.launch.devices)
             # A forked rank imported Lightning in the launcher, where Lightning took this process for
             # rank 0: until the strategy sets the ranks inside `fit`, every rank would print what only
             # rank 0 should (Lightning's rank-zero warnings about the Trainer, for one).

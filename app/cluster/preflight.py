@@ -327,14 +327,18 @@ def export_master_address(env: MutableMapping[str, str]) -> None:
         env["MASTER_ADDR"], env["MASTER_PORT"] = address, str(port)
 
 
-def describe_launch(launch: Launch, cluster_environment: object, env: Mapping[str, str] | None = None) -> str:
-    """One line for the log: who started the ranks, which environment Lightning chose, and where they meet."""
+def describe_launch(
+    launch: Launch, cluster_environment: object, env: Mapping[str, str] | None = None, mesh: str | None = None
+) -> str:
+    """One line for the log: who started the ranks, which environment Lightning chose, and where they meet
+    (and, under strategy fsdp, `mesh`: how the ranks shard the model, "2 replicas x 2 shards")."""
     env = os.environ if env is None else env
     meeting = f", rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_PORT" in env else ""
     how = "as a plain command" if launch.launcher == "plain" else f"by {launch.launcher}"
+    sharded = f", sharded as {mesh}" if mesh else ""
     return (
         f"ddp-app: launched {how}: {type(cluster_environment).__name__}, world size"
-        f" {launch.world_size} = {launch.num_nodes} node(s) x {launch.devices} process(es){meeting}"
+        f" {launch.world_size} = {launch.num_nodes} node(s) x {launch.devices} process(es){sharded}{meeting}"
     )
 
 

@@ -4,15 +4,18 @@ model that no longer fits one device with DDP (docs/fsdp.md).
     trainer:
       strategy:
         class_path: app.parallel.fsdp.FSDP2Strategy
-        init_args: {shard_modules: [Block], param_dtype: bfloat16}
+        init_args: {shard_modules: [Block], param_dtype: bfloat16, shard_group_size: node}
 
 (`strategy: fsdp` is the same with every default.) Each rank keeps 1/world_size of every
 parameter, gradient and optimizer state; a shard unit's full parameters exist only while its
 forward or backward runs. Built on Lightning's `ModelParallelStrategy`, which needs the module to
 shard itself in `configure_model`; this subclass shards a plain LightningModule by itself instead,
-over a 1-D mesh of every rank (a 2-D mesh given to `fully_shard` replicates over one dimension),
-with an explicit device type (gloo + `fully_shard` failed where GPUs were visible,
-pytorch/pytorch#132471), so the same run works on CPU with gloo.
+over a 1-D mesh of every rank, or, with `shard_group_size`, a 2-D mesh (replicas x shards) that
+`fully_shard` replicates over its first dimension (hybrid sharding, HSDP). The mesh has an explicit
+device type (gloo + `fully_shard` failed where GPUs were visible, pytorch/pytorch#132471), so the
+same run works on CPU with gloo. The data is sharded over every rank under either mesh (ddp-app's
+samplers, and `distributed_sampler_kwargs` below): Lightning's own would shard it over the
+`data_parallel` mesh dimension only, and under HSDP every rank of a group would read the same batches.
 
 Checkpoints are sharded: every rank writes its shards through DCP, and a save is published
 atomically (app/checkpoints/sharded.py); a resume on another number of ranks reshards them.
@@ -47,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import CheckpointError, atomic_torch_save, safe_load
 from app.checkpoints.plugin import BackgroundWriter, write_failed
 from app.checkpoints.sharded import (
@@ -61,6 +65,7 @@ from app.checkpoints.sharded import (
     sharded_write_error,
 )
 from app.errors import UserFacingError
+from app.parallel.strategy import MeshLayout, ShardGroupSize, check_shard_group_size, mesh_layout
 from app.private_apis import require
 
 # The dtypes FSDP2 may gather parameters and reduce gradients in, by the names a config gives them (a
@@ -92,6 +97,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             step, in host memory (FSDP2's `CPUOffloadPolicy`): device memory then holds only the
             units being gathered and the activations, at the cost of a host-device copy of every
             shard per step and an optimizer step on the CPU.
+        shard_group_size: the ranks that shard the model between them. None: every rank of the run
+            (full sharding). `node`: the ranks of one node (`devices`): shard within each node over its
+            fast links, replicate across nodes, and all-reduce only the gradient shards between nodes
+            (hybrid sharding). N: groups of N consecutive ranks (nodes with many GPUs; hybrid sharding
+            on one machine). Each rank then keeps 1/N of every parameter, gradient and optimizer state.
         process_group_backend, timeout: as for Lightning's strategies (ddp-app sets `timeout` from
             `collective_timeout_s`).
     """
@@ -104,6 +114,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         param_dtype: ComputeDtype | None = None,
         reduce_dtype: ComputeDtype | None = None,
         cpu_offload: bool = False,
+        shard_group_size: ShardGroupSize = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -120,6 +131,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.cpu_offload = cpu_offload
+        self.shard_group_size = shard_group_size
+        check_shard_group_size(shard_group_size)
         self._data_parallel_mesh: DeviceMesh | None = None
         # Set by app/run/build.py where saves are written in the background (`last_checkpoint.async_save`).
         self.background_writer: BackgroundWriter | None = None
@@ -127,21 +140,42 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """One dimension, "data_parallel", of every rank: what the parameters are sharded over."""
+        """What the parameters are sharded over: one dimension, "data_parallel", of every rank; under
+        hybrid sharding two, "data_parallel_replicate" x "data_parallel_shard" (`mesh_layout`)."""
         if self._data_parallel_mesh is None:
             raise RuntimeError("The device mesh exists once the processes have started (setup_environment).")
         return self._data_parallel_mesh
+
+    @property
+    def mesh_layout(self) -> MeshLayout:
+        """This run's replicas x shards, from `shard_group_size` and the launch (refused in one line
+        when the size does not divide the ranks)."""
+        return mesh_layout(self.shard_group_size, self.world_size, self.num_processes)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank reads its own samples, whatever the mesh (ModelParallelStrategy's shard the data
+        over the `data_parallel` dimension only)."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def setup_environment(self) -> None:
         """The process group and the mesh, once: ddp-app starts the environment before `fit` to agree
         on `--ckpt_path last` (app/checkpoints/last.py), and `fit` calls this again."""
         if self._data_parallel_mesh is None:
+            layout = self.mesh_layout  # a bad shard_group_size stops every rank before any collective
             require(self, "_setup_distributed", "lightning", "starting the process group of strategy fsdp")
             self._setup_distributed()  # ModelParallelStrategy's: the process group with our timeout
             # An explicit device type: a mesh built for "cuda" while gloo runs on CPU failed (pytorch#132471).
-            self._data_parallel_mesh = init_device_mesh(
-                self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
-            )
+            if layout.is_hybrid:  # row-major: each shard group is `shards` consecutive ranks
+                self._data_parallel_mesh = init_device_mesh(
+                    self.root_device.type,
+                    (layout.replicas, layout.shards),
+                    mesh_dim_names=("data_parallel_replicate", "data_parallel_shard"),
+                )
+            else:
+                self._data_parallel_mesh = init_device_mesh(
+                    self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
+                )
         if self.lightning_module is not None:
             # What `LightningModule.device_mesh` returns, for a module's own `configure_model`.
             require(self.lightning_module, "_device_mesh", "lightning", "LightningModule.device_mesh under fsdp")
@@ -226,6 +260,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             except OSError as error:
                 raise write_failed(path, error) from error
         self.barrier()
+        layout = self.mesh_layout
+        checkpoint_state.put(checkpoint, "sharding", {"replicas": layout.replicas, "shards": layout.shards})
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{index}"] = optimizer_state
@@ -304,7 +340,17 @@ class FSDP2Strategy(ModelParallelStrategy):
             optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
             dcp.load(optimizer_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
             set_optimizer_state_dict(self.model, optimizer, optimizer_state[key])
-        return safe_load(path / META_NAME, name=f"--ckpt_path {path}")
+        checkpoint = safe_load(path / META_NAME, name=f"--ckpt_path {path}")
+        saved = checkpoint_state.get(checkpoint, "sharding")  # None before hybrid sharding existed
+        if saved is not None and self.is_global_zero:
+            written, now = MeshLayout(**saved), self.mesh_layout
+            if written != now:
+                print(
+                    f"ddp-app: the checkpoint's shards were written by {written.describe()} and this run is "
+                    f"{now.describe()}: DCP reshards the weights and the optimizer state",
+                    flush=True,
+                )
+        return checkpoint
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards (DTensors), for DCP."""

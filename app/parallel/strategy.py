@@ -18,7 +18,7 @@ import difflib
 import enum
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from app.errors import TrainerArgumentError, UserFacingError
 
@@ -38,6 +38,64 @@ SPAWNING_STRATEGIES = {
     "ddp_notebook_find_unused_parameters_true": "ddp_find_unused_parameters_true",
 }
 DDP_NAMES = ("ddp", "ddp_find_unused_parameters_true", *SPAWNING_STRATEGIES)
+
+
+# `trainer.strategy.init_args.shard_group_size` of strategy fsdp: the ranks that shard the model
+# between them (null: every rank; `node`: the ranks of one node; N: groups of N consecutive ranks).
+ShardGroupSize = int | Literal["node"] | None
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Strategy fsdp's ranks as `replicas` groups of `shards` consecutive ranks: each group holds one
+    whole copy of the model, sharded over its ranks. One replica is full sharding (FSDP); more is
+    hybrid sharding (HSDP): parameters are gathered and gradients reduce-scattered within a group (one
+    node's fast links), and only the gradient shards are all-reduced between the groups (across nodes).
+    The data is sharded over every rank either way: each rank reads its own samples."""
+
+    replicas: int
+    shards: int
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.replicas > 1
+
+    def describe(self) -> str:
+        """ "2 replicas x 2 shards": the words of the run's first line and of the resume notice."""
+        replicas = f"{self.replicas} replica{'s' if self.replicas != 1 else ''}"
+        return f"{replicas} x {self.shards} shard{'s' if self.shards != 1 else ''}"
+
+
+def check_shard_group_size(shard_group_size: Any) -> None:
+    """A value that is no group size at all (0, -2, "nodes") is refused where the strategy is built."""
+    if shard_group_size in (None, "node"):
+        return
+    if not isinstance(shard_group_size, int) or isinstance(shard_group_size, bool) or shard_group_size < 1:
+        raise UserFacingError(
+            f"trainer.strategy.init_args.shard_group_size={shard_group_size!r} is not a group size. Fix: a "
+            "number of ranks (at least 1), `node` (the ranks of one node), or null (every rank)."
+        )
+
+
+def mesh_layout(shard_group_size: ShardGroupSize, world_size: int, ranks_per_node: int) -> MeshLayout:
+    """The layout `shard_group_size` asks for on `world_size` ranks, `ranks_per_node` per node; a size
+    that does not divide the ranks into equal groups is refused in one line, before any process group
+    exists (every rank computes the same answer)."""
+    check_shard_group_size(shard_group_size)
+    if shard_group_size is None:
+        size = world_size
+    elif shard_group_size == "node":
+        size = ranks_per_node
+    else:
+        size = int(shard_group_size)
+    if size > world_size or world_size % size:
+        divisors = [str(n) for n in range(1, world_size + 1) if world_size % n == 0]
+        raise UserFacingError(
+            f"trainer.strategy.init_args.shard_group_size={shard_group_size} ({size} ranks) does not divide the "
+            f"run's {world_size} ranks into equal shard groups. Fix: one of {', '.join(divisors)}, `node`, or "
+            "null (every rank)."
+        )
+    return MeshLayout(world_size // size, size)
 
 
 class StrategyKind(enum.Enum):
@@ -65,6 +123,7 @@ class ResolvedStrategy:
     registered_name: str | None = None  # the StrategyRegistry name Lightning builds (`auto` -> `ddp`), if a name
     runs_as: str | None = None
     start_method: str | None = None
+    shard_group_size: ShardGroupSize = None  # strategy fsdp's, as the config gives it (`mesh_layout`)
 
     @property
     def forks_ranks(self) -> bool:
@@ -75,6 +134,10 @@ class ResolvedStrategy:
     def is_sharded(self) -> bool:
         """Weights and optimizer state are sharded over the ranks; checkpoints are directories of shards."""
         return self.kind is StrategyKind.FSDP
+
+    def mesh(self, world_size: int, ranks_per_node: int) -> MeshLayout | None:
+        """How a sharded strategy lays out `world_size` ranks (None for any other strategy)."""
+        return mesh_layout(self.shard_group_size, world_size, ranks_per_node) if self.is_sharded else None
 
 
 def resolve_strategy(strategy: Any, world_size: int = 1) -> ResolvedStrategy:
@@ -92,7 +155,8 @@ def resolve_strategy(strategy: Any, world_size: int = 1) -> ResolvedStrategy:
         init_args = _get(strategy, "init_args") or {}
         return _resolve_class(_import_class(str(class_path)), str(class_path), init_args)
     cls = type(strategy)  # a strategy object, given in Python: ddp-app does not rewrite it
-    return _resolve_class(cls, f"{cls.__module__}.{cls.__qualname__}", {})
+    own = {"shard_group_size": getattr(strategy, "shard_group_size", None)}
+    return _resolve_class(cls, f"{cls.__module__}.{cls.__qualname__}", own)
 
 
 def expand_fsdp_name(trainer_config: Any) -> None:
@@ -140,7 +204,7 @@ def _resolve_class(cls: type, written: str, init_args: Any) -> ResolvedStrategy:
     from app.parallel.fsdp import FSDP2Strategy
 
     if issubclass(cls, FSDP2Strategy):
-        return ResolvedStrategy(StrategyKind.FSDP, written)
+        return ResolvedStrategy(StrategyKind.FSDP, written, shard_group_size=_get(init_args, "shard_group_size"))
     if issubclass(cls, DeepSpeedStrategy):  # a DDPStrategy subclass that ddp-app neither launches nor checkpoints
         return ResolvedStrategy(StrategyKind.OTHER, written)
     if issubclass(cls, DDPStrategy):

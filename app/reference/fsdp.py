@@ -9,6 +9,9 @@ transformer block becomes its own unit, then the whole network (the embeddings, 
 the head that are left), over a 1-D device mesh of every rank. Each rank keeps 1/world_size of every
 parameter, gradient and optimizer state; a unit's full parameters are gathered only while its
 forward or backward runs, and gradients are reduce-scattered (averaged) back into the shards.
+With `trainer.strategy.init_args.shard_group_size: N` the mesh is 2-D instead, replicas x N shards
+(hybrid sharding, HSDP): `fully_shard` shards over the second dimension and replicates over the
+first, so gradients are reduce-scattered within each group of N ranks and all-reduced between groups.
 
 Snapshots go through `torch.distributed.checkpoint` (DCP): every rank writes its own shards, and a
 run resumed on another number of ranks reads them resharded. The final weights are gathered into
@@ -44,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
@@ -91,6 +94,23 @@ def shard(net: GPT, mesh: Any, reshard_after_forward: bool) -> None:
     fully_shard(net, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
+def device_mesh(device: torch.device, world_size: int, init_args: dict[str, Any]) -> DeviceMesh:
+    """Every rank in one dimension, or, with a `shard_group_size`, replicas x shards (consecutive ranks
+    share a group; `node`: the ranks torchrun started on this node)."""
+    size = init_args.get("shard_group_size") or world_size
+    if size == "node":
+        size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if not isinstance(size, int) or size < 1 or world_size % size:
+        raise SystemExit(f"trainer.strategy.init_args.shard_group_size={size!r} does not divide {world_size} ranks.")
+    replicas = world_size // size
+    if dist.get_rank() == 0:
+        print(f"[rank 0] FSDP2 over {replicas} replica(s) x {size} shard(s)", flush=True)
+    # An explicit device type: a mesh built for "cuda" while gloo runs on CPU failed (pytorch#132471).
+    if replicas > 1:  # fully_shard replicates over the first dimension and shards over the second (HSDP)
+        return init_device_mesh(device.type, (replicas, size), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("data_parallel",))
+
+
 class Trainer:
     """Sharded model, sharded loader, DCP snapshots written by every rank."""
 
@@ -104,9 +124,7 @@ class Trainer:
         self.net = GPT(**config["model"]["init_args"]).to(device)
         loader, dataset_args = LoaderSettings.split_off(config["data"].get("init_args") or {})
         train, _, _ = markov_token_splits(**dataset_args)
-        # An explicit device type: a mesh built for "cuda" while gloo runs on CPU failed (pytorch#132471).
-        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("data_parallel",))
-        shard(self.net, mesh, bool(init_args.get("reshard_after_forward", True)))
+        shard(self.net, device_mesh(device, world_size, init_args), bool(init_args.get("reshard_after_forward", True)))
         self.optimizer = instantiate(config["optimizer"], self.net.parameters())  # on the shards
         self.sampler = DistributedSampler(train, num_replicas=world_size, rank=rank, shuffle=loader.shuffle,
                                           seed=loader.seed)  # fmt: skip

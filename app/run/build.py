@@ -170,7 +170,8 @@ def build_trainer(
     # the config brings its own plugin; under fsdp the strategy writes its shards itself (below).
     save_mode = checkpoint_save_mode(config)
     in_background = save_mode.startswith(IN_THE_BACKGROUND)
-    sharded = resolve_strategy(config["trainer"].get("strategy")).kind == StrategyKind.FSDP
+    strategy = resolve_strategy(config["trainer"].get("strategy"))
+    sharded = strategy.kind == StrategyKind.FSDP
     if in_background and not sharded:
         plugins = [BackgroundCheckpointIO(p) if type(p) is SafeCheckpointIO else p for p in plugins]
     # Not SLURMEnvironment.detect(): that is also true under torchrun inside a Slurm job. Preemption is
@@ -229,7 +230,8 @@ def build_trainer(
         STOP_SIGNAL_FLAG.release()
     environment = getattr(trainer.strategy, "cluster_environment", None)
     if launch is not None and launch.global_rank == 0 and environment is not None:
-        print(describe_launch(launch, environment), flush=True)
+        mesh = strategy.mesh(launch.world_size, launch.devices)
+        print(describe_launch(launch, environment, mesh=mesh.describe() if mesh else None), flush=True)
     if subcommand == "fit" and saves_last and trainer.is_global_zero:
         print(f"ddp-app: checkpoints: {save_mode}", flush=True)
     if config["trainer"]["logger"] in (None, True) and subcommand != "fit":

@@ -16,7 +16,14 @@ from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
 from app.cluster.launch import rank_plan
 from app.errors import UserFacingError
 from app.parallel.fsdp import FSDP2Strategy
-from app.parallel.strategy import FSDP_CLASS_PATH, StrategyKind, expand_fsdp_name, resolve_strategy
+from app.parallel.strategy import (
+    FSDP_CLASS_PATH,
+    MeshLayout,
+    StrategyKind,
+    expand_fsdp_name,
+    mesh_layout,
+    resolve_strategy,
+)
 from tests.helpers.run import REPO, clean_env, ddp_app
 
 
@@ -149,3 +156,51 @@ def test_a_checkpoint_of_another_strategy_is_refused_before_any_rank(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err and f"--trainer.strategy {written_by}" in err, err
     assert sorted(str(path) for path in root.rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    ("shard_group_size", "world_size", "per_node", "replicas", "shards", "words"),
+    [
+        (None, 4, 2, 1, 4, "1 replica x 4 shards"),
+        ("node", 4, 2, 2, 2, "2 replicas x 2 shards"),
+        ("node", 2, 2, 1, 2, "1 replica x 2 shards"),  # one node: full sharding
+        (2, 8, 8, 4, 2, "4 replicas x 2 shards"),
+        (1, 2, 2, 2, 1, "2 replicas x 1 shard"),
+    ],
+)
+def test_shard_group_size_lays_the_ranks_out_as_replicas_of_shard_groups(
+    shard_group_size, world_size, per_node, replicas, shards, words
+) -> None:
+    written = Namespace(class_path=FSDP_CLASS_PATH, init_args=Namespace(shard_group_size=shard_group_size))
+    layout = resolve_strategy(written).mesh(world_size, per_node)
+    assert layout == MeshLayout(replicas, shards) and layout.describe() == words
+    assert layout.is_hybrid == (replicas > 1)
+    assert resolve_strategy(FSDP2Strategy(shard_group_size=shard_group_size)).mesh(world_size, per_node) == layout
+    assert resolve_strategy("ddp").mesh(world_size, per_node) is None
+
+
+@pytest.mark.parametrize(
+    ("shard_group_size", "message"),
+    [
+        (3, r"^trainer\.strategy\.init_args\.shard_group_size=3 \(3 ranks\) does not divide the run's 4 ranks into "
+            r"equal shard groups\. Fix: one of 1, 2, 4, `node`, or null"),
+        (8, r"shard_group_size=8 \(8 ranks\) does not divide the run's 4 ranks"),
+        (0, r"^trainer\.strategy\.init_args\.shard_group_size=0 is not a group size\. Fix: "),
+        ("nodes", r"shard_group_size='nodes' is not a group size"),
+    ],
+)  # fmt: skip
+def test_a_shard_group_size_that_cannot_lay_out_the_ranks_is_one_line(shard_group_size, message) -> None:
+    with pytest.raises(UserFacingError, match=message):
+        mesh_layout(shard_group_size, 4, 2)
+
+
+def test_a_shard_group_size_that_does_not_divide_the_ranks_stops_the_launch_before_any_rank(tmp_path: Path) -> None:
+    result = ddp_app(
+        "fit", "--config", "configs/gpt_fsdp.yaml", "--trainer.strategy.init_args.shard_group_size=3",
+        f"--trainer.default_root_dir={tmp_path / 'run'}", timeout=120,
+    )  # fmt: skip
+    assert result.returncode == BAD_INPUT_EXIT_CODE, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "shard_group_size=3 (3 ranks) does not divide the run's 2 ranks" in lines[0], lines
+    assert "Fix: one of 1, 2, `node`, or null" in lines[0]
+    assert not (tmp_path / "run").exists()  # nothing written: no rank started

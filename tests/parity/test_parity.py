@@ -151,12 +151,12 @@ def test_a_stage_is_one_line_with_the_time_so_far(capsys: pytest.CaptureFixture[
 def test_the_stages_count_from_1_to_the_number_planned_each_once(capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 42: the counter started at [2/18], jumped from 8 to 11 and said [15/18] and [18/18] three
     times each. The plan: 7 stages per optimizer, and for the interop optimizer (Adam) its continuation,
-    the elastic resume and one stage per compression method; the FSDP2 rows have 4."""
+    the elastic resume and one stage per compression method; the FSDP2 rows have 6."""
     plan = app.parity.stage_plan(["sgd", "adam"])
     assert len(plan) == 7 + 7 + 2 + len(app.parity.COMPRESSION_CHECKED) == 19
     assert len(set(plan)) == len(plan)
     assert app.parity.stage_plan(["sgd"])[-1] == "sgd: compression powersgd"  # the only optimizer is the interop one
-    assert len(app.parity.fsdp_stage_plan(2)) == 4
+    assert len(app.parity.fsdp_stage_plan(2)) == 6
     for stages in (plan, app.parity.fsdp_stage_plan(2)):
         progress = app.parity.Progress(stages)
         for stage in stages:

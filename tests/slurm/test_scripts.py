@@ -29,7 +29,7 @@ from app.checkpoints.sharded import load_full_tensors
 from app.cluster.slurm_env import job_master_port
 from app.parity import compare_states
 from app.tracking.layout import MEASURED_METRICS
-from tests.helpers.run import ddp_app
+from tests.helpers.run import clean_env, ddp_app
 
 pytestmark = pytest.mark.slurm
 
@@ -96,6 +96,16 @@ def submit(
 def preempt(cluster: LocalSlurmCluster, root: Path) -> tuple[Path, Callable[[int], object]]:
     """`submit`'s interrupt: Slurm's preemption signal (USR1, as the scripts ask) once `root` has saved."""
     return root, lambda job_id: cluster.run(["scancel", "--signal=USR1", str(job_id)])
+
+
+def requeue_onto_one_node(cluster: LocalSlurmCluster, job_id: int, tasks: int) -> None:
+    """`submit`'s interrupt: hold and requeue the job (as after a preemption), shrink it to one node of
+    `tasks` tasks (its tasks per node: the task count shrinks with the nodes), and release it."""
+    cluster.run(["scontrol", "requeuehold", str(job_id)])
+    cluster.wait_for_state(job_id, ("PENDING",), timeout=120)
+    for change in ("NumNodes=1", f"NumTasks={tasks}"):
+        cluster.run(["scontrol", "update", f"JobId={job_id}", change])
+    cluster.run(["scontrol", "release", str(job_id)])
 
 
 def weights(root: Path) -> dict:
@@ -455,17 +465,9 @@ def test_a_two_node_job_requeued_onto_one_node_continues_elastically(
     root = workdir / "elastic"
     args = (CONFIG, *LONG_RUN, "--trainer.devices=1", "--trainer.num_nodes=2", f"--trainer.default_root_dir={root}")
 
-    def shrink_to_one_node(job_id: int) -> None:
-        slurm_cluster.run(["scontrol", "requeuehold", str(job_id)])
-        slurm_cluster.wait_for_state(job_id, ("PENDING",), timeout=120)
-        # One task per node: the task count shrinks with the nodes.
-        for change in ("NumNodes=1", "NumTasks=1"):
-            slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", change])
-        slurm_cluster.run(["scontrol", "release", str(job_id)])
-
     job = submit(
         slurm_cluster, workdir, SLURM / "multinode.sbatch", *CPU_ONLY, "--ntasks-per-node=1", args=args,
-        timeout=400, interrupt=(root, shrink_to_one_node),
+        timeout=400, interrupt=(root, lambda job_id: requeue_onto_one_node(slurm_cluster, job_id, tasks=1)),
     )  # fmt: skip
     info, output = job.info, job.output
     assert job.state == "COMPLETED", output[-4000:]
@@ -513,3 +515,77 @@ def test_an_fsdp_run_on_two_nodes_is_preempted_requeued_and_resumes_exactly(
     assert result.returncode == 0, result.stderr[-3000:]
     expected = load_full_tensors(one_node / "checkpoints" / "last.ckpt")
     assert compare_states(expected, load_full_tensors(root / "checkpoints" / "last.ckpt"), 0.0) == (0.0, "")
+
+
+# Hybrid sharding across the two nodes: 2 ranks per node, each node one shard group (issue 45).
+HYBRID_RUN = (
+    "--trainer.max_epochs", "4", "--trainer.enable_progress_bar=false",
+    "--trainer.strategy.init_args.shard_group_size=node",
+)  # fmt: skip
+TWO_BY_TWO = ("--trainer.devices=2", "--trainer.num_nodes=2")
+
+
+@pytest.fixture(scope="module")
+def hybrid_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """HYBRID_RUN's layout on one machine, never interrupted: 4 ranks in shard groups of 2 consecutive ranks,
+    as srun places 2 tasks on each of 2 nodes (ranks 0-1 on node1, 2-3 on node2)."""
+    root = tmp_path_factory.mktemp("hybrid-uninterrupted")
+    result = ddp_app(
+        "fit", "--config", FSDP_CONFIG, *HYBRID_RUN, "--trainer.devices=4",
+        "--trainer.strategy.init_args.shard_group_size=2", f"--trainer.default_root_dir={root}",
+        env=clean_env(DDP_APP_ALLOW_OVERSUBSCRIBE="1"), timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sharded as 2 replicas x 2 shards," in result.stdout.splitlines()[0], result.stdout[:2000]
+    return load_full_tensors(root / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.fault
+@pytest.mark.distributed  # the uninterrupted comparison run starts 4 ranks outside Slurm
+def test_a_hybrid_sharded_run_on_two_nodes_of_two_ranks_is_preempted_requeued_and_resumes_exactly(
+    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, hybrid_uninterrupted: dict
+) -> None:
+    """multinode.sbatch, 2 nodes x 2 ranks, configs/gpt_fsdp.yaml with shard_group_size `node` (each node
+    shards the model, the nodes replicate it); scancel --signal=USR1 once the first last.ckpt exists:
+    the job requeues, resumes from the shards, and ends bit for bit with the uninterrupted run."""
+    root = workdir / "hybrid-preempted"
+    job = submit(
+        slurm_cluster, workdir, SLURM / "multinode.sbatch", *CPU_ONLY, "--ntasks-per-node=2",
+        args=(FSDP_CONFIG, *HYBRID_RUN, *TWO_BY_TWO, f"--trainer.default_root_dir={root}"), timeout=400,
+        interrupt=preempt(slurm_cluster, root),
+    )  # fmt: skip
+    output = job.output
+    assert job.state == "COMPLETED", output[-4000:]
+    assert job.info["Restarts"] == "1" and job.info["NodeList"] == "node[1-2]", job.info
+    launched = "world size 4 = 2 node(s) x 2 process(es), sharded as 2 replicas x 2 shards, rendezvous node1:"
+    assert output.count(launched) == 2, output[-4000:]  # the first run and its requeue
+    assert "ddp-app: preempted at global step" in output and "requeued SLURM job" in output, output[-4000:]
+    resumed = load_full_tensors(root / "checkpoints" / "last.ckpt")
+    assert compare_states(hybrid_uninterrupted, resumed, 0.0) == (0.0, "")
+
+
+@pytest.mark.fault
+@pytest.mark.distributed
+def test_a_hybrid_sharded_two_node_job_requeued_onto_one_node_continues_within_1e_5(
+    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, hybrid_uninterrupted: dict
+) -> None:
+    """The same job held and requeued onto one node of 2 ranks: `node` is now every rank (1 replica x 2
+    shards), DCP reshards weights and AdamW state, the global batch and sample order are kept, and the
+    job ends within 1e-5 (of the largest weight) of the uninterrupted 2 x 2 run, saying so."""
+    root = workdir / "hybrid-shrunk"
+    job = submit(
+        slurm_cluster, workdir, SLURM / "multinode.sbatch", *CPU_ONLY, "--ntasks-per-node=2",
+        args=(FSDP_CONFIG, *HYBRID_RUN, *TWO_BY_TWO, f"--trainer.default_root_dir={root}"), timeout=500,
+        interrupt=(root, lambda job_id: requeue_onto_one_node(slurm_cluster, job_id, tasks=2)),
+    )  # fmt: skip
+    output = job.output
+    assert job.state == "COMPLETED", output[-4000:]
+    assert job.info["Restarts"] == "1" and job.info["NumNodes"] == "1", job.info
+    assert "ddp-app: the requeued job runs on 1 node(s); trainer.num_nodes 2 -> 1" in output, output[-4000:]
+    assert "ddp-app: resuming a 4-rank run on 2 ranks: global batch 64 kept (32+32 per micro-step)" in output
+    assert "written by 2 replicas x 2 shards and this run is 1 replica x 2 shards: DCP reshards" in output
+    resumed = load_full_tensors(root / "checkpoints" / "last.ckpt")
+    scale = max(float(tensor.abs().max()) for tensor in hybrid_uninterrupted.values() if tensor.is_floating_point())
+    difference, _ = compare_states(hybrid_uninterrupted, resumed, 1e-5 * scale)
+    print(f"2 x 2 on two nodes resumed as 1 x 2 on one node: {difference / scale:.2e} of the largest weight")
+    assert difference <= 1e-5 * scale, (difference, scale)
