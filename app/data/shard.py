@@ -25,12 +25,16 @@ files in it is refused, and a write that ends with fewer samples than the split 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -89,14 +93,22 @@ class NotedRecord:
     LitData's `optimize` waits forever for a writer process whose function raised (litdata 0.2.76),
     so the function never raises: `write_split` reads the notes after `optimize` returns and reports
     them, a bad file in one line, a bug with its traceback.
+
+    Its first call in a forked writer process re-creates torch's intra-op thread pools first, on the
+    process's one thread (as app.cluster.launch.recreate_thread_pools does for a rank): the pools the
+    parent used are marked lost by the fork, and a first use from two threads at once races.
     """
 
     def __init__(self, make: Any, notes: Path) -> None:
         self.make, self.notes = make, notes
+        self.pid = os.getpid()
 
     def __call__(self, index: int) -> Any:
         from app.data.image_datasets import UnreadableImageError
 
+        if self.pid != os.getpid():  # the first sample in this writer process
+            self.pid = os.getpid()
+            torch.set_num_threads(torch.get_num_threads())
         try:
             return self.make(index)
         except Exception as error:  # reported by write_split: a bad file in one line, a bug with its traceback
@@ -133,6 +145,60 @@ def split_writer(dataset: Dataset, name: str) -> tuple[Any, list[int], str]:
     return partial(dataset_record, dataset), list(range(len(dataset))), "the samples as the data set returns them"
 
 
+def _holders_of(link: str) -> list[int]:
+    """The other processes that have a file descriptor open on `link` (a /proc fd link, `pipe:[INODE]`)."""
+    holders = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) == link for fd in (entry / "fd").iterdir()):
+                holders.append(int(entry.name))
+    return holders
+
+
+@contextlib.contextmanager
+def no_process_outlives() -> Iterator[None]:
+    """Kill, by PID, every process forked during the block (however deep) that still runs after it.
+
+    LitData (0.2.76) forks a remover process from each writer process, which exits only when its writer
+    tells it to: a writer that dies first (killed by a signal, a crash) leaves it blocked forever, an
+    orphan that holds the caller's stdout and stderr open (a pipeline, or a test runner reading them,
+    never ends). Every process forked during the block holds a pipe made for it (fork copies every file
+    descriptor; os.pipe's are closed on exec), which finds them whatever their parent now is. A process
+    another thread of the caller forks meanwhile would hold it too: LitData is run from the main thread.
+    """
+    if not Path("/proc/self/fd").is_dir():  # not Linux: nothing to find them by
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    marker = f"pipe:[{os.fstat(read_fd).st_ino}]"
+    try:
+        yield
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+        deadline = time.monotonic() + 10
+        while (left := _holders_of(marker)) and time.monotonic() < deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):  # a child of this process; an orphan is init's
+                    os.waitpid(pid, 0)
+            time.sleep(0.01)  # an orphan holds its descriptors until its exit is through
+
+
+def samples_in_index(out: Path) -> int:
+    """How many samples the chunks listed in `out`'s LitData index hold (0 for no index, or chunks missing)."""
+    try:
+        chunks = json.loads((out / "index.json").read_text())["chunks"]
+        if not all((out / chunk["filename"]).is_file() for chunk in chunks):
+            return 0
+        return sum(int(chunk["chunk_size"]) for chunk in chunks)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def write_split(
     dataset: Dataset,
     name: str,
@@ -143,15 +209,20 @@ def write_split(
     seed: int,
     skip_bad_files: bool = False,
 ) -> dict[str, Any]:
-    """Write one split with LitData's `optimize`; the record of what was written."""
-    from litdata import StreamingDataset, optimize
+    """Write one split with LitData's `optimize`; the record of what was written.
+
+    LitData's `optimize` returns without an error when its writer processes all died without reporting
+    one (killed by a signal: the OOM killer, a kill): its index then lists fewer samples, or none. So
+    the index is counted here, and no process LitData forked outlives the call.
+    """
+    from litdata import optimize
 
     record, indices, holds = split_writer(dataset, name)
     if name == "train":
         order = torch.randperm(len(indices), generator=torch.Generator().manual_seed(seed)).tolist()
         indices = [indices[position] for position in order]
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ddp_app_shard_notes_") as notes:
+    with tempfile.TemporaryDirectory(prefix="ddp_app_shard_notes_") as notes, no_process_outlives():
         optimize(
             fn=NotedRecord(record, Path(notes)),
             inputs=indices,
@@ -172,11 +243,12 @@ def write_split(
             f"{len(failed)} files of the {name} split cannot be decoded, e.g. {failed[0]['message']}. Fix: remove or "
             "replace them, or add --skip-bad-files to leave them out (they are listed in ddp_app_shards.json)."
         )
-    written = sum(end - start for start, end in StreamingDataset(str(out)).region_of_interest)
+    written = samples_in_index(out)
     if written != len(indices) - len(failed):
         raise UserFacingError(
-            f"writing the {name} split to {out} ended with {written} of its {len(indices)} samples (a LitData "
-            f"worker failed; its error is above). Fix: correct the cause, remove {out} and run again."
+            f"writing the {name} split to {out} ended with {written} of its {len(indices) - len(failed)} samples: "
+            "a LitData writer process ended early (an error above, or killed by a signal: the OOM killer, a kill). "
+            "Fix: correct the cause and run again (fewer --workers if memory ran out)."
         )
     size = sum(path.stat().st_size for path in out.iterdir())
     chunks = len(json.loads((out / "index.json").read_text())["chunks"])
