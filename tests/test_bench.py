@@ -31,7 +31,7 @@ def test_bench_writes_the_table_json_and_plot(tmp_path: Path) -> None:
             "--repeats",
             "1",
             "--epochs",
-            "2",
+            "1",
             "--warmup-steps",
             "2",
             "--no-warmup",

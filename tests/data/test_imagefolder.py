@@ -343,6 +343,7 @@ def test_the_reference_trainer_builds_the_same_imagefolder_splits(tmp_path: Path
     ]
 
 
+@pytest.mark.slow  # about 50 s: its splits are the DataModule's (the test above); the loop is the reference's own
 @pytest.mark.distributed
 def test_the_reference_trainer_trains_an_imagefolder_config_on_2_ranks(tmp_path: Path) -> None:
     root = make_image_folder(tmp_path / "images", {"train": 8, "val": 2}, size=32)
