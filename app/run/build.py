@@ -171,7 +171,7 @@ def build_trainer(
     save_mode = checkpoint_save_mode(config)
     in_background = save_mode.startswith(IN_THE_BACKGROUND)
     strategy = resolve_strategy(config["trainer"].get("strategy"))
-    sharded = strategy.kind == StrategyKind.FSDP
+    sharded = strategy.is_sharded
     if in_background and not sharded:
         plugins = [BackgroundCheckpointIO(p) if type(p) is SafeCheckpointIO else p for p in plugins]
     # Not SLURMEnvironment.detect(): that is also true under torchrun inside a Slurm job. Preemption is
