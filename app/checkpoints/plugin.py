@@ -116,6 +116,9 @@ class BackgroundWriter:
         self.in_background = False
         self.saves_started = 0
         self.saves_written = 0
+        # Called on the writer thread as each background write starts. resume-check's StopAt holds a
+        # write there, so that its kill lands while the write is in flight however fast the disk is.
+        self.before_write: Callable[[], None] | None = None
 
     def begin_save(self, name: str) -> bool:
         """Where every save starts: wait for the previous write. True: write this one with
@@ -144,6 +147,8 @@ class BackgroundWriter:
         self._submit(self._write, write, *args)
 
     def _write(self, write: Callable[..., None], *args: Any) -> None:
+        if self.before_write is not None:
+            self.before_write()
         write(*args)
         self.saves_written += 1
 

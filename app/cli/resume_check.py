@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,12 +77,15 @@ class StopAt(L.Callback):
         batch: for `mid-epoch`, the batch index within the epoch after which to stop.
     """
 
+    HOLD_WRITE_S = 60.0  # the longest a `background-write` stop holds a write in flight
+
     def __init__(self, how: str = "kill-rank1", moment: str = "mid-epoch", epoch: int = 1, batch: int = 3) -> None:
         if how not in STOPS or moment not in MOMENTS:
             raise ValueError(f"StopAt: unknown how={how!r} or moment={moment!r}")
         self.how, self.moment, self.epoch, self.batch = how, moment, epoch, batch
         self._done = False
         self._saved_epoch_end = False
+        self._stopped = threading.Event()  # set once this rank has stopped (`_act`): a held write goes on
 
     def _act(self, trainer: L.Trainer) -> None:
         if self._done:
@@ -101,6 +105,7 @@ class StopAt(L.Callback):
             # The launcher forwards one SIGINT to every rank, as after a terminal's Ctrl-C.
             forked = Path("/proc/self/comm").read_text().startswith("ddp-app rank")
             os.kill(os.getppid() if forked else os.getpid(), signal.SIGINT)
+        self._stopped.set()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.current_epoch != self.epoch:
@@ -115,6 +120,19 @@ class StopAt(L.Callback):
             or (self.moment == "micro-batch" and not stepped and batch_idx >= self.batch)
         ):
             self._act(trainer)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if self.moment == "background-write":
+            writer = background_writer(trainer)
+            if writer is not None:
+                writer.before_write = lambda: self._hold_write(trainer)
+
+    def _hold_write(self, trainer: L.Trainer) -> None:
+        # On the writer thread: from `epoch` on, a write waits here until `on_train_batch_start` stops
+        # the run, so the stop lands while it is in flight however fast the disk is. Bounded: where no
+        # batch starts after the save, the write goes on and the run ends without its stop (reported).
+        if trainer.current_epoch >= self.epoch and not self._done:
+            self._stopped.wait(timeout=self.HOLD_WRITE_S)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         # From `epoch` on, the first batch that starts while this rank's background write is in flight
