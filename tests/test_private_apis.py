@@ -790,3 +790,30 @@ def test_ddp_app_without_a_private_api_stops_in_one_line_before_any_rank(tmp_pat
     expected = f"ddp-app: error: Python {platform.python_version()} has no atexit._run_exitfuncs"
     assert result.stderr.startswith(expected) and "Fix:" in result.stderr, result.stderr
     assert not list(tmp_path.iterdir()), "nothing may be written before the check"
+
+
+def test_a_tensors_version_counts_the_in_place_changes_overlap_copy_checks() -> None:
+    """`Tensor._version` (app/checkpoints/plugin.py `version`): a state dict's view of a parameter sees
+    every in-place change of the parameter that torch's autograd sees, an optimizer step's included;
+    a change through `.data` is not counted (docs/resume.md says so)."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    view = model.state_dict()["weight"]
+    assert isinstance(getattr(view, "_version", None), int), (
+        f"torch {torch.__version__} has no Tensor._version: last_checkpoint.overlap_copy cannot tell a save whose "
+        f"copy a parameter change tore from a good one (app/checkpoints/plugin.py `version`, {DOC})"
+    )
+    before = view._version
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    after_step = view._version
+    with torch.no_grad():
+        model.weight.clamp_(-0.1, 0.1)
+    assert before < after_step < view._version, (
+        f"Tensor._version no longer counts an optimizer step's and a no_grad clamp's in-place changes as seen "
+        f"through a state dict's view ({before}, {after_step}, {view._version}): last_checkpoint.overlap_copy "
+        f"would write a torn checkpoint without a word ({DOC})"
+    )
+    last = view._version
+    model.weight.data.mul_(2)
+    assert view._version == last, "a .data change is counted now: docs/resume.md can drop its caveat"

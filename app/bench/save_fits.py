@@ -1,17 +1,21 @@
 """`python -m app.bench.save_fits [--strategies ddp,fsdp] [--d-model 1024] [--layers 7] [--saves 3]
 [--every 3] [--out D] [--json F] [--plot F]`: what a checkpoint save costs a real 2-rank `ddp-app fit`,
-synchronous against background, under DDP and under FSDP2 (issue 44), side by side in one run.
+synchronous, background, and background with the copy overlapped, under DDP and under FSDP2 (issue
+44), side by side in one run.
 
 Each (strategy, mode) is one `ddp-app fit` of configs/gpt_fsdp.yaml scaled up by the overrides
 (`--d-model 1024 --layers 7`: 88 M parameters, a 1 GB training state with AdamW's two moments), on 2
 CPU ranks, saving last.ckpt every `--every` steps with `last_checkpoint.async_save` false
-("sync") or true ("async"). `SaveTimer`, a callback in the fit, measures on every rank:
+("sync"), true ("async"), or true with `last_checkpoint.overlap_copy` ("overlap": the parameters
+and optimizer state are copied while the next step runs, whose optimizer waits for the copy).
+`SaveTimer`, a callback in the fit, measures on every rank:
 
 - each step's time, from its batch start to its batch end: a save step holds the save (the
-  coordinator saves at a batch's start, after every other callback's hook). Blocked time per save is
-  the median save step less the median quiet step, the largest over the ranks (a save is a
-  collective: every rank waits for the slowest);
-- the steps that start while a background write is in flight, against the quiet ones.
+  coordinator saves at a batch's start, after every other callback's hook), and the step after it
+  any wait for the overlapped copy. Blocked time per save is what both take beyond the median quiet
+  step (medians over the saves), the largest over the ranks (a save is a collective: every rank
+  waits for the slowest);
+- the other steps that start while a background write is in flight, against the quiet ones.
 
 Under DDP rank 0 writes the whole checkpoint while the others wait at the save's barrier; under
 FSDP2 every rank writes its shards (DCP). Progress: one line per fit.
@@ -36,18 +40,24 @@ from app.checkpoints.plugin import background_writer
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "gpt_fsdp.yaml")
 TIMES_FILE = "save-times-rank{rank}.json"
-MODES = {"sync": "false", "async": "true"}
+MODES = {
+    "sync": ["--last_checkpoint.async_save=false"],
+    "async": ["--last_checkpoint.async_save=true"],
+    "overlap": ["--last_checkpoint.async_save=true", "--last_checkpoint.overlap_copy=true"],
+}
 STRATEGIES = {"ddp": ["--trainer.strategy=ddp"], "fsdp": []}  # the config's own: FSDP2Strategy
 
 
 class SaveTimer(L.Callback):
     """Per rank, during training: each step's time from its batch start to its batch end, as a save
     step (the coordinator saves last.ckpt at a batch's start, after every other callback's hook: the
-    save is inside the step), a step while a background write was in flight, or a quiet step; written
-    to `<default_root_dir>/save-times-rank<r>.json` at the end of training."""
+    save is inside the step), the step after a save (its optimizer waits for an overlapped copy), a
+    step while a background write was in flight, or a quiet step; written to
+    `<default_root_dir>/save-times-rank<r>.json` at the end of training."""
 
     def __init__(self) -> None:
-        self.steps: dict[str, list[float]] = {"save": [], "writing": [], "quiet": []}
+        self.steps: dict[str, list[float]] = {"save": [], "after_save": [], "writing": [], "quiet": []}
+        self._after_save = False
         self._started = 0.0
         self._saved_before = -1
         self._writing = False
@@ -73,8 +83,10 @@ class SaveTimer(L.Callback):
         if self._first:  # the first step warms up
             self._first = False
             return
-        kind = "save" if self._saved_step(trainer) != self._saved_before else "writing" if self._writing else "quiet"
+        saved = self._saved_step(trainer) != self._saved_before
+        kind = "save" if saved else "after_save" if self._after_save else "writing" if self._writing else "quiet"
         self.steps[kind].append(elapsed)
+        self._after_save = saved
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         path = Path(trainer.default_root_dir) / TIMES_FILE.format(rank=trainer.global_rank)
@@ -102,7 +114,7 @@ def fit(strategy: str, mode: str, args: argparse.Namespace, root: Path) -> dict[
         f"--trainer.max_steps={steps}", "--trainer.max_epochs=1", "--trainer.limit_val_batches=0",
         "--trainer.logger=false", "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={root}",
         "--trainer.callbacks+=app.bench.save_fits.SaveTimer", f"--last_checkpoint.every_n_steps={args.every}",
-        "--last_checkpoint.every_n_seconds=0", f"--last_checkpoint.async_save={MODES[mode]}",
+        "--last_checkpoint.every_n_seconds=0", *MODES[mode],
     ]  # fmt: skip
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True)
@@ -111,9 +123,9 @@ def fit(strategy: str, mode: str, args: argparse.Namespace, root: Path) -> dict[
     ranks = [json.loads(path.read_text()) for path in sorted(root.glob(TIMES_FILE.format(rank="*")))]
     blocked = []
     for steps in ranks:  # a save is a collective: every rank waits for the slowest
-        save, quiet = _median_ms(steps["save"]), _median_ms(steps["quiet"])
+        save, after, quiet = (_median_ms(steps[kind]) for kind in ("save", "after_save", "quiet"))
         if save is not None and quiet is not None:
-            blocked.append(save - quiet)
+            blocked.append(save - quiet + max((after or quiet) - quiet, 0.0))
     quiet = [step for steps in ranks for step in steps["quiet"]]
     writing = [step for steps in ranks for step in steps["writing"]]
     figures = {
@@ -136,20 +148,27 @@ def fit(strategy: str, mode: str, args: argparse.Namespace, root: Path) -> dict[
 
 def compare(strategy: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     sync, background = runs["sync"], runs["async"]
-    blocked_sync, blocked_async = sync["blocked_ms_per_save"], background["blocked_ms_per_save"]
+    blocked_sync = sync["blocked_ms_per_save"]
     during = background["step_ms_during_write"]
+    blocked: dict[str, float | None] = {"sync": blocked_sync}
+    for mode in ("async", "overlap"):
+        value = runs[mode]["blocked_ms_per_save"]
+        blocked[mode] = value
+        blocked[f"{mode}_over_sync"] = value / blocked_sync if blocked_sync and value is not None else None
     return {
         "checkpoint_mb": sync["checkpoint_mb"],
-        "blocked_ms_per_save": {
-            "sync": blocked_sync,
-            "async": blocked_async,
-            "async_over_sync": blocked_async / blocked_sync if blocked_sync and blocked_async is not None else None,
-        },
+        "blocked_ms_per_save": blocked,
         "step_ms": {
             "no_write": sync["step_ms_no_write"],
             "during_background_write": during,
             "steps_during_writes": background["steps_during_writes"],
             "during_over_no_write": during / sync["step_ms_no_write"] if during and sync["step_ms_no_write"] else None,
+            "during_overlapped_write": runs["overlap"]["step_ms_during_write"],
+            "overlapped_over_no_write": (
+                runs["overlap"]["step_ms_during_write"] / sync["step_ms_no_write"]
+                if runs["overlap"]["step_ms_during_write"] and sync["step_ms_no_write"]
+                else None
+            ),
         },
         "runs": runs,
     }
@@ -165,14 +184,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     strategies = list(report["by_strategy"])
     figure, axis = plt.subplots(figsize=(6, 4))
-    width = 0.38
-    for offset, mode in ((-width / 2, "sync"), (width / 2, "async")):
+    width = 0.27
+    for offset, mode in ((-width, "sync"), (0.0, "async"), (width, "overlap")):
         values = [report["by_strategy"][name]["blocked_ms_per_save"][mode] or 0 for name in strategies]
         axis.bar([index + offset for index in range(len(strategies))], values, width, label=mode)
     axis.set_xticks(range(len(strategies)), [f"{name} ({report['by_strategy'][name]['checkpoint_mb']:.0f} MB)"
                                              for name in strategies])  # fmt: skip
     axis.set_ylabel("training blocked per save (ms)")
-    axis.set_title("Checkpoint saves on 2 ranks: synchronous against background")
+    axis.set_title("Checkpoint saves on 2 ranks: synchronous, background, overlapped copy")
     axis.legend()
     save(figure, path, dpi=120)
     plt.close(figure)
@@ -205,15 +224,20 @@ def main(argv: list[str] | None = None) -> None:
         }
     report = {"command": " ".join(["python -m app.bench.save_fits", *(argv if argv is not None else sys.argv[1:])]),
               "cpu_count": os.cpu_count(), "by_strategy": by_strategy}  # fmt: skip
-    print(f"{'':<14}{'state MB':>10}{'sync ms':>10}{'async ms':>10}{'async/sync':>12}{'step ms':>10}{'writing':>10}")
+    print("blocked per save (ms, and against sync); step (ms, and while a write runs: async, overlap)")
+    print(f"{'':<6}{'state MB':>9}{'sync':>7}{'async':>13}{'overlap':>13}{'step':>7}{'async':>8}{'overlap':>9}")
+
+    def share(value: float | None, form: str) -> str:
+        return format(value, form) if value is not None else "-"
+
     for name, figures in by_strategy.items():
         blocked, steps = figures["blocked_ms_per_save"], figures["step_ms"]
-        ratio = blocked["async_over_sync"]
-        during = steps["during_over_no_write"]
         print(
-            f"{name:<14}{figures['checkpoint_mb']:>10.0f}{blocked['sync'] or 0:>10.0f}{blocked['async'] or 0:>10.0f}"
-            f"{(f'{ratio:.1%}' if ratio is not None else '-'):>12}{steps['no_write'] or 0:>10.0f}"
-            f"{(f'{during:.2f}x' if during is not None else '-'):>10}"
+            f"{name:<6}{figures['checkpoint_mb']:>9.0f}{blocked['sync'] or 0:>7.0f}"
+            f"{blocked['async'] or 0:>7.0f}{share(blocked['async_over_sync'], '.0%'):>6}"
+            f"{blocked['overlap'] or 0:>7.0f}{share(blocked['overlap_over_sync'], '.0%'):>6}"
+            f"{steps['no_write'] or 0:>7.0f}{share(steps['during_over_no_write'], '.2f'):>8}"
+            f"{share(steps['overlapped_over_no_write'], '.2f'):>9}"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))

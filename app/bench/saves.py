@@ -4,10 +4,13 @@ checkpoint save costs the training loop, synchronous against background (issue 4
 One CPU process trains `layers` Linear(hidden, hidden) layers with AdamW; at each save, the dict a
 Lightning checkpoint holds (`state_dict`, `optimizer_states`: 3x the parameters) goes through
 ddp-app's own plugins: `SafeCheckpointIO` (the write on the training thread) or
-`BackgroundCheckpointIO` (a host-memory snapshot on it, the write in the writer thread). Under DDP
-rank 0 makes exactly this call while the other ranks wait at the save's barrier. Per mode: the
-milliseconds the training thread is blocked per save, and the median step time with no write in
-flight against steps that ran while a background write did (both in the same run).
+`BackgroundCheckpointIO` (a host-memory snapshot on it, the write in the writer thread), or the same
+with `overlap_copy` (the parameters and AdamW's state copied on the writer thread while the next
+step's forward and backward run; its optimizer step waits for the copy). Under DDP rank 0 makes
+exactly this call while the other ranks wait at the save's barrier. Per mode: the milliseconds the
+training thread is blocked per save (with overlap, the save call and the next step's wait), and the
+median step time with no write in flight against steps that ran while a background write did (all
+in the same run).
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ def measure(hidden: int, layers: int, saves: int, directory: Path) -> dict[str, 
     def checkpoint() -> dict[str, object]:
         return {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}
 
-    sync, background = SafeCheckpointIO(), BackgroundCheckpointIO()
-    background.writer.in_background = True  # as during fit's training (`start_background_writes`)
-    blocked: dict[str, list[float]] = {"sync": [], "async": []}
+    sync, background, overlap = SafeCheckpointIO(), BackgroundCheckpointIO(), BackgroundCheckpointIO(overlap_copy=True)
+    for io in (background, overlap):
+        io.writer.in_background = True  # as during fit's training (`start_background_writes`)
+    overlap.writer.watch(model, [optimizer])
+    blocked: dict[str, list[float]] = {"sync": [], "async": [], "overlap": []}
     during_write: list[float] = []
     write_s: list[float] = []
     for _ in range(saves):
@@ -63,15 +68,29 @@ def measure(hidden: int, layers: int, saves: int, directory: Path) -> dict[str, 
             during_write.append(train_step(model, optimizer, batch))
         write_s.append(time.perf_counter() - started)
         quiet += [train_step(model, optimizer, batch) for _ in range(3)]
+        started = time.perf_counter()
+        overlap.save_checkpoint(checkpoint(), directory / "overlap.ckpt")
+        call_s, waited_before = time.perf_counter() - started, overlap.writer.staging_wait_s
+        train_step(model, optimizer, batch)  # its optimizer step waits for the copy, if it is not made yet
+        blocked["overlap"].append(call_s + overlap.writer.staging_wait_s - waited_before)
+        overlap.writer.wait()
+        quiet += [train_step(model, optimizer, batch) for _ in range(3)]
     background.teardown()
+    overlap.teardown()
     parameters = sum(parameter.numel() for parameter in model.parameters())
-    sync_ms, async_ms = (1000 * statistics.median(blocked[mode]) for mode in ("sync", "async"))
+    sync_ms, async_ms, overlap_ms = (1000 * statistics.median(blocked[mode]) for mode in ("sync", "async", "overlap"))
     quiet_ms = 1000 * statistics.median(quiet)
     during_ms = 1000 * statistics.median(during_write) if during_write else None
     return {
         "parameters": parameters,
         "checkpoint_mb": (directory / "sync.ckpt").stat().st_size / 2**20,
-        "blocked_ms_per_save": {"sync": sync_ms, "async": async_ms, "async_over_sync": async_ms / sync_ms},
+        "blocked_ms_per_save": {
+            "sync": sync_ms,
+            "async": async_ms,
+            "async_over_sync": async_ms / sync_ms,
+            "overlap": overlap_ms,
+            "overlap_over_sync": overlap_ms / sync_ms,
+        },
         "background_write_s": statistics.median(write_s),
         "step_ms": {
             "no_write": quiet_ms,
@@ -97,8 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         figures = measure(args.hidden, args.layers, args.saves, Path(directory))
     blocked, steps = figures["blocked_ms_per_save"], figures["step_ms"]
     print(f"checkpoint {figures['checkpoint_mb']:.0f} MB ({figures['parameters']:,} parameters, AdamW), 1 CPU process")
-    print(f"{'blocked per save':<30}{'sync ms':>10}{'async ms':>10}{'async/sync':>12}")
-    print(f"{'':<30}{blocked['sync']:>10.0f}{blocked['async']:>10.0f}{blocked['async_over_sync']:>12.1%}")
+    print(f"{'blocked per save':<30}{'sync ms':>10}{'async ms':>10}{'async/sync':>12}{'overlap ms':>12}{'/sync':>8}")
+    print(
+        f"{'':<30}{blocked['sync']:>10.0f}{blocked['async']:>10.0f}{blocked['async_over_sync']:>12.1%}"
+        f"{blocked['overlap']:>12.0f}{blocked['overlap_over_sync']:>8.1%}"
+    )
     during = steps["during_background_write"]
     print(f"{'step time':<30}{'no write':>10}{'writing':>10}{'ratio':>12}")
     if during is not None:

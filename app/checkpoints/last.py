@@ -90,6 +90,12 @@ class LastCheckpoint:
             ModelCheckpoints' files) in the background: a save blocks training only for a copy to host
             memory (app/checkpoints/plugin.py `BackgroundWriter`; under fsdp every rank's shards,
             `dcp.async_save`). False: wait for the disk at every save.
+        overlap_copy: with async_save, copy the parameters and the optimizer state to host memory
+            while the next step's forward and backward run; that step's optimizer waits for the copy
+            (a save then blocks training for the rest of the state only). Only for a module whose
+            weights change in optimizer steps alone: an in-place change of a parameter in between (an
+            EMA swap, a clamp) fails that save in one line, but one through `.data` goes unnoticed
+            (docs/resume.md, "Background saves").
     """
 
     def __init__(
@@ -98,6 +104,7 @@ class LastCheckpoint:
         every_n_steps: int | None = None,
         check_interval_s: float = 1.0,
         async_save: bool = True,
+        overlap_copy: bool = False,
     ) -> None:
         if every_n_seconds < 0:
             raise InvalidConfigError(f"last_checkpoint.every_n_seconds must be >= 0 (0: off), got {every_n_seconds}.")
@@ -108,7 +115,13 @@ class LastCheckpoint:
         self.every_n_seconds = every_n_seconds
         self.every_n_steps = every_n_steps
         self.check_interval_s = check_interval_s
+        if overlap_copy and not async_save:
+            raise InvalidConfigError(
+                "last_checkpoint.overlap_copy: true needs last_checkpoint.async_save: true (the copy is made "
+                "while the next step runs, and the write after it). Fix: set both, or neither."
+            )
         self.async_save = async_save
+        self.overlap_copy = overlap_copy
         self.dirpath: str | None = None
         self.last_model_path = ""
         # True while last.ckpt is written: the save `--ckpt_path last` resumes from, unlike a

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,14 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.distributed.tensor import DTensor
 
 from app.checkpoints.io import atomic_torch_save, refuse_url, remove_stale_temporaries, safe_load
 from app.errors import UserFacingError
+from app.private_apis import require
 
+Stage = Callable[..., tuple[Any, ...]]  # a write's arguments -> the ones it writes, copied (`stage`)
+OVERLAP_CHECK = "last_checkpoint.overlap_copy's check that no parameter changed while a save copied it"
 WRITER_NICENESS = 10  # about a tenth of a core's time against a training thread at 0 (the kernel's weights)
 
 
@@ -72,18 +77,111 @@ class SafeCheckpointIO(TorchCheckpointIO):
         return checkpoint
 
 
-def snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
+def storage_key(tensor: torch.Tensor) -> int:
+    """Which memory a tensor lives in (0: none): a state dict's entries are views of the parameters;
+    a DTensor's (FSDP2), its local shard's."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.untyped_storage().data_ptr()
+
+
+def version(tensor: torch.Tensor) -> int:
+    """How many in-place changes torch counted on `tensor`'s memory (a DTensor: its local shard's)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return require(tensor, "_version", "torch", OVERLAP_CHECK, owner_name="torch.Tensor")  # docs/private_apis.md
+
+
+def snapshot(checkpoint: dict[str, Any], late: dict[int, str] | None = None) -> dict[str, Any]:
     """A copy of `checkpoint` that the next training steps cannot change: every tensor copied to host
     memory (from a GPU, a device-to-host copy) and everything else deep-copied (a scheduler's lists,
-    a callback's state), the tensors just copied excepted."""
-    copies: dict[int, Any] = {}  # deepcopy's memo: these are copies already
+    a callback's state), the tensors just copied excepted.
 
-    def to_host(tensor: torch.Tensor) -> torch.Tensor:
-        copied = tensor.detach().to("cpu", copy=True)
+    Tensors in the storages `late` (what an optimizer step changes: `BackgroundWriter.stepped_storages`)
+    are not copied here but held as `LateCopy`, for `stage` to copy on the writer thread."""
+    copies: dict[int, Any] = {}  # deepcopy's memo: these are copies already (or held as they are)
+
+    def to_host(tensor: torch.Tensor) -> Any:
+        name = (late or {}).get(storage_key(tensor))
+        copied: Any = LateCopy(tensor, name) if name else tensor.detach().to("cpu", copy=True)
         copies[id(copied)] = copied
         return copied
 
     return copy.deepcopy(apply_to_collection(checkpoint, torch.Tensor, to_host), copies)
+
+
+class LateCopy:
+    """A tensor of a `snapshot` still shared with training, and its in-place version at the save."""
+
+    def __init__(self, tensor: torch.Tensor, name: str) -> None:
+        self.tensor = tensor
+        self.name = name
+        self.version = version(tensor)
+
+    def copied(self, path: Any) -> torch.Tensor:
+        copied = self.tensor.detach().to("cpu", copy=True)
+        if version(self.tensor) != self.version:
+            raise changed_while_copied(path, self.name)
+        return copied
+
+
+def changed_while_copied(path: Any, name: str | None) -> CheckpointWriteError:
+    """The one line for a save whose late copy a change outside the optimizer's step may have torn
+    (`name`: this rank's, as `stepped_storages` names it; None: another rank's)."""
+    which = name if name is not None else "a parameter or optimizer state on another rank"
+    return CheckpointWriteError(
+        f"could not write the checkpoint {path}: {which} changed "
+        "outside an optimizer step while the save copied it (last_checkpoint.overlap_copy: true); the previous "
+        "checkpoint there, if any, is unchanged. Fix: set last_checkpoint.overlap_copy: false where the module "
+        "changes its weights itself (an EMA swap, a clamp), then continue with --ckpt_path last."
+    )
+
+
+def copy_all_but_late(state: Any, late: dict[int, str]) -> tuple[Any, list[tuple[torch.Tensor, str, int]]]:
+    """`state` with every tensor outside the storages `late` copied now (buffers a forward changes),
+    and the late ones with their in-place versions, for a stager that copies them later (FSDP2's
+    `dcp.async_save`; `check_unchanged` after it)."""
+    held: list[tuple[torch.Tensor, str, int]] = []
+
+    def copy_early(tensor: torch.Tensor) -> torch.Tensor:
+        name = late.get(storage_key(tensor))
+        if name:
+            held.append((tensor, name, version(tensor)))
+            return tensor
+        return tensor.detach().clone()
+
+    return apply_to_collection(state, torch.Tensor, copy_early), held
+
+
+class StagingCheck:
+    """Whether the tensors a stager copied late (`copy_all_but_late`) stayed as they were at the save
+    until their copy was made: `error` is set before the next optimizer step may run (`after`)."""
+
+    def __init__(self, held: list[tuple[torch.Tensor, str, int]], path: Any) -> None:
+        self.held = held
+        self.path = path
+        self.error: CheckpointWriteError | None = None
+
+    def after(self, staging: Future) -> Future:
+        """A future done once `staging` is and this check is made: what the next optimizer step waits for."""
+        checked: Future = Future()
+
+        def check(_: Future) -> None:
+            try:
+                for tensor, name, before in self.held:
+                    if version(tensor) != before:
+                        self.error = changed_while_copied(self.path, name)
+                        break
+            finally:
+                checked.set_result(None)
+
+        staging.add_done_callback(check)
+        return checked
+
+
+def stage(checkpoint: dict[str, Any], path: Any, *rest: Any) -> tuple[Any, ...]:
+    """On the writer thread: the `snapshot`'s late tensors copied, before the next optimizer step."""
+    return apply_to_collection(checkpoint, LateCopy, lambda late: late.copied(path)), path, *rest
 
 
 class BackgroundWriter:
@@ -102,13 +200,18 @@ class BackgroundWriter:
       before they name a checkpoint, and a save after that, or outside fit (a script's own
       `trainer.save_checkpoint(path)` followed by a load), is on disk when the call returns;
     - `saves_started` and `saves_written` count the saves asked for and those on disk (in order, so
-      the first `saves_written` are): app/tracking/run.py calls a save's values final only then.
+      the first `saves_written` are): app/tracking/run.py calls a save's values final only then;
+    - with `overlap_copy` (`last_checkpoint.overlap_copy`), the parameters and the optimizer state
+      are copied on the writer thread while the next step's forward and backward run, and each
+      optimizer's next `step` waits for that copy (`watch`, `wait_for_staging`), as torchtitan
+      waits for its staging before the optimizer step. Everything else is copied at the save.
     """
 
     SLOW_WAIT_S = 1.0  # a wait for the previous write at least this long is said in the log...
     NOTICE_EVERY_S = 600.0  # ...at most this often
 
-    def __init__(self) -> None:
+    def __init__(self, overlap_copy: bool = False) -> None:
+        self.overlap_copy = overlap_copy
         self._thread: ThreadPoolExecutor | None = None
         self._in_flight: Future | None = None
         self._failure: BaseException | None = None
@@ -116,9 +219,14 @@ class BackgroundWriter:
         self.in_background = False
         self.saves_started = 0
         self.saves_written = 0
-        # Called on the writer thread as each background write starts. resume-check's StopAt holds a
-        # write there, so that its kill lands while the write is in flight however fast the disk is.
+        # Called on the writer thread as each background write starts (before its late copy, if any).
+        # resume-check's StopAt holds a write there, so that its kill lands while the write is in
+        # flight however fast the disk is.
         self.before_write: Callable[[], None] | None = None
+        # The copy the next optimizer step waits for (`overlap_copy`): a Future done once it is made.
+        self._staging: Future | None = None
+        self.staging_wait_s = 0.0  # how long optimizer steps waited for it, in all
+        self._watched: list[Any] = []  # (the module and optimizers whose state is copied late, hook handles)
 
     def begin_save(self, name: str) -> bool:
         """Where every save starts: wait for the previous write. True: write this one with
@@ -142,15 +250,71 @@ class BackgroundWriter:
         """A save `begin_save` said to write now is on disk."""
         self.saves_written += 1
 
-    def write_in_background(self, write: Callable[..., None], *args: Any) -> None:
-        """`write(*args)` on the writer thread; the save counts as written once it returns."""
-        self._submit(self._write, write, *args)
+    def write_in_background(self, write: Callable[..., None], *args: Any, stage: Stage | None = None) -> None:
+        """`write(*args)` on the writer thread; the save counts as written once it returns. With
+        `stage`, `write(*stage(*args))`, and the next optimizer step waits until `stage` returned."""
+        staging: Future | None = None
+        if stage is not None:
+            staging = self._staging = Future()
+        self._submit(self._write, write, stage, staging, *args)
 
-    def _write(self, write: Callable[..., None], *args: Any) -> None:
-        if self.before_write is not None:
-            self.before_write()
+    def wait_for_staging_of(self, staging: Future | None) -> None:
+        """The next optimizer step waits for `staging` (a copy made by someone else: DCP's stager)."""
+        self._staging = staging
+
+    def _write(self, write: Callable[..., None], stage: Stage | None, staging: Future | None, *args: Any) -> None:
+        try:
+            if self.before_write is not None:
+                self.before_write()
+            if stage is not None:
+                args = stage(*args)
+        finally:
+            if staging is not None:
+                staging.set_result(None)  # a failed copy is this write's failure, reported as any other
         write(*args)
         self.saves_written += 1
+
+    def watch(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """From training's start (`start_background_writes`), with `overlap_copy`: every optimizer's
+        `step` first waits for the last save's copy of the state it changes."""
+        self.unwatch()
+        hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step) for optimizer in optimizers]
+        self._watched = [module, optimizers, hooks]
+
+    def unwatch(self) -> None:
+        if self._watched:
+            for hook in self._watched[2]:
+                hook.remove()
+        self._watched = []
+
+    def stepped_storages(self) -> dict[int, str]:
+        """The storages an optimizer step changes, by their names (`parameter 0.weight`, `optimizer
+        0's exp_avg of 0.weight`), of the watched module: a save copies them late, on the writer
+        thread. Empty without `overlap_copy`."""
+        if not self._watched or not self.overlap_copy:
+            return {}
+        module, optimizers, _ = self._watched
+        names = {id(parameter): name for name, parameter in module.named_parameters()}
+        late = {storage_key(parameter): f"parameter {name}" for name, parameter in module.named_parameters()}
+        for index, optimizer in enumerate(optimizers):
+            for parameter, state in optimizer.state.items():
+                owner = names.get(id(parameter), "a parameter outside the module")
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        late.setdefault(storage_key(value), f"optimizer {index}'s {key} of {owner}")
+        late.pop(0, None)
+        return late
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        self.wait_for_staging()
+
+    def wait_for_staging(self) -> None:
+        """Block until the last save's late copy (if any) is made."""
+        staging, self._staging = self._staging, None
+        if staging is not None and not staging.done():
+            started = time.monotonic()
+            wait_futures([staging])  # its failure, if any, is the write's: reported by `wait`
+            self.staging_wait_s += time.monotonic() - started
 
     def remove(self, remove: Callable[..., None], *args: Any) -> None:
         """`remove(*args)` queued behind the write before it: a ModelCheckpoint removes its previous
@@ -178,6 +342,7 @@ class BackgroundWriter:
 
     def wait(self) -> None:
         """Block until every write queued so far is on disk; raise a failed one's error (once)."""
+        self.wait_for_staging()
         if self._in_flight is not None:
             self._in_flight.result()  # `_run` raises nothing; the writes are in order (one thread)
             self._in_flight = None
@@ -196,6 +361,7 @@ class BackgroundWriter:
                 raise
             print(f"ddp-app: error: {failure}", file=sys.stderr, flush=True)
         finally:
+            self.unwatch()
             if self._thread is not None:
                 self._thread.shutdown(wait=True)
                 self._thread = None
@@ -210,14 +376,16 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
     error raw at a later save, after queueing that one.
     """
 
-    def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
+    def __init__(self, checkpoint_io: CheckpointIO | None = None, overlap_copy: bool = False) -> None:
         super().__init__(checkpoint_io or SafeCheckpointIO())
-        self.writer = BackgroundWriter()
+        self.writer = BackgroundWriter(overlap_copy)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         write = self.checkpoint_io.save_checkpoint
         if self.writer.begin_save(Path(path).name):
-            self.writer.write_in_background(write, snapshot(checkpoint), path, storage_options)
+            late = self.writer.stepped_storages()  # empty unless `overlap_copy`
+            copied = snapshot(checkpoint, late)
+            self.writer.write_in_background(write, copied, path, storage_options, stage=stage if late else None)
         else:
             write(checkpoint, path, storage_options)
             self.writer.written()
@@ -253,6 +421,8 @@ def start_background_writes(trainer: L.Trainer) -> None:
     writer = background_writer(trainer)
     if writer is not None:
         writer.in_background = True
+        if writer.overlap_copy:
+            writer.watch(trainer.lightning_module, trainer.optimizers)
 
 
 def save_ticket(trainer: L.Trainer) -> int | None:
@@ -279,3 +449,4 @@ def finish_writes(trainer: L.Trainer) -> None:
     if writer is not None:
         writer.wait()
         writer.in_background = False
+        writer.unwatch()

@@ -39,6 +39,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -52,7 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import CheckpointError, atomic_torch_save, safe_load
-from app.checkpoints.plugin import BackgroundWriter, write_failed
+from app.checkpoints.plugin import BackgroundWriter, StagingCheck, changed_while_copied, copy_all_but_late, write_failed
 from app.checkpoints.sharded import (
     META_NAME,
     SafeFileSystemReader,
@@ -137,6 +138,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         # Set by app/run/build.py where saves are written in the background (`last_checkpoint.async_save`).
         self.background_writer: BackgroundWriter | None = None
         self._checkpoint_group: dist.ProcessGroup | None = None  # the background writes' own (gloo)
+        self._staging: DefaultStager | None = None  # `_stager`
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -269,10 +271,21 @@ class FSDP2Strategy(ModelParallelStrategy):
             assert writer is not None
             if self._checkpoint_group is None:  # every rank, at the same save: a collective call
                 self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
-            writing = dcp.async_save(tensors, checkpoint_id=shards, process_group=self._checkpoint_group)
+            late = writer.stepped_storages()  # empty unless last_checkpoint.overlap_copy
+            check: StagingCheck | None = None
+            if late:  # DCP copies the shards on its stager's thread; the next optimizer step waits for it
+                tensors, held = copy_all_but_late(tensors, late)
+                response = dcp.async_save(
+                    tensors, checkpoint_id=shards, process_group=self._checkpoint_group, async_stager=self._stager()
+                )
+                check = StagingCheck(held, path)
+                writer.wait_for_staging_of(check.after(response.staging_completion))
+                writing = response.upload_completion
+            else:
+                writing = dcp.async_save(tensors, checkpoint_id=shards, process_group=self._checkpoint_group)
             if self.is_global_zero:
                 self._write_meta(checkpoint, shards, path)
-            writer.write_in_background(self._publish_when_written, writing, shards, path)
+            writer.write_in_background(self._publish_when_written, writing, shards, path, check)
             return
         try:
             dcp.save(tensors, checkpoint_id=shards)  # returns once DCP's index is written (rank 0, after all)
@@ -286,14 +299,31 @@ class FSDP2Strategy(ModelParallelStrategy):
         if writer is not None:
             writer.written()
 
-    def _publish_when_written(self, writing: Future, shards: Path, path: Path) -> None:
+    def _stager(self) -> DefaultStager:
+        """DCP's stager for `last_checkpoint.overlap_copy`: a thread of its own copies the shards
+        (into pinned host memory on a GPU, with non-blocking copies), reusing its buffers save after save."""
+        if self._staging is None:
+            on_gpu = self.root_device.type == "cuda"
+            options = StagingOptions(
+                use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=on_gpu
+            )
+            self._staging = DefaultStager(options)
+        return self._staging
+
+    def _publish_when_written(self, writing: Future, shards: Path, path: Path, check: StagingCheck | None) -> None:
         """On the writer's thread: wait for this rank's `dcp.async_save`; rank 0's returns once every
         rank's shards and DCP's index are on disk (DCP gathers every rank's result before it writes the
-        index), and rank 0 then moves the link."""
+        index), and rank 0 then moves the link. With a late copy (`check`), only if no rank's state
+        changed while it was copied (one all-reduce over the writes' own group)."""
         try:
             writing.result()
         except CheckpointException as error:
             _raise_write_error(path, error)
+        if check is not None:
+            changed = torch.tensor([check.error is not None], dtype=torch.int32)
+            dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self._checkpoint_group)
+            if changed.item():
+                raise check.error or changed_while_copied(path, None)
         if self.is_global_zero:
             try:
                 publish(shards, path)
@@ -319,6 +349,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         """The background writes finish (a failed one is said) while the process groups still exist."""
         if self.background_writer is not None:
             self.background_writer.teardown()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
         super().teardown()
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:

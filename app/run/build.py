@@ -144,16 +144,20 @@ def checkpoint_save_mode(config: Any) -> str:
     own = [type(p).__name__ for p in plugins if isinstance(p, CheckpointIO) and type(p) is not SafeCheckpointIO]
     if not config["last_checkpoint"].async_save:
         return "written before training goes on (last_checkpoint.async_save: false)"
-    if strategy.kind == StrategyKind.FSDP:  # its shards bypass the CheckpointIO: a config's own plugin changes nothing
-        return (
-            f"{IN_THE_BACKGROUND} by every rank (a save pauses training for a copy of this rank's shards to host "
-            "memory; last_checkpoint.async_save)"
+    whose = "this rank's shards" if strategy.kind == StrategyKind.FSDP else "the checkpoint"
+    pause = f"a save pauses training for a copy of {whose} to host memory; last_checkpoint.async_save"
+    if config["last_checkpoint"].overlap_copy:
+        pause = (
+            f"a save pauses training for a copy of {whose} less the parameters and optimizer state, which are "
+            "copied during the next step, whose optimizer step waits for them; last_checkpoint.overlap_copy"
         )
+    if strategy.kind == StrategyKind.FSDP:  # its shards bypass the CheckpointIO: a config's own plugin changes nothing
+        return f"{IN_THE_BACKGROUND} by every rank ({pause})"
     if strategy.kind not in (StrategyKind.DDP, StrategyKind.SINGLE):
         return f"written before training goes on (strategy {strategy.written} writes its own checkpoints)"
     if own:
         return f"written before training goes on, by the config's checkpoint I/O plugin {own[0]}"
-    return f"{IN_THE_BACKGROUND} (a save pauses training for a copy to host memory; last_checkpoint.async_save)"
+    return f"{IN_THE_BACKGROUND} ({pause})"
 
 
 def build_trainer(
@@ -173,7 +177,8 @@ def build_trainer(
     strategy = resolve_strategy(config["trainer"].get("strategy"))
     sharded = strategy.is_sharded
     if in_background and not sharded:
-        plugins = [BackgroundCheckpointIO(p) if type(p) is SafeCheckpointIO else p for p in plugins]
+        overlap = config["last_checkpoint"].overlap_copy
+        plugins = [BackgroundCheckpointIO(p, overlap) if type(p) is SafeCheckpointIO else p for p in plugins]
     # Not SLURMEnvironment.detect(): that is also true under torchrun inside a Slurm job. Preemption is
     # handled by ddp-app at a step boundary, not by Lightning's SIGUSR1 handler, which saves inside the
     # signal handler (Lightning #21406).
@@ -221,7 +226,7 @@ def build_trainer(
         trainer.callbacks = [callback for callback in trainer.callbacks if not isinstance(callback, HangReport)]
     if in_background and sharded:
         # Strategy fsdp writes its shards itself (DCP), past the CheckpointIO: it gets the writer directly.
-        trainer.strategy.background_writer = BackgroundWriter()
+        trainer.strategy.background_writer = BackgroundWriter(config["last_checkpoint"].overlap_copy)
     keep_lightning_off_stop_signals(trainer)  # private: Lightning's SIGTERM handler broadcasts inside it
     build_ddp_on_the_current_stream(trainer.strategy)  # private: Lightning wraps DDP on a side stream
     if subcommand not in (None, "fit") or not saves_last:

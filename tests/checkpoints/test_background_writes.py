@@ -111,3 +111,98 @@ def test_a_save_counts_as_written_only_once_on_disk_and_a_failed_one_never(tmp_p
         io.writer.wait()
     assert (io.writer.saves_started, io.writer.saves_written) == (2, 1)
     io.teardown()
+
+
+# `last_checkpoint.overlap_copy`: the parameters and the optimizer state are copied on the writer
+# thread while the next step computes; that step's optimizer waits for the copy.
+
+
+def overlapped_training(tmp_path: Path) -> tuple[BackgroundCheckpointIO, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    step(model, optimizer)  # AdamW's state exists from the first step on
+    io = BackgroundCheckpointIO(overlap_copy=True)
+    io.writer.in_background = True
+    io.writer.watch(model, [optimizer])  # as `start_background_writes` does at fit's train start
+    return io, model, optimizer
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(8, 64)).square().mean().backward()  # also moves BatchNorm's running statistics
+    optimizer.step()
+
+
+def lightning_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """What Lightning hands the checkpoint I/O: the live tensors (state dicts are views of them)."""
+    return {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "loops": {"step": 1}}
+
+
+def expected(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    import copy
+
+    return copy.deepcopy({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def test_an_overlapped_copy_holds_the_state_of_the_save_while_the_next_steps_run(tmp_path: Path) -> None:
+    io, model, optimizer = overlapped_training(tmp_path)
+    hold = threading.Event()
+    io.writer.before_write = lambda: hold.wait(30)  # the late copy has not started when the next step begins
+    at_save = expected(model, optimizer)
+    io.save_checkpoint(lightning_checkpoint(model, optimizer), tmp_path / "last.ckpt")
+    stepping = threading.Thread(target=step, args=(model, optimizer))
+    stepping.start()  # its forward changes BatchNorm's buffers (copied at the save); its optimizer waits
+    stepping.join(timeout=2)
+    assert stepping.is_alive(), "the optimizer stepped before the save's copy of the parameters was made"
+    hold.set()
+    stepping.join(timeout=30)
+    assert not stepping.is_alive() and io.writer.staging_wait_s > 1.0
+    step(model, optimizer)
+    io.writer.wait()
+    saved = safe_load(tmp_path / "last.ckpt")
+    for name, tensor in at_save["state_dict"].items():
+        assert torch.equal(saved["state_dict"][name], tensor), name
+    moved = ("0.weight", "1.running_mean", "2.bias")  # a parameter and a buffer, two steps later
+    assert not any(torch.equal(model.state_dict()[name], at_save["state_dict"][name]) for name in moved)
+    for index, state in at_save["optimizer"]["state"].items():
+        for key, tensor in state.items():
+            assert torch.equal(saved["optimizer_states"][0]["state"][index][key], tensor), (index, key)
+    io.teardown()
+
+
+def test_a_parameter_changed_in_place_while_it_is_copied_fails_that_save_in_one_line(tmp_path: Path) -> None:
+    io, model, optimizer = overlapped_training(tmp_path)
+    io.save_checkpoint(lightning_checkpoint(model, optimizer), tmp_path / "last.ckpt")
+    io.writer.wait()
+    previous = (tmp_path / "last.ckpt").read_bytes()
+    hold = threading.Event()
+    io.writer.before_write = lambda: hold.wait(30)
+    io.save_checkpoint(lightning_checkpoint(model, optimizer), tmp_path / "last.ckpt")
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.01, 0.01)  # a user's clamp before the next optimizer step
+    hold.set()
+    with pytest.raises(CheckpointWriteError) as failure:
+        io.writer.wait()
+    message = str(failure.value)
+    assert "\n" not in message and str(tmp_path / "last.ckpt") in message
+    assert "parameter 0.weight changed outside an optimizer step" in message and "overlap_copy: false" in message
+    assert (tmp_path / "last.ckpt").read_bytes() == previous
+    io.teardown()
+
+
+def test_without_overlap_nothing_is_copied_late_and_no_step_waits(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    io = in_training(GatedIO())
+    io.writer.watch(model, [optimizer])  # watched, but overlap_copy is off: everything is copied at the save
+    assert not io.writer.stepped_storages()
+    at_save = expected(model, optimizer)
+    io.save_checkpoint(lightning_checkpoint(model, optimizer), tmp_path / "last.ckpt")
+    step(model, optimizer)  # the write is still held: the step does not wait for it
+    assert io.writer.staging_wait_s == 0.0
+    io.checkpoint_io.gate.set()
+    io.writer.wait()
+    assert torch.equal(safe_load(tmp_path / "last.ckpt")["state_dict"]["0.weight"], at_save["state_dict"]["0.weight"])
+    io.teardown()
