@@ -7,14 +7,16 @@ user does, on 2 CPU ranks (gloo).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from app.cli.diagnose import data_bound_text, suggested_workers, verdict
+from app.bench import netns
+from app.cli.diagnose import data_bound_text, one_of_several, suggested_workers, verdict
 from app.run.step_timing import epoch_metrics, step_line
-from tests.helpers.run import ddp_app
+from tests.helpers.run import REPO, clean_env, ddp_app
 
 STRAGGLER = '--trainer.callbacks+={"class_path": "tests.helpers.user_callbacks.SleepOnRank"}'
 
@@ -107,14 +109,19 @@ def test_the_data_bound_verdict_says_what_trying_the_workers_measured() -> None:
     report["suggested_num_workers"] = 40
     text = data_bound_text(report)
     assert "num_workers: 40 (now 0;" in text
-    assert text.endswith("Checked: the data share is 30% with 13, 5% with 40 workers.")
+    assert text.endswith(
+        "Checked: waiting for the next batch takes 30% with 13 (9.0 ms per step), 5% with 40 (4.2 ms per step)."
+    )
     report["tried_num_workers"] = [
         {"num_workers": 13, "step_ms": 9.0, "data_share": 0.4},
         {"num_workers": 30, "step_ms": 9.6, "data_share": 0.45},
     ]
     report["suggested_num_workers"] = 13
     assert "num_workers: 13 (now 0;" in data_bound_text(report)
-    assert "still 40% with 13, 45% with 30 workers: past a few workers the cost is the CPU" in data_bound_text(report)
+    assert (
+        "still takes 40% with 13 (9.0 ms per step), 45% with 30 (9.6 ms per step): past a few workers the cost is "
+        "the CPU" in data_bound_text(report)
+    )
     report["tried_num_workers"] = [{"num_workers": 13, "failed": "exit 2, see x.log"}]
     assert data_bound_text(report).endswith("(The run with num_workers 13 failed: exit 2, see x.log.)")
 
@@ -172,4 +179,52 @@ def test_slow_samples_are_data_bound_and_the_suggested_workers_fix_it(tmp_path: 
     workers, tried = slow["suggested_num_workers"], slow["tried_num_workers"]
     assert workers == tried[-1]["num_workers"] and tried[-1]["data_share"] < 0.10, tried
     text = slow["verdict_text"]
-    assert f"num_workers: {workers} (now 0" in text and "Checked: the data share is" in text, text
+    assert f"num_workers: {workers} (now 0" in text and "Checked: waiting for the next batch takes" in text, text
+
+
+def test_one_diagnose_per_node_or_task_is_told_apart() -> None:
+    assert one_of_several({}) is None
+    assert one_of_several({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # an sbatch script's one task
+    assert one_of_several({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}) == 3  # srun of 4 tasks
+    assert one_of_several({"NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}) == 1  # a plain multi-node launch
+    assert one_of_several({"RANK": "0", "WORLD_SIZE": "2"}) == 0  # torchrun
+
+
+def diagnose_on_two_nodes(tmp_path: Path, *overrides: str) -> dict[str, Any]:
+    """`ddp-app diagnose` run once on each of two network-namespace "nodes" (one rank each), as a user
+    runs it on two machines: the same arguments, NODE_RANK and the first node's address."""
+    out = tmp_path / "report"
+    args = [
+        "app", "diagnose", "--config", str(REPO / "configs" / "digits.yaml"), "--trainer.devices=1",
+        "--trainer.num_nodes=2", f"--trainer.default_root_dir={tmp_path / 'run'}", "--steps=40", f"--out={out}",
+        *overrides,
+    ]  # fmt: skip
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = clean_env(MASTER_ADDR=netns.ADDRESSES[0], MASTER_PORT="29500")
+    netns.run_ranks("diagnose", [(0, args), (1, args)], env, logs, 600, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}])
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.slow  # about 4 min: two diagnose runs of three 2-node fits each, over 100 Mbit/s
+@pytest.mark.distributed
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
+def test_a_100_mbit_link_is_communication_bound_and_powersgd_lowers_the_communication_share(tmp_path: Path) -> None:
+    lock = netns.acquire_lock()
+    try:
+        netns.remove_pair()  # a crashed run's leftovers: we hold the lock
+        netns.create_pair()
+        netns.limit_pair(netns.parse_link("100mbit"))
+        plain = diagnose_on_two_nodes(tmp_path / "plain")
+        compressed = diagnose_on_two_nodes(
+            tmp_path / "powersgd", "--gradient_compression.method=powersgd", "--gradient_compression.start_iter=2"
+        )
+    finally:
+        try:
+            netns.remove_pair()
+        finally:
+            os.close(lock)
+    assert plain["verdict"] == "communication-bound", plain["verdict_text"]
+    assert "gradient_compression.method: auto" in plain["verdict_text"], plain["verdict_text"]
+    shares = plain["shares"]["communication"], compressed["shares"]["communication"]
+    assert shares[1] < shares[0], (shares, compressed["verdict_text"])

@@ -193,6 +193,15 @@ def set_rate(interface: str, link: Link, limited: bool) -> bool:
     return True
 
 
+def limit_pair(link: Link) -> None:
+    """Cap both sides of the pair at the link's rate, from outside (for runs that do not cap it
+    themselves: tests/test_diagnose.py's two "nodes")."""
+    burst = tbf_burst_bytes(link.rate_mbit or 0.0)
+    tbf = ["tbf", "rate", f"{(link.rate_mbit or 0.0) * 1000:.0f}kbit", "burst", str(burst), "latency", TBF_LATENCY]
+    for namespace, interface in zip(NAMESPACES, INTERFACES, strict=True):
+        run_tool(["ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", interface, "root", *tbf])
+
+
 def tx_bytes(interface: str) -> int:
     """Bytes `interface` has sent, from /proc/self/net/dev, which lists the caller's namespace."""
     for line in Path("/proc/self/net/dev").read_text().splitlines()[2:]:
@@ -203,11 +212,17 @@ def tx_bytes(interface: str) -> int:
 
 
 def run_ranks(
-    prog: str, ranks: Sequence[tuple[int, list[str]]], env: Mapping[str, str], out: Path, timeout_s: float
+    prog: str,
+    ranks: Sequence[tuple[int, list[str]]],
+    env: Mapping[str, str],
+    out: Path,
+    timeout_s: float,
+    rank_envs: Sequence[Mapping[str, str]] = (),
 ) -> None:
     """Start each rank `(node, python -m arguments)` inside namespace `node` with gloo bound to that node's
-    link (GLOO_SOCKET_IFNAME), and wait for all. Rank 0 prints to our stdout; every rank's errors go to
-    out/rank<N>.log. A failed rank takes the others down at once; all are killed by PID in a `finally`."""
+    link (GLOO_SOCKET_IFNAME) and `rank_envs[rank]` (if given) added to `env`, and wait for all. Rank 0
+    prints to our stdout; every rank's errors go to out/rank<N>.log. A failed rank takes the others
+    down at once; all are killed by PID in a `finally`."""
     processes: list[subprocess.Popen[bytes]] = []
     logs = [out / f"rank{rank}.log" for rank in range(len(ranks))]
     try:
@@ -217,7 +232,12 @@ def run_ranks(
                 processes.append(
                     subprocess.Popen(
                         command,
-                        env={**env, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": INTERFACES[node]},
+                        env={
+                            **env,
+                            **(rank_envs[rank] if rank_envs else {}),
+                            "PYTHONUNBUFFERED": "1",
+                            "GLOO_SOCKET_IFNAME": INTERFACES[node],
+                        },
                         stdout=None if rank == 0 else log,
                         stderr=log,
                         start_new_session=True,  # Ctrl-C reaches the bench; it stops the ranks

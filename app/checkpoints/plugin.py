@@ -86,9 +86,9 @@ def storage_key(tensor: torch.Tensor) -> int:
 
 
 def version(tensor: torch.Tensor) -> int:
-    """How many in-place changes torch counted on `tensor`'s memory (a DTensor: its local shard's)."""
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
+    """How many in-place changes torch counted on `tensor` and the views that share its counter (a
+    state dict's detached entries). A DTensor counts its own: an in-place op on a DTensor parameter
+    leaves its local shard's counter as it was."""
     return require(tensor, "_version", "torch", OVERLAP_CHECK, owner_name="torch.Tensor")  # docs/private_apis.md
 
 
@@ -125,10 +125,10 @@ class LateCopy:
         return copied
 
 
-def changed_while_copied(path: Any, name: str | None) -> CheckpointWriteError:
+def changed_while_copied(path: Any, name: str) -> CheckpointWriteError:
     """The one line for a save whose late copy a change outside the optimizer's step may have torn
-    (`name`: this rank's, as `stepped_storages` names it; None: another rank's)."""
-    which = name if name is not None else "a parameter or optimizer state on another rank"
+    (`name`, as `stepped_storages` names it, or "a parameter or optimizer state on rank N")."""
+    which = name
     return CheckpointWriteError(
         f"could not write the checkpoint {path}: {which} changed "
         "outside an optimizer step while the save copied it (last_checkpoint.overlap_copy: true); the previous "
@@ -155,16 +155,17 @@ def copy_all_but_late(state: Any, late: dict[int, str]) -> tuple[Any, list[tuple
 
 class StagingCheck:
     """Whether the tensors a stager copied late (`copy_all_but_late`) stayed as they were at the save
-    until their copy was made: `error` is set before the next optimizer step may run (`after`)."""
+    until their copy was made: `error` is set before `staged`, which the next optimizer step waits
+    for (`BackgroundWriter.expect_staging`), is done (`after`)."""
 
-    def __init__(self, held: list[tuple[torch.Tensor, str, int]], path: Any) -> None:
+    def __init__(self, held: list[tuple[torch.Tensor, str, int]], path: Any, staged: Future) -> None:
         self.held = held
         self.path = path
+        self.staged = staged
         self.error: CheckpointWriteError | None = None
 
-    def after(self, staging: Future) -> Future:
-        """A future done once `staging` is and this check is made: what the next optimizer step waits for."""
-        checked: Future = Future()
+    def after(self, staging: Future) -> None:
+        """Once `staging` (the stager's copy) is done: check, then let the next optimizer step run."""
 
         def check(_: Future) -> None:
             try:
@@ -173,10 +174,14 @@ class StagingCheck:
                         self.error = changed_while_copied(self.path, name)
                         break
             finally:
-                checked.set_result(None)
+                self.give_up()
 
         staging.add_done_callback(check)
-        return checked
+
+    def give_up(self) -> None:
+        """No copy will come (the save failed first): the next optimizer step need not wait."""
+        if not self.staged.done():
+            self.staged.set_result(None)
 
 
 def stage(checkpoint: dict[str, Any], path: Any, *rest: Any) -> tuple[Any, ...]:
@@ -202,9 +207,10 @@ class BackgroundWriter:
     - `saves_started` and `saves_written` count the saves asked for and those on disk (in order, so
       the first `saves_written` are): app/tracking/run.py calls a save's values final only then;
     - with `overlap_copy` (`last_checkpoint.overlap_copy`), the parameters and the optimizer state
-      are copied on the writer thread while the next step's forward and backward run, and each
-      optimizer's next `step` waits for that copy (`watch`, `wait_for_staging`), as torchtitan
-      waits for its staging before the optimizer step. Everything else is copied at the save.
+      are copied on the writer thread while the next step's forward and backward run, and the next
+      update waits for that copy (Lightning's `on_before_optimizer_step`, after the backward, and
+      each optimizer's step pre-hook where a step runs no closure: `watch`, `wait_for_staging`), as
+      torchtitan waits for its staging before the optimizer step. Everything else is copied at the save.
     """
 
     SLOW_WAIT_S = 1.0  # a wait for the previous write at least this long is said in the log...
@@ -258,9 +264,11 @@ class BackgroundWriter:
             staging = self._staging = Future()
         self._submit(self._write, write, stage, staging, *args)
 
-    def wait_for_staging_of(self, staging: Future | None) -> None:
-        """The next optimizer step waits for `staging` (a copy made by someone else: DCP's stager)."""
-        self._staging = staging
+    def expect_staging(self) -> Future:
+        """A future the next optimizer step waits for, for a copy made by someone else (FSDP2's
+        `dcp.async_save` with DCP's stager): done by them once the copy is made."""
+        self._staging = Future()
+        return self._staging
 
     def _write(self, write: Callable[..., None], stage: Stage | None, staging: Future | None, *args: Any) -> None:
         try:
@@ -305,7 +313,13 @@ class BackgroundWriter:
         late.pop(0, None)
         return late
 
-    def _before_optimizer_step(self, *_: Any) -> None:
+    def _before_optimizer_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        # Given a closure (Lightning's automatic optimization: the forward and backward run inside
+        # `step`), the update comes after it: Lightning's `on_before_optimizer_step`, inside the
+        # closure, waits there (app/run/coordinator.py), so that the copy overlaps them. `args` are
+        # `step`'s own, the optimizer first.
+        if kwargs.get("closure") is not None or len(args) > 1 and args[1] is not None:
+            return
         self.wait_for_staging()
 
     def wait_for_staging(self) -> None:
@@ -441,6 +455,13 @@ def is_on_disk(trainer: L.Trainer, ticket: int | None) -> bool:
     """Whether the save `save_ticket` numbered is on disk (for None: it was written when it returned)."""
     writer = background_writer(trainer)
     return ticket is None or writer is None or writer.saves_written >= ticket
+
+
+def wait_for_staging(trainer: L.Trainer) -> None:
+    """Before an optimizer step's update: the last save's overlapped copy (if any) is made."""
+    writer = background_writer(trainer)
+    if writer is not None:
+        writer.wait_for_staging()
 
 
 def finish_writes(trainer: L.Trainer) -> None:

@@ -26,14 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from app.cli.resume_check import run_ddp_app
+from app.errors import UserFacingError
 
 # The variants and the overrides that make them (besides the shortened run's).
 VARIANTS = {
@@ -181,11 +184,13 @@ def data_bound_text(report: dict[str, Any]) -> str:
     if tried and "failed" in tried[-1]:
         return text + f" (The run with num_workers {tried[-1]['num_workers']} failed: {tried[-1]['failed']}.)"
     if tried:
-        measured = ", ".join(f"{row['data_share']:.0%} with {row['num_workers']}" for row in tried)
+        measured = ", ".join(
+            f"{row['data_share']:.0%} with {row['num_workers']} ({row['step_ms']:.1f} ms per step)" for row in tried
+        )
         if tried[-1]["data_share"] < DATA_FIXED:
-            return text + f" Checked: the data share is {measured} workers."
+            return text + f" Checked: waiting for the next batch takes {measured}."
         return text + (
-            f" Checked: the data share is still {measured} workers: past a few workers the cost is the CPU "
+            f" Checked: waiting for the next batch still takes {measured}: past a few workers the cost is the CPU "
             "(the workers' and this process's handling of each batch), not waiting for samples; fewer ranks or "
             "threads per host, larger batches, or data.init_args.on_device: true for data that fits, help more."
         )
@@ -209,8 +214,12 @@ def check_workers(
         if code != 0:  # a DataModule without num_workers, or one the workers break: said, not tried further
             tried.append({"num_workers": workers, "failed": f"exit {code}, see {log}"})
             break
-        step = statistics.fmean(rank_times(record).step for record in records[variant])
-        share = max(step - in_memory, 0.0) / step
+        ranks = [rank_times(record) for record in records[variant]]
+        step = statistics.fmean(rank.step for rank in ranks)
+        # The share of the step spent waiting for the next batch, as measured in that run (StepTiming's
+        # data part): not the step against the in-memory one, which also counts what the workers'
+        # processes take from training's cores where they share them (a slower compute, not waiting).
+        share = statistics.fmean(rank.data for rank in ranks) / step
         tried.append({"num_workers": workers, "step_ms": 1000 * step, "data_share": share})
         if share < DATA_FIXED:
             break
@@ -271,6 +280,38 @@ def report_directory(config_args: list[str]) -> Path:
     return root.parent / f"{root.name}-diagnose" / time.strftime("%Y%m%d-%H%M%S")
 
 
+RECORDS_WAIT_S = 60.0  # how long a finished run's step times may take to appear from every node
+
+
+def one_of_several(env: Mapping[str, str]) -> int | None:
+    """This diagnose's index where one runs per node or per task, each starting the same fits, which
+    join into one multi-node run (srun of more than one task, torchrun, a plain launch with
+    NODE_RANK): Slurm's task, torchrun's rank or the node; None where it runs alone."""
+    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and env.get("SLURM_PROCID", "").isdigit():
+        return int(env["SLURM_PROCID"])
+    for key in ("RANK", "NODE_RANK"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    return None
+
+
+def read_records(directory: Path, timeout_s: float) -> list[dict[str, Any]]:
+    """Every rank's step times of a finished run (app/run/step_timing.py `record_dir`), once all are
+    there: on several nodes the other nodes' ranks may finish writing theirs a moment later."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = [json.loads(path.read_text()) for path in sorted(directory.glob("rank*.json"))]
+        expected = records[0]["world_size"] if records else None
+        if expected is not None and len(records) == expected:
+            return records
+        if time.monotonic() > deadline:
+            raise UserFacingError(
+                f"found the step times of {len(records)} of {expected or 'all'} ranks in {directory} after the run. "
+                "Fix: give diagnose --out on a filesystem every node shares (each node's ranks write theirs there)."
+            )
+        time.sleep(0.5)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ddp-app diagnose",
@@ -285,13 +326,20 @@ def main(argv: list[str]) -> int:
         parser.error("give the run's --config (and any overrides), as for ddp-app fit")
     if known.steps <= WARMUP_STEPS + 3:
         parser.error(f"--steps must be more than {WARMUP_STEPS + 3}, got {known.steps}")
+    index = one_of_several(os.environ)
+    if index is not None and known.out is None:
+        parser.error(
+            "on more than one node or task give --out DIR on a filesystem every node shares: each runs the same "
+            "fits, which join into one run, and reads every rank's step times there"
+        )
     out = known.out or report_directory(config_args)
     out.mkdir(parents=True, exist_ok=True)
+    log_suffix = f".{index}" if index else ""  # each node's or task's own log of the same run
 
     def run_variant(variant: str, overrides: list[str]) -> tuple[int, Path]:
         """One shortened fit; (its exit code, its log)."""
         print(f"ddp-app diagnose: {variant.replace('_', ' ')} ...", flush=True)
-        root, log = out / "runs" / variant, out / "runs" / f"{variant}.log"
+        root, log = out / "runs" / variant, out / "runs" / f"{variant}{log_suffix}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         args = [
             "fit",
@@ -308,22 +356,32 @@ def main(argv: list[str]) -> int:
         ]
         code = run_ddp_app(args, log, known.timeout)
         if code == 0:
-            written = sorted((root / "step_times").glob("rank*.json"))
-            records[variant] = [json.loads(path.read_text()) for path in written]
+            records[variant] = read_records(root / "step_times", RECORDS_WAIT_S)
         return code, log
 
     records: dict[str, list[dict[str, Any]]] = {}
     for variant, overrides in VARIANTS.items():
         if variant == "no_communication" and records["as_configured"][0]["world_size"] == 1:
             break  # one rank: nobody to communicate with
-        code, log = run_variant(variant, overrides)
+        try:
+            code, log = run_variant(variant, overrides)
+        except UserFacingError as error:  # `read_records`: the run's step times are not all where they should be
+            print(f"ddp-app: error: {error}", file=sys.stderr, flush=True)
+            return 2
         if code != 0:
             errors = [line for line in log.read_text().splitlines() if line.startswith("ddp-app: error:")]
             print(errors[-1] if errors else f"ddp-app diagnose: the {variant} run failed (exit {code}); see {log}")
             return code
     report = verdict(records)
     if report["verdict"] == "data-bound":
-        check_workers(report, records, run_variant)
+        try:
+            check_workers(report, records, run_variant)
+        except UserFacingError as error:
+            print(f"ddp-app: error: {error}", file=sys.stderr, flush=True)
+            return 2
+    if index:  # the same verdict as the first node's or task's, which writes it
+        print(f"ddp-app diagnose: {report['verdict']}; the report is written by the first node or task in {out}")
+        return 0
     print(format_table(report))
     print(report["verdict_text"])
     (out / "report.json").write_text(json.dumps(report, indent=2))

@@ -272,20 +272,22 @@ class FSDP2Strategy(ModelParallelStrategy):
             if self._checkpoint_group is None:  # every rank, at the same save: a collective call
                 self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
             late = writer.stepped_storages()  # empty unless last_checkpoint.overlap_copy
-            check: StagingCheck | None = None
-            if late:  # DCP copies the shards on its stager's thread; the next optimizer step waits for it
+            if late:
+                # The parameters and optimizer state stay shared with training: the writer thread starts
+                # `dcp.async_save` with DCP's asynchronous stager, whose copy the next optimizer step
+                # waits for. Started there, DCP's staging and upload threads inherit the writer's lower
+                # priority (a thread's nice value passes to the threads it creates), so on a busy CPU
+                # they take what training leaves (`python -m app.bench.save_fits`).
                 tensors, held = copy_all_but_late(tensors, late)
-                response = dcp.async_save(
-                    tensors, checkpoint_id=shards, process_group=self._checkpoint_group, async_stager=self._stager()
-                )
-                check = StagingCheck(held, path)
-                writer.wait_for_staging_of(check.after(response.staging_completion))
-                writing = response.upload_completion
-            else:
-                writing = dcp.async_save(tensors, checkpoint_id=shards, process_group=self._checkpoint_group)
+                check = StagingCheck(held, path, writer.expect_staging())
+                if self.is_global_zero:
+                    self._write_meta(checkpoint, shards, path)
+                writer.write_in_background(self._save_overlapped, tensors, shards, path, check)
+                return
+            writing = dcp.async_save(tensors, checkpoint_id=shards, process_group=self._checkpoint_group)
             if self.is_global_zero:
                 self._write_meta(checkpoint, shards, path)
-            writer.write_in_background(self._publish_when_written, writing, shards, path, check)
+            writer.write_in_background(self._publish_when_written, writing, shards, path, None)
             return
         try:
             dcp.save(tensors, checkpoint_id=shards)  # returns once DCP's index is written (rank 0, after all)
@@ -310,6 +312,19 @@ class FSDP2Strategy(ModelParallelStrategy):
             self._staging = DefaultStager(options)
         return self._staging
 
+    def _save_overlapped(self, tensors: dict[str, Any], shards: Path, path: Path, check: StagingCheck) -> None:
+        """On the writer's thread (`last_checkpoint.overlap_copy`): DCP copies the late tensors on its
+        stager's thread and writes them; `check` opens the next optimizer step once they are copied."""
+        try:
+            response = dcp.async_save(
+                tensors, checkpoint_id=shards, process_group=self._checkpoint_group, async_stager=self._stager()
+            )
+        except BaseException:
+            check.give_up()
+            raise
+        check.after(response.staging_completion)
+        self._publish_when_written(response.upload_completion, shards, path, check)
+
     def _publish_when_written(self, writing: Future, shards: Path, path: Path, check: StagingCheck | None) -> None:
         """On the writer's thread: wait for this rank's `dcp.async_save`; rank 0's returns once every
         rank's shards and DCP's index are on disk (DCP gathers every rank's result before it writes the
@@ -319,11 +334,12 @@ class FSDP2Strategy(ModelParallelStrategy):
             writing.result()
         except CheckpointException as error:
             _raise_write_error(path, error)
-        if check is not None:
-            changed = torch.tensor([check.error is not None], dtype=torch.int32)
+        if check is not None:  # every rank publishes (rank 0) or fails this save alike
+            changed = torch.tensor([self.global_rank + 1 if check.error is not None else 0], dtype=torch.int32)
             dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self._checkpoint_group)
             if changed.item():
-                raise check.error or changed_while_copied(path, None)
+                other = f"a parameter or optimizer state on rank {int(changed.item()) - 1}"
+                raise check.error or changed_while_copied(path, other)
         if self.is_global_zero:
             try:
                 publish(shards, path)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint
 
 from app.checkpoints.last import LastCheckpoint, checkpoint_directory
-from app.checkpoints.plugin import finish_writes, start_background_writes
+from app.checkpoints.plugin import finish_writes, start_background_writes, wait_for_staging
 from app.cluster.preemption import (
     LIGHTNING_PER_STEP_SIGTERM_BROADCAST,
     STOP_SIGNAL_FLAG,
@@ -272,6 +272,12 @@ class RunCoordinator(Checkpoint):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._save_and_stop_if_due(trainer)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        # Lightning runs the forward and backward inside `optimizer.step` (its closure) and calls this
+        # hook after them, just before the update: where a save's overlapped copy must be complete
+        # (`last_checkpoint.overlap_copy`; the optimizer's own step pre-hook fires before the closure).
+        wait_for_staging(trainer)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:

@@ -181,7 +181,9 @@ class StepTiming(L.Callback):
             directory = Path(self.record_dir)
             directory.mkdir(parents=True, exist_ok=True)
             record = {**self._facts, "ablation": self.ablation, "steps": self._record}
-            (directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+            path = directory / f"rank{trainer.global_rank}.json"
+            path.with_suffix(".tmp").write_text(json.dumps(record))
+            os.replace(path.with_suffix(".tmp"), path)  # whole or absent: diagnose reads it from another node
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._stop()

@@ -147,3 +147,34 @@ def test_a_save_directory_made_read_only_mid_run_is_one_line_naming_it(tmp_path:
         kill_job(process.pid)
         process.wait()
         subprocess.run(["umount", str(checkpoints)], check=False)
+
+
+@pytest.mark.parametrize(
+    ("config", "rank"),
+    [
+        # The same check on the writer thread is in tests/checkpoints/test_background_writes.py (in-process).
+        pytest.param(CONFIG, 0, id="ddp-writer", marks=pytest.mark.slow),
+        pytest.param("configs/gpt_fsdp.yaml", 1, id="fsdp-other-rank"),
+    ],
+)
+def test_a_parameter_clamped_before_its_overlapped_copy_fails_that_save_in_one_line(
+    tmp_path: Path, config: str, rank: int
+) -> None:
+    """`last_checkpoint.overlap_copy`: a user's callback clamps a parameter in `on_before_optimizer_step`
+    after the second save, before that save's late copy is made (tests/helpers/user_callbacks.py
+    `ClampBeforeTheCopy`). The run stops in one line naming the parameter and the fix, and last.ckpt
+    stays the first save's. Under fsdp the clamp is on rank 1 and rank 0 publishes the
+    link: every rank agrees before any publishes."""
+    clamp = json.dumps({"class_path": "tests.helpers.user_callbacks.ClampBeforeTheCopy", "init_args": {"rank": rank}})
+    result = fit(
+        config, overlay(tmp_path), tmp_path / "run", "--last_checkpoint.overlap_copy=true",
+        f"--trainer.callbacks+={clamp}", "--trainer.max_epochs=2",
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    errors = sorted({line for line in output.splitlines() if "error:" in line})
+    assert result.returncode == 2 and len(errors) == 1, output[-3000:]
+    assert "changed outside an optimizer step while the save copied it" in errors[0], errors
+    assert "Fix: set last_checkpoint.overlap_copy: false" in errors[0] and "Traceback" not in output, output[-3000:]
+    assert "parameter " in errors[0], errors  # this rank's own name for it, or the rank that changed it
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert load_whole(last)["global_step"] == 5, "the first save is not what last.ckpt holds"  # the torn one: step 10

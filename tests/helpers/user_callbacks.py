@@ -6,6 +6,7 @@ issued from another hook, or a rank-0-only read of the metrics (issue 31).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import lightning as L
@@ -65,3 +66,37 @@ class SleepOnRank(L.Callback):
     ) -> None:
         if trainer.global_rank == self.rank:
             time.sleep(self.seconds)
+
+
+class ClampBeforeTheCopy(L.Callback):
+    """A user's in-place change of a parameter between a save and the next optimizer step (a clamp in
+    `on_before_optimizer_step`), on rank `rank`, made before the second save's late copy
+    (`last_checkpoint.overlap_copy`) for certain: that save's write is held until the clamp is done.
+    The first save is left alone, so the run has a checkpoint the failed one must not replace."""
+
+    def __init__(self, rank: int = 1) -> None:
+        self.rank = rank
+        self.writes = 0
+        self.clamped = threading.Event()
+
+    def _hold(self) -> None:  # on the writer thread, as each background write starts
+        self.writes += 1
+        if self.writes == 2:
+            self.clamped.wait(60)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from app.checkpoints.plugin import background_writer
+
+        writer = background_writer(trainer)
+        if writer is not None and trainer.global_rank == self.rank:
+            writer.before_write = self._hold
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        from app.checkpoints.plugin import background_writer
+
+        writer = background_writer(trainer)  # its write may not have reached `_hold` yet: count the saves
+        second_save = writer is not None and writer.saves_started == 2
+        if trainer.global_rank == self.rank and second_save and not self.clamped.is_set():
+            with torch.no_grad():
+                next(pl_module.parameters()).clamp_(-0.05, 0.05)
+            self.clamped.set()
