@@ -91,8 +91,10 @@ class LastCheckpoint:
             memory (app/checkpoints/plugin.py `BackgroundWriter`; under fsdp every rank's shards,
             `dcp.async_save`). False: wait for the disk at every save.
         overlap_copy: with async_save, copy the parameters and the optimizer state to host memory
-            while the next step's forward and backward run; that step's optimizer waits for the copy
-            (a save then blocks training for the rest of the state only). Only for a module whose
+            while the next step's forward and backward run; that step's update waits for the copy
+            (a save then blocks training for the rest of the state only). For GPUs, where the copy
+            runs on the copy engine: on a CPU that training keeps busy it is slower than without
+            (docs/performance.md, "Checkpoint saves"). Only for a module whose
             weights change in optimizer steps alone: an in-place change of a parameter in between (an
             EMA swap, a clamp) fails that save in one line, but one through `.data` goes unnoticed
             (docs/resume.md, "Background saves").
