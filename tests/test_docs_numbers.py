@@ -517,6 +517,13 @@ def test_performance_doc_quotes_the_diagnose_report_and_the_step_timing_cost() -
     prose = " ".join(PERFORMANCE.read_text().split())
     assert bench("diagnose_straggler")["verdict_text"] in prose
     assert [round(rank["score"], 2) for rank in bench("diagnose_straggler")["ranks"]] == [1.0, 0.38]
+    for report in ("diagnose_data", "diagnose_100mbit", "diagnose_100mbit_powersgd"):
+        assert bench(report)["verdict_text"] in prose, report
+    assert bench("diagnose_data")["tried_num_workers"][-1]["data_share"] < 0.10  # issue 43's acceptance
+    plain, compressed = (
+        bench(name)["shares"]["communication"] for name in ("diagnose_100mbit", "diagnose_100mbit_powersgd")
+    )
+    assert compressed < plain
     cost = bench("bench_step_timing")
     overhead = cost["overhead_pct"]
     assert f"{cost['off_step_ms_median']:.3f} ms off and {cost['on_step_ms_median']:.3f} ms on" in prose

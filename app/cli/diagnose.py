@@ -14,7 +14,8 @@ time by ablation, on the numbers app/run/step_timing.py records on every rank:
                       against the median's is the straggler share; each rank's score is the fastest
                       rank's own time over its own (1.0 = as fast as the fastest).
 
-Each rank's figure is the mean of its steps after `WARMUP_STEPS`, less its slowest tenth (a step
+Each rank's figure is the mean of its steps after `WARMUP_STEPS` and one per loader worker (its
+first batch waits for the worker to start), less its slowest tenth (a step
 that met another process's burst on a shared machine). It prints a table per rank and one verdict
 with the fix, and writes `report.json` and `report.png` (stacked bars per rank) in
 `<default_root_dir>-diagnose/<time>/` (or `--out`), beside the run, whose own directory it leaves
@@ -69,8 +70,11 @@ class RankTimes:
 
 
 def trimmed(record: dict[str, Any], part: int) -> list[float]:
-    """One part of a rank's steps after `WARMUP_STEPS`, in step order."""
-    steps = record["steps"][WARMUP_STEPS:] or record["steps"]
+    """One part of a rank's steps after its warm-up, in step order: `WARMUP_STEPS`, and one step per
+    loader worker (each worker's first batch waits for that worker to start: a cost of the first
+    steps of an epoch, not of the loader's pace, which is what the share measures)."""
+    warmup = WARMUP_STEPS + int(record.get("num_workers") or 0)
+    steps = record["steps"][warmup:] or record["steps"]
     if not steps:
         raise ValueError(f"rank {record['rank']} recorded no timed step")
     return [step[part] for step in steps]
@@ -200,7 +204,7 @@ def data_bound_text(report: dict[str, Any]) -> str:
 def check_workers(
     report: dict[str, Any],
     records: dict[str, list[dict[str, Any]]],
-    run_variant: Callable[[str, list[str]], tuple[int, Path]],
+    run_variant: Callable[..., tuple[int, Path]],
 ) -> None:
     """Try the suggested `num_workers` before suggesting it: one more shortened fit with it, and, where
     the data share is still `DATA_FIXED` or more (loader workers slow each other down where they share
@@ -210,7 +214,7 @@ def check_workers(
     workers, tried = report["suggested_num_workers"], []
     for _ in range(WORKER_TRIES):
         variant = f"num_workers_{workers}"
-        code, log = run_variant(variant, [f"--data.init_args.num_workers={workers}"])
+        code, log = run_variant(variant, [f"--data.init_args.num_workers={workers}"], warmup=workers)
         if code != 0:  # a DataModule without num_workers, or one the workers break: said, not tried further
             tried.append({"num_workers": workers, "failed": f"exit {code}, see {log}"})
             break
@@ -336,8 +340,8 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log_suffix = f".{index}" if index else ""  # each node's or task's own log of the same run
 
-    def run_variant(variant: str, overrides: list[str]) -> tuple[int, Path]:
-        """One shortened fit; (its exit code, its log)."""
+    def run_variant(variant: str, overrides: list[str], warmup: int = 0) -> tuple[int, Path]:
+        """One shortened fit, `warmup` steps longer (those `trimmed` leaves out); (its exit code, its log)."""
         print(f"ddp-app diagnose: {variant.replace('_', ' ')} ...", flush=True)
         root, log = out / "runs" / variant, out / "runs" / f"{variant}{log_suffix}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -346,7 +350,7 @@ def main(argv: list[str]) -> int:
             *config_args,
             *overrides,
             f"--trainer.default_root_dir={root}",
-            f"--trainer.max_steps={known.steps}",
+            f"--trainer.max_steps={known.steps + warmup}",
             "--trainer.max_epochs=-1",
             "--trainer.limit_val_batches=0",
             "--trainer.num_sanity_val_steps=0",
