@@ -128,7 +128,7 @@ class StopAt(L.Callback):
                 writer.before_write = lambda: self._hold_write(trainer)
 
     def _hold_write(self, trainer: L.Trainer) -> None:
-        # On the writer thread: from `epoch` on, a write waits here until `on_train_batch_start` stops
+        # On the writer thread: from `epoch` on, a write waits here until `_act_if_writing` stops
         # the run, so the stop lands while it is in flight however fast the disk is. Bounded: where no
         # batch starts after the save, the write goes on and the run ends without its stop (reported).
         if trainer.current_epoch >= self.epoch and not self._done:
@@ -137,6 +137,14 @@ class StopAt(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         # From `epoch` on, the first batch that starts while this rank's background write is in flight
         # (right after a save, as a rank's training goes on while its copy is written).
+        self._act_if_writing(trainer)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        # With `last_checkpoint.overlap_copy` the step after a save waits here for the save's copy,
+        # which the held write has not made: stop here, or the hold would run out first.
+        self._act_if_writing(trainer)
+
+    def _act_if_writing(self, trainer: L.Trainer) -> None:
         if self.moment == "background-write" and trainer.current_epoch >= self.epoch:
             writer = background_writer(trainer)
             if writer is not None and writer.writing():
