@@ -241,3 +241,13 @@ def test_a_100_mbit_link_is_communication_bound_and_powersgd_lowers_the_communic
     assert "gradient_compression.method: auto" in plain["verdict_text"], plain["verdict_text"]
     shares = plain["shares"]["communication"], compressed["shares"]["communication"]
     assert shares[1] < shares[0], (shares, compressed["verdict_text"])
+
+
+def test_the_step_timing_bench_times_what_timing_adds_to_a_step() -> None:
+    """`app.bench.step_timing.added_work` (about 5 s): the hooks' bodies and the gradient hooks' share
+    of a real digits backward, each in microseconds (docs/performance.md quotes its JSON)."""
+    from app.bench.step_timing import added_work
+
+    added = added_work()
+    assert added["parameters"] == 4 and 0 < added["hooks_us"] < 1000, added
+    assert added["backward_us"] > 0 and abs(added["gradient_hooks_us"]) < added["backward_us"], added

@@ -528,6 +528,8 @@ def test_performance_doc_quotes_the_diagnose_report_and_the_step_timing_cost() -
     overhead = cost["overhead_pct"]
     assert f"{cost['off_step_ms_median']:.3f} ms off and {cost['on_step_ms_median']:.3f} ms on" in prose
     assert f"{overhead['median']:+.2f}% [{overhead['min']:+.2f}, {overhead['max']:+.2f}]" in prose
+    assert f"{cost['added_pct_of_step']:.2f}% of the {cost['off_step_ms_median']:.3f} ms step" in prose
+    assert cost["added_pct_of_step"] < 1.0  # issue 43: the per-step timing costs at most 1%
 
 
 def test_performance_doc_quotes_the_two_rank_save_bench() -> None:
