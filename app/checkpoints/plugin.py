@@ -128,9 +128,8 @@ class LateCopy:
 def changed_while_copied(path: Any, name: str) -> CheckpointWriteError:
     """The one line for a save whose late copy a change outside the optimizer's step may have torn
     (`name`, as `stepped_storages` names it, or "a parameter or optimizer state on rank N")."""
-    which = name
     return CheckpointWriteError(
-        f"could not write the checkpoint {path}: {which} changed "
+        f"could not write the checkpoint {path}: {name} changed "
         "outside an optimizer step while the save copied it (last_checkpoint.overlap_copy: true); the previous "
         "checkpoint there, if any, is unchanged. Fix: set last_checkpoint.overlap_copy: false where the module "
         "changes its weights itself (an EMA swap, a clamp), then continue with --ckpt_path last."
@@ -140,7 +139,7 @@ def changed_while_copied(path: Any, name: str) -> CheckpointWriteError:
 def copy_all_but_late(state: Any, late: dict[int, str]) -> tuple[Any, list[tuple[torch.Tensor, str, int]]]:
     """`state` with every tensor outside the storages `late` copied now (buffers a forward changes),
     and the late ones with their in-place versions, for a stager that copies them later (FSDP2's
-    `dcp.async_save`; `check_unchanged` after it)."""
+    `dcp.async_save`; `StagingCheck` after it)."""
     held: list[tuple[torch.Tensor, str, int]] = []
 
     def copy_early(tensor: torch.Tensor) -> torch.Tensor:
@@ -295,11 +294,17 @@ class BackgroundWriter:
                 hook.remove()
         self._watched = []
 
+    @property
+    def copies_late(self) -> bool:
+        """Whether saves copy the parameters and optimizer state late (`overlap_copy`, during training):
+        the same on every rank, so every rank takes the same save path and its collectives."""
+        return self.overlap_copy and bool(self._watched)
+
     def stepped_storages(self) -> dict[int, str]:
         """The storages an optimizer step changes, by their names (`parameter 0.weight`, `optimizer
         0's exp_avg of 0.weight`), of the watched module: a save copies them late, on the writer
         thread. Empty without `overlap_copy`."""
-        if not self._watched or not self.overlap_copy:
+        if not self.copies_late:
             return {}
         module, optimizers, _ = self._watched
         names = {id(parameter): name for name, parameter in module.named_parameters()}

@@ -271,8 +271,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             assert writer is not None
             if self._checkpoint_group is None:  # every rank, at the same save: a collective call
                 self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
-            late = writer.stepped_storages()  # empty unless last_checkpoint.overlap_copy
-            if late:
+            if writer.copies_late:  # last_checkpoint.overlap_copy: decided alike on every rank, not by its shards
+                late = writer.stepped_storages()
                 # The parameters and optimizer state stay shared with training: the writer thread starts
                 # `dcp.async_save` with DCP's asynchronous stager, whose copy the next optimizer step
                 # waits for. Started there, DCP's staging and upload threads inherit the writer's lower
