@@ -152,6 +152,9 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
     dataset = getattr(loader, "dataset", None)
     name = type(dataset).__name__
     if type(loader) is DataLoader and is_stateful_stream(dataset):
+        # Starting an iterator draws a seed: from the loader's own generator, not the global one that
+        # the checkpoint restores (see training_loader_generator).
+        generator = loader.generator or training_loader_generator(int(os.environ.get("PL_GLOBAL_SEED", 0)))
         positioning: dict[str, Any] = {
             "start": positioner.next_stream_start(),
             "seed": int(os.environ.get("PL_GLOBAL_SEED", 0)) if positioner.per_sample_seeding else None,
@@ -169,6 +172,7 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
                 pin_memory=loader.pin_memory,
                 drop_last=loader.drop_last,
                 timeout=loader.timeout,
+                generator=generator,
                 pin_memory_device=loader.pin_memory_device,
             )
         if not loader.persistent_workers and getattr(loader, "in_order", True):  # in_order: torch >= 2.6
@@ -179,9 +183,7 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
             positioner.add_stream(workers)
             return WorkerStreamLoader(
                 workers,
-                # Starting the workers draws their base seed: from the loader's own generator, not the
-                # global one that the checkpoint restores (see training_loader_generator).
-                generator=loader.generator or training_loader_generator(int(os.environ.get("PL_GLOBAL_SEED", 0))),
+                generator=generator,
                 num_workers=loader.num_workers,
                 pin_memory=loader.pin_memory,
                 timeout=loader.timeout,

@@ -281,6 +281,11 @@ class ExactResume(L.Callback, TrainingPosition):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Only for an epoch that starts from its first batch (Lightning does not call it when resuming mid-epoch).
+        # A run resumed at an epoch's start restores its random state here, before any other callback's
+        # or the module's epoch-start hook draws from it, as the uninterrupted run's hooks did right
+        # after its epoch-end save (this callback is the first: app/run/build.py).
+        if self.resumed is not None:
+            self.resumed.restore_rng()
         if self.epoch_end_done:
             self.epoch, self.epoch_end_done = self.epoch + 1, False
         self.batches_seen = self.batches_done = self._skip = 0

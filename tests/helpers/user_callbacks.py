@@ -100,3 +100,26 @@ class ClampBeforeTheCopy(L.Callback):
             with torch.no_grad():
                 next(pl_module.parameters()).clamp_(-0.05, 0.05)
             self.clamped.set()
+
+
+class DrawsAtEpochStart(L.Callback):
+    """Draws from torch's global generator at each epoch's start (a random curriculum, a subset for
+    the epoch) and logs the draw at every step: a run resumed at an epoch's start must draw what the
+    uninterrupted run drew there."""
+
+    def __init__(self) -> None:
+        self.draw = 0.0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.draw = float(torch.rand(()))
+
+    def state_dict(self) -> dict[str, float]:  # the epoch's draw, for a run resumed within the epoch
+        return {"draw": self.draw}
+
+    def load_state_dict(self, state_dict: dict[str, float]) -> None:
+        self.draw = state_dict["draw"]
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int
+    ) -> None:
+        pl_module.log("epoch_draw", self.draw)
