@@ -170,7 +170,7 @@ def test_the_whole_pairwise_matrix_is_exact_and_written_to_the_docs(runner: Runn
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", list(MOMENTS.keys() - {"micro-batch"}))
+@pytest.mark.parametrize("moment", [moment for moment in MOMENTS if moment != "micro-batch"])
 def test_every_stop_moment_on_the_default_config(tmp_path: Path, moment: str) -> None:
     runner = fit_runner(["--config", "configs/digits.yaml"], tmp_path, epochs=3, case_args=WANDB)
     stop = "kill-rank0" if moment == "background-write" else "kill-rank1"  # under DDP only rank 0 writes
