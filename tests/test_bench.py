@@ -141,7 +141,8 @@ def test_save_bench_times_sync_and_background_saves_side_by_side(tmp_path: Path)
     out = tmp_path / "saves.json"
     main(["--hidden", "256", "--layers", "2", "--saves", "1", "--dir", str(tmp_path), "--json", str(out)])
     figures = json.loads(out.read_text())
-    assert figures["blocked_ms_per_save"]["sync"] > 0 and figures["blocked_ms_per_save"]["async"] > 0
+    blocked = figures["blocked_ms_per_save"]
+    assert all(blocked[mode] > 0 for mode in ("sync", "async", "async_fresh", "overlap")), blocked
     assert figures["step_ms"]["no_write"] > 0 and figures["checkpoint_mb"] > 1
     assert not [path for path in tmp_path.iterdir() if path.is_dir()], "the bench leaves its checkpoints behind"
 
@@ -163,5 +164,7 @@ def test_save_fits_bench_times_both_strategies_sync_background_and_overlapped(tm
             run_figures = figures["runs"][mode]
             assert run_figures["ranks"] == 2 and run_figures["saves"] >= 2, (strategy, mode, run_figures)
             assert figures["blocked_ms_per_save"][mode] is not None and run_figures["step_ms_no_write"] > 0
+            assert figures["blocked_with_next_step_ms"][mode] is not None
+        assert figures["step_ms"]["during_background_write"] > 0  # the step after a save runs during its write
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [path for path in tmp_path.iterdir() if path.is_dir()], "the bench leaves its runs behind"

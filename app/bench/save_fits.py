@@ -12,10 +12,15 @@ and optimizer state are copied while the next step runs, whose optimizer waits f
 
 - each step's time, from its batch start to its batch end: a save step holds the save (the
   coordinator saves at a batch's start, after every other callback's hook), and the step after it
-  any wait for the overlapped copy. Blocked time per save is what both take beyond the median quiet
-  step (medians over the saves), the largest over the ranks (a save is a collective: every rank
-  waits for the slowest);
-- the other steps that start while a background write is in flight, against the quiet ones.
+  any wait for the overlapped copy (`BackgroundWriter.staging_wait_s`, before its optimizer step).
+  **Blocked per save** is the save step beyond the median quiet step plus that wait (medians over
+  the saves), the largest over the ranks (a save is a collective: every rank waits for the slowest);
+- **the step during a write**: the steps that start while a background write is in flight (the step
+  after a save among them), less any wait for the copy, against the quiet ones. On a CPU that
+  training keeps busy, this is where the write's own CPU time shows;
+- for comparison with the earlier figures, the save step and the whole step after it beyond two
+  quiet steps (`blocked_with_next_step_ms`): the blocked time plus what the write took from the step
+  after it.
 
 Under DDP rank 0 writes the whole checkpoint while the others wait at the save's barrier; under
 FSDP2 every rank writes its shards (DCP). Progress: one line per fit.
@@ -56,11 +61,13 @@ class SaveTimer(L.Callback):
     `<default_root_dir>/save-times-rank<r>.json` at the end of training."""
 
     def __init__(self) -> None:
-        self.steps: dict[str, list[float]] = {"save": [], "after_save": [], "writing": [], "quiet": []}
+        kinds = ("save", "after_save", "staging_wait", "writing", "quiet")
+        self.steps: dict[str, list[float]] = {kind: [] for kind in kinds}
         self._after_save = False
         self._started = 0.0
         self._saved_before = -1
         self._writing = False
+        self._waited_before = 0.0
         self._first = True
 
     @staticmethod
@@ -73,6 +80,7 @@ class SaveTimer(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
         writer = background_writer(trainer)
         self._writing = writer is not None and writer.writing()  # a previous save's write, before this one's
+        self._waited_before = writer.staging_wait_s if writer is not None else 0.0
         self._saved_before = self._saved_step(trainer)
         self._started = time.perf_counter()
 
@@ -80,12 +88,19 @@ class SaveTimer(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, index: int
     ) -> None:
         elapsed = time.perf_counter() - self._started
+        writer = background_writer(trainer)
+        waited = (writer.staging_wait_s if writer is not None else 0.0) - self._waited_before
         if self._first:  # the first step warms up
             self._first = False
             return
         saved = self._saved_step(trainer) != self._saved_before
-        kind = "save" if saved else "after_save" if self._after_save else "writing" if self._writing else "quiet"
-        self.steps[kind].append(elapsed)
+        if saved:
+            self.steps["save"].append(elapsed)
+        elif self._writing or not self._after_save:
+            self.steps["writing" if self._writing else "quiet"].append(elapsed - waited)
+        if self._after_save:  # what the step after a save took, and of that its wait for the copy
+            self.steps["after_save"].append(elapsed)
+            self.steps["staging_wait"].append(waited)
         self._after_save = saved
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -121,17 +136,20 @@ def fit(strategy: str, mode: str, args: argparse.Namespace, root: Path) -> dict[
     if result.returncode != 0:
         raise SystemExit(f"{strategy} {mode}: ddp-app fit failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     ranks = [json.loads(path.read_text()) for path in sorted(root.glob(TIMES_FILE.format(rank="*")))]
-    blocked = []
+    blocked, with_next_step = [], []
     for steps in ranks:  # a save is a collective: every rank waits for the slowest
         save, after, quiet = (_median_ms(steps[kind]) for kind in ("save", "after_save", "quiet"))
+        waited = _median_ms(steps["staging_wait"]) or 0.0
         if save is not None and quiet is not None:
-            blocked.append(save - quiet + max((after or quiet) - quiet, 0.0))
+            blocked.append(max(save - quiet, 0.0) + waited)
+            with_next_step.append(save - quiet + max((after or quiet) - quiet, 0.0))
     quiet = [step for steps in ranks for step in steps["quiet"]]
     writing = [step for steps in ranks for step in steps["writing"]]
     figures = {
         "ranks": len(ranks),
         "saves": min(len(steps["save"]) for steps in ranks),
         "blocked_ms_per_save": max(blocked) if blocked else None,
+        "blocked_with_next_step_ms": max(with_next_step) if with_next_step else None,
         "step_ms_no_write": _median_ms(quiet),
         "step_ms_during_write": _median_ms(writing),
         "steps_during_writes": len(writing),
@@ -155,9 +173,11 @@ def compare(strategy: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         value = runs[mode]["blocked_ms_per_save"]
         blocked[mode] = value
         blocked[f"{mode}_over_sync"] = value / blocked_sync if blocked_sync and value is not None else None
+    with_next_step = {mode: runs[mode]["blocked_with_next_step_ms"] for mode in MODES}
     return {
         "checkpoint_mb": sync["checkpoint_mb"],
         "blocked_ms_per_save": blocked,
+        "blocked_with_next_step_ms": with_next_step,
         "step_ms": {
             "no_write": sync["step_ms_no_write"],
             "during_background_write": during,

@@ -4,9 +4,11 @@ checkpoint save costs the training loop, synchronous against background (issue 4
 One CPU process trains `layers` Linear(hidden, hidden) layers with AdamW; at each save, the dict a
 Lightning checkpoint holds (`state_dict`, `optimizer_states`: 3x the parameters) goes through
 ddp-app's own plugins: `SafeCheckpointIO` (the write on the training thread) or
-`BackgroundCheckpointIO` (a host-memory snapshot on it, the write in the writer thread), or the same
-with `overlap_copy` (the parameters and AdamW's state copied on the writer thread while the next
-step's forward and backward run; its optimizer step waits for the copy). Under DDP rank 0 makes
+`BackgroundCheckpointIO` (a host-memory snapshot on it, the write in the writer thread; "async", into
+the buffers the previous save used, and "async_fresh", into fresh memory at every save, as before
+those buffers were kept: app/checkpoints/staging.py), or the same with `overlap_copy` (the
+parameters and AdamW's state copied on the writer thread while the next step's forward and backward
+run; its optimizer step waits for the copy). Under DDP rank 0 makes
 exactly this call while the other ranks wait at the save's barrier. Per mode: the milliseconds the
 training thread is blocked per save (with overlap, the save call and the next step's wait), and the
 median step time with no write in flight against steps that ran while a background write did (all
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from app.checkpoints.plugin import BackgroundCheckpointIO, SafeCheckpointIO
+from app.checkpoints.staging import HostStaging
 from app.cluster.threads import configure_cpu_threads
 
 
@@ -51,10 +54,11 @@ def measure(hidden: int, layers: int, saves: int, directory: Path) -> dict[str, 
         return {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}
 
     sync, background, overlap = SafeCheckpointIO(), BackgroundCheckpointIO(), BackgroundCheckpointIO(overlap_copy=True)
-    for io in (background, overlap):
+    fresh = BackgroundCheckpointIO()
+    for io in (background, overlap, fresh):
         io.writer.in_background = True  # as during fit's training (`start_background_writes`)
     overlap.writer.watch(model, [optimizer])
-    blocked: dict[str, list[float]] = {"sync": [], "async": [], "overlap": []}
+    blocked: dict[str, list[float]] = {"sync": [], "async": [], "async_fresh": [], "overlap": []}
     during_write: list[float] = []
     write_s: list[float] = []
     for _ in range(saves):
@@ -68,6 +72,12 @@ def measure(hidden: int, layers: int, saves: int, directory: Path) -> dict[str, 
             during_write.append(train_step(model, optimizer, batch))
         write_s.append(time.perf_counter() - started)
         quiet += [train_step(model, optimizer, batch) for _ in range(3)]
+        fresh.staging = HostStaging()  # no buffers from an earlier save
+        started = time.perf_counter()
+        fresh.save_checkpoint(checkpoint(), directory / "fresh.ckpt")
+        blocked["async_fresh"].append(time.perf_counter() - started)
+        fresh.writer.wait()
+        quiet += [train_step(model, optimizer, batch) for _ in range(3)]
         started = time.perf_counter()
         overlap.save_checkpoint(checkpoint(), directory / "overlap.ckpt")
         call_s, waited_before = time.perf_counter() - started, overlap.writer.staging_wait_s
@@ -75,10 +85,12 @@ def measure(hidden: int, layers: int, saves: int, directory: Path) -> dict[str, 
         blocked["overlap"].append(call_s + overlap.writer.staging_wait_s - waited_before)
         overlap.writer.wait()
         quiet += [train_step(model, optimizer, batch) for _ in range(3)]
-    background.teardown()
-    overlap.teardown()
+    for io in (background, overlap, fresh):
+        io.teardown()
     parameters = sum(parameter.numel() for parameter in model.parameters())
-    sync_ms, async_ms, overlap_ms = (1000 * statistics.median(blocked[mode]) for mode in ("sync", "async", "overlap"))
+    sync_ms, async_ms, fresh_ms, overlap_ms = (
+        1000 * statistics.median(blocked[mode]) for mode in ("sync", "async", "async_fresh", "overlap")
+    )
     quiet_ms = 1000 * statistics.median(quiet)
     during_ms = 1000 * statistics.median(during_write) if during_write else None
     return {
@@ -88,6 +100,8 @@ def measure(hidden: int, layers: int, saves: int, directory: Path) -> dict[str, 
             "sync": sync_ms,
             "async": async_ms,
             "async_over_sync": async_ms / sync_ms,
+            "async_fresh": fresh_ms,
+            "async_fresh_over_sync": fresh_ms / sync_ms,
             "overlap": overlap_ms,
             "overlap_over_sync": overlap_ms / sync_ms,
         },
@@ -116,11 +130,16 @@ def main(argv: list[str] | None = None) -> None:
         figures = measure(args.hidden, args.layers, args.saves, Path(directory))
     blocked, steps = figures["blocked_ms_per_save"], figures["step_ms"]
     print(f"checkpoint {figures['checkpoint_mb']:.0f} MB ({figures['parameters']:,} parameters, AdamW), 1 CPU process")
-    print(f"{'blocked per save':<30}{'sync ms':>10}{'async ms':>10}{'async/sync':>12}{'overlap ms':>12}{'/sync':>8}")
+    print(
+        f"{'blocked per save':<30}{'sync ms':>10}{'async ms':>10}{'async/sync':>12}{'fresh ms':>10}{'/sync':>8}"
+        f"{'overlap ms':>12}{'/sync':>8}"
+    )
     print(
         f"{'':<30}{blocked['sync']:>10.0f}{blocked['async']:>10.0f}{blocked['async_over_sync']:>12.1%}"
+        f"{blocked['async_fresh']:>10.0f}{blocked['async_fresh_over_sync']:>8.1%}"
         f"{blocked['overlap']:>12.0f}{blocked['overlap_over_sync']:>8.1%}"
     )
+    print("(fresh: the background save copying into fresh memory at every save, as before its buffers were kept)")
     during = steps["during_background_write"]
     print(f"{'step time':<30}{'no write':>10}{'writing':>10}{'ratio':>12}")
     if during is not None:

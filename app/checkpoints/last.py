@@ -89,7 +89,8 @@ class LastCheckpoint:
         async_save: write every checkpoint the Trainer saves during training (last.ckpt and
             ModelCheckpoints' files) in the background: a save blocks training only for a copy to host
             memory (app/checkpoints/plugin.py `BackgroundWriter`; under fsdp every rank's shards,
-            `dcp.async_save`). False: wait for the disk at every save.
+            `dcp.async_save`), whose buffers stay allocated for the next save (one host copy of the
+            checkpoint: app/checkpoints/staging.py). False: wait for the disk at every save.
         overlap_copy: with async_save, copy the parameters and the optimizer state to host memory
             while the next step's forward and backward run; that step's update waits for the copy
             (a save then blocks training for the rest of the state only). For GPUs, where the copy

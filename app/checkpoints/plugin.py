@@ -25,9 +25,9 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.distributed.tensor import DTensor
 
 from app.checkpoints.io import atomic_torch_save, refuse_url, remove_stale_temporaries, safe_load
+from app.checkpoints.staging import HostStaging, storage_key
 from app.errors import UserFacingError
 from app.private_apis import require
 
@@ -77,14 +77,6 @@ class SafeCheckpointIO(TorchCheckpointIO):
         return checkpoint
 
 
-def storage_key(tensor: torch.Tensor) -> int:
-    """Which memory a tensor lives in (0: none): a state dict's entries are views of the parameters;
-    a DTensor's (FSDP2), its local shard's."""
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    return tensor.untyped_storage().data_ptr()
-
-
 def version(tensor: torch.Tensor) -> int:
     """How many in-place changes torch counted on `tensor` and the views that share its counter (a
     state dict's detached entries). A DTensor counts its own: an in-place op on a DTensor parameter
@@ -92,34 +84,38 @@ def version(tensor: torch.Tensor) -> int:
     return require(tensor, "_version", "torch", OVERLAP_CHECK, owner_name="torch.Tensor")  # docs/private_apis.md
 
 
-def snapshot(checkpoint: dict[str, Any], late: dict[int, str] | None = None) -> dict[str, Any]:
+def snapshot(checkpoint: dict[str, Any], staging: HostStaging, late: dict[int, str] | None = None) -> dict[str, Any]:
     """A copy of `checkpoint` that the next training steps cannot change: every tensor copied to host
-    memory (from a GPU, a device-to-host copy) and everything else deep-copied (a scheduler's lists,
-    a callback's state), the tensors just copied excepted.
+    memory (`staging`'s buffers; from a GPU, a device-to-host copy) and everything else deep-copied (a
+    scheduler's lists, a callback's state), the tensors just copied excepted.
 
     Tensors in the storages `late` (what an optimizer step changes: `BackgroundWriter.stepped_storages`)
     are not copied here but held as `LateCopy`, for `stage` to copy on the writer thread."""
     copies: dict[int, Any] = {}  # deepcopy's memo: these are copies already (or held as they are)
+    staging.begin()
 
     def to_host(tensor: torch.Tensor) -> Any:
         name = (late or {}).get(storage_key(tensor))
-        copied: Any = LateCopy(tensor, name) if name else tensor.detach().to("cpu", copy=True)
+        copied: Any = LateCopy(tensor, name, staging) if name else staging.copy(tensor)
         copies[id(copied)] = copied
         return copied
 
-    return copy.deepcopy(apply_to_collection(checkpoint, torch.Tensor, to_host), copies)
+    copied = copy.deepcopy(apply_to_collection(checkpoint, torch.Tensor, to_host), copies)
+    staging.finish()
+    return copied
 
 
 class LateCopy:
     """A tensor of a `snapshot` still shared with training, and its in-place version at the save."""
 
-    def __init__(self, tensor: torch.Tensor, name: str) -> None:
+    def __init__(self, tensor: torch.Tensor, name: str, staging: HostStaging) -> None:
         self.tensor = tensor
         self.name = name
         self.version = version(tensor)
+        self.staging = staging
 
     def copied(self, path: Any) -> torch.Tensor:
-        copied = self.tensor.detach().to("cpu", copy=True)
+        copied = self.staging.copy(self.tensor)
         if version(self.tensor) != self.version:
             raise changed_while_copied(path, self.name)
         return copied
@@ -185,7 +181,16 @@ class StagingCheck:
 
 def stage(checkpoint: dict[str, Any], path: Any, *rest: Any) -> tuple[Any, ...]:
     """On the writer thread: the `snapshot`'s late tensors copied, before the next optimizer step."""
-    return apply_to_collection(checkpoint, LateCopy, lambda late: late.copied(path)), path, *rest
+    stagings: set[HostStaging] = set()  # one: every LateCopy of a snapshot has its staging
+
+    def copy_late(late: LateCopy) -> torch.Tensor:
+        stagings.add(late.staging)
+        return late.copied(path)
+
+    checkpoint = apply_to_collection(checkpoint, LateCopy, copy_late)
+    for staging in stagings:
+        staging.finish()
+    return checkpoint, path, *rest
 
 
 class BackgroundWriter:
@@ -194,7 +199,8 @@ class BackgroundWriter:
     bypass the CheckpointIO). What is written is the caller's; how and when is this class's:
 
     - at most one write in flight: a save first waits for the previous one (and says so when that
-      took long: saves come faster than the disk takes them), so host memory holds one copy at most;
+      took long: saves come faster than the disk takes them), so host memory holds one copy (its
+      buffers kept for the next save: `HostStaging`);
     - writes and removals run in the order they were asked for, on a thread at a lower priority;
     - a failed write stops every later write and removal (a ModelCheckpoint's previous best-k file
       stays), and its one line (`CheckpointWriteError`, naming the path) is raised by the next save,
@@ -398,12 +404,13 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
     def __init__(self, checkpoint_io: CheckpointIO | None = None, overlap_copy: bool = False) -> None:
         super().__init__(checkpoint_io or SafeCheckpointIO())
         self.writer = BackgroundWriter(overlap_copy)
+        self.staging = HostStaging()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         write = self.checkpoint_io.save_checkpoint
         if self.writer.begin_save(Path(path).name):
             late = self.writer.stepped_storages()  # empty unless `overlap_copy`
-            copied = snapshot(checkpoint, late)
+            copied = snapshot(checkpoint, self.staging, late)
             self.writer.write_in_background(write, copied, path, storage_options, stage=stage if late else None)
         else:
             write(checkpoint, path, storage_options)

@@ -12,6 +12,7 @@ import torch
 
 from app.checkpoints.io import safe_load
 from app.checkpoints.plugin import BackgroundCheckpointIO, CheckpointWriteError, SafeCheckpointIO
+from app.checkpoints.staging import HostStaging
 
 
 class GatedIO(SafeCheckpointIO):
@@ -206,3 +207,46 @@ def test_without_overlap_nothing_is_copied_late_and_no_step_waits(tmp_path: Path
     io.writer.wait()
     assert torch.equal(safe_load(tmp_path / "last.ckpt")["state_dict"]["0.weight"], at_save["state_dict"]["0.weight"])
     io.teardown()
+
+
+# The host buffers a save copies into are kept for the next save (app/checkpoints/staging.py).
+
+
+def test_the_next_save_reuses_the_host_buffers_and_each_file_holds_its_own_moment(tmp_path: Path) -> None:
+    io = in_training(GatedIO())
+    weights = torch.zeros(1000)
+    io.save_checkpoint({"state_dict": {"w": weights, "tied": weights}}, tmp_path / "first.ckpt")
+    assert io.checkpoint_io.started.wait(10)
+    weights.add_(1.0)  # the next step, while the first write holds its buffers
+    second = threading.Thread(
+        target=io.save_checkpoint, args=({"state_dict": {"w": weights, "tied": weights}}, tmp_path / "second.ckpt")
+    )
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "the second save copied into the buffers the first write was still reading"
+    io.checkpoint_io.gate.set()
+    second.join(10)
+    io.writer.wait()
+    first, latest = safe_load(tmp_path / "first.ckpt")["state_dict"], safe_load(tmp_path / "second.ckpt")["state_dict"]
+    assert torch.equal(first["w"], torch.zeros(1000)) and torch.equal(latest["w"], torch.ones(1000))
+    assert torch.equal(latest["tied"], latest["w"])
+    io.teardown()
+
+
+def test_host_staging_gives_a_tensor_its_last_buffer_and_a_changed_one_a_new_buffer() -> None:
+    staging = HostStaging()
+    weights, bias = torch.randn(64, 8), torch.randn(8)
+    staging.begin()
+    first = [staging.copy(weights), staging.copy(bias), staging.copy(weights[2:])]
+    staging.finish()
+    weights.mul_(2.0)
+    staging.begin()
+    again = [staging.copy(weights), staging.copy(bias), staging.copy(weights[2:])]
+    staging.finish()
+    assert [a.data_ptr() for a in again] == [f.data_ptr() for f in first]  # reused, views apart
+    assert torch.equal(again[0], weights) and torch.equal(again[2], weights[2:]) and again[0] is not weights
+    staging.begin()
+    reshaped = staging.copy(weights.view(8, 64))  # another shape of the same memory: a buffer of its own
+    staging.finish()
+    assert reshaped.shape == (8, 64) and reshaped.data_ptr() != first[0].data_ptr()
+    assert torch.equal(reshaped, weights.view(8, 64))

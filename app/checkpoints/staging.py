@@ -1,0 +1,70 @@
+"""Host buffers for a background save's copy of the checkpoint, kept from one save to the next.
+
+A save written in the background (`last_checkpoint.async_save`) first copies the checkpoint's tensors
+to host memory, and training waits for that copy. Into fresh memory the copy also pays for
+allocating it: the page faults of first touching it, and on a GPU pinning it. On this VM 1 GB of
+tensors took 0.52 s to clone into fresh memory and 0.18 s to copy into buffers used before (one
+thread). So the buffers are kept, as DCP's stager (`StateDictStager`'s cache, which strategy fsdp's
+saves use) and torchtitan keep theirs: one host copy of the checkpoint stays allocated between
+saves. On a GPU the buffers are pinned and the copies non-blocking, with one synchronize at the end.
+
+A tensor gets the buffer the same tensor used at the previous save: the same memory, offset, shape,
+strides and dtype (an optimizer step changes the values in place, not these). Reusing is safe because
+at most one write is in flight: a save starts only once the previous write is done with its buffers
+(`BackgroundWriter.begin_save`). A buffer the last save did not use is released at the next save.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+Key = tuple[int, int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Which memory a tensor lives in (0: none): a state dict's entries are views of the parameters;
+    a DTensor's (FSDP2), its local shard's."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.untyped_storage().data_ptr()
+
+
+class HostStaging:
+    """Where `snapshot` and the writer thread's late copies (`LateCopy`) copy a save's tensors."""
+
+    def __init__(self) -> None:
+        self._previous: dict[Key, torch.Tensor] = {}  # the last save's buffers, for this one to reuse
+        self._current: dict[Key, torch.Tensor] = {}  # this save's
+        self._on_device = False  # a non-blocking copy from a device is pending (`finish` waits for it)
+
+    def begin(self) -> None:
+        """A save starts (the previous write has finished): its buffers are this save's to reuse."""
+        self._previous, self._current = self._current, {}
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` copied to host memory, into the buffer it had at the last save where it fits.
+        The copy is complete only after `finish`."""
+        tensor = tensor.detach()
+        if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or tensor.is_quantized:
+            return tensor.to("cpu", copy=True)  # not a plain dense tensor: a fresh copy, as before
+        key_storage = storage_key(tensor)
+        if key_storage == 0:  # no memory of its own to be keyed by (an empty tensor)
+            return tensor.to("cpu", copy=True)
+        key = (key_storage, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+        if key in self._current:  # the same tensor twice in one checkpoint (tied weights): one copy
+            return self._current[key]
+        buffer = self._previous.pop(key, None)
+        from_device = tensor.device.type == "cuda"
+        if buffer is None:
+            buffer = torch.empty_like(tensor, device="cpu", pin_memory=from_device)
+        buffer.copy_(tensor, non_blocking=from_device)
+        self._on_device = self._on_device or from_device
+        self._current[key] = buffer
+        return buffer
+
+    def finish(self) -> None:
+        """Every copy made so far is complete (a device's non-blocking copies waited for)."""
+        if self._on_device:
+            torch.cuda.synchronize()
+            self._on_device = False
