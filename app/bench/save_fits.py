@@ -10,17 +10,17 @@ CPU ranks, saving last.ckpt every `--every` steps with `last_checkpoint.async_sa
 and optimizer state are copied while the next step runs, whose optimizer waits for the copy).
 `SaveTimer`, a callback in the fit, measures on every rank:
 
-- each step's time, from its batch start to its batch end: a save step holds the save (the
-  coordinator saves at a batch's start, after every other callback's hook), and the step after it
-  any wait for the overlapped copy (`BackgroundWriter.staging_wait_s`, before its optimizer step).
-  **Blocked per save** is the save step beyond the median quiet step plus that wait (medians over
-  the saves), the largest over the ranks (a save is a collective: every rank waits for the slowest);
-- **the step during a write**: the steps that start while a background write is in flight (the step
-  after a save among them), less any wait for the copy, against the quiet ones. On a CPU that
-  training keeps busy, this is where the write's own CPU time shows;
+- **blocked per save**: the save call itself (`trainer.save_checkpoint`, through which the
+  coordinator saves at a batch's start) plus the next step's wait for an overlapped copy
+  (`BackgroundWriter.staging_wait_s`, before its optimizer step); medians over the saves, the
+  largest over the ranks (a save is a collective: every rank waits for the slowest);
+- **the step during a write**: the steps a background write runs beside (the rest of the save's
+  own step, and each later step that starts while the write is in flight, less any wait for the
+  copy), against the quiet ones. On a CPU that training keeps busy, this is where the write's own
+  CPU time shows;
 - for comparison with the earlier figures, the save step and the whole step after it beyond two
-  quiet steps (`blocked_with_next_step_ms`): the blocked time plus what the write took from the step
-  after it.
+  quiet steps (`blocked_with_next_step_ms`): the blocked time plus what the write took from the
+  steps around it.
 
 Under DDP rank 0 writes the whole checkpoint while the others wait at the save's barrier; under
 FSDP2 every rank writes its shards (DCP). Progress: one line per fit.
@@ -54,34 +54,43 @@ STRATEGIES = {"ddp": ["--trainer.strategy=ddp"], "fsdp": []}  # the config's own
 
 
 class SaveTimer(L.Callback):
-    """Per rank, during training: each step's time from its batch start to its batch end, as a save
-    step (the coordinator saves last.ckpt at a batch's start, after every other callback's hook: the
-    save is inside the step), the step after a save (its optimizer waits for an overlapped copy), a
-    step while a background write was in flight, or a quiet step; written to
-    `<default_root_dir>/save-times-rank<r>.json` at the end of training."""
+    """Per rank, during training, written to `<default_root_dir>/save-times-rank<r>.json` at its end:
+
+    - `save_call`: each save's own time, `trainer.save_checkpoint` (the coordinator saves last.ckpt
+      through it at a batch's start; under DDP it ends with Lightning's barrier, so every rank waits
+      for rank 0's copy), and `staging_wait`: the next step's wait for an overlapped copy;
+    - `writing`: the steps a background write ran beside: the rest of the save's own step, and each
+      later step that starts while the write is in flight (less any wait for the copy);
+    - `quiet`: the other steps, the steps right after a save left out;
+    - `save`, `after_save`: the whole save step and the step after it (the earlier figures' basis)."""
 
     def __init__(self) -> None:
-        kinds = ("save", "after_save", "staging_wait", "writing", "quiet")
+        kinds = ("save_call", "staging_wait", "writing", "quiet", "save", "after_save")
         self.steps: dict[str, list[float]] = {kind: [] for kind in kinds}
         self._after_save = False
         self._started = 0.0
-        self._saved_before = -1
+        self._save_s = 0.0  # in this step's saves
         self._writing = False
         self._waited_before = 0.0
         self._first = True
 
-    @staticmethod
-    def _saved_step(trainer: L.Trainer) -> int:
-        from app.run.coordinator import RunCoordinator
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        save = trainer.save_checkpoint
 
-        (coordinator,) = [callback for callback in trainer.callbacks if isinstance(callback, RunCoordinator)]
-        return coordinator.last_checkpoint.saved_step
+        def timed_save(*args: Any, **kwargs: Any) -> None:
+            started = time.perf_counter()
+            try:
+                save(*args, **kwargs)
+            finally:
+                self._save_s += time.perf_counter() - started
+
+        trainer.save_checkpoint = timed_save  # type: ignore[method-assign]  (this bench's instrument)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
         writer = background_writer(trainer)
         self._writing = writer is not None and writer.writing()  # a previous save's write, before this one's
         self._waited_before = writer.staging_wait_s if writer is not None else 0.0
-        self._saved_before = self._saved_step(trainer)
+        self._save_s = 0.0
         self._started = time.perf_counter()
 
     def on_train_batch_end(
@@ -93,12 +102,17 @@ class SaveTimer(L.Callback):
         if self._first:  # the first step warms up
             self._first = False
             return
-        saved = self._saved_step(trainer) != self._saved_before
+        saved = self._save_s > 0
         if saved:
             self.steps["save"].append(elapsed)
-        elif self._writing or not self._after_save:
-            self.steps["writing" if self._writing else "quiet"].append(elapsed - waited)
-        if self._after_save:  # what the step after a save took, and of that its wait for the copy
+            self.steps["save_call"].append(self._save_s)
+            if writer is not None and writer.in_background:  # the write runs beside the rest of this step
+                self.steps["writing"].append(elapsed - self._save_s)
+        elif self._writing:
+            self.steps["writing"].append(elapsed - waited)
+        elif not self._after_save:
+            self.steps["quiet"].append(elapsed)
+        if self._after_save:
             self.steps["after_save"].append(elapsed)
             self.steps["staging_wait"].append(waited)
         self._after_save = saved
@@ -139,9 +153,9 @@ def fit(strategy: str, mode: str, args: argparse.Namespace, root: Path) -> dict[
     blocked, with_next_step = [], []
     for steps in ranks:  # a save is a collective: every rank waits for the slowest
         save, after, quiet = (_median_ms(steps[kind]) for kind in ("save", "after_save", "quiet"))
-        waited = _median_ms(steps["staging_wait"]) or 0.0
+        if steps["save_call"]:
+            blocked.append((_median_ms(steps["save_call"]) or 0.0) + (_median_ms(steps["staging_wait"]) or 0.0))
         if save is not None and quiet is not None:
-            blocked.append(max(save - quiet, 0.0) + waited)
             with_next_step.append(save - quiet + max((after or quiet) - quiet, 0.0))
     quiet = [step for steps in ranks for step in steps["quiet"]]
     writing = [step for steps in ranks for step in steps["writing"]]

@@ -134,6 +134,22 @@ def test_a_tensor_split_in_host_memory_comes_in_pinned_batches_equal_to_the_data
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
+def test_a_background_save_copies_device_tensors_into_pinned_buffers_it_reuses() -> None:
+    from app.checkpoints.staging import HostStaging
+
+    weights = torch.randn(256, 256, device="cuda")
+    staging = HostStaging()
+    staging.begin()
+    first = staging.copy(weights)
+    staging.finish()
+    weights.mul_(2.0)
+    staging.begin()
+    second = staging.copy(weights)
+    staging.finish()  # the non-blocking copy is complete here
+    assert second.device.type == "cpu" and second.is_pinned() and second.data_ptr() == first.data_ptr()
+    assert torch.equal(second, weights.cpu())
+
+
 def fit_lightning(root: Path, *overrides: str) -> dict[str, torch.Tensor]:
     result = ddp_app(
         "fit", "--config", DIGITS, *ON_GPU, f"--trainer.default_root_dir={root}", "--trainer.max_epochs=1",
