@@ -517,8 +517,13 @@ def test_performance_doc_quotes_the_diagnose_report_and_the_step_timing_cost() -
     prose = " ".join(PERFORMANCE.read_text().split())
     assert bench("diagnose_straggler")["verdict_text"] in prose
     assert [round(rank["score"], 2) for rank in bench("diagnose_straggler")["ranks"]] == [1.0, 0.38]
-    for report in ("diagnose_data", "diagnose_100mbit", "diagnose_100mbit_powersgd"):
+    for report in ("diagnose_data", "diagnose_100mbit", "diagnose_100mbit_powersgd", "diagnose_100mbit_digits"):
         assert bench(report)["verdict_text"] in prose, report
+    digits, digits_compressed = bench("diagnose_100mbit_digits"), bench("diagnose_100mbit_digits_powersgd")
+    assert digits["communication_cost"] == "latency" and "gradient_compression" not in digits["verdict_text"]
+    assert f"communication-bound too ({digits['shares']['communication']:.0%})" in prose
+    assert f"raised its share to {digits_compressed['shares']['communication']:.0%}" in prose
+    assert digits_compressed["shares"]["communication"] > digits["shares"]["communication"]
     assert bench("diagnose_data")["tried_num_workers"][-1]["data_share"] < 0.10  # issue 43's acceptance
     plain, compressed = (
         bench(name)["shares"]["communication"] for name in ("diagnose_100mbit", "diagnose_100mbit_powersgd")

@@ -51,6 +51,12 @@ DATA_BOUND = 0.2
 DATA_FIXED = 0.1  # a data share below this after the suggested num_workers: fixed (issue 43)
 WORKER_TRIES = 3  # the suggested num_workers, then (twice at most) the one the last measured run calls for
 COMMUNICATION_BOUND = 0.3
+# Below this many bytes of gradients per rank per step, compression does not pay: each step's exchange
+# costs its messages' latency and compression's own work more than its bytes. Measured at 100 Mbit/s
+# between two network namespaces (tests/test_diagnose.py; docs/diagnose_100mbit*.json, quoted in
+# docs/performance.md): configs/bench_cnn.yaml's 4.8 MB went from 74% of the step to 4% with powersgd;
+# digits' 0.08 MB went up, from 42% to 60%.
+SMALL_GRADIENT_BYTES = 1_000_000
 WAITING_NOTED = 0.2
 STRAGGLER_SHARE = 0.1
 STRAGGLER_SCORE = 0.8  # a rank at or below this score (fastest own time / its own) is a straggler
@@ -148,7 +154,17 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     elif kind == "data-bound":
         report["suggested_num_workers"] = suggested_workers(int(facts["num_workers"] or 0), step, in_memory)
         text = data_bound_text(report)
+    elif kind == "communication-bound" and facts["gradient_bytes"] < SMALL_GRADIENT_BYTES:
+        report["communication_cost"] = "latency"
+        text = (
+            f"communication-bound by latency: the gradient all-reduce adds {percent['communication']} to each step "
+            f"for only {facts['gradient_bytes'] / 1e6:.2f} MB of gradients per rank per step ({1000 * max(alone):.1f} "
+            "ms per step without it): the cost is each exchange's messages, not their bytes, and compression adds "
+            "exchanges and work without saving time at this size (docs/performance.md, Diagnose). Fix: fewer "
+            "exchanges per sample: a larger per-rank batch or trainer.accumulate_grad_batches; a faster interconnect."
+        )
     elif kind == "communication-bound":
+        report["communication_cost"] = "bandwidth"
         text = (
             f"communication-bound: the gradient all-reduce adds {percent['communication']} to each step "
             f"({facts['gradient_bytes'] / 1e6:.2f} MB of gradients per rank per step; {1000 * max(alone):.1f} ms "
