@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import sys
 import threading
@@ -96,7 +97,7 @@ def snapshot(checkpoint: dict[str, Any], staging: HostStaging, late: dict[int, s
 
     def to_host(tensor: torch.Tensor) -> Any:
         name = (late or {}).get(storage_key(tensor))
-        copied: Any = LateCopy(tensor, name, staging) if name else staging.copy(tensor)
+        copied: Any = LateCopy(tensor, name) if name else staging.copy(tensor)
         copies[id(copied)] = copied
         return copied
 
@@ -108,14 +109,13 @@ def snapshot(checkpoint: dict[str, Any], staging: HostStaging, late: dict[int, s
 class LateCopy:
     """A tensor of a `snapshot` still shared with training, and its in-place version at the save."""
 
-    def __init__(self, tensor: torch.Tensor, name: str, staging: HostStaging) -> None:
+    def __init__(self, tensor: torch.Tensor, name: str) -> None:
         self.tensor = tensor
         self.name = name
         self.version = version(tensor)
-        self.staging = staging
 
-    def copied(self, path: Any) -> torch.Tensor:
-        copied = self.staging.copy(self.tensor)
+    def copied(self, path: Any, staging: HostStaging) -> torch.Tensor:
+        copied = staging.copy(self.tensor)
         if version(self.tensor) != self.version:
             raise changed_while_copied(path, self.name)
         return copied
@@ -179,17 +179,11 @@ class StagingCheck:
             self.staged.set_result(None)
 
 
-def stage(checkpoint: dict[str, Any], path: Any, *rest: Any) -> tuple[Any, ...]:
-    """On the writer thread: the `snapshot`'s late tensors copied, before the next optimizer step."""
-    stagings: set[HostStaging] = set()  # one: every LateCopy of a snapshot has its staging
-
-    def copy_late(late: LateCopy) -> torch.Tensor:
-        stagings.add(late.staging)
-        return late.copied(path)
-
-    checkpoint = apply_to_collection(checkpoint, LateCopy, copy_late)
-    for staging in stagings:
-        staging.finish()
+def stage(staging: HostStaging, checkpoint: dict[str, Any], path: Any, *rest: Any) -> tuple[Any, ...]:
+    """On the writer thread: the `snapshot`'s late tensors copied into `staging`, the snapshot's own,
+    before the next optimizer step."""
+    checkpoint = apply_to_collection(checkpoint, LateCopy, lambda late: late.copied(path, staging))
+    staging.finish()
     return checkpoint, path, *rest
 
 
@@ -411,7 +405,8 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
         if self.writer.begin_save(Path(path).name):
             late = self.writer.stepped_storages()  # empty unless `overlap_copy`
             copied = snapshot(checkpoint, self.staging, late)
-            self.writer.write_in_background(write, copied, path, storage_options, stage=stage if late else None)
+            staged = functools.partial(stage, self.staging) if late else None
+            self.writer.write_in_background(write, copied, path, storage_options, stage=staged)
         else:
             write(checkpoint, path, storage_options)
             self.writer.written()

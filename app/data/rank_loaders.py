@@ -154,10 +154,11 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
     if type(loader) is DataLoader and is_stateful_stream(dataset):
         # Starting an iterator draws a seed: from the loader's own generator, not the global one that
         # the checkpoint restores (see training_loader_generator).
-        generator = loader.generator or training_loader_generator(int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        generator = loader.generator or training_loader_generator(seed)
         positioning: dict[str, Any] = {
             "start": positioner.next_stream_start(),
-            "seed": int(os.environ.get("PL_GLOBAL_SEED", 0)) if positioner.per_sample_seeding else None,
+            "seed": seed if positioner.per_sample_seeding else None,
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
             "keep": trainer.accumulate_grad_batches + 8,

@@ -243,8 +243,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         With `background_writer` (`last_checkpoint.async_save`, during training) the save blocks only
         while DCP's stager copies this rank's shards to host memory (`_stager`): the writes (`dcp.save`
-        of that copy), DCP's index and the publishing of the link run on the writer's thread, whose collectives go
-        over a process group of their own (gloo: DCP's background collectives need a CPU group, and
+        of that copy), DCP's index and the publishing of the link run on the writer's thread, whose
+        collectives go over a process group of their own (gloo: DCP's background collectives need a CPU group, and
         must not interleave with training's on the default group). A kill before the link moves
         leaves the previous checkpoint published; the next save removes the unpublished directory."""
         if storage_options is not None:
@@ -285,7 +285,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 writer.write_in_background(self._save_overlapped, tensors, shards, path, check)
                 return
             # The only part that blocks: this rank's shards copied into host buffers kept from the last save.
-            staged = self._stager(False).stage(tensors)
+            staged = self._stager().stage(tensors)
             if self.is_global_zero:
                 self._write_meta(checkpoint, shards, path)
             writer.write_in_background(self._save_staged, staged, shards, path)
@@ -302,20 +302,20 @@ class FSDP2Strategy(ModelParallelStrategy):
         if writer is not None:
             writer.written()
 
-    def _stager(self, in_its_own_thread: bool) -> DefaultStager:
+    def _stager(self) -> DefaultStager:
         """DCP's stager for background saves: it copies the shards into host memory (pinned on a GPU,
         with non-blocking copies) and keeps those buffers from save to save (its `StateDictStager`
         caches them by the shards' storages), which makes the copy several times faster than into fresh
         memory (app/checkpoints/staging.py; `dcp.async_save` without an `async_stager` makes a new
-        one, with fresh buffers, at every save). `in_its_own_thread` (`last_checkpoint.overlap_copy`):
-        the copy runs on the stager's thread, started by `dcp.async_save`; else `stage` copies on the
-        calling thread. One kind per run."""
+        one, with fresh buffers, at every save). With `last_checkpoint.overlap_copy` the copy runs on
+        the stager's thread, started by `dcp.async_save`; else `stage` copies on the calling thread."""
         if self._staging is None:
+            assert self.background_writer is not None  # only background saves stage
             on_gpu = self.root_device.type == "cuda"
             options = StagingOptions(
                 use_pinned_memory=on_gpu,
                 use_shared_memory=False,
-                use_async_staging=in_its_own_thread,
+                use_async_staging=self.background_writer.copies_late,
                 use_non_blocking_copy=on_gpu,
             )
             self._staging = DefaultStager(options)
@@ -326,7 +326,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         stager's thread and writes them; `check` opens the next optimizer step once they are copied."""
         try:
             response = dcp.async_save(
-                tensors, checkpoint_id=shards, process_group=self._checkpoint_group, async_stager=self._stager(True)
+                tensors, checkpoint_id=shards, process_group=self._checkpoint_group, async_stager=self._stager()
             )
         except BaseException:
             check.give_up()
@@ -340,7 +340,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         Not `dcp.async_save` from the training thread: its upload thread, started there, ran at
         training's priority and took its time from the save step (about 1 s of a 1 GB save's 5.5 s
-        step on 2 busy cores); started here, DCP's work runs at the writer's lower priority."""
+        step on 2 busy cores, in a timed fit not kept); started here, DCP's work runs at the writer's
+        lower priority."""
         try:
             dcp.save(staged, checkpoint_id=shards, process_group=self._checkpoint_group)
         except CheckpointException as error:
