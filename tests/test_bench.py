@@ -166,5 +166,6 @@ def test_save_fits_bench_times_both_strategies_sync_background_and_overlapped(tm
             assert figures["blocked_ms_per_save"][mode] is not None and run_figures["step_ms_no_write"] > 0
             assert figures["blocked_with_next_step_ms"][mode] is not None
         assert figures["step_ms"]["during_background_write"] > 0  # the step after a save runs during its write
+        assert figures["step_ms"]["write_cpu_per_save"] > 0  # the writer thread's own CPU time, per write
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [path for path in tmp_path.iterdir() if path.is_dir()], "the bench leaves its runs behind"

@@ -817,3 +817,49 @@ def test_a_tensors_version_counts_the_in_place_changes_overlap_copy_checks() -> 
     last = view._version
     model.weight.data.mul_(2)
     assert view._version == last, "a .data change is counted now: docs/resume.md can drop its caveat"
+
+
+def test_a_dtensor_rebuilt_around_its_shards_host_copy_keeps_what_dcp_reads() -> None:
+    """`DTensor.__tensor_flatten__` / `__tensor_unflatten__` (app/checkpoints/staging.py
+    `HostStaging._copy_dtensor`): a background save under strategy fsdp copies each DTensor's local shard
+    into a host buffer kept from save to save and rebuilds the DTensor around it. The rebuilt one must
+    keep the mesh, placements, global shape and stride (what DCP's planner reads) and hold the buffer
+    itself, on the host, with no copy of its own; the next save must reuse the buffer."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from app.checkpoints.staging import HostStaging
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = torch.nn.Parameter(distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)]))
+        staging = HostStaging()
+        staging.begin()
+        first = staging.copy(weight)
+        staging.finish()
+        what = (
+            f"torch {torch.__version__}'s DTensor flatten protocol changed: background saves under strategy fsdp "
+            f"no longer stage a DTensor's shard into a kept host buffer (app/checkpoints/staging.py, {DOC})"
+        )
+        assert isinstance(first, DTensor), what
+        assert (first.device_mesh, first.placements, first.shape, first.stride()) == (
+            weight.device_mesh,
+            weight.placements,
+            weight.shape,
+            weight.stride(),
+        ), what
+        local = first.to_local()
+        assert local.device.type == "cpu" and local.data_ptr() != weight.to_local().data_ptr(), what
+        assert torch.equal(local, weight.to_local()), what
+        with torch.no_grad():
+            weight.mul_(2.0)  # the next steps change the parameter, not the copy
+        assert not torch.equal(first.to_local(), weight.to_local()), what
+        staging.begin()
+        again = staging.copy(weight)
+        staging.finish()
+        assert again.to_local().data_ptr() == local.data_ptr(), "the next save did not reuse the shard's host buffer"
+        assert torch.equal(again.to_local(), weight.to_local()), what
+    finally:
+        dist.destroy_process_group()

@@ -118,6 +118,10 @@ class SaveTimer(L.Callback):
         self._after_save = saved
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        writer = background_writer(trainer)
+        if writer is not None and writer.in_background and writer.saves_written:
+            # the writer thread's CPU time per background write done so far (`BackgroundWriter.write_cpu_s`)
+            self.steps["write_cpu"] = [writer.write_cpu_s / writer.saves_written]
         path = Path(trainer.default_root_dir) / TIMES_FILE.format(rank=trainer.global_rank)
         path.write_text(json.dumps(self.steps))
 
@@ -167,6 +171,10 @@ def fit(strategy: str, mode: str, args: argparse.Namespace, root: Path) -> dict[
         "step_ms_no_write": _median_ms(quiet),
         "step_ms_during_write": _median_ms(writing),
         "steps_during_writes": len(writing),
+        # the most a rank's writer thread ran on a CPU per write: what the steps beside it may lose
+        "write_cpu_ms_per_save": max(
+            (1000 * steps["write_cpu"][0] for steps in ranks if steps.get("write_cpu")), default=None
+        ),
         "checkpoint_mb": _size_mb(root / "checkpoints" / "last.ckpt"),
         "wall_s": time.monotonic() - started,
     }
@@ -198,6 +206,8 @@ def compare(strategy: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "steps_during_writes": background["steps_during_writes"],
             "during_over_no_write": during / sync["step_ms_no_write"] if during and sync["step_ms_no_write"] else None,
             "during_overlapped_write": runs["overlap"]["step_ms_during_write"],
+            "write_cpu_per_save": background["write_cpu_ms_per_save"],
+            "write_cpu_per_save_overlapped": runs["overlap"]["write_cpu_ms_per_save"],
             "overlapped_over_no_write": (
                 runs["overlap"]["step_ms_during_write"] / sync["step_ms_no_write"]
                 if runs["overlap"]["step_ms_during_write"] and sync["step_ms_no_write"]
@@ -259,7 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     report = {"command": " ".join(["python -m app.bench.save_fits", *(argv if argv is not None else sys.argv[1:])]),
               "cpu_count": os.cpu_count(), "by_strategy": by_strategy}  # fmt: skip
     print("blocked per save (ms, and against sync); step (ms, and while a write runs: async, overlap)")
-    print(f"{'':<6}{'state MB':>9}{'sync':>7}{'async':>13}{'overlap':>13}{'step':>7}{'async':>8}{'overlap':>9}")
+    print(
+        f"{'':<6}{'state MB':>9}{'sync':>7}{'async':>13}{'overlap':>13}{'step':>7}{'async':>8}{'overlap':>9}"
+        f"{'write CPU ms':>14}"
+    )
 
     def share(value: float | None, form: str) -> str:
         return format(value, form) if value is not None else "-"
@@ -271,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{blocked['async'] or 0:>7.0f}{share(blocked['async_over_sync'], '.0%'):>6}"
             f"{blocked['overlap'] or 0:>7.0f}{share(blocked['overlap_over_sync'], '.0%'):>6}"
             f"{steps['no_write'] or 0:>7.0f}{share(steps['during_over_no_write'], '.2f'):>8}"
-            f"{share(steps['overlapped_over_no_write'], '.2f'):>9}"
+            f"{share(steps['overlapped_over_no_write'], '.2f'):>9}{share(steps['write_cpu_per_save'], '.0f'):>14}"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))

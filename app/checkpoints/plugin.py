@@ -132,53 +132,6 @@ def changed_while_copied(path: Any, name: str) -> CheckpointWriteError:
     )
 
 
-def copy_all_but_late(state: Any, late: dict[int, str]) -> tuple[Any, list[tuple[torch.Tensor, str, int]]]:
-    """`state` with every tensor outside the storages `late` copied now (buffers a forward changes),
-    and the late ones with their in-place versions, for a stager that copies them later (FSDP2's
-    `dcp.async_save`; `StagingCheck` after it)."""
-    held: list[tuple[torch.Tensor, str, int]] = []
-
-    def copy_early(tensor: torch.Tensor) -> torch.Tensor:
-        name = late.get(storage_key(tensor))
-        if name:
-            held.append((tensor, name, version(tensor)))
-            return tensor
-        return tensor.detach().clone()
-
-    return apply_to_collection(state, torch.Tensor, copy_early), held
-
-
-class StagingCheck:
-    """Whether the tensors a stager copied late (`copy_all_but_late`) stayed as they were at the save
-    until their copy was made: `error` is set before `staged`, which the next optimizer step waits
-    for (`BackgroundWriter.expect_staging`), is done (`after`)."""
-
-    def __init__(self, held: list[tuple[torch.Tensor, str, int]], path: Any, staged: Future) -> None:
-        self.held = held
-        self.path = path
-        self.staged = staged
-        self.error: CheckpointWriteError | None = None
-
-    def after(self, staging: Future) -> None:
-        """Once `staging` (the stager's copy) is done: check, then let the next optimizer step run."""
-
-        def check(_: Future) -> None:
-            try:
-                for tensor, name, before in self.held:
-                    if version(tensor) != before:
-                        self.error = changed_while_copied(self.path, name)
-                        break
-            finally:
-                self.give_up()
-
-        staging.add_done_callback(check)
-
-    def give_up(self) -> None:
-        """No copy will come (the save failed first): the next optimizer step need not wait."""
-        if not self.staged.done():
-            self.staged.set_result(None)
-
-
 def stage(staging: HostStaging, checkpoint: dict[str, Any], path: Any, *rest: Any) -> tuple[Any, ...]:
     """On the writer thread: the `snapshot`'s late tensors copied into `staging`, the snapshot's own,
     before the next optimizer step."""
@@ -231,6 +184,9 @@ class BackgroundWriter:
         # The copy the next optimizer step waits for (`overlap_copy`): a Future done once it is made.
         self._staging: Future | None = None
         self.staging_wait_s = 0.0  # how long optimizer steps waited for it, in all
+        # The writer thread's CPU time in its writes (late copies included), in all: on a CPU that training
+        # keeps busy, about what the steps beside the writes lose (`python -m app.bench.save_fits`).
+        self.write_cpu_s = 0.0
         self._watched: list[Any] = []  # (the module and optimizers whose state is copied late, hook handles)
 
     def begin_save(self, name: str) -> bool:
@@ -263,23 +219,21 @@ class BackgroundWriter:
             staging = self._staging = Future()
         self._submit(self._write, write, stage, staging, *args)
 
-    def expect_staging(self) -> Future:
-        """A future the next optimizer step waits for, for a copy made by someone else (FSDP2's
-        `dcp.async_save` with DCP's stager): done by them once the copy is made."""
-        self._staging = Future()
-        return self._staging
-
     def _write(self, write: Callable[..., None], stage: Stage | None, staging: Future | None, *args: Any) -> None:
+        started = time.thread_time()
         try:
-            if self.before_write is not None:
-                self.before_write()
-            if stage is not None:
-                args = stage(*args)
+            try:
+                if self.before_write is not None:
+                    self.before_write()
+                if stage is not None:
+                    args = stage(*args)
+            finally:
+                if staging is not None:
+                    staging.set_result(None)  # a failed copy is this write's failure, reported as any other
+            write(*args)
+            self.saves_written += 1
         finally:
-            if staging is not None:
-                staging.set_result(None)  # a failed copy is this write's failure, reported as any other
-        write(*args)
-        self.saves_written += 1
+            self.write_cpu_s += time.thread_time() - started
 
     def watch(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         """From training's start (`start_background_writes`), with `overlap_copy`: every optimizer's

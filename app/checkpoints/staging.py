@@ -19,6 +19,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from app.private_apis import require
+
+DTENSOR_REBUILD = "background saves under strategy fsdp (a DTensor rebuilt around its shard's host copy)"
+
 Key = tuple[int, int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
 
 
@@ -45,6 +49,8 @@ class HostStaging:
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` copied to host memory, into the buffer it had at the last save where it fits.
         The copy is complete only after `finish`."""
+        if isinstance(tensor, DTensor):
+            return self._copy_dtensor(tensor)
         tensor = tensor.detach()
         if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or tensor.is_quantized:
             return tensor.to("cpu", copy=True)  # not a plain dense tensor: a fresh copy, as before
@@ -62,6 +68,23 @@ class HostStaging:
         self._on_device = self._on_device or from_device
         self._current[key] = buffer
         return buffer
+
+    def _copy_dtensor(self, tensor: DTensor) -> DTensor:
+        """A DTensor (FSDP2's shards) whose local shard is copied into host memory, with the same
+        mesh, placements and global shape: what DCP's planner and writer read, as from DCP's own
+        stager. Rebuilt through the subclass's flatten protocol, which copies no data and runs no
+        DTensor op: a DTensor op costs about 0.2 ms of dispatch on a CPU, and DCP's stager, which
+        runs two per DTensor (`new_empty` of its whole local shape, then a copy), took 230 ms to
+        stage 500 MB of shards per rank where the copy itself takes 100 ms (a cProfile of a 2-rank
+        save, not kept). `DTensor.from_local` would move a host shard back to the mesh's device."""
+        flatten = require(tensor, "__tensor_flatten__", "torch", DTENSOR_REBUILD)
+        names, context = flatten()
+        inner = {}
+        for name in names:
+            value = getattr(tensor, name)
+            inner[name] = self.copy(value) if isinstance(value, torch.Tensor) else value  # the mesh is kept
+        unflatten = require(type(tensor), "__tensor_unflatten__", "torch", DTENSOR_REBUILD)
+        return unflatten(inner, context, tensor.shape, tensor.stride())
 
     def finish(self) -> None:
         """Every copy made so far is complete (a device's non-blocking copies waited for)."""

@@ -23,7 +23,6 @@ atomically (app/checkpoints/sharded.py); a resume on another number of ranks res
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -39,7 +38,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -53,7 +51,14 @@ from torch.distributed.tensor import DTensor
 
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import CheckpointError, atomic_torch_save, safe_load
-from app.checkpoints.plugin import BackgroundWriter, StagingCheck, changed_while_copied, copy_all_but_late, write_failed
+from app.checkpoints.plugin import (
+    BackgroundWriter,
+    CheckpointWriteError,
+    changed_while_copied,
+    snapshot,
+    stage,
+    write_failed,
+)
 from app.checkpoints.sharded import (
     META_NAME,
     SafeFileSystemReader,
@@ -65,6 +70,7 @@ from app.checkpoints.sharded import (
     remove_unpublished,
     sharded_write_error,
 )
+from app.checkpoints.staging import HostStaging
 from app.errors import UserFacingError
 from app.parallel.strategy import MeshLayout, ShardGroupSize, check_shard_group_size, mesh_layout
 from app.private_apis import require
@@ -138,7 +144,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         # Set by app/run/build.py where saves are written in the background (`last_checkpoint.async_save`).
         self.background_writer: BackgroundWriter | None = None
         self._checkpoint_group: dist.ProcessGroup | None = None  # the background writes' own (gloo)
-        self._staging: DefaultStager | None = None  # `_stager`
+        self._host_staging = HostStaging()  # background saves' host copy, kept from save to save
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -271,24 +277,16 @@ class FSDP2Strategy(ModelParallelStrategy):
             assert writer is not None
             if self._checkpoint_group is None:  # every rank, at the same save: a collective call
                 self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
-            if writer.copies_late:  # last_checkpoint.overlap_copy: decided alike on every rank, not by its shards
-                late = writer.stepped_storages()
-                # The parameters and optimizer state stay shared with training: the writer thread starts
-                # `dcp.async_save` with DCP's asynchronous stager, whose copy the next optimizer step
-                # waits for. Started there, DCP's staging and upload threads inherit the writer's lower
-                # priority (a thread's nice value passes to the threads it creates), so on a busy CPU
-                # they take what training leaves (`python -m app.bench.save_fits`).
-                tensors, held = copy_all_but_late(tensors, late)
-                check = StagingCheck(held, path, writer.expect_staging())
-                if self.is_global_zero:
-                    self._write_meta(checkpoint, shards, path)
-                writer.write_in_background(self._save_overlapped, tensors, shards, path, check)
-                return
-            # The only part that blocks: this rank's shards copied into host buffers kept from the last save.
-            staged = self._stager().stage(tensors)
+            # The only part that blocks: this rank's shards copied into host buffers kept from the last
+            # save, as a DDP save's (`snapshot`). With last_checkpoint.overlap_copy, what an optimizer
+            # step changes is copied on the writer's thread instead, while the next step's forward and
+            # backward run; that step's update waits for the copy (`stage`).
+            late = writer.stepped_storages()  # empty unless overlap_copy
+            staged = snapshot(tensors, self._host_staging, late)
             if self.is_global_zero:
                 self._write_meta(checkpoint, shards, path)
-            writer.write_in_background(self._save_staged, staged, shards, path)
+            copy_late = self._copy_late if writer.copies_late else None  # alike on every rank
+            writer.write_in_background(self._save_staged, staged, path, shards, stage=copy_late)
             return
         try:
             dcp.save(tensors, checkpoint_id=shards)  # returns once DCP's index is written (rank 0, after all)
@@ -302,71 +300,39 @@ class FSDP2Strategy(ModelParallelStrategy):
         if writer is not None:
             writer.written()
 
-    def _stager(self) -> DefaultStager:
-        """DCP's stager for background saves: it copies the shards into host memory (pinned on a GPU,
-        with non-blocking copies) and keeps those buffers from save to save (its `StateDictStager`
-        caches them by the shards' storages), which makes the copy several times faster than into fresh
-        memory (app/checkpoints/staging.py; `dcp.async_save` without an `async_stager` makes a new
-        one, with fresh buffers, at every save). With `last_checkpoint.overlap_copy` the copy runs on
-        the stager's thread, started by `dcp.async_save`; else `stage` copies on the calling thread."""
-        if self._staging is None:
-            assert self.background_writer is not None  # only background saves stage
-            on_gpu = self.root_device.type == "cuda"
-            options = StagingOptions(
-                use_pinned_memory=on_gpu,
-                use_shared_memory=False,
-                use_async_staging=self.background_writer.copies_late,
-                use_non_blocking_copy=on_gpu,
-            )
-            self._staging = DefaultStager(options)
-        return self._staging
-
-    def _save_overlapped(self, tensors: dict[str, Any], shards: Path, path: Path, check: StagingCheck) -> None:
-        """On the writer's thread (`last_checkpoint.overlap_copy`): DCP copies the late tensors on its
-        stager's thread and writes them; `check` opens the next optimizer step once they are copied."""
+    def _copy_late(self, staged: dict[str, Any], path: Path, shards: Path) -> tuple[Any, ...]:
+        """On the writer's thread (`last_checkpoint.overlap_copy`): the late copies made (`stage`); a
+        change seen while they were made is held for `_save_staged` to fail the save on every rank."""
         try:
-            response = dcp.async_save(
-                tensors, checkpoint_id=shards, process_group=self._checkpoint_group, async_stager=self._stager()
-            )
-        except BaseException:
-            check.give_up()
-            raise
-        check.after(response.staging_completion)
-        self._publish_when_written(response.upload_completion, shards, path, check)
+            staged, *_ = stage(self._host_staging, staged, path)
+        except CheckpointWriteError as torn:
+            return staged, path, shards, torn
+        return staged, path, shards, None
 
-    def _save_staged(self, staged: dict[str, Any], shards: Path, path: Path) -> None:
+    def _save_staged(
+        self, staged: dict[str, Any], path: Path, shards: Path, torn: CheckpointWriteError | None = None
+    ) -> None:
         """On the writer's thread: DCP writes this rank's staged shards (a blocking `dcp.save` of the
-        host copies, its collectives over the writes' own group), then rank 0 moves the link.
+        host copies, its collectives over the writes' own group), then rank 0 moves the link. Rank 0's
+        `dcp.save` returns once every rank's shards and DCP's index are on disk (DCP gathers every
+        rank's result before it writes the index).
+
+        First every rank learns whether any rank's late copy was `torn` (one all-reduce), so that all
+        of them fail that save alike instead of the others waiting in `dcp.save` for it.
 
         Not `dcp.async_save` from the training thread: its upload thread, started there, ran at
         training's priority and took its time from the save step (about 1 s of a 1 GB save's 5.5 s
-        step on 2 busy cores, in a timed fit not kept); started here, DCP's work runs at the writer's
+        step on 2 busy cores, in a timed fit not kept); here, DCP's work runs at the writer's
         lower priority."""
+        changed = torch.tensor([self.global_rank + 1 if torn is not None else 0], dtype=torch.int32)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self._checkpoint_group)
+        if changed.item():
+            other = f"a parameter or optimizer state on rank {int(changed.item()) - 1}"
+            raise torn or changed_while_copied(path, other)
         try:
             dcp.save(staged, checkpoint_id=shards, process_group=self._checkpoint_group)
         except CheckpointException as error:
             _raise_write_error(path, error)
-        self._publish(shards, path, None)  # rank 0: every rank's shards and the index are written
-
-    def _publish_when_written(self, writing: Future, shards: Path, path: Path, check: StagingCheck) -> None:
-        """On the writer's thread: wait for this rank's `dcp.async_save` (`overlap_copy`), then `_publish`."""
-        try:
-            writing.result()
-        except CheckpointException as error:
-            _raise_write_error(path, error)
-        self._publish(shards, path, check)
-
-    def _publish(self, shards: Path, path: Path, check: StagingCheck | None) -> None:
-        """Rank 0 moves the link to `shards`, whose writes on every rank are done: rank 0's DCP save
-        returns once every rank's shards and DCP's index are on disk (DCP gathers every rank's result
-        before it writes the index). With a late copy (`check`), only if no rank's state changed while
-        it was copied (one all-reduce over the writes' own group)."""
-        if check is not None:  # every rank publishes (rank 0) or fails this save alike
-            changed = torch.tensor([self.global_rank + 1 if check.error is not None else 0], dtype=torch.int32)
-            dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self._checkpoint_group)
-            if changed.item():
-                other = f"a parameter or optimizer state on rank {int(changed.item()) - 1}"
-                raise check.error or changed_while_copied(path, other)
         if self.is_global_zero:
             try:
                 publish(shards, path)
@@ -392,9 +358,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         """The background writes finish (a failed one is said) while the process groups still exist."""
         if self.background_writer is not None:
             self.background_writer.teardown()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self._host_staging = HostStaging()  # the last save's host copy released
         super().teardown()
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
