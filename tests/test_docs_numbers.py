@@ -552,6 +552,7 @@ def test_performance_doc_quotes_the_two_rank_save_bench() -> None:
         assert expected in row, (row, expected)
         steps = figures["step_ms"]
         assert f"| {steps['no_write']:.0f} ms | {steps['during_over_no_write']:.2f}x |" in row, row
+        assert f"| {steps['overlapped_over_no_write']:.2f}x | {steps['write_cpu_per_save']:.0f} ms |" in row, row
 
 
 def test_performance_doc_quotes_the_one_process_save_bench() -> None:

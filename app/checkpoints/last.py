@@ -89,12 +89,12 @@ class LastCheckpoint:
         async_save: write every checkpoint the Trainer saves during training (last.ckpt and
             ModelCheckpoints' files) in the background: a save blocks training only for a copy to host
             memory (app/checkpoints/plugin.py `BackgroundWriter`; under fsdp every rank's shards,
-            `dcp.async_save`), whose buffers stay allocated for the next save (one host copy of the
-            checkpoint: app/checkpoints/staging.py). False: wait for the disk at every save.
+            written with `dcp.save` on the writer thread), whose buffers stay allocated for the next
+            save (one host copy of the checkpoint: app/checkpoints/staging.py). False: wait for the disk at every save.
         overlap_copy: with async_save, copy the parameters and the optimizer state to host memory
             while the next step's forward and backward run; that step's update waits for the copy
-            (a save then blocks training for the rest of the state only: 1% and 3% of a synchronous
-            save on 2 CPU ranks under DDP and FSDP2, against 11% and 18% without; docs/performance.md,
+            (a save then blocks training for the rest of the state only: 1% and 2% of a synchronous
+            save on 2 CPU ranks under DDP and FSDP2, against 6% and 7% without; docs/performance.md,
             "Checkpoint saves"). Off by default, because it is only for a module whose
             weights change in optimizer steps alone: an in-place change of a parameter in between (an
             EMA swap, a clamp) fails that save in one line, but one through `.data` goes unnoticed

@@ -4,9 +4,10 @@ A save written in the background (`last_checkpoint.async_save`) first copies the
 to host memory, and training waits for that copy. Into fresh memory the copy also pays for
 allocating it: the page faults of first touching it, and on a GPU pinning it (`python -m
 app.bench.saves`, docs/bench_saves.json: 211 ms into fresh memory against 79 ms into kept buffers
-for 384 MB in 64 MB tensors). So the buffers are kept, as DCP's stager (`StateDictStager`'s cache, which strategy fsdp's
-saves use) and torchtitan keep theirs: one host copy of the checkpoint stays allocated between
-saves. On a GPU the buffers are pinned and the copies non-blocking, with one synchronize at the end.
+for 384 MB in 64 MB tensors). So the buffers are kept, as DCP's stager
+(`StateDictStager`'s cache) and torchtitan keep theirs: one host copy of the checkpoint stays
+allocated between saves, on rank 0 under DDP and on every rank, of its shards, under strategy
+fsdp. On a GPU the buffers are pinned and the copies non-blocking, with one synchronize at the end.
 
 A tensor gets the buffer the same tensor used at the previous save: the same memory, offset, shape,
 strides and dtype (an optimizer step changes the values in place, not these). Reusing is safe because

@@ -248,10 +248,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         rank has finished, publishes it under `filepath` atomically (app/checkpoints/sharded.py).
 
         With `background_writer` (`last_checkpoint.async_save`, during training) the save blocks only
-        while DCP's stager copies this rank's shards to host memory (`_stager`): the writes (`dcp.save`
-        of that copy), DCP's index and the publishing of the link run on the writer's thread, whose
-        collectives go over a process group of their own (gloo: DCP's background collectives need a CPU group, and
-        must not interleave with training's on the default group). A kill before the link moves
+        while this rank's shards are copied to host memory (`snapshot`, into buffers kept from save
+        to save): the writes (`dcp.save` of that copy), DCP's index and the publishing of the link
+        run on the writer's thread, whose collectives go over a process group of their own (gloo:
+        DCP's background collectives need a CPU group, and must not interleave with training's on the
+        default group). A kill before the link moves
         leaves the previous checkpoint published; the next save removes the unpublished directory."""
         if storage_options is not None:
             raise TypeError("FSDP2Strategy.save_checkpoint takes no storage_options (checkpoints go to a path).")
