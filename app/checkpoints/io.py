@@ -5,6 +5,8 @@
   (Lightning serialises into memory and then writes through fsspec, without fsync.)
 - Every load uses `torch.load(..., weights_only=True)`, also for http(s) URLs (Lightning defaults
   to `weights_only=False` for those): a checkpoint whose unpickling would run code is refused.
+- Every load first checks the CRC32 torch.save wrote beside each record (`refuse_bad_checksums`),
+  which torch.load itself never reads: a checkpoint changed on disk is refused, not loaded wrong.
 
 No Lightning here: the datasets the reference trainer shares load tensor files with `safe_load`.
 Lightning's side, `SafeCheckpointIO`, is in `app.cli`; exporting a model, in `app.export`.
@@ -155,6 +157,7 @@ def safe_load(path: str | Path, map_location: Any = "cpu", name: str | None = No
         except OSError as error:
             raise CheckpointError(f"could not download checkpoint {path}: {_first_line(error)}") from error
         refuse_other_formats(source, path, name)
+        refuse_bad_checksums(source, path)
     elif Path(path).is_dir():
         raise not_torch_save(path, name, "a directory")
     elif not Path(path).is_file():
@@ -162,6 +165,7 @@ def safe_load(path: str | Path, map_location: Any = "cpu", name: str | None = No
     else:
         with open(path, "rb") as file:
             refuse_other_formats(file, path, name)
+            refuse_bad_checksums(file, path)
     try:
         return torch.load(source, map_location=map_location, weights_only=True)
     except Exception as error:
@@ -236,6 +240,37 @@ def refuse_other_formats(file: BinaryIO, path: str | Path, name: str | None) -> 
     file.seek(0)
     if what is not None:
         raise not_torch_save(path, name, what)
+
+
+def refuse_bad_checksums(file: BinaryIO, path: str | Path) -> None:
+    """Raise the one-line CheckpointError for a torch.save zip whose data does not match the CRC32
+    torch.save wrote beside it; rewinds `file`.
+
+    `torch.load` never checks those checksums: a byte flipped on disk after the save (a failing
+    disk, a bad copy) loads silently as a wrong weight. Checking reads the file once more (zlib's
+    CRC32, about as fast as the read). A file written without checksums
+    (`torch.serialization.set_crc32_options(False)`: every record's CRC is 0) and torch's legacy
+    non-zip format have none to check."""
+    start = file.read(len(ZIP_MAGIC))
+    file.seek(0)
+    if start != ZIP_MAGIC:
+        return
+    try:
+        with zipfile.ZipFile(file) as archive:
+            records = archive.infolist()
+            if all(record.CRC == 0 for record in records if record.file_size):
+                return
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        bad = None  # truncated or otherwise unreadable: torch.load's error names it
+    finally:
+        file.seek(0)
+    if bad is not None:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its record {bad} does not match the checksum torch.save wrote "
+            "(the file changed after it was written: a failing disk or a bad copy). Fix: resume from an "
+            "earlier checkpoint."
+        )
 
 
 def not_torch_save(path: str | Path, name: str | None, what: str) -> CheckpointError:

@@ -338,3 +338,25 @@ def test_a_checkpoint_that_does_not_fit_stops_in_one_line_writing_nothing(
     assert all(fact in errors[0] for fact in facts), errors[0]
     # No checkpoint touched, and no new log version directory or any other file.
     assert {path: path.read_bytes() for path in digits_run.rglob("*") if path.is_file()} == before
+
+
+def test_a_checkpoint_with_a_byte_changed_on_disk_is_refused_naming_the_record(tmp_path: Path) -> None:
+    """torch.load never checks the CRC32 torch.save writes beside each record: a byte flipped after the
+    save would load silently as a wrong weight. safe_load checks it (a file written without checksums
+    still loads)."""
+    path = tmp_path / "last.ckpt"
+    weights = torch.arange(1000, dtype=torch.float32)
+    torch.save({"state_dict": {"w": weights}}, path)
+    data = bytearray(path.read_bytes())
+    data[data.find(weights.numpy().tobytes()[400:432]) + 3] ^= 0x10  # one bit of one weight
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is corrupt: its record .*data/0 does not match") as error:
+        safe_load(path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+    unchecked = tmp_path / "unchecked.ckpt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"state_dict": {"w": weights}}, unchecked)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert torch.equal(safe_load(unchecked)["state_dict"]["w"], weights)
