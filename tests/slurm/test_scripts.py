@@ -20,6 +20,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import torch
 from localcluster import LocalSlurmCluster
 
 from app.bench.recovery import CPU_ONLY_SBATCH, measure_slurm
@@ -455,16 +456,36 @@ def test_a_rank_killed_on_the_second_node_requeues_the_job_which_ends_bit_exact(
     assert 0 <= job.recovery.steps_redone <= job.recovery.checkpoint_interval_steps, job.recovery
 
 
+# An elastic resume sums each step's gradients in another order: in float32 that rounding is not
+# bounded over 40 epochs (docs/resume.md, "Elastic resume": it flips a ReLU decision sooner or later,
+# and the runs drift apart as two valid runs; CI saw 8.8e-5 of the largest weight once, where the
+# requeue landed early). In float64 it stays far from the kinks, as in tests/fault/test_elastic_resume.py.
+FLOAT64 = ("--trainer.precision=64-true",)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_float64(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """LONG_RUN in float64 at 2 ranks outside Slurm, never interrupted."""
+    root = tmp_path_factory.mktemp("uninterrupted-float64")
+    result = ddp_app("fit", "--config", CONFIG, *LONG_RUN, *FLOAT64, f"--trainer.default_root_dir={root}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return weights(root)
+
+
 @pytest.mark.fault
 @pytest.mark.distributed
 def test_a_two_node_job_requeued_onto_one_node_continues_elastically(
-    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, uninterrupted: dict
+    idle_nodes: None, slurm_cluster: LocalSlurmCluster, workdir: Path, uninterrupted_float64: dict
 ) -> None:
     """multinode.sbatch on 2 nodes x 1 task, requeued (held, as after a preemption) and shrunk to one
     node by the scheduler: the job continues on 1 rank with the global batch and sample order kept,
-    and ends within 1e-5 (relative) of the uninterrupted 2-rank run."""
+    and ends within 1e-9 (relative) of the uninterrupted 2-rank run, both in float64."""
+    uninterrupted = uninterrupted_float64
     root = workdir / "elastic"
-    args = (CONFIG, *LONG_RUN, "--trainer.devices=1", "--trainer.num_nodes=2", f"--trainer.default_root_dir={root}")
+    args = (
+        CONFIG, *LONG_RUN, *FLOAT64, "--trainer.devices=1", "--trainer.num_nodes=2",
+        f"--trainer.default_root_dir={root}",
+    )  # fmt: skip
 
     job = submit(
         slurm_cluster, workdir, SLURM / "multinode.sbatch", *CPU_ONLY, "--ntasks-per-node=1", args=args,
@@ -477,9 +498,11 @@ def test_a_two_node_job_requeued_onto_one_node_continues_elastically(
     assert "ddp-app: the requeued job runs on 1 node(s); trainer.num_nodes 2 -> 1" in output, output[-4000:]
     assert "ddp-app: resuming a 2-rank run on 1 ranks: global batch 64 kept (64 per micro-step)" in output
     actual = weights(root)
+    assert all(tensor.dtype == torch.float64 for tensor in actual.values() if tensor.is_floating_point())
     scale = max(float(tensor.abs().max()) for tensor in uninterrupted.values() if tensor.is_floating_point())
-    difference, _ = compare_states(uninterrupted, actual, 1e-5 * scale)
-    assert difference <= 1e-5 * scale, (difference, scale)
+    difference, _ = compare_states(uninterrupted, actual, 1e-9 * scale)
+    print(f"elastic 2 -> 1 in float64: {difference:.2e} off the uninterrupted run (largest weight {scale:.3f})")
+    assert difference <= 1e-9 * scale, (difference, scale)
 
 
 FSDP_CONFIG = str(REPO / "configs" / "gpt_fsdp.yaml")
