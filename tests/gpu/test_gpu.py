@@ -150,6 +150,36 @@ def test_a_background_save_copies_device_tensors_into_pinned_buffers_it_reuses()
     assert torch.equal(second, weights.cpu())
 
 
+def test_a_background_save_stages_a_cuda_dtensor_shard_on_the_host_and_dcp_writes_it(tmp_path: Path) -> None:
+    """strategy fsdp's background save on a GPU: HostStaging copies a DTensor's CUDA shard into a pinned
+    host buffer and rebuilds the DTensor around it (the mesh stays CUDA's), and DCP writes that, as
+    it wrote DCP's own stager's copies; the shard read back equals the device's at the save."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from app.checkpoints.sharded import load_full_tensors
+    from app.checkpoints.staging import HostStaging
+
+    dist.init_process_group("cuda:nccl,cpu:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        weight = distribute_tensor(torch.randn(64, 32, device="cuda"), mesh, [Shard(0)])
+        staging = HostStaging()
+        staging.begin()
+        staged = staging.copy(weight)
+        staging.finish()
+        local = staged.to_local()
+        assert local.device.type == "cpu" and local.is_pinned() and staged.device_mesh.device_type == "cuda"
+        expected = weight.to_local().cpu()
+        weight.to_local().mul_(2.0)  # the next steps change the device's shard, not the copy
+        dcp.save({"state_dict": {"w": staged}}, checkpoint_id=tmp_path / "shards")
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(load_full_tensors(tmp_path / "shards")["w"], expected)
+
+
 def fit_lightning(root: Path, *overrides: str) -> dict[str, torch.Tensor]:
     result = ddp_app(
         "fit", "--config", DIGITS, *ON_GPU, f"--trainer.default_root_dir={root}", "--trainer.max_epochs=1",
