@@ -242,6 +242,20 @@ def refuse_other_formats(file: BinaryIO, path: str | Path, name: str | None) -> 
         raise not_torch_save(path, name, what)
 
 
+# Files whose checksums matched in this process, by `_file_identity`: a file rewritten in place or
+# replaced (a new save is renamed over the old one: another inode) is checked again.
+_CHECKSUMS_MATCHED: set[tuple[int, int, int, int]] = set()
+
+
+def _file_identity(file: BinaryIO) -> tuple[int, int, int, int] | None:
+    """(device, inode, size, modification time in ns) of an open file; None for one in memory (a download)."""
+    try:
+        status = os.fstat(file.fileno())
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        return None
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
 def refuse_bad_checksums(file: BinaryIO, path: str | Path) -> None:
     """Raise the one-line CheckpointError for a torch.save zip whose data does not match the CRC32
     torch.save wrote beside it; rewinds `file`.
@@ -255,6 +269,9 @@ def refuse_bad_checksums(file: BinaryIO, path: str | Path) -> None:
     file.seek(0)
     if start != ZIP_MAGIC:
         return
+    identity = _file_identity(file)
+    if identity is not None and identity in _CHECKSUMS_MATCHED:
+        return  # a resume loads its checkpoint up to three times (the CLI's checks, the tracker, Lightning)
     try:
         with zipfile.ZipFile(file) as archive:
             records = archive.infolist()
@@ -265,6 +282,8 @@ def refuse_bad_checksums(file: BinaryIO, path: str | Path) -> None:
         bad = None  # truncated or otherwise unreadable: torch.load's error names it
     finally:
         file.seek(0)
+    if bad is None and identity is not None:
+        _CHECKSUMS_MATCHED.add(identity)
     if bad is not None:
         raise CheckpointError(
             f"checkpoint {path} is corrupt: its record {bad} does not match the checksum torch.save wrote "
