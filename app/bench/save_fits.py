@@ -199,7 +199,7 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator and denominator else None
 
 
-def compare(strategy: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One strategy's three fits side by side. A step during a write is set against the quiet steps
     of the same fit: two fits of one command differed by up to 7% in their quiet step on this VM
     (2026-11-28), which a ratio across fits would count as the write's."""
@@ -317,9 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         by_ranks = {
             str(ranks): {
                 name: compare(
-                    name,
-                    {mode: fit(name, mode, ranks, args, Path(directory) / f"{ranks}-{name}-{mode}") for mode in MODES},
-                )  # fmt: skip
+                    {mode: fit(name, mode, ranks, args, Path(directory) / f"{ranks}-{name}-{mode}") for mode in MODES}
+                )
                 for name in strategies
             }
             for ranks in args.ranks

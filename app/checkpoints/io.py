@@ -279,17 +279,18 @@ def refuse_bad_checksums(file: BinaryIO, path: str | Path) -> None:
                 return
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        bad = None  # truncated or otherwise unreadable: torch.load's error names it
+        return  # truncated or otherwise unreadable: torch.load's error names it (not remembered as checked)
     finally:
         file.seek(0)
-    if bad is None and identity is not None:
-        _CHECKSUMS_MATCHED.add(identity)
-    if bad is not None:
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt: its record {bad} does not match the checksum torch.save wrote "
-            "(the file changed after it was written: a failing disk or a bad copy). Fix: resume from an "
-            "earlier checkpoint."
-        )
+    if bad is None:
+        if identity is not None:
+            _CHECKSUMS_MATCHED.add(identity)
+        return
+    raise CheckpointError(
+        f"checkpoint {path} is corrupt: its record {bad} does not match the checksum torch.save wrote "
+        "(the file changed after it was written: a failing disk or a bad copy). Fix: resume from an "
+        "earlier checkpoint."
+    )
 
 
 def not_torch_save(path: str | Path, name: str | None, what: str) -> CheckpointError:

@@ -93,7 +93,7 @@ class LastCheckpoint:
             save (one host copy of the checkpoint: app/checkpoints/staging.py). False: wait for the disk at every save.
         overlap_copy: with async_save, copy the parameters and the optimizer state to host memory
             while the next step's forward and backward run; that step's update waits for the copy
-            (a save then blocks training for the rest of the state only: 1% and 2% of a synchronous
+            (a save then blocks training for the rest of the state only: under 1% and 2% of a synchronous
             save on 2 CPU ranks under DDP and FSDP2, against 6% and 7% without; docs/performance.md,
             "Checkpoint saves"). Off by default, because it is only for a module whose
             weights change in optimizer steps alone: an in-place change of a parameter in between (an
