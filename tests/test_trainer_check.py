@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 
-from app.cli import ConfigParsed, DDPAppCLI
+from app.cli import DDPAppCLI, ParsedRun
 from app.run.trainer_check import TrainerArgumentError, check_trainer_arguments, explain
 from tests.helpers.run import REPO, ddp_app
 
@@ -34,15 +34,12 @@ REFUSED = [
 ]
 
 
-def parse_only(tmp_path: Path, *overrides: str) -> ConfigParsed:
-    try:
-        DDPAppCLI(
-            args=["fit", "--config", DIGITS, f"--trainer.default_root_dir={tmp_path}", *overrides],
-            parse_only=True,
-        )
-    except ConfigParsed as parsed:
-        return parsed
-    raise AssertionError("DDPAppCLI(parse_only=True) returned without parsing")
+def parse_only(tmp_path: Path, *overrides: str) -> ParsedRun:
+    cli = DDPAppCLI(
+        args=["fit", "--config", DIGITS, f"--trainer.default_root_dir={tmp_path}", *overrides], parse_only=True
+    )
+    assert cli.parsed is not None
+    return cli.parsed
 
 
 @pytest.mark.parametrize(("override", "key", "value"), REFUSED)
@@ -59,9 +56,9 @@ def test_a_refused_trainer_value_names_its_key_value_and_fix(
 
 
 def test_the_shipped_config_and_a_cpu_count_for_gpu_devices_pass(tmp_path: Path) -> None:
-    assert parse_only(tmp_path).plan.processes == 2
+    assert parse_only(tmp_path).plan.ranks.processes == 2
     # A GPU config's device list on CPU: the ranks get a count (the plan's devices), and so does the check.
-    assert parse_only(tmp_path, "--trainer.devices=[0, 1]").plan.devices == 2
+    assert parse_only(tmp_path, "--trainer.devices=[0, 1]").plan.ranks.devices == 2
 
 
 def test_building_the_trainer_leaves_this_process_as_it_was(tmp_path: Path) -> None:

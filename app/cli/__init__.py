@@ -8,7 +8,7 @@ The parser's public names are importable from here, so that `class_path: app.cli
 """
 
 from app.checkpoints.plugin import SafeCheckpointIO
-from app.cli.parser import ConfigParsed, DDPAppCLI, parse_config
+from app.cli.parser import DDPAppCLI, ParsedRun, parse_config
 from app.run.build import NoProfiler
 
-__all__ = ["ConfigParsed", "DDPAppCLI", "NoProfiler", "SafeCheckpointIO", "parse_config"]
+__all__ = ["DDPAppCLI", "NoProfiler", "ParsedRun", "SafeCheckpointIO", "parse_config"]

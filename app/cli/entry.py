@@ -19,12 +19,11 @@ import sys
 import time
 import warnings
 from collections.abc import MutableMapping
-from pathlib import Path
 from typing import Any, NoReturn
 
 from jsonargparse import DefaultHelpFormatter
 
-from app.cli import ConfigParsed, DDPAppCLI
+from app.cli import DDPAppCLI, ParsedRun
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, PEER_LOST_EXIT_CODE
 from app.cluster.hangs import keep_hang_records
 from app.cluster.launch import (
@@ -43,6 +42,7 @@ from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, failed_because_a_peer_died, user_message
 from app.run.console import STARTED_VARIABLE, quiet_console
 from app.run.directory import LOCK_VARIABLE, acquire
+from app.run.plan import hand_to_forked_ranks
 
 # `ddp-app --help`'s description: every subcommand, one line each. `resume-check` is not a LightningCLI
 # subcommand (app/__main__.py runs it before the CLI exists), so the parser's own list below it,
@@ -144,14 +144,13 @@ def main(args: list[str] | None = None) -> None:
         raise
 
 
-def check_before_launch(args: list[str]) -> ConfigParsed:
-    """The launcher's parse-only pass: the whole config parsed and checked against this machine and
-    launch, once, before any rank exists. Bad input ends here: one line on stderr and SystemExit with
-    its code (tests/fault/test_bad_input.py runs its cases through this function in-process)."""
+def check_before_launch(args: list[str]) -> ParsedRun:
+    """The launcher's parse-only pass: the whole config parsed, planned and checked against this
+    machine and launch, once, before any rank exists. Bad input ends here: one line on stderr and
+    SystemExit with its code (tests/fault/test_bad_input.py runs its cases through this function
+    in-process)."""
     try:
-        DDPAppCLI(args=args, parse_only=True, parser_kwargs=PARSER_KWARGS)
-    except ConfigParsed as checked:
-        return checked
+        parsed = DDPAppCLI(args=args, parse_only=True, parser_kwargs=PARSER_KWARGS).parsed
     except KeyboardInterrupt:
         print("ddp-app: interrupted (Ctrl-C) before training started; nothing was saved.", file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT_CODE) from None
@@ -160,7 +159,8 @@ def check_before_launch(args: list[str]) -> ConfigParsed:
         if code is None:
             raise
         raise SystemExit(code) from None
-    raise AssertionError("DDPAppCLI(parse_only=True) returned without parsing")
+    assert parsed is not None  # a parse-only DDPAppCLI always plans, or exits
+    return parsed
 
 
 def launch_and_run(args: list[str] | None) -> NoReturn:
@@ -180,8 +180,8 @@ def launch_and_run(args: list[str] | None) -> NoReturn:
     checked = check_before_launch(args)
     lock = None
     # One run per directory (app/run/directory.py): the launcher holds the lock for every round below.
-    if checked.subcommand == "fit" and checked.rank_zero:
-        root = Path(checked.config["trainer"]["default_root_dir"] or os.getcwd())
+    if checked.plan.subcommand == "fit" and checked.plan.rank_zero:
+        root = checked.plan.run_dir
         try:
             lock = acquire(root, os.environ)
         except UserFacingError as error:
@@ -195,11 +195,12 @@ def launch_and_run(args: list[str] | None) -> NoReturn:
             lock.release()
 
 
-def launch_checked(args: list[str], checked: ConfigParsed) -> NoReturn:
+def launch_checked(args: list[str], checked: ParsedRun) -> NoReturn:
     """Run the checked config in this process, or fork its ranks and supervise them, restarts included."""
-    plan, num_nodes, restarts = checked.plan, checked.num_nodes, checked.config["restarts"]
+    plan, num_nodes, restarts = checked.plan.ranks, checked.plan.num_nodes, checked.config["restarts"]
     if not plan.processes:
         raise SystemExit(run(args))
+    hand_to_forked_ranks(checked.plan)  # the checkpoint it read, for the ranks forked below
     try:
         refuse_cuda_before_fork()
     except UserFacingError as error:

@@ -11,52 +11,34 @@ module) runs once per rank: nothing here may download or write.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import lightning as L
-from jsonargparse import Namespace
+import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
 import app.data
 import app.models.lightning  # noqa: F401  (registers the LightningModules for short `class_path` names)
-from app.checkpoints.io import (
-    CheckpointSummary,
-    as_checkpoint_error,
-    check_model_class,
-    check_overrides,
-    check_state_fits,
-)
+from app.checkpoints.io import CheckpointSummary
 from app.checkpoints.last import LastCheckpoint
-from app.checkpoints.sharded import is_checkpoint, summarize_any
-from app.cluster.hangs import HangReport
-from app.cluster.launch import RankPlan, rank_plan
-from app.cluster.preflight import (
-    Launch,
-    on_gpu,
-    preflight,
-)
+from app.cluster.launch import RankPlan
 from app.errors import summarize_parser_error
 from app.parallel.compression import GradientCompression
-from app.parallel.strategy import expand_fsdp_name, resolve_strategy
+from app.parallel.strategy import name_as_class_spec
 from app.private_apis import require
 from app.resume.exact import ExactResume
 from app.run.build import build_trainer, config_for_the_ranks, open_tracked_run, prepare_run
-from app.run.callbacks import (
-    NonFiniteGuard,
-)
-from app.run.config_checks import (
-    check_config,
-    command_line_model_keys,
-)
 from app.run.console import STARTED_VARIABLE
 from app.run.directory import RunLock, claim_run_directory
+from app.run.plan import ResumeFrom, RunPlan, make_run_plan
 from app.run.step_timing import StepTiming
 from app.run.summary import EvaluationThroughput, evaluation_summary, fit_summary, scalar_metrics
 from app.run.trainer_check import LEFT_OUT, check_trainer_arguments
@@ -86,13 +68,6 @@ class OneLineErrorParser(LightningArgumentParser):
         prog = self.prog.replace(" [options]", "")
         sys.stderr.write(f"{prog}: error: {summarize_parser_error(message)} (see: {prog} --help)\n")
         self.exit(2)
-
-
-def is_global_rank_zero(launch: Launch | None, env: Mapping[str, str]) -> bool:
-    """Before any process group exists: from the launch, or from the launcher's variables if unknown."""
-    if launch is not None:
-        return launch.global_rank == 0
-    return all(env.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
 def add_ddp_app_arguments(parser: LightningArgumentParser) -> None:
@@ -140,15 +115,20 @@ def add_ddp_app_arguments(parser: LightningArgumentParser) -> None:
 class DDPAppCLI(LightningCLI):
     """LightningCLI with our defaults: one-line errors, input checks, CSV (+TensorBoard) logs,
     atomic and safe checkpoints in a fixed directory, exact resume, preemption at step
-    boundaries, a bounded collective timeout, and the config saved next to the logs."""
+    boundaries, a bounded collective timeout, and the config saved next to the logs.
+
+    Right after parsing, the run plan (app/run/plan.py) decides the run once; everything after
+    reads `self.plan`. With `parse_only`, nothing is built or run: the constructor returns once the
+    config is parsed and planned (and, with `check_machine`, checked against this machine and
+    launch), and `parsed` holds the result. `main` does that once before it starts the ranks, so
+    that bad input is reported once, quickly; `parse_config` for tools.
+    """
 
     def __init__(self, parse_only: bool = False, check_machine: bool = True, **kwargs: Any) -> None:
-        # parse_only: stop with ConfigParsed once the config is parsed (and, with check_machine,
-        # checked against this machine and launch): `main` does that once before it starts the
-        # ranks, so that bad input is reported once, quickly; `parse_config` for tools.
-        # The override below is what names an unreadable --ckpt_path in one line; a LightningCLI
-        # that no longer calls it would silently bypass it.
-        require(LightningCLI, "_parse_ckpt_path", "lightning", "the one-line error for an unreadable ckpt_path")
+        # LightningCLI calls `_parse_ckpt_path` right after parsing, to read a checkpoint's
+        # hyperparameters; the plan does that from its one reading of the file, so ours does nothing.
+        # A LightningCLI that no longer calls it would read the checkpoint a second time.
+        require(LightningCLI, "_parse_ckpt_path", "lightning", "reading a resumed checkpoint once (app/run/plan.py)")
         self.parse_only = parse_only
         self.check_machine = check_machine
         # The wall time the end-of-run summary reports: from the launcher's start (app/cli/entry.py), so it
@@ -157,8 +137,9 @@ class DDPAppCLI(LightningCLI):
         self.run_lock: RunLock | None = None  # this fit's hold on its directory (app/run/directory.py)
         self.evaluation_throughput: EvaluationThroughput | None = None
         self.command_line: list[str] = []
-        self.checkpoint: CheckpointSummary | None = None  # the --ckpt_path file, when it is one
-        self.resume_checkpoint: CheckpointSummary | None = None  # that, or the one `--ckpt_path last` finds
+        self.plan: RunPlan | None = None
+        self.parsed: ParsedRun | None = None  # parse_only: what was parsed and planned
+        self.resume: ResumeFrom = ResumeFrom()  # the plan's, or the file `--ckpt_path last` found (`_before_run`)
         # Before parsing: a user's `class_path: mymodels.MyNet` imports from the current directory
         # or beside the config, on every rank (app/user_code.py has the rule).
         args = kwargs.get("args")
@@ -168,8 +149,8 @@ class DDPAppCLI(LightningCLI):
         kwargs.setdefault(
             "trainer_defaults",
             {
-                "callbacks": [NonFiniteGuard(), HangReport()],
-                # Defaults, so a config's own `profiler:` or `plugins:` replaces them.
+                # Defaults, so a config's own `profiler:` or `plugins:` replaces them. ddp-app's callbacks
+                # are installed in one place, app/run/build.py `build_trainer`.
                 "profiler": {"class_path": "app.cli.NoProfiler"},  # app/run/build.py
                 "plugins": [{"class_path": "app.cli.SafeCheckpointIO"}],  # app/checkpoints/plugin.py
             },
@@ -190,76 +171,73 @@ class DDPAppCLI(LightningCLI):
         add_ddp_app_arguments(parser)
 
     def _subcommand_config(self, config: Any) -> Any:
-        return config[self.subcommand] if self.subcommand else config
+        subcommand = config.get("subcommand")
+        return config[subcommand] if subcommand else config
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, then plan: the plan is made once per process, here, before any class is built."""
         if args is None or isinstance(args, list):
             self.command_line = list(sys.argv[1:] if args is None else args)
+            args = strategy_names_as_classes(self.command_line)
         super().parse_arguments(parser, args)
-
-    def _parse_ckpt_path(self) -> None:
-        subcommand = self.config.get("subcommand")
-        config = self.config[subcommand] if subcommand else None
-        ckpt_path = config.get("ckpt_path") if config else None
-        # Lightning's own condition: "last" and "best" (and URLs) are resolved later by the Trainer.
-        if ckpt_path and is_checkpoint(ckpt_path):
-            self.checkpoint = summarize_any(ckpt_path)
-            model = config.get("model")
-            if model is not None:
-                check_model_class(self.checkpoint, model.class_path)
-                arguments = model.get("init_args") or Namespace()
-                given = {key: arguments[key] for key in command_line_model_keys(self.command_line) if key in arguments}
-                check_overrides(
-                    self.checkpoint,
-                    {key: value.as_dict() if isinstance(value, Namespace) else value for key, value in given.items()},
-                )
-        # LightningCLI reads the checkpoint's hyperparameters with torch.load(weights_only=True)
-        # before anything else (Lightning 2.6 `LightningCLI._parse_ckpt_path`); name the file if it fails.
-        try:
-            super()._parse_ckpt_path()
-        except Exception as error:
-            ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
-            raise as_checkpoint_error(ckpt_path, error) from error
-
-    def before_instantiate_classes(self) -> None:
-        config = self._subcommand_config(self.config)
-        if self.parse_only and not self.check_machine:
-            raise ConfigParsed(config, RankPlan(0), 1)
-        expand_fsdp_name(config["trainer"])
-        check_config(config)
-        # No process group exists yet: a launch that disagrees with devices/num_nodes or would hang
-        # stops here in one line, and SLURMEnvironment gets our per-job MASTER_PORT.
-        self.launch = preflight(config["trainer"])
-        if self.launch is not None:
-            # A shard_group_size that does not divide the ranks stops here, in one line, before any rank starts.
-            resolve_strategy(config["trainer"].get("strategy")).mesh(self.launch.world_size, self.launch.devices)
+        self.plan = make_run_plan(
+            self._subcommand_config(self.config),
+            self.config.get("subcommand"),
+            self.command_line,
+            check_machine=self.check_machine,
+            apply_checkpoint_arguments=self._apply_checkpoint_arguments,
+        )
+        self.resume = self.plan.resume
+        if self.plan.launch is not None:
             # A forked rank imported Lightning in the launcher, where Lightning took this process for
             # rank 0: until the strategy sets the ranks inside `fit`, every rank would print what only
             # rank 0 should (Lightning's rank-zero warnings about the Trainer, for one).
-            rank_zero_only.rank = self.launch.global_rank
-        if self.parse_only:  # the plan follows the config as written (before the changes below)
-            plan = self._rank_plan(config["trainer"])
-            self._check_trainer_arguments(config["trainer"], plan)
-            if self.subcommand == "fit":  # last: a typo in the command is named before the directory's state
-                self._claim_run_directory(config)
-                if config["tracking"] and config["tracking"].get("mlflow") is not None:
-                    check_remote_mlflow_answers(config["tracking"]["mlflow"].get("tracking_uri"))
-            raise ConfigParsed(
-                config,
-                plan,
-                self.launch.num_nodes if self.launch else 1,
-                self.subcommand,
-                is_global_rank_zero(self.launch, os.environ),
-            )
-        config_for_the_ranks(config, self.launch, is_global_rank_zero(self.launch, os.environ))
+            rank_zero_only.rank = self.plan.launch.global_rank
+
+    def _apply_checkpoint_arguments(self, summary: CheckpointSummary) -> Any:
+        """LightningCLI's rule for a resumed checkpoint file (its `_parse_ckpt_path`): the model's
+        arguments saved in the checkpoint win over the config's. Applied from the plan's one reading of
+        the file; returns the subcommand's config with them."""
+        subcommand = self.config.get("subcommand")
+        hparams: dict[str, Any] = dict(summary.hyper_parameters)
+        if not hparams and summary.class_path is None:
+            return self._subcommand_config(self.config)
+        if summary.class_path is not None:
+            hparams = {"class_path": summary.class_path, "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
+        return self._subcommand_config(self.config)
+
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: the plan applied the checkpoint's arguments (`_apply_checkpoint_arguments`)."""
+
+    def before_instantiate_classes(self) -> None:
+        config = self._subcommand_config(self.config)
+        assert self.plan is not None  # made by parse_arguments
+        if self.parse_only:
+            if self.check_machine:
+                self._check_before_launch(config, self.plan)
+            self.parsed = ParsedRun(config, self.plan)
+            # Nothing is built or run in a parse-only pass: LightningCLI runs no subcommand without one.
+            self.subcommand = None
+            return
+        config_for_the_ranks(config, self.plan)
         if self.subcommand == "fit":
-            self._claim_run_directory(config)
+            self.run_lock = claim_run_directory(config, self.plan.rank_zero, lock=self.plan.rank_zero)
 
-    def _claim_run_directory(self, config: Any) -> None:
-        rank_zero = is_global_rank_zero(self.launch, os.environ)
-        self.run_lock = claim_run_directory(config, rank_zero, lock=rank_zero and not self.parse_only)
+    def _check_before_launch(self, config: Any, plan: RunPlan) -> None:
+        """The launcher's own checks, once, before any rank starts (the plan follows the config as
+        written, before the changes every rank makes)."""
+        self._check_trainer_arguments(config["trainer"], plan.ranks)
+        if plan.subcommand == "fit":  # last: a typo in the command is named before the directory's state
+            claim_run_directory(config, plan.rank_zero, lock=False)
+            if config["tracking"] and config["tracking"].get("mlflow") is not None:
+                check_remote_mlflow_answers(config["tracking"]["mlflow"].get("tracking_uri"))
 
-    def _check_trainer_arguments(self, trainer_config: Any, plan: RankPlan) -> None:
+    def _check_trainer_arguments(self, trainer_config: Any, ranks: RankPlan) -> None:
         """Build the Trainer here, once, as the ranks will (app/run/trainer_check.py): an argument Lightning
         refuses stops the launch in one line before any rank starts."""
 
@@ -273,42 +251,39 @@ class DDPAppCLI(LightningCLI):
                 warnings.simplefilter("ignore")  # jsonargparse's deprecation notice; LightningCLI calls it too
                 return dict(self._subcommand_config(self.parser.instantiate_classes(config))["trainer"])
 
-        overrides = {"devices": plan.devices} if plan.devices is not None else None
+        overrides = {"devices": ranks.devices} if ranks.devices is not None else None
         check_trainer_arguments(instantiate, trainer_config, overrides, self.trainer_class)
 
-    def _rank_plan(self, trainer_config: Any) -> RankPlan:
-        """The local ranks a plain launch forks; none under torchrun or srun, or for unknown devices."""
-        if self.launch is None or self.launch.launcher != "plain":
-            return RankPlan(0)
-        strategy = resolve_strategy(trainer_config.get("strategy"), self.launch.world_size)
-        return rank_plan(strategy, self.launch.devices, not on_gpu(trainer_config), trainer_config.get("devices"))
+    def instantiate_classes(self) -> None:
+        if not self.parse_only:
+            super().instantiate_classes()
 
     def after_instantiate_classes(self) -> None:
         # Before the Trainer or a logger writes anything: a checkpoint that cannot load stops here,
         # in one line, instead of in `load_state_dict` inside every rank (`--ckpt_path last`: `_before_run`).
-        if self.checkpoint is not None:
-            check_state_fits(self.checkpoint, self.model)
-        self.resume_checkpoint = self.checkpoint
+        if not self.parse_only:
+            self.resume.check_fits(self.model)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         def make_trainer(**ours: Any) -> Trainer:
             return super(DDPAppCLI, self).instantiate_trainer(**{**kwargs, **ours})
 
+        assert self.plan is not None
         config = self._subcommand_config(self.config_init)
-        trainer, self.evaluation_throughput = build_trainer(config, self.subcommand, self.launch, make_trainer)
+        trainer, self.evaluation_throughput = build_trainer(config, self.plan, make_trainer)
         return trainer
 
     def _before_run(self) -> None:
         """app/run/build.py `prepare_run`: the checkpoint to resume from, the tracked run, the loaders."""
+        assert self.plan is not None
         config = self.config_init[self.subcommand]
         tracked = self.subcommand == "fit" and self.config[self.subcommand]["trainer"]["logger"] in (None, True)
-        self.resume_checkpoint = prepare_run(
+        self.resume = prepare_run(
             config,
-            self.subcommand,
+            self.plan,
             self.trainer,
             self.model,
             self.datamodule,
-            self.resume_checkpoint,
             self._subcommand_config(self.config)["model"].class_path,
             self._open_tracked_run if tracked else None,
         )
@@ -340,25 +315,69 @@ class DDPAppCLI(LightningCLI):
         open_tracked_run(tracking, self.trainer, config_yaml, ckpt_path, latest, summary)
 
 
-class ConfigParsed(Exception):  # noqa: N818 (control flow, not an error)
-    """Raised by a parse-only DDPAppCLI once the whole config is parsed (and checked): what to launch."""
+@dataclass(frozen=True)
+class ParsedRun:
+    """A parse-only DDPAppCLI's result: the subcommand's parsed config and the run plan made from it."""
 
-    def __init__(
-        self, config: Any, plan: RankPlan, num_nodes: int, subcommand: str | None = None, rank_zero: bool = True
-    ) -> None:
-        super().__init__("config parsed")
-        self.config = config
-        self.plan = plan
-        self.num_nodes = num_nodes
-        self.subcommand = subcommand
-        self.rank_zero = rank_zero  # this launcher starts global rank 0 (node 0 of a multi-node launch)
+    config: Any
+    plan: RunPlan
 
 
 def parse_config(args: list[str]) -> Any:
     """The subcommand config `ddp-app <args>` would run with: the same parser, files and precedence,
     nothing checked against this machine (for tools like `python -m app.slurm` on a login node)."""
+    parsed = DDPAppCLI(args=args, parse_only=True, check_machine=False).parsed
+    assert parsed is not None  # a parse-only DDPAppCLI always plans, or exits
+    return parsed.config
+
+
+def strategy_names_as_classes(args: list[str]) -> list[str]:
+    """The command line with a strategy name that arguments follow written as the class it stands for.
+
+    jsonargparse takes `--trainer.strategy.init_args.*` only after a class (after a name it fails with
+    "NestedArg ... expected str"), so `--trainer.strategy fsdp --trainer.strategy.init_args.shard_group_size
+    2` becomes `--trainer.strategy={"class_path": "app.parallel.fsdp.FSDP2Strategy", "init_args": {}}`
+    and the same argument. A name given in a config file (`strategy: fsdp`) that command-line arguments
+    follow gets the same line before them. A name that stands for no class is left for the plan to refuse.
+    """
+    first_argument = next((i for i, arg in enumerate(args) if arg.startswith(STRATEGY_OPTION + ".")), None)
+    if first_argument is None:
+        return args
+    name, at = _strategy_written_before(args, first_argument)
+    spec = name_as_class_spec(name) if isinstance(name, str) else None
+    if spec is None:
+        return args
+    rewritten = f"{STRATEGY_OPTION}={json.dumps(spec, default=str)}"
+    if at is None:  # named in a config file: the class goes before the first argument
+        return [*args[:first_argument], rewritten, *args[first_argument:]]
+    end = at + (1 if "=" in args[at] else 2)
+    return [*args[:at], rewritten, *args[end:]]
+
+
+STRATEGY_OPTION = "--trainer.strategy"
+
+
+def _strategy_written_before(args: list[str], before: int) -> tuple[Any, int | None]:
+    """The last `trainer.strategy` set before `args[before]`: on the command line (its value and index)
+    or in the last config file given before it (its value, no index)."""
+    written: Any = None
+    at: int | None = None
+    for index, arg in enumerate(args[:before]):
+        option, equals, value = arg.partition("=")
+        if option == STRATEGY_OPTION:
+            written, at = (value if equals else (args[index + 1] if index + 1 < len(args) else None)), index
+        elif option == "--config":
+            path = value if equals else (args[index + 1] if index + 1 < len(args) else None)
+            written, at = _strategy_in_config_file(path), None
+    return written, at
+
+
+def _strategy_in_config_file(path: str | None) -> Any:
+    """`trainer.strategy` as a config file writes it, or None (no file, no such key, not YAML)."""
     try:
-        DDPAppCLI(args=args, parse_only=True, check_machine=False)
-    except ConfigParsed as parsed:
-        return parsed.config
-    raise AssertionError("DDPAppCLI(parse_only=True) returned without parsing")
+        with open(str(path)) as file:
+            content = yaml.safe_load(file)
+    except (OSError, yaml.YAMLError):
+        return None
+    trainer = content.get("trainer") if isinstance(content, dict) else None
+    return trainer.get("strategy") if isinstance(trainer, dict) else None

@@ -22,7 +22,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from app.cluster.ddp_buffers import without_single_rank_broadcast
-from app.parallel.strategy import StrategyKind, resolve_strategy
+from app.parallel.strategy import StrategyKind
 from app.private_apis import require
 
 # The DDPStrategy method that wraps the model, and the attribute holding DDP's own arguments.
@@ -30,12 +30,13 @@ LIGHTNING_DDP_WRAP = "_setup_model"
 LIGHTNING_DDP_KWARGS = "_ddp_kwargs"
 
 
-def build_ddp_on_the_current_stream(strategy: object) -> None:
+def build_ddp_on_the_current_stream(strategy: object, kind: StrategyKind) -> None:
     """Make a DDPStrategy (as Lightning ships it) wrap its model on the stream current at the time.
 
-    A strategy that is not a DDPStrategy, or a subclass with its own `_setup_model`, is left alone.
+    `kind`: the run plan's strategy kind. A strategy that is not a DDPStrategy, or a subclass with its
+    own `_setup_model`, is left alone.
     """
-    if resolve_strategy(strategy).kind is not StrategyKind.DDP:
+    if kind is not StrategyKind.DDP:
         return
     needed_for = "building DistributedDataParallel on the training stream (app/cluster/ddp_stream.py)"
     own = require(DDPStrategy, LIGHTNING_DDP_WRAP, "lightning", needed_for)

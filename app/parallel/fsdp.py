@@ -72,7 +72,7 @@ from app.checkpoints.sharded import (
 )
 from app.checkpoints.staging import HostStaging
 from app.errors import UserFacingError
-from app.parallel.strategy import MeshLayout, ShardGroupSize, check_shard_group_size, mesh_layout
+from app.parallel.mesh import MeshLayout, ShardGroupSize, check_shard_group_size, mesh_layout
 from app.private_apis import require
 
 # The dtypes FSDP2 may gather parameters and reduce gradients in, by the names a config gives them (a

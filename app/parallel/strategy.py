@@ -18,9 +18,15 @@ import difflib
 import enum
 import importlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from app.errors import TrainerArgumentError, UserFacingError
+from app.parallel.mesh import (  # noqa: F401 (the mesh's names, re-exported for the strategy's users)
+    MeshLayout,
+    ShardGroupSize,
+    check_shard_group_size,
+    mesh_layout,
+)
 
 # `strategy: fsdp` in a ddp-app config is FSDP2 with every default (app/parallel/fsdp.py), not
 # Lightning's FSDP1 strategy registered under that name.
@@ -38,64 +44,6 @@ SPAWNING_STRATEGIES = {
     "ddp_notebook_find_unused_parameters_true": "ddp_find_unused_parameters_true",
 }
 DDP_NAMES = ("ddp", "ddp_find_unused_parameters_true", *SPAWNING_STRATEGIES)
-
-
-# `trainer.strategy.init_args.shard_group_size` of strategy fsdp: the ranks that shard the model
-# between them (null: every rank; `node`: the ranks of one node; N: groups of N consecutive ranks).
-ShardGroupSize = int | Literal["node"] | None
-
-
-@dataclass(frozen=True)
-class MeshLayout:
-    """Strategy fsdp's ranks as `replicas` groups of `shards` consecutive ranks: each group holds one
-    whole copy of the model, sharded over its ranks. One replica is full sharding (FSDP); more is
-    hybrid sharding (HSDP): parameters are gathered and gradients reduce-scattered within a group (one
-    node's fast links), and only the gradient shards are all-reduced between the groups (across nodes).
-    The data is sharded over every rank either way: each rank reads its own samples."""
-
-    replicas: int
-    shards: int
-
-    @property
-    def is_hybrid(self) -> bool:
-        return self.replicas > 1
-
-    def describe(self) -> str:
-        """ "2 replicas x 2 shards": the words of the run's first line and of the resume notice."""
-        replicas = f"{self.replicas} replica{'s' if self.replicas != 1 else ''}"
-        return f"{replicas} x {self.shards} shard{'s' if self.shards != 1 else ''}"
-
-
-def check_shard_group_size(shard_group_size: Any) -> None:
-    """A value that is no group size at all (0, -2, "nodes") is refused where the strategy is built."""
-    if shard_group_size in (None, "node"):
-        return
-    if not isinstance(shard_group_size, int) or isinstance(shard_group_size, bool) or shard_group_size < 1:
-        raise UserFacingError(
-            f"trainer.strategy.init_args.shard_group_size={shard_group_size!r} is not a group size. Fix: a "
-            "number of ranks (at least 1), `node` (the ranks of one node), or null (every rank)."
-        )
-
-
-def mesh_layout(shard_group_size: ShardGroupSize, world_size: int, ranks_per_node: int) -> MeshLayout:
-    """The layout `shard_group_size` asks for on `world_size` ranks, `ranks_per_node` per node; a size
-    that does not divide the ranks into equal groups is refused in one line, before any process group
-    exists (every rank computes the same answer)."""
-    check_shard_group_size(shard_group_size)
-    if shard_group_size is None:
-        size = world_size
-    elif shard_group_size == "node":
-        size = ranks_per_node
-    else:
-        size = int(shard_group_size)
-    if size > world_size or world_size % size:
-        divisors = [str(n) for n in range(1, world_size + 1) if world_size % n == 0]
-        raise UserFacingError(
-            f"trainer.strategy.init_args.shard_group_size={shard_group_size} ({size} ranks) does not divide the "
-            f"run's {world_size} ranks into equal shard groups. Fix: one of {', '.join(divisors)}, `node`, or "
-            "null (every rank)."
-        )
-    return MeshLayout(world_size // size, size)
 
 
 class StrategyKind(enum.Enum):
@@ -139,14 +87,32 @@ class ResolvedStrategy:
         """How a sharded strategy lays out `world_size` ranks (None for any other strategy)."""
         return mesh_layout(self.shard_group_size, world_size, ranks_per_node) if self.is_sharded else None
 
+    def at_world_size(self, world_size: int) -> ResolvedStrategy:
+        """This strategy on a run of `world_size` processes: `auto` is `ddp` on more than one (what
+        Lightning picks outside a notebook, which `ddp-app` never runs in); any other form is unchanged."""
+        if self.written == "auto" and self.registered_name is None and world_size > 1:
+            return ResolvedStrategy(StrategyKind.DDP, self.written, registered_name="ddp")
+        return self
+
+    @property
+    def class_path_for_a_name(self) -> str | None:
+        """The class a name written as a plain string must become before Lightning reads it: ddp-app's
+        FSDP2 for `fsdp` (Lightning's `fsdp` is FSDP1), the class itself for a class path given as a
+        string (`--trainer.strategy app.parallel.fsdp.FSDP2Strategy`); None for Lightning's own names."""
+        if self.kind is StrategyKind.FSDP and self.written == FSDP_NAME:
+            return FSDP_CLASS_PATH
+        return self.written if "." in self.written else None
+
 
 def resolve_strategy(strategy: Any, world_size: int = 1) -> ResolvedStrategy:
-    """`trainer.strategy` in any form (name, parsed `class_path` namespace or dict, strategy object)
-    as a `ResolvedStrategy`. `auto` is `ddp` when the run has more than one process (what Lightning
-    picks outside a notebook, which `ddp-app` never runs in; the kind of any other form does not
-    depend on `world_size`). A name Lightning does not know is refused
-    here in one line, with the nearest names ("did you mean `fsdp`?")."""
+    """`trainer.strategy` in any form (name, class path as a string, parsed `class_path` namespace or
+    dict, strategy object) as a `ResolvedStrategy`, at `world_size` processes (`at_world_size`). A name
+    Lightning does not know is refused here in one line, with the nearest names ("did you mean
+    `fsdp`?"). app/run/plan.py calls it once per process; the other callers are tools with a config
+    of their own (the parity tool, the benches)."""
     if strategy is None or isinstance(strategy, str):
+        if strategy is not None and "." in strategy:  # a class path written as a plain string
+            return _resolve_class(_import_class(strategy), strategy, {})
         return _resolve_name(strategy or "auto", world_size)
     if isinstance(strategy, type):
         return _resolve_class(strategy, f"{strategy.__module__}.{strategy.__qualname__}", {})
@@ -157,16 +123,6 @@ def resolve_strategy(strategy: Any, world_size: int = 1) -> ResolvedStrategy:
     cls = type(strategy)  # a strategy object, given in Python: ddp-app does not rewrite it
     own = {"shard_group_size": getattr(strategy, "shard_group_size", None)}
     return _resolve_class(cls, f"{cls.__module__}.{cls.__qualname__}", own)
-
-
-def expand_fsdp_name(trainer_config: Any) -> None:
-    """`strategy: fsdp` becomes ddp-app's FSDP2 strategy with its defaults in the parsed trainer config,
-    before Lightning reads it (its own `fsdp` name is its FSDP1 strategy)."""
-    strategy = trainer_config.get("strategy")
-    if isinstance(strategy, str) and resolve_strategy(strategy).is_sharded:
-        from jsonargparse import Namespace
-
-        trainer_config["strategy"] = Namespace(class_path=FSDP_CLASS_PATH, init_args=Namespace())
 
 
 def _resolve_name(name: str, world_size: int) -> ResolvedStrategy:
@@ -191,7 +147,7 @@ def _resolve_name(name: str, world_size: int) -> ResolvedStrategy:
             f"invalid value {name!r} for trainer.strategy: not a strategy ddp-app or Lightning knows. {hint}Fix: "
             "`ddp` (data parallel), `fsdp` (sharded: FSDP2), `auto`, another of Lightning's names (python -c 'from "
             "lightning.pytorch.strategies import StrategyRegistry as r; print(r.available_strategies())'), "
-            "or a class_path."
+            f"or a strategy's class path such as {FSDP_CLASS_PATH}."
         )
     entry = StrategyRegistry[name]
     resolved = _resolve_class(entry["strategy"], name, entry["init_params"])
@@ -218,14 +174,38 @@ def _resolve_class(cls: type, written: str, init_args: Any) -> ResolvedStrategy:
 
 
 def _import_class(class_path: str) -> type:
+    from lightning.pytorch.strategies import Strategy
+
     module_name, _, class_name = class_path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as error:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as error:
         raise UserFacingError(
             f"trainer.strategy.class_path {class_path} cannot be imported ({error}). Fix: a class path "
             "such as lightning.pytorch.strategies.DDPStrategy, or a strategy name (ddp, fsdp)."
         ) from error
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise UserFacingError(
+            f"trainer.strategy {class_path} is not a Lightning Strategy class. Fix: a class path such as "
+            f"{FSDP_CLASS_PATH} or lightning.pytorch.strategies.DDPStrategy, or a strategy name (ddp, fsdp)."
+        )
+    return cls
+
+
+def name_as_class_spec(name: str) -> dict[str, Any] | None:
+    """A strategy name as the `class_path` and `init_args` it stands for, so that arguments can follow
+    it (`--trainer.strategy fsdp --trainer.strategy.init_args.shard_group_size 2`): jsonargparse takes
+    `init_args` only after a class. None for a name that is no class (`auto`) or that Lightning does not
+    know (refused later, in one line)."""
+    if name == FSDP_NAME:
+        return {"class_path": FSDP_CLASS_PATH, "init_args": {}}
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if name not in StrategyRegistry.available_strategies():
+        return None
+    entry = StrategyRegistry[name]
+    cls = entry["strategy"]
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dict(entry["init_params"])}
 
 
 def _get(container: Any, key: str) -> Any:

@@ -42,23 +42,28 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.profilers import PassThroughProfiler
 
-from app.checkpoints.io import CheckpointSummary, check_model_class, check_state_fits
+from app.checkpoints.io import CheckpointSummary
 from app.checkpoints.last import agreed_last_checkpoint
 from app.checkpoints.plugin import BackgroundCheckpointIO, BackgroundWriter, SafeCheckpointIO
-from app.checkpoints.sharded import is_checkpoint, summarize_any
 from app.cluster.ddp_stream import build_ddp_on_the_current_stream
 from app.cluster.hangs import HangReport
 from app.cluster.preemption import STOP_SIGNAL_FLAG, keep_lightning_off_stop_signals
-from app.cluster.preflight import Launch, describe_launch, fresh_store_for_this_round, lightning_uses_slurm
+from app.cluster.preflight import describe_launch, fresh_store_for_this_round, lightning_uses_slurm
 from app.data.rank_loaders import shard_all_loaders
 from app.errors import UserFacingError
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
 from app.parallel.compression import GradientCompression
-from app.parallel.strategy import StrategyKind, resolve_strategy
-from app.run.callbacks import LogLineProgressBar, PlainModelSummary, PredictionWriter, ThrottledProgressBar
+from app.run.callbacks import (
+    LogLineProgressBar,
+    NonFiniteGuard,
+    PlainModelSummary,
+    PredictionWriter,
+    ThrottledProgressBar,
+)
 from app.run.config_checks import apply_collective_timeout, drop_static_graph_for_accumulation
 from app.run.coordinator import RunCoordinator
+from app.run.plan import IN_THE_BACKGROUND, ResumeFrom, RunPlan, resume_from_last
 from app.run.step_timing import StepTiming, serve_first_batch_again
 from app.run.summary import EvaluationThroughput
 from app.tracking.run import Tracking
@@ -109,9 +114,10 @@ def default_loggers(root_dir: str) -> list[Logger]:
     return loggers
 
 
-def config_for_the_ranks(config: Any, launch: Launch | None, rank_zero: bool) -> None:
+def config_for_the_ranks(config: Any, plan: RunPlan) -> None:
     """What every rank changes in its parsed config alike, after the launcher's checks passed."""
     trainer_config = config["trainer"]
+    launch, rank_zero = plan.launch, plan.rank_zero
     if launch is not None and launch.launcher == "torchrun":
         fresh_store_for_this_round(os.environ, config["collective_timeout_s"])
     # A torchrun round (--nnodes=MIN:MAX) or a requeued Slurm job may run on another number of nodes
@@ -126,45 +132,18 @@ def config_for_the_ranks(config: Any, launch: Launch | None, rank_zero: bool) ->
                 f"{launch.num_nodes} ({launch.launcher} decides the nodes).",
                 flush=True,
             )
-    world_size = launch.world_size if launch is not None else int(trainer_config["num_nodes"] or 1)
-    apply_collective_timeout(trainer_config, config["collective_timeout_s"], world_size)
+    apply_collective_timeout(trainer_config, config["collective_timeout_s"], plan.strategy)
     notice = drop_static_graph_for_accumulation(trainer_config)
     if notice and rank_zero:  # every rank makes the same change; one line in the log is enough
         print(notice, flush=True)
 
 
-IN_THE_BACKGROUND = "written in the background"
-
-
-def checkpoint_save_mode(config: Any) -> str:
-    """How this run's checkpoints are written, as the line at fit's start says it."""
-    strategy = resolve_strategy(config["trainer"].get("strategy"))
-    plugins = config["trainer"].get("plugins") or []
-    plugins = plugins if isinstance(plugins, list) else [plugins]
-    own = [type(p).__name__ for p in plugins if isinstance(p, CheckpointIO) and type(p) is not SafeCheckpointIO]
-    if not config["last_checkpoint"].async_save:
-        return "written before training goes on (last_checkpoint.async_save: false)"
-    whose = "this rank's shards" if strategy.kind == StrategyKind.FSDP else "the checkpoint"
-    pause = f"a save pauses training for a copy of {whose} to host memory; last_checkpoint.async_save"
-    if config["last_checkpoint"].overlap_copy:
-        pause = (
-            f"a save pauses training for a copy of {whose} less the parameters and optimizer state, which are "
-            "copied during the next step, whose optimizer step waits for them; last_checkpoint.overlap_copy"
-        )
-    if strategy.kind == StrategyKind.FSDP:  # its shards bypass the CheckpointIO: a config's own plugin changes nothing
-        return f"{IN_THE_BACKGROUND} by every rank ({pause})"
-    if strategy.kind not in (StrategyKind.DDP, StrategyKind.SINGLE):
-        return f"written before training goes on (strategy {strategy.written} writes its own checkpoints)"
-    if own:
-        return f"written before training goes on, by the config's checkpoint I/O plugin {own[0]}"
-    return f"{IN_THE_BACKGROUND} ({pause})"
-
-
 def build_trainer(
-    config: Any, subcommand: str | None, launch: Launch | None, make_trainer: Callable[..., Trainer]
+    config: Any, plan: RunPlan, make_trainer: Callable[..., Trainer]
 ) -> tuple[Trainer, EvaluationThroughput | None]:
     """The Trainer of this run (`make_trainer`: LightningCLI's own, with the keyword arguments it is
     given), and the evaluation throughput meter of validate/test/predict."""
+    subcommand, launch, strategy = plan.subcommand, plan.launch, plan.strategy
     # Plugins. A config's own plugins replace the default list: keep the safe checkpoint I/O anyway.
     plugins = config["trainer"].get("plugins") or []
     plugins = list(plugins) if isinstance(plugins, list) else [plugins]
@@ -172,9 +151,8 @@ def build_trainer(
         plugins.append(SafeCheckpointIO())
     # Saves in the background where the Trainer writes one file from rank 0 through this plugin, unless
     # the config brings its own plugin; under fsdp the strategy writes its shards itself (below).
-    save_mode = checkpoint_save_mode(config)
+    save_mode = plan.save_mode
     in_background = save_mode.startswith(IN_THE_BACKGROUND)
-    strategy = resolve_strategy(config["trainer"].get("strategy"))
     sharded = strategy.is_sharded
     if in_background and not sharded:
         overlap = config["last_checkpoint"].overlap_copy
@@ -196,8 +174,8 @@ def build_trainer(
     # - RunCoordinator last: the one owner of ddp-app's exchanges between ranks (app/run/coordinator.py).
     #   Lightning keeps `Checkpoint` callbacks after every other, so its hooks run after everything
     #   else of the same hook.
-    # NonFiniteGuard and HangReport come from the CLI's `trainer_defaults`; they talk to no other rank
-    # during training (HangReport once, at setup, on every rank).
+    # - NonFiniteGuard and HangReport (runs of more than one process) after those: they talk to no
+    #   other rank during training (HangReport once, at setup, on every rank).
     user_callbacks = config["trainer"].get("callbacks") or []
     user_callbacks = user_callbacks if isinstance(user_callbacks, list) else [user_callbacks]
     compression: GradientCompression = config["gradient_compression"]
@@ -206,6 +184,9 @@ def build_trainer(
     callbacks = [config["exact_resume"], *([step_timing] if timed else []), config["tracking"], *user_callbacks]
     if compression.method != "none":
         callbacks.append(compression)
+    callbacks.append(NonFiniteGuard())
+    if launch is None or launch.world_size > 1:  # a single process has no peer to hang on or to ask
+        callbacks.append(HangReport())
     saves_last = config["trainer"].get("enable_checkpointing") is not False
     coordinator = None
     if subcommand in (None, "fit"):  # no subcommand (`run=False`): the caller may fit
@@ -222,21 +203,19 @@ def build_trainer(
         # `enable_checkpointing: false` refuses any Checkpoint callback at construction, and the
         # coordinator is one (for its place in the hooks) that then saves nothing.
         trainer.callbacks.append(coordinator)
-    if trainer.world_size == 1:  # no peer to hang on or to ask
-        trainer.callbacks = [callback for callback in trainer.callbacks if not isinstance(callback, HangReport)]
     if in_background and sharded:
         # Strategy fsdp writes its shards itself (DCP), past the CheckpointIO: it gets the writer directly.
         trainer.strategy.background_writer = BackgroundWriter(config["last_checkpoint"].overlap_copy)
     keep_lightning_off_stop_signals(trainer)  # private: Lightning's SIGTERM handler broadcasts inside it
-    build_ddp_on_the_current_stream(trainer.strategy)  # private: Lightning wraps DDP on a side stream
+    build_ddp_on_the_current_stream(trainer.strategy, strategy.kind)  # private: Lightning wraps DDP on a side stream
     if subcommand not in (None, "fit") or not saves_last:
         # Only fit's coordinator acts on stop signals recorded since `run` started, and only where it
         # saves last.ckpt; otherwise a stop signal ends this process, as by default.
         STOP_SIGNAL_FLAG.release()
     environment = getattr(trainer.strategy, "cluster_environment", None)
     if launch is not None and launch.global_rank == 0 and environment is not None:
-        mesh = strategy.mesh(launch.world_size, launch.devices)
-        print(describe_launch(launch, environment, mesh=mesh.describe() if mesh else None), flush=True)
+        mesh = plan.mesh.describe() if plan.mesh else None
+        print(describe_launch(launch, environment, mesh=mesh), flush=True)
     if subcommand == "fit" and saves_last and trainer.is_global_zero:
         print(f"ddp-app: checkpoints: {save_mode}", flush=True)
     if config["trainer"]["logger"] in (None, True) and subcommand != "fit":
@@ -270,40 +249,34 @@ def build_trainer(
 
 def prepare_run(
     config: Any,
-    subcommand: str,
+    plan: RunPlan,
     trainer: Trainer,
     model: L.LightningModule,
     datamodule: L.LightningDataModule | None,
-    resume_checkpoint: CheckpointSummary | None,
     model_class_path: str,
     open_tracked_run: Callable[[str | None, bool, CheckpointSummary | None], None] | None,
-) -> CheckpointSummary | None:
+) -> ResumeFrom:
     """Everything between the built Trainer and `fit` (or validate, test, predict), in order; returns
-    the summary of the checkpoint the run resumes from, if any.
+    the checkpoint the run resumes from (the plan's, or the file `--ckpt_path last` found).
 
     `--ckpt_path last` is ddp-app's last.ckpt (Lightning only looks in ModelCheckpoint directories);
     none yet means a first run, which starts fresh (one line says which). `open_tracked_run` (fit with
     ddp-app's logger) opens the tracked run. Any DataModule's loaders get ddp-app's samplers (exact
     evaluation, exact mid-epoch resume), and per-rank means logged during evaluation are reported once.
     """
-    asked_for_last = config.get("ckpt_path") == "last"
-    if asked_for_last:
+    resume = plan.resume
+    if resume.is_last:
         config["ckpt_path"] = agreed_last_checkpoint(trainer)  # rank 0's answer, on every rank
-        if config["ckpt_path"]:  # the checks the CLI makes for a given file after building the model
-            resume_checkpoint = summarize_any(config["ckpt_path"])
-            check_model_class(resume_checkpoint, model_class_path)
-            check_state_fits(resume_checkpoint, model)
+        if config["ckpt_path"]:  # the checks a given file had in the plan, on the file found
+            resume = resume_from_last(config["ckpt_path"], model_class_path, model)
         if trainer.is_global_zero:  # a restarted or requeued job says where it picks up
             found = f"resuming from {config['ckpt_path']}" if config["ckpt_path"] else "none yet, starting fresh"
             print(f"ddp-app: --ckpt_path last: {found}", flush=True)
     if open_tracked_run is not None:
         ckpt_path = config.get("ckpt_path")
-        summary = resume_checkpoint
-        if ckpt_path and trainer.is_global_zero and (summary is None or summary.path != str(ckpt_path)):
-            summary = summarize_any(ckpt_path) if is_checkpoint(ckpt_path) else None
-        open_tracked_run(ckpt_path, asked_for_last and not ckpt_path, summary if ckpt_path else None)
+        open_tracked_run(ckpt_path, plan.resume.is_last and not ckpt_path, resume.summary if ckpt_path else None)
     shard_all_loaders(trainer, datamodule, model)
-    if subcommand == "fit" and config["step_timing"].ablation == "batch_in_memory":  # `ddp-app diagnose`
+    if plan.subcommand == "fit" and config["step_timing"].ablation == "batch_in_memory":  # `ddp-app diagnose`
         serve_first_batch_again(datamodule if datamodule is not None else model)
     warn_on_per_rank_means(trainer, model)
     if isinstance(trainer.precision_plugin, DoublePrecision):
@@ -321,7 +294,7 @@ def prepare_run(
             )
         if trainer.is_global_zero:
             print(f"ddp-app: compile: torch.compile on {', '.join(compiled)} (the first step compiles)", flush=True)
-    return resume_checkpoint
+    return resume
 
 
 def open_tracked_run(

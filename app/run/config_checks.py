@@ -21,8 +21,7 @@ from typing import Any
 from jsonargparse import Namespace
 from lightning.pytorch.strategies import StrategyRegistry
 
-from app.checkpoints.io import not_a_checkpoint, refuse_url
-from app.checkpoints.sharded import is_sharded_checkpoint
+from app.checkpoints.io import refuse_url
 from app.cluster.preflight import (
     already_launched,
     devices_as_written_count,
@@ -31,12 +30,13 @@ from app.cluster.preflight import (
     visible_gpus,
 )
 from app.errors import UserFacingError
-from app.parallel.strategy import resolve_strategy
+from app.parallel.strategy import ResolvedStrategy
 from app.tracking.run import require_tracker
 
 
-def check_config(config: Any) -> None:
-    """Refuse values that Lightning or PyTorch would accept silently or reject deep inside a rank."""
+def check_config(config: Any, strategy: ResolvedStrategy) -> None:
+    """Refuse values that Lightning or PyTorch would accept silently or reject deep inside a rank
+    (`--ckpt_path` is checked by app/run/plan.py `resume_from`)."""
     check_paths_are_local(config)
     trainer = config["trainer"]
     check_training_length(trainer)
@@ -57,7 +57,7 @@ def check_config(config: Any) -> None:
             "is 0). Fix: --trainer.accelerator=cpu (or auto), or run on a GPU node."
         )
     check_compression_fits(config)
-    check_fsdp_combinations(config)
+    check_fsdp_combinations(config, strategy)
     check_tracking(config)
     on_cpu = not on_gpu(trainer)
     precision = str(trainer.get("precision"))
@@ -127,62 +127,6 @@ def check_paths_are_local(config: Any) -> None:
     for index, callback in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
         dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
         refuse_url(dirpath or "", f"trainer.callbacks[{index}].init_args.dirpath")
-    refuse_url(config.get("ckpt_path") or "", "ckpt_path", to_read=True)
-    check_ckpt_path_is_a_file(config.get("ckpt_path"))
-    check_checkpoint_fits_the_strategy(config)
-
-
-# The ckpt_path values Lightning resolves itself instead of reading a file of that name.
-NAMED_CHECKPOINTS = ("last", "best", "hpc", "registry")
-
-
-def check_ckpt_path_is_a_file(ckpt_path: str | None) -> None:
-    """A directory at --ckpt_path is refused here, naming the checkpoint inside it if there is one:
-    LightningCLI skips reading it, and every rank would fail on it later."""
-    if not ckpt_path or str(ckpt_path) in NAMED_CHECKPOINTS or not Path(ckpt_path).is_dir():
-        return
-    if is_sharded_checkpoint(ckpt_path):  # strategy fsdp's checkpoints are directories of shards
-        return
-    directory = Path(ckpt_path)
-    inside = (directory / "last.ckpt", directory / "checkpoints" / "last.ckpt")
-    found = next((candidate for candidate in inside if candidate.is_file()), None)
-    fix = (
-        f"--ckpt_path {found}, the last checkpoint in it."
-        if found
-        else "give the path of a .ckpt file, such as <trainer.default_root_dir>/checkpoints/last.ckpt."
-    )
-    raise not_a_checkpoint(f"--ckpt_path {ckpt_path}", "a directory", fix)
-
-
-def check_checkpoint_fits_the_strategy(config: Any) -> None:
-    """A checkpoint of one file (strategy ddp) resumed under strategy fsdp, or a sharded one (strategy
-    fsdp) under ddp, is refused here, before any rank starts, the tracker counts an attempt or a model
-    is built. `--ckpt_path last` is checked against `<default_root_dir>/checkpoints/last.ckpt`; a
-    last.ckpt kept elsewhere (a ModelCheckpoint's own dirpath) is refused by the strategy as it loads."""
-    ckpt_path = config.get("ckpt_path")
-    if ckpt_path == "last":
-        root = Path(config["trainer"].get("default_root_dir") or os.getcwd())
-        path = root / "checkpoints" / "last.ckpt"
-        if not path.exists():
-            return
-    elif not ckpt_path or str(ckpt_path) in NAMED_CHECKPOINTS or not Path(ckpt_path).exists():
-        return
-    else:
-        path = Path(ckpt_path)
-    strategy = resolve_strategy(config["trainer"].get("strategy"))
-    sharded = is_sharded_checkpoint(path)
-    if strategy.is_sharded and not sharded and path.is_file():
-        raise UserFacingError(
-            f"--ckpt_path {ckpt_path}: {path} is a checkpoint of one file (written under strategy ddp), and "
-            f"trainer.strategy {strategy.written} resumes only from sharded checkpoints. Fix: resume with the "
-            "strategy it was trained with (--trainer.strategy ddp), or start a new sharded run from its weights."
-        )
-    if sharded and not strategy.is_sharded:
-        raise UserFacingError(
-            f"--ckpt_path {ckpt_path}: {path} is a sharded checkpoint (written under strategy fsdp), and "
-            f"trainer.strategy {strategy.written} reads checkpoints of one file. Fix: resume with --trainer.strategy "
-            f"fsdp, or join its shards into one file: python -m app.export --ckpt {path} --out model.pt."
-        )
 
 
 def check_compression_fits(config: Any) -> None:
@@ -198,9 +142,9 @@ def check_compression_fits(config: Any) -> None:
         )
 
 
-def check_fsdp_combinations(config: Any) -> None:
+def check_fsdp_combinations(config: Any, strategy: ResolvedStrategy) -> None:
     """What does not combine with strategy fsdp is refused here, before any rank starts, naming the key."""
-    if not resolve_strategy(config["trainer"].get("strategy")).is_sharded:
+    if not strategy.is_sharded:
         return
     method = (config.get("gradient_compression") or {}).get("method", "none")
     data_args = getattr(config.get("data"), "init_args", None) or {}
@@ -259,18 +203,17 @@ def drop_static_graph_for_accumulation(trainer_config: Any) -> str | None:
     )
 
 
-def apply_collective_timeout(trainer_config: Any, seconds: float, world_size: int) -> None:
+def apply_collective_timeout(trainer_config: Any, seconds: float, resolved: ResolvedStrategy) -> None:
     """Give the strategy `timeout=collective_timeout_s` through its own argument, before it is built.
 
     A `class_path` strategy gets it in its `init_args` (unless the config sets a timeout of its
     own); a name (`ddp`, `ddp_spawn`, ..., or `auto` where Lightning would choose `ddp`) becomes
     the registered class with its registered arguments plus the timeout. Strategies without a
-    `timeout` argument (single device) are left alone. `world_size`: the run's processes, as the
-    launch resolved them (for `strategy: auto`).
+    `timeout` argument (single device) are left alone. `resolved`: the run plan's strategy, at the
+    run's world size (`strategy: auto` is `ddp` on more than one process).
     """
     timeout = datetime.timedelta(seconds=seconds)
     strategy = trainer_config.get("strategy")
-    resolved = resolve_strategy(strategy, world_size)
     if isinstance(strategy, str):
         if resolved.registered_name is None:
             return

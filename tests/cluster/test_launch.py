@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import ConfigParsed, DDPAppCLI
+from app.cli import DDPAppCLI
 from app.cluster.launch import RankPlan, rank_environments, rank_process_name, run_local_ranks
 from tests.helpers.run import REPO, clean_env, ddp_app, run
 
@@ -20,9 +20,10 @@ DIGITS = str(REPO / "configs" / "digits.yaml")
 def plan_of(root: Path, *overrides: str) -> RankPlan:
     """The plan `ddp-app fit --config digits.yaml <overrides>` makes, from the same parser as the ranks
     (into `root`: the config's runs/digits may hold the user's run, which a fresh fit is refused)."""
-    with pytest.raises(ConfigParsed) as checked:
-        DDPAppCLI(args=["fit", "--config", DIGITS, f"--trainer.default_root_dir={root}", *overrides], parse_only=True)
-    return checked.value.plan
+    parsed = DDPAppCLI(
+        args=["fit", "--config", DIGITS, f"--trainer.default_root_dir={root}", *overrides], parse_only=True
+    )
+    return parsed.parsed.plan.ranks
 
 
 @pytest.mark.parametrize(
@@ -51,13 +52,12 @@ def test_every_devices_form_and_ddp_strategy_takes_the_one_launch_path(
 def test_a_later_config_wins_as_in_the_cli(tmp_path: Path) -> None:
     overlay = tmp_path / "three.yaml"
     overlay.write_text("trainer:\n  devices: 1\n")
-    with pytest.raises(ConfigParsed) as checked:
-        DDPAppCLI(
-            args=["fit", "--trainer.devices=2", "--config", DIGITS, "--config", str(overlay)]
-            + [f"--trainer.default_root_dir={tmp_path}"],
-            parse_only=True,
-        )
-    assert checked.value.plan.processes == 1
+    cli = DDPAppCLI(
+        args=["fit", "--trainer.devices=2", "--config", DIGITS, "--config", str(overlay)]
+        + [f"--trainer.default_root_dir={tmp_path}"],
+        parse_only=True,
+    )
+    assert cli.parsed.plan.ranks.processes == 1
 
 
 def test_ranks_get_what_a_launcher_gives_them() -> None:

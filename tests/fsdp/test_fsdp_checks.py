@@ -29,8 +29,9 @@ from app.cli import parse_config
 from app.errors import UserFacingError
 from app.models.gpt import GPTLanguageModel
 from app.parallel.fsdp import FSDP2Strategy
-from app.parallel.strategy import expand_fsdp_name
+from app.parallel.strategy import resolve_strategy
 from app.run.config_checks import check_fsdp_combinations
+from app.run.plan import expand_strategy_names
 from tests.helpers.run import ddp_app
 
 GPT = ["fit", "--config", "configs/gpt_fsdp.yaml"]
@@ -130,7 +131,7 @@ def test_a_module_that_shards_itself_in_configure_model_is_left_as_it_sharded_it
 
 def test_strategy_fsdp_is_ddp_apps_fsdp2_strategy() -> None:
     trainer_config = {"strategy": "fsdp"}
-    expand_fsdp_name(trainer_config)
+    expand_strategy_names(trainer_config)
     assert trainer_config["strategy"].class_path == "app.parallel.fsdp.FSDP2Strategy"
 
 
@@ -145,7 +146,7 @@ def test_strategy_fsdp_is_ddp_apps_fsdp2_strategy() -> None:
 def test_what_does_not_combine_with_fsdp_is_refused_naming_the_key(override: str, key: str) -> None:
     config = parse_config([*GPT, override])
     with pytest.raises(UserFacingError, match=rf"^{key} does not combine with trainer.strategy fsdp \("):
-        check_fsdp_combinations(config)
+        check_fsdp_combinations(config, resolve_strategy(config["trainer"]["strategy"]))
 
 
 @pytest.mark.more_cases

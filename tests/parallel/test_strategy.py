@@ -20,10 +20,10 @@ from app.parallel.strategy import (
     FSDP_CLASS_PATH,
     MeshLayout,
     StrategyKind,
-    expand_fsdp_name,
     mesh_layout,
     resolve_strategy,
 )
+from app.run.plan import expand_strategy_names
 from tests.helpers.run import REPO, clean_env, ddp_app
 
 
@@ -81,10 +81,10 @@ def test_a_users_ddp_subclass_forks_its_ranks_as_ddp_does() -> None:
 
 def test_strategy_fsdp_expands_to_fsdp2_and_other_names_stay() -> None:
     trainer = {"strategy": "fsdp"}
-    expand_fsdp_name(trainer)
+    expand_strategy_names(trainer)
     assert trainer["strategy"].class_path == FSDP_CLASS_PATH
     trainer = {"strategy": "ddp"}
-    expand_fsdp_name(trainer)
+    expand_strategy_names(trainer)
     assert trainer["strategy"] == "ddp"
 
 
