@@ -231,28 +231,11 @@ class DDPAppCLI(LightningCLI):
     def _check_before_launch(self, config: Any, plan: RunPlan) -> None:
         """The launcher's own checks, once, before any rank starts (the plan follows the config as
         written, before the changes every rank makes)."""
-        self._check_trainer_arguments(config["trainer"], plan.ranks)
+        try_trainer_arguments(self.parser, self.config, self.trainer_class, plan.ranks)
         if plan.subcommand == "fit":  # last: a typo in the command is named before the directory's state
             claim_run_directory(config, plan.rank_zero, lock=False)
             if config["tracking"] and config["tracking"].get("mlflow") is not None:
                 check_remote_mlflow_answers(config["tracking"]["mlflow"].get("tracking_uri"))
-
-    def _check_trainer_arguments(self, trainer_config: Any, ranks: RankPlan) -> None:
-        """Build the Trainer here, once, as the ranks will (app/run/trainer_check.py): an argument Lightning
-        refuses stops the launch in one line before any rank starts."""
-
-        def instantiate() -> dict[str, Any]:
-            config = self.config.clone()
-            section = self._subcommand_config(config)
-            section["model"] = section["data"] = None  # only the trainer section's classes are built
-            for key, value in LEFT_OUT.items():
-                section["trainer"][key] = value
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # jsonargparse's deprecation notice; LightningCLI calls it too
-                return dict(self._subcommand_config(self.parser.instantiate_classes(config))["trainer"])
-
-        overrides = {"devices": ranks.devices} if ranks.devices is not None else None
-        check_trainer_arguments(instantiate, trainer_config, overrides, self.trainer_class)
 
     def instantiate_classes(self) -> None:
         if not self.parse_only:
@@ -313,6 +296,27 @@ class DDPAppCLI(LightningCLI):
         config_yaml = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
         tracking: Tracking = self.config_init[self.subcommand]["tracking"]
         open_tracked_run(tracking, self.trainer, config_yaml, ckpt_path, latest, summary)
+
+
+def try_trainer_arguments(parser: LightningArgumentParser, config: Any, trainer_class: type, ranks: RankPlan) -> None:
+    """Build the Trainer here, once, as the ranks will (app/run/trainer_check.py): an argument Lightning
+    refuses stops the launch in one line before any rank starts."""
+    subcommand = config.get("subcommand")
+
+    def instantiate() -> dict[str, Any]:
+        clone = config.clone()
+        section = clone[subcommand] if subcommand else clone
+        section["model"] = section["data"] = None  # only the trainer section's classes are built
+        for key, value in LEFT_OUT.items():
+            section["trainer"][key] = value
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # jsonargparse's deprecation notice; LightningCLI calls it too
+            built = parser.instantiate_classes(clone)
+        return dict((built[subcommand] if subcommand else built)["trainer"])
+
+    trainer_config = (config[subcommand] if subcommand else config)["trainer"]
+    overrides = {"devices": ranks.devices} if ranks.devices is not None else None
+    check_trainer_arguments(instantiate, trainer_config, overrides, trainer_class)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from app.tracking.sinks import MlflowSink, RunFacts, TensorBoardSink, WandbSink,
 from app.tracking.worker import TrackerThread, one_line
 
 if TYPE_CHECKING:
-    from app.tracking.run import MLflowSettings, WandbSettings
+    from app.tracking.settings import MLflowSettings, WandbSettings
 
 # Keys of the config that are not settings of the run: every attempt passes its own.
 NOT_PARAMS = ("ckpt_path", "config")

@@ -21,7 +21,6 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ from app.tracking.attempt import (
 )
 from app.tracking.history import SETTLED, Call, Journal, RunHistory, replay, sent_seqs
 from app.tracking.layout import JOURNAL_FILE, LOGS_NAME, SAMPLES_PER_S
+from app.tracking.settings import MLflowSettings, WandbSettings
 from app.tracking.sinks import CsvView, RunFacts
 from app.tracking.throughput import TrainingClock, batch_size_of, samples_per_s
 from app.tracking.worker import Outboxes, TrackerThread
@@ -67,38 +67,6 @@ CLOSE_WAIT_S = 30.0
 # A tracker call that has not returned after this long is reported (once, training goes on):
 # MLflow's client retries a server that went away for about 4 minutes before it fails.
 STALL_WARNING_S = 30.0
-
-
-@dataclass
-class MLflowSettings:
-    """`tracking.mlflow`: an MLflow run per training run.
-
-    Args:
-        tracking_uri: where MLflow keeps runs (`http://host:5000`, `sqlite:///path/runs.db`, a
-            `databricks` profile, ...). None: the `MLFLOW_TRACKING_URI` variable, else
-            `sqlite:///<default_root_dir>/mlflow.db`. With a local store (SQLite, a file URI) the artifacts
-            go to `<default_root_dir>/mlartifacts`, not to MLflow's default `./mlruns`.
-        experiment: the MLflow experiment the run belongs to (created if missing).
-    """
-
-    tracking_uri: str | None = None
-    experiment: str = "ddp-app"
-
-
-@dataclass
-class WandbSettings:
-    """`tracking.wandb`: a Weights & Biases run per training run.
-
-    Args:
-        project: the W&B project.
-        entity: the W&B team or user (None: your default entity).
-        mode: offline (files under the log directory, uploaded later with `wandb sync`; compute
-            nodes often have no network) or online. None: the `WANDB_MODE` variable, else offline.
-    """
-
-    project: str = "ddp-app"
-    entity: str | None = None
-    mode: str | None = None
 
 
 def require_tracker(extra: str) -> None:

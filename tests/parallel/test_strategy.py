@@ -23,7 +23,7 @@ from app.parallel.strategy import (
     mesh_layout,
     resolve_strategy,
 )
-from app.run.plan import expand_strategy_names
+from app.run.plan import RunPlan, expand_strategy_names
 from tests.helpers.run import REPO, clean_env, ddp_app
 
 
@@ -204,3 +204,63 @@ def test_a_shard_group_size_that_does_not_divide_the_ranks_stops_the_launch_befo
     assert len(lines) == 1 and "shard_group_size=3 (3 ranks) does not divide the run's 2 ranks" in lines[0], lines
     assert "Fix: one of 1, 2, `node`, or null" in lines[0]
     assert not (tmp_path / "run").exists()  # nothing written: no rank started
+
+
+GPT = ["fit", "--config", str(REPO / "configs" / "gpt_fsdp.yaml")]
+
+
+def plan_of(tmp_path: Path, *args: str) -> RunPlan:
+    return check_before_launch([*args, f"--trainer.default_root_dir={tmp_path}"]).plan
+
+
+def test_a_strategy_name_takes_init_args_on_the_command_line(tmp_path: Path) -> None:
+    """Issue 56: `--trainer.strategy fsdp --trainer.strategy.init_args.shard_group_size 2` ended in
+    jsonargparse's "NestedArg ... expected str"; it is hybrid sharding 2 x 2 on 4 ranks."""
+    plan = plan_of(tmp_path, *GPT, "--trainer.strategy", "fsdp", "--trainer.strategy.init_args.shard_group_size", "2",
+                   "--trainer.devices", "4")  # fmt: skip
+    assert plan.strategy.kind is StrategyKind.FSDP and plan.mesh == MeshLayout(2, 2)
+    # The name is FSDP2 with its defaults: the config's own init_args (shard_modules) are not kept under it.
+    named = plan_of(tmp_path, *GPT, "--trainer.strategy=fsdp", "--trainer.strategy.init_args.shard_group_size=1")
+    assert named.mesh == MeshLayout(2, 1)
+    # A Lightning name with registered arguments keeps them, and takes more.
+    digits = str(REPO / "configs" / "digits.yaml")
+    ddp = check_before_launch(["fit", "--config", digits, f"--trainer.default_root_dir={tmp_path}",
+                               "--trainer.strategy", "ddp_find_unused_parameters_true",
+                               "--trainer.strategy.init_args.static_graph", "false"])  # fmt: skip
+    init_args = ddp.config["trainer"]["strategy"]["init_args"]
+    assert ddp.plan.strategy.kind is StrategyKind.DDP and init_args["find_unused_parameters"] is True
+    assert init_args["static_graph"] is False
+
+
+def test_a_name_in_a_config_file_takes_init_args_from_the_command_line(tmp_path: Path) -> None:
+    named = tmp_path / "named.yaml"
+    named.write_text("trainer:\n  strategy: fsdp\n")
+    plan = plan_of(tmp_path, *GPT, "--config", str(named), "--trainer.strategy.init_args.shard_group_size", "1")
+    assert plan.strategy.kind is StrategyKind.FSDP and plan.mesh == MeshLayout(2, 1)
+
+
+def test_a_class_path_works_with_or_without_init_args(tmp_path: Path) -> None:
+    """Issue 56: `--trainer.strategy app.parallel.fsdp.FSDP2Strategy` alone was refused as an unknown name."""
+    plan = plan_of(tmp_path, *GPT, "--trainer.strategy", FSDP_CLASS_PATH, "--trainer.devices", "4")
+    assert plan.strategy.kind is StrategyKind.FSDP and plan.mesh == MeshLayout(1, 4)
+    hybrid = plan_of(tmp_path, *GPT, "--trainer.strategy", FSDP_CLASS_PATH, "--trainer.devices", "4",
+                     "--trainer.strategy.init_args.shard_group_size", "2")  # fmt: skip
+    assert hybrid.mesh == MeshLayout(2, 2)
+    own = plan_of(tmp_path, *GPT, "--trainer.strategy", f"{HERE}.UsersOwnFSDP")
+    assert own.strategy.kind is StrategyKind.FSDP
+
+
+def test_the_unknown_name_line_suggests_only_forms_that_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fix the line gives (a class path such as FSDP2's) is accepted when followed; a class path that
+    is no strategy is refused in one line naming it."""
+    with pytest.raises(SystemExit):
+        plan_of(tmp_path, *GPT, "--trainer.strategy", "fsdq")
+    err = capsys.readouterr().err
+    suggested = err.split("class path such as ")[1].split()[0].rstrip(".")
+    assert plan_of(tmp_path, *GPT, "--trainer.strategy", suggested).strategy.kind is StrategyKind.FSDP
+    with pytest.raises(SystemExit) as exited:
+        plan_of(tmp_path, *GPT, "--trainer.strategy", "os.path.join")
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == BAD_INPUT_EXIT_CODE and len(err.splitlines()) == 1 and "os.path.join" in err
