@@ -44,6 +44,13 @@ class NonFiniteLossError(UserFacingError):
 
 def summarize_parser_error(message: str) -> str:
     """Turn jsonargparse's multi-line report into one line that names the key and what is wrong."""
+    missing_config = re.search(r'Parser key "config":\s*File does not exist: (.*)', message)
+    if missing_config:
+        path = missing_config.group(1).strip().strip("'\"")
+        return (
+            f"config file {path} does not exist. Fix: check the path (relative to the current directory, "
+            f"{os.getcwd()}), e.g. --config configs/digits.yaml from the repository's top."
+        )
     keys = re.findall(r'(?:Parser key|Key) "([^"]+)"', message)
     # A key inside a `class_path` object is reported relative to it: rebuild the full path.
     path = keys[0] + "".join(f".init_args.{key}" for key in keys[1:]) if keys else None

@@ -87,3 +87,15 @@ def test_a_yaml_syntax_error_names_the_file_and_the_line(
     assert len(errors) == 1, errors
     assert "broken.yaml is not valid YAML: line 3, column 12: while parsing a flow sequence" in errors[0], errors[0]
     assert "Fix: correct the YAML syntax at line 4 of broken.yaml" in errors[0], errors[0]
+
+
+def test_a_missing_config_file_is_one_line_with_its_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 56: jsonargparse's `Parser key "config": File does not exist` had no Fix."""
+    from app.cli.entry import check_before_launch
+
+    missing = tmp_path / "no_such.yaml"
+    with pytest.raises(SystemExit) as exited:
+        check_before_launch(["fit", "--config", str(missing)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(missing) in err and "Fix:" in err, err
