@@ -53,6 +53,9 @@ def test_evaluation_subcommands_report_accuracy(trained: Path, subcommand: str, 
     assert result.returncode == 0, result.stderr[-2000:]
     metric = "val_acc" if subcommand == "validate" else "test_acc"
     assert metric in result.stdout
+    # Its logs go beside the training run's, not among its attempts in lightning_logs/ (issue 56).
+    assert (tmp_path / "evaluations" / subcommand / "version_0" / "metrics.csv").is_file()
+    assert not (tmp_path / "lightning_logs").exists()
 
 
 @pytest.mark.distributed

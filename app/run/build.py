@@ -101,16 +101,21 @@ class NoProfiler(PassThroughProfiler):
             self.training_fetch_s += time.perf_counter() - self._fetch_started
 
 
-def default_loggers(root_dir: str) -> list[Logger]:
-    """CSV metrics always (easy to read in tests and scripts); TensorBoard too when it is installed.
+EVALUATION_LOGS = "evaluations"
 
-    Under SLURM the version is the job id, so a requeued job logs into the same directory.
-    """
+
+def evaluation_loggers(root_dir: str, subcommand: str) -> list[Logger]:
+    """The logs of validate, test and predict: CSV metrics always (easy to read in tests and scripts),
+    TensorBoard too when it is installed, in `<root>/evaluations/<subcommand>/version_N`. Not in
+    `lightning_logs/`, which holds the training run's attempts: an evaluation there read as one more
+    attempt of the run (`python -m app.plot` would draw it). Under SLURM the version is the job id, so a
+    requeued job logs into the same directory."""
     job_id = os.environ.get("SLURM_JOB_ID")
-    csv_logger = CSVLogger(save_dir=root_dir, version=f"slurm-{job_id}" if job_id else None)
+    save_dir = str(Path(root_dir) / EVALUATION_LOGS)
+    csv_logger = CSVLogger(save_dir=save_dir, name=subcommand, version=f"slurm-{job_id}" if job_id else None)
     loggers: list[Logger] = [csv_logger]
     if importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None:
-        loggers.append(TensorBoardLogger(save_dir=root_dir, version=csv_logger.version))
+        loggers.append(TensorBoardLogger(save_dir=save_dir, name=subcommand, version=csv_logger.version))
     return loggers
 
 
@@ -219,7 +224,7 @@ def build_trainer(
     if subcommand == "fit" and saves_last and trainer.is_global_zero:
         print(f"ddp-app: checkpoints: {save_mode}", flush=True)
     if config["trainer"]["logger"] in (None, True) and subcommand != "fit":
-        trainer.loggers = default_loggers(trainer.default_root_dir)  # fit's: the tracked run, `prepare_run`
+        trainer.loggers = evaluation_loggers(trainer.default_root_dir, subcommand or "run")  # fit's: `prepare_run`
     if subcommand == "predict":
         # Only here: Lightning calls every hook of every callback at every step, so a callback that does
         # nothing during fit still costs time per step.
