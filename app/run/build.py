@@ -3,15 +3,19 @@
 Read this file to follow `ddp-app fit --config ...` from the command line to the first training step:
 
 1. The launcher (app/cli/entry.py) parses the command line once with the CLI (app/cli/parser.py) in
-   a parse-only pass: the config checks (app/run/config_checks.py), `trainer.strategy` resolved once
-   (app/parallel/strategy.py), the launch checked against the machine (app/cluster/preflight.py), the
-   Trainer's arguments tried (app/run/trainer_check.py) and the run directory claimed
-   (app/run/directory.py). Bad input ends there, in one line, before any rank exists. It then forks
-   the ranks (app/cluster/launch.py) and supervises them.
-2. Each rank parses the same command line; `config_for_the_ranks` below makes the changes every rank
-   must make alike (the launcher's nodes, the collective timeout, DDP's static graph).
+   a parse-only pass, which returns the parsed config and its run plan (app/run/plan.py): the one
+   place where `trainer.strategy` is resolved, the config checks run (app/run/config_checks.py),
+   the launch is checked against the machine (app/cluster/preflight.py), `--ckpt_path` is checked
+   and read, and the save mode is decided. The launcher then tries the Trainer's arguments
+   (app/run/trainer_check.py) and claims the run directory (app/run/directory.py). Bad input ends
+   there, in one line, before any rank exists. It then forks the ranks (app/cluster/launch.py) and
+   supervises them.
+2. Each rank parses the same command line once and makes its plan through the same function (a
+   forked rank reuses the launcher's reading of the checkpoint); `config_for_the_ranks` below makes
+   the changes every rank must make alike (the launcher's nodes, the collective timeout, DDP's static
+   graph).
 3. LightningCLI builds the model and the DataModule, then the Trainer through `build_trainer`: the
-   plugins, the callbacks ddp-app installs in their order (each with its reason), the Trainer, and
+   plugins, every callback ddp-app installs, in their order (each with its reason), the Trainer, and
    the changes to the built Trainer in one visible block.
 4. Before `fit` (or validate, test, predict), `prepare_run`: the checkpoint to resume from, the
    tracked run (fit), the loaders put on ddp-app's samplers, and the model's last changes (float64,

@@ -10,7 +10,7 @@ launcher's reading of the checkpoint instead of reading it again (`hand_to_forke
 code (the config rewrites every rank makes, the Trainer's construction, `prepare_run`) reads the
 plan instead of the raw config's `trainer.strategy` or `ckpt_path`.
 
-Open a plan to know a run: `print(plan.describe())`.
+`RunPlan.describe()` says a plan in a few lines.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class RunPlan:
         return self.launch.num_nodes if self.launch is not None else 1
 
     def describe(self) -> str:
-        """The plan in a few lines, for a reader (`ddp-app fit ... --print_plan`) and for tests."""
+        """The plan in a few lines, for a reader (a debugger, a test's failure message)."""
         launch = self.launch
         where = (
             f"{launch.world_size} rank(s): {launch.num_nodes} node(s) x {launch.devices}, started by {launch.launcher}"
@@ -167,7 +167,7 @@ def make_run_plan(
         mesh=mesh,
         save_mode=checkpoint_save_mode(config, strategy),
         resume=resume,
-        precision=str(trainer_config.get("precision")),
+        precision=str(trainer_config.get("precision") or "32-true"),  # Lightning's default when unset
         run_dir=Path(trainer_config.get("default_root_dir") or os.getcwd()),
         rank_zero=is_global_rank_zero(launch, env),
         command_line=tuple(command_line),
