@@ -12,6 +12,7 @@ import torch.distributed
 from lightning.pytorch.utilities import rank_zero_only
 
 from app.cluster.launch import LAUNCHER_VARIABLES
+from tests import slow_shards
 from tests.helpers import run
 from tests.helpers.run import REPO
 
@@ -38,10 +39,34 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow-shard",
+        default=None,
+        help="K/N: of the `slow` tests, run only those of shard K of N (tests/slow_shards.py); CI runs one "
+        "shard per stop beside the default run (.ci/run).",
+    )
+
+
+def keep_one_slow_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`--slow-shard K/N`: deselect the slow tests of the other shards (whole modules go together)."""
+    written = config.getoption("--slow-shard")
+    if not written:
+        return
+    index, count = slow_shards.parse_shard(written)
+    modules = sorted({item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")})
+    kept = set(slow_shards.shards(modules, count)[index - 1])
+    deselected = [item for item in items if item.get_closest_marker("slow") and item.nodeid.split("::")[0] not in kept]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item not in deselected]
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own hook of the same name)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`quick`: every in-process test, plus the few marked `quick` by hand (one real 2-rank fit,
     one Lightning-vs-reference check): the tier to run before every commit (README, Tests)."""
+    keep_one_slow_shard(config, items)
     rank = {module: index for index, module in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest in order
     for item in items:
