@@ -15,6 +15,7 @@ start) and the optimizer's step count (a dropped optimizer state counts from the
 
 from __future__ import annotations
 
+import io
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import torch
 
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import atomic_torch_save, safe_load
-from app.checkpoints.sharded import load_whole
+from app.checkpoints.sharded import SafeFileSystemReader, is_sharded_checkpoint, load_whole
 from tests.helpers.run import REPO, ddp_app
 
 GOLDEN = REPO / "tests" / "golden"
@@ -167,13 +168,61 @@ def flip_last_bit(tensor: torch.Tensor) -> torch.Tensor:
     return (integers ^ 1).view(tensor.dtype)
 
 
-def as_if_written_on_another_cpu(checkpoint_file: Path) -> None:
-    """Rewrite a checkpoint file with the last bit of every saved weight and every optimizer moment
-    (Adam's `exp_avg`, `exp_avg_sq`) flipped: the same run, its float results from another machine."""
-    checkpoint = safe_load(checkpoint_file)
-    checkpoint["state_dict"] = {name: flip_last_bit(tensor) for name, tensor in checkpoint["state_dict"].items()}
-    for optimizer in checkpoint["optimizer_states"]:
+def as_if_written_on_another_cpu(checkpoint: Path) -> None:
+    """Rewrite a checkpoint (a file, or a sharded checkpoint's directory) with the last bit of every
+    saved weight and every optimizer moment (Adam's `exp_avg`, `exp_avg_sq`) flipped: the same run, its
+    float results from another machine. Step counts, data position and random states stay."""
+    if is_sharded_checkpoint(checkpoint):
+        _flip_shards(checkpoint.resolve())
+        return
+    saved = safe_load(checkpoint)
+    saved["state_dict"] = {name: flip_last_bit(tensor) for name, tensor in saved["state_dict"].items()}
+    for optimizer in saved["optimizer_states"]:
         for parameter_state in optimizer["state"].values():
-            for name in ("exp_avg", "exp_avg_sq"):
+            for name in MOMENTS:
                 parameter_state[name] = flip_last_bit(parameter_state[name])
-    atomic_torch_save(checkpoint, checkpoint_file)
+    atomic_torch_save(saved, checkpoint)
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _flip_shards(directory: Path) -> None:
+    """`as_if_written_on_another_cpu` of a DCP directory: each shard of a weight or moment is its own
+    torch.save record at the offset DCP's index gives; it is rewritten in place, at the same length."""
+    for index, where in SafeFileSystemReader(directory).read_metadata().storage_data.items():
+        if not (index.fqn.startswith("state_dict.") or index.fqn.rsplit(".", 1)[-1] in MOMENTS):
+            continue
+        with open(directory / where.relative_path, "r+b") as file:
+            file.seek(where.offset)
+            shard = torch.load(io.BytesIO(file.read(where.length)), weights_only=True)
+            record = io.BytesIO()
+            torch.save(flip_last_bit(shard), record)
+            assert len(record.getvalue()) == where.length, index.fqn
+            file.seek(where.offset)
+            file.write(record.getvalue())
+
+
+def check_another_cpus_golden(
+    golden: Golden, workdir: Path, unperturbed: dict[str, Any], prepare: Callable[[Path], None] | None = None
+) -> None:
+    """Issue 55/56's acceptance: a copy of the golden with its saved floats' last bits flipped, as if its
+    steps had run on another CPU, passes the same check (`interrupted` changed by `prepare` first, as
+    for the golden itself); and the flipped bits reach the end of the continuation (its weights differ
+    from `unperturbed`, the golden's own `straight`), so a comparison with one machine's end weights
+    could not have passed for both."""
+    perturbed = copy_run(golden.directory, workdir / "perturbed-golden")
+    as_if_written_on_another_cpu(perturbed / "checkpoints" / "last.ckpt")
+    original = load_whole(golden.directory / "checkpoints" / "last.ckpt")
+    saved = load_whole(perturbed / "checkpoints" / "last.ckpt")
+    for name, tensor in original["state_dict"].items():
+        assert not torch.equal(saved["state_dict"][name], tensor), name
+        assert torch.allclose(saved["state_dict"][name], tensor, rtol=1e-6, atol=1e-30), name
+    straight, interrupted = resume_two_ways(golden, perturbed, workdir, prepare)
+    assert_the_same_continuation(golden, saved, straight, interrupted)
+    reached = [
+        name
+        for name, tensor in unperturbed["state_dict"].items()
+        if not torch.equal(straight["state_dict"][name], tensor)
+    ]
+    assert reached, "the flipped bits did not reach the end: this check cannot tell one CPU from another"

@@ -8,24 +8,48 @@ how); tests/golden/README.md has the commands that wrote them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.sharded import is_sharded_checkpoint, load_whole
-from tests.checkpoints.golden import B8F6B9F_DIGITS_DDP, B8F6B9F_GPT_FSDP, Golden, check_golden_resume
+from tests.checkpoints.golden import (
+    B8F6B9F_DIGITS_DDP,
+    B8F6B9F_GPT_FSDP,
+    Golden,
+    check_another_cpus_golden,
+    check_golden_resume,
+)
+
+Resumed = tuple[Golden, dict[str, Any], dict[str, Any]]
+
+
+@pytest.fixture(scope="module", params=[B8F6B9F_DIGITS_DDP, B8F6B9F_GPT_FSDP], ids=lambda golden: golden.directory.name)
+def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Resumed:
+    """A golden checked by `check_golden_resume`, with the last checkpoints of its two continuations."""
+    golden: Golden = request.param
+    workdir = tmp_path_factory.mktemp(golden.directory.name)
+    straight, interrupted = check_golden_resume(golden, golden.directory, workdir)
+    return golden, straight, interrupted
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("golden", [B8F6B9F_DIGITS_DDP, B8F6B9F_GPT_FSDP], ids=lambda golden: golden.directory.name)
-def test_a_b8f6b9f_checkpoint_resumes_as_its_saved_state_continued(golden: Golden, tmp_path: Path) -> None:
+def test_a_b8f6b9f_checkpoint_resumes_as_its_saved_state_continued(resumed: Resumed) -> None:
+    golden, straight, _ = resumed
     saved_file = golden.directory / "checkpoints" / "last.ckpt"
     sharded = golden is B8F6B9F_GPT_FSDP
     assert is_sharded_checkpoint(saved_file) == sharded  # the golden is the layout it stands for
     saved = load_whole(saved_file)
     assert saved[checkpoint_state.STATE_KEY]["format_version"] == 2
     assert checkpoint_state.get(saved, "exact_resume")["position"]["batches_done"] > 0  # saved mid-epoch
-    straight, _ = check_golden_resume(golden, golden.directory, tmp_path)
-    assert is_sharded_checkpoint(tmp_path / "straight" / "checkpoints" / "last.ckpt") == sharded
-    if sharded:  # the mesh the shards were written from: 1 replica of 2 shards
+    if sharded:  # the mesh the shards were written from, and the continuation's: 1 replica of 2 shards
+        assert checkpoint_state.get(saved, "sharding") == checkpoint_state.get(straight, "sharding")
         assert checkpoint_state.get(straight, "sharding") == {"replicas": 1, "shards": 2}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # the format-1 golden's case in the default run (test_state_format.py), here for each layout
+def test_a_b8f6b9f_golden_written_on_another_cpu_still_passes(resumed: Resumed, tmp_path: Path) -> None:
+    golden, straight, _ = resumed
+    check_another_cpus_golden(golden, tmp_path, straight)
