@@ -1,8 +1,8 @@
 """Resume a golden run (tests/golden/README.md) and judge the resume, not the CPU that wrote the golden.
 
 A golden's steps were computed on another machine: float kernels differ between CPUs in the last bits
-(the format-1 run's step-30 weights differ from the same 30 steps computed on an AMD EPYC by up to
-6.4e-8), so a golden's resume is never compared with a run computed from scratch on the test machine.
+(docs/resume.md, Golden runs, has the measured difference), so a golden's resume is never compared
+with a run computed from scratch on the test machine.
 It is compared with a continuation of the same saved state by another path on this machine, bit for
 bit: `straight` resumes the golden to the end of epoch 1; `interrupted` resumes it too, stops midway
 on a step budget and resumes again from the checkpoint that stop wrote. The two end bit-equal only
