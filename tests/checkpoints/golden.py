@@ -1,16 +1,16 @@
 """Resume a golden run (tests/golden/README.md) and judge the resume, not the CPU that wrote the golden.
 
 A golden's steps were computed on another machine: float kernels differ between CPUs in the last bits
-(docs/resume.md, Golden runs, has the measured difference), so a golden's resume is never compared
-with a run computed from scratch on the test machine.
-It is compared with a continuation of the same saved state by another path on this machine, bit for
-bit: `straight` resumes the golden to the end of epoch 1; `interrupted` resumes it too, stops midway
-on a step budget and resumes again from the checkpoint that stop wrote. The two end bit-equal only
-if the golden's state was restored whole: `interrupted` loads a checkpoint twice and `straight` once,
-so a part a load drops (weights, optimizer or scheduler state, data position, per-rank random and
-metric state) ends them apart. Counters no CPU changes catch a part dropped the same way by both
-paths: the global step where max_epochs ends (a dropped data position trains epoch 1 again from its
-start) and the optimizer's step count (a dropped optimizer state counts from the resume).
+(docs/resume.md, Golden runs, has the measured difference), so a golden's resume is never compared with
+a run computed from scratch on the test machine. It is compared with a continuation of the same saved
+state by another path on this machine, bit for bit: `straight` resumes the golden to the end of epoch 1;
+`interrupted` resumes it too, stops midway on a step budget and resumes again from the checkpoint that
+stop wrote. The two end bit-equal only if the golden's state was restored whole: `interrupted` loads a
+checkpoint twice and `straight` once, so a part a load drops (weights, optimizer or scheduler state,
+data position, per-rank random and metric state) ends them apart. Counters no CPU changes catch a part
+dropped the same way by both paths: the global step where max_epochs ends (a dropped data position
+trains epoch 1 again from its start) and the optimizer's step count (a dropped optimizer state counts
+from the resume).
 """
 
 from __future__ import annotations
@@ -151,13 +151,7 @@ def assert_the_same_continuation(
     )
 
 
-def check_golden_resume(golden: Golden, source: Path, workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Resume `source` (the golden's directory or a copy) both ways and check the two continuations."""
-    saved = load_whole(source / "checkpoints" / "last.ckpt")
-    assert saved["global_step"] == golden.saved_step
-    straight, interrupted = resume_two_ways(golden, source, workdir)
-    assert_the_same_continuation(golden, saved, straight, interrupted)
-    return straight, interrupted
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's float state per parameter (its `step` is a count)
 
 
 def flip_last_bit(tensor: torch.Tensor) -> torch.Tensor:
@@ -182,9 +176,6 @@ def as_if_written_on_another_cpu(checkpoint: Path) -> None:
             for name in MOMENTS:
                 parameter_state[name] = flip_last_bit(parameter_state[name])
     atomic_torch_save(saved, checkpoint)
-
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _flip_shards(directory: Path) -> None:

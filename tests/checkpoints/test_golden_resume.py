@@ -18,8 +18,9 @@ from tests.checkpoints.golden import (
     B8F6B9F_DIGITS_DDP,
     B8F6B9F_GPT_FSDP,
     Golden,
+    assert_the_same_continuation,
     check_another_cpus_golden,
-    check_golden_resume,
+    resume_two_ways,
 )
 
 Resumed = tuple[Golden, dict[str, Any], dict[str, Any]]
@@ -27,22 +28,23 @@ Resumed = tuple[Golden, dict[str, Any], dict[str, Any]]
 
 @pytest.fixture(scope="module", params=[B8F6B9F_DIGITS_DDP, B8F6B9F_GPT_FSDP], ids=lambda golden: golden.directory.name)
 def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Resumed:
-    """A golden checked by `check_golden_resume`, with the last checkpoints of its two continuations."""
+    """A golden resumed two ways (tests/checkpoints/golden.py), with the last checkpoints of both."""
     golden: Golden = request.param
-    workdir = tmp_path_factory.mktemp(golden.directory.name)
-    straight, interrupted = check_golden_resume(golden, golden.directory, workdir)
+    straight, interrupted = resume_two_ways(golden, golden.directory, tmp_path_factory.mktemp(golden.directory.name))
     return golden, straight, interrupted
 
 
 @pytest.mark.distributed
 def test_a_b8f6b9f_checkpoint_resumes_as_its_saved_state_continued(resumed: Resumed) -> None:
-    golden, straight, _ = resumed
+    golden, straight, interrupted = resumed
     saved_file = golden.directory / "checkpoints" / "last.ckpt"
     sharded = golden is B8F6B9F_GPT_FSDP
     assert is_sharded_checkpoint(saved_file) == sharded  # the golden is the layout it stands for
     saved = load_whole(saved_file)
     assert saved[checkpoint_state.STATE_KEY]["format_version"] == 2
+    assert saved["global_step"] == golden.saved_step
     assert checkpoint_state.get(saved, "exact_resume")["position"]["batches_done"] > 0  # saved mid-epoch
+    assert_the_same_continuation(golden, saved, straight, interrupted)
     if sharded:  # the mesh the shards were written from, and the continuation's: 1 replica of 2 shards
         assert checkpoint_state.get(saved, "sharding") == checkpoint_state.get(straight, "sharding")
         assert checkpoint_state.get(straight, "sharding") == {"replicas": 1, "shards": 2}

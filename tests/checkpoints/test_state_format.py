@@ -70,14 +70,8 @@ def format_1_resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str
     """The format-1 golden resumed two ways (tests/checkpoints/golden.py): `straight`, read as format 1,
     to the end of epoch 1; `interrupted`, its checkpoint rewritten in format 2 by hand, stopped midway
     and resumed again. The last checkpoints of both."""
-    golden = FORMAT_1_DIGITS
-    saved = safe_load(golden.directory / "checkpoints" / "last.ckpt")
-    assert checkpoint_state.STATE_KEY not in saved  # the golden file really is the old format
-    straight, interrupted = resume_two_ways(
-        golden, golden.directory, tmp_path_factory.mktemp("format-1"), prepare=written_in_format_2
-    )
-    assert_the_same_continuation(golden, saved, straight, interrupted)
-    return straight, interrupted
+    workdir = tmp_path_factory.mktemp("format-1")
+    return resume_two_ways(FORMAT_1_DIGITS, FORMAT_1_RUN, workdir, prepare=written_in_format_2)
 
 
 @pytest.mark.distributed
@@ -89,8 +83,11 @@ def test_a_format_1_run_resumes_as_its_saved_state_continued_by_this_version(
     interrupted once on the way: the same weights, optimizer, scheduler, data position and per-rank
     state, bit for bit, and its new checkpoint is written in format 2 (`assert_the_same_continuation`).
     Both paths run here: the golden's own 30 steps, computed on another CPU, are never recomputed."""
+    saved = safe_load(FORMAT_1_RUN / "checkpoints" / "last.ckpt")
+    assert checkpoint_state.STATE_KEY not in saved  # the golden file really is the old format
+    assert saved["global_step"] == FORMAT_1_DIGITS.saved_step
     straight, interrupted = format_1_resumed
-    assert straight["global_step"] == interrupted["global_step"] == FORMAT_1_DIGITS.end_step
+    assert_the_same_continuation(FORMAT_1_DIGITS, saved, straight, interrupted)
 
 
 @pytest.mark.distributed
