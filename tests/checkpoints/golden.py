@@ -167,7 +167,7 @@ def as_if_written_on_another_cpu(checkpoint: Path) -> None:
     saved weight and every optimizer moment (Adam's `exp_avg`, `exp_avg_sq`) flipped: the same run, its
     float results from another machine. Step counts, data position and random states stay."""
     if is_sharded_checkpoint(checkpoint):
-        _flip_shards(checkpoint.resolve())
+        flip_shards(checkpoint.resolve())
         return
     saved = safe_load(checkpoint)
     saved["state_dict"] = {name: flip_last_bit(tensor) for name, tensor in saved["state_dict"].items()}
@@ -178,9 +178,11 @@ def as_if_written_on_another_cpu(checkpoint: Path) -> None:
     atomic_torch_save(saved, checkpoint)
 
 
-def _flip_shards(directory: Path) -> None:
+def flip_shards(directory: Path) -> None:
     """`as_if_written_on_another_cpu` of a DCP directory: each shard of a weight or moment is its own
-    torch.save record at the offset DCP's index gives; it is rewritten in place, at the same length."""
+    torch.save record at the offset DCP's index gives; it is rewritten in place, at the same length.
+    DCP's index entries (`_StorageInfo`) are private: docs/private_apis.md, guarded by
+    tests/checkpoints/test_golden_resume.py."""
     for index, where in SafeFileSystemReader(directory).read_metadata().storage_data.items():
         if not (index.fqn.startswith("state_dict.") or index.fqn.rsplit(".", 1)[-1] in MOMENTS):
             continue

@@ -7,19 +7,24 @@ how); tests/golden/README.md has the commands that wrote them."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from app.checkpoints import state as checkpoint_state
-from app.checkpoints.sharded import is_sharded_checkpoint, load_whole
+from app.checkpoints.sharded import SafeFileSystemReader, SafeLoadPlanner, is_sharded_checkpoint, load_whole
 from tests.checkpoints.golden import (
     B8F6B9F_DIGITS_DDP,
     B8F6B9F_GPT_FSDP,
     Golden,
     assert_the_same_continuation,
     check_another_cpus_golden,
+    flip_last_bit,
+    flip_shards,
     resume_two_ways,
 )
 
@@ -55,3 +60,27 @@ def test_a_b8f6b9f_checkpoint_resumes_as_its_saved_state_continued(resumed: Resu
 def test_a_b8f6b9f_golden_written_on_another_cpu_still_passes(resumed: Resumed, tmp_path: Path) -> None:
     golden, straight, _ = resumed
     check_another_cpus_golden(golden, tmp_path, straight)
+
+
+def test_dcp_keeps_each_shard_as_the_torch_save_record_its_index_points_to(tmp_path: Path) -> None:
+    """The private layout `flip_shards` rewrites (docs/private_apis.md): DCP's index gives each tensor's
+    record as a `_StorageInfo` (relative_path, offset, length), and the record is a torch.save of it."""
+    weights = {"weight": torch.linspace(-1, 1, 12).reshape(3, 4), "bias": torch.zeros(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled": one process, as meant
+        dcp.save({"state_dict": weights}, checkpoint_id=tmp_path, no_dist=True)
+        try:
+            flip_shards(tmp_path)
+        except AttributeError as error:
+            raise AssertionError(
+                f"DCP's index entries changed ({error}): fix flip_shards (docs/private_apis.md)"
+            ) from error
+        loaded = {name: torch.empty_like(tensor) for name, tensor in weights.items()}
+        dcp.load(
+            {"state_dict": loaded},
+            storage_reader=SafeFileSystemReader(tmp_path),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
+    for name, tensor in weights.items():
+        assert torch.equal(loaded[name], flip_last_bit(tensor)), f"flip_shards did not flip {name} in place"
