@@ -61,17 +61,36 @@ from app.private_apis import require
 FLIGHT_RECORDER_ENTRIES = 2000
 # How long a waiting rank waits for each other rank's answer: a stopped rank never answers.
 ASK_TIMEOUT_S = 10.0
-# How often each rank looks for a certain deadlock (`MismatchWatch`): it compares its newest collective
-# with the other ranks' once it has entered no new one for this long.
-MISMATCH_CHECK_S = 5.0
+# How often each rank reads, in process, which collective it entered last on each group (a few
+# microseconds: its flight recorder's status, without the entries) to look for a certain deadlock
+# (`HangReport._watch_for_mismatch`).
+MISMATCH_CHECK_S = 1.0
+# A rank that has entered no new collective for this long compares its newest one with what the other
+# ranks entered at that sequence number. Only the cost depends on it (one full read of its own
+# flight recorder per such pause): the decision rests on the collectives, never on the time.
+STALLED_S = 2.0
+# How long such a comparison waits for each other rank's recent collectives (a stopped rank never
+# answers; it is named by the collective timeout's report).
+PEEK_TIMEOUT_S = 2.0
+# How many of its newest collectives per process group a rank shows the others for that comparison.
+RECENT_ENTRIES = 16
 # PyTorch's debug endpoint handlers (torch/csrc/distributed/c10d/control_plane/Handlers.cpp).
 STACKS_HANDLER = "dump_traceback"
 COLLECTIVES_HANDLER = "fr_trace_json"
 # This project's files that every rank's stack passes through on its way into Lightning: never the place.
-PLUMBING = ("app/cli/parser.py", "app/cli/entry.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app")
+# (The test suite forks its `ddp-app` commands from tests/helpers/zygote.py: plumbing too.)
+PLUMBING = (
+    "app/cli/parser.py", "app/cli/entry.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app",
+    "tests/helpers/zygote.py",
+)  # fmt: skip
 # Ours, on the same endpoint: where this rank's own collective timed out (its main thread has left
 # that place to write its report by the time another rank asks).
 WAITED_HANDLER = "ddp_app_waited"
+# Ours: this rank's newest collectives (`recent_collectives`), a few kB, for another rank's deadlock check.
+RECENT_HANDLER = "ddp_app_recent"
+# The fields of a flight-recorder entry the deadlock check and `entries_by_seq` read.
+ENTRY_FIELDS = ("process_group", "collective_seq_id", "profiling_name", "input_sizes", "input_dtypes")
+ENTRY_FIELDS += ("time_created_ns",)
 # Code a main thread is in while it waits in a collective (besides a backward: DDP's all-reduce).
 COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/")
 # When every rank's record shows it in the collective the reporter waits in, the records are read
@@ -155,13 +174,62 @@ def _serve_waited(request: Any, response: Any) -> None:
     response.set_status(200)
 
 
+def _serve_recent(request: Any, response: Any) -> None:
+    try:
+        body = json.dumps(recent_collectives())
+    except Exception as error:  # noqa: BLE001 (in the endpoint's thread: the asking rank reads "no answer")
+        response.set_content(f"{type(error).__name__}: {error}", "text/plain")
+        response.set_status(500)
+        return
+    response.set_content(body, "application/json")
+    response.set_status(200)
+
+
+_recent_lock = threading.Lock()
+_recent: dict[str, Any] = {"entered": None, "recorder": None}  # the last full read, by what it had entered
+
+
+def entered_by_group(recorder: dict[str, Any] | None) -> dict[str, int]:
+    """Per process group, the sequence number of the last collective entered."""
+    return {group: last_entered(recorder, group) for group in ((recorder or {}).get("pg_status") or {})}
+
+
+def entered_now() -> dict[str, int]:
+    """`entered_by_group` of this process, from its flight recorder's status without the entries:
+    a few microseconds, whatever the recorder holds."""
+    import torch._C._distributed_c10d as c10d
+
+    return entered_by_group(json.loads(c10d._dump_fr_trace_json(False, False)))
+
+
+def recent_collectives() -> dict[str, Any]:
+    """This process's flight recorder cut to its newest `RECENT_ENTRIES` collectives per process
+    group and the fields the deadlock check reads, in the recorder's own shape (`pg_status`,
+    `entries`). The full recorder (up to 2000 entries: tens of milliseconds, with the GIL held) is
+    read only when a collective was entered since the last read; what was read is kept."""
+    import torch._C._distributed_c10d as c10d
+
+    with _recent_lock:
+        if _recent["recorder"] is None or entered_now() != _recent["entered"]:
+            recorder = json.loads(c10d._dump_fr_trace_json(True, False))
+            entered = entered_by_group(recorder)
+            entries = []
+            for entry in recorder.get("entries") or []:
+                group, seq = str(entry.get("process_group", [""])[0]), entry.get("collective_seq_id")
+                if isinstance(seq, int) and seq > entered.get(group, -1) - RECENT_ENTRIES:
+                    entries.append({field: entry[field] for field in ENTRY_FIELDS if field in entry})
+            _recent["entered"] = entered
+            _recent["recorder"] = {"pg_status": recorder.get("pg_status") or {}, "entries": entries}
+        return _recent["recorder"]
+
+
 def debug_endpoint_api() -> Any:
     """PyTorch's private endpoint module, with every name and handler the hang report uses; a PyTorch
     without one stops the run in one line (app/private_apis.py) instead of losing the diagnosis."""
     import torch._C._distributed_c10d as c10d
 
     needed_for = "naming the rank a hang waits for (app/cluster/hangs.py)"
-    for name in ("_WorkerServer", "_register_handler", "_get_handler_names"):
+    for name in ("_WorkerServer", "_register_handler", "_get_handler_names", "_dump_fr_trace_json"):
         require(c10d, name, "torch", needed_for)
     registered = dict.fromkeys(c10d._get_handler_names())
     for handler in (STACKS_HANDLER, COLLECTIVES_HANDLER, "ping"):
@@ -174,8 +242,9 @@ def start_debug_endpoint(ip: str) -> tuple[Any, int]:
     cannot listen there (the report then says this rank's endpoint does not answer)."""
     # Private: docs/private_apis.md, guarded in tests/test_private_apis.py.
     c10d = debug_endpoint_api()
-    if WAITED_HANDLER not in c10d._get_handler_names():  # once per process: registering twice raises
-        c10d._register_handler(WAITED_HANDLER, _serve_waited)
+    for name, handler in ((WAITED_HANDLER, _serve_waited), (RECENT_HANDLER, _serve_recent)):
+        if name not in c10d._get_handler_names():  # once per process: registering twice raises
+            c10d._register_handler(name, handler)
     try:
         server = c10d._WorkerServer(ip, 0)
     except RuntimeError as error:  # no diagnosis is no reason to stop training, but say it is lost
@@ -490,9 +559,17 @@ class HangReport(Callback):
     deadlock (two ranks in different collectives at the same sequence number) without waiting for
     the timeout (`_watch_for_mismatch`). Added by `ddp-app` to every multi-process run."""
 
-    def __init__(self, ask_timeout_s: float = ASK_TIMEOUT_S, mismatch_check_s: float = MISMATCH_CHECK_S) -> None:
+    def __init__(
+        self,
+        ask_timeout_s: float = ASK_TIMEOUT_S,
+        mismatch_check_s: float = MISMATCH_CHECK_S,
+        stalled_s: float = STALLED_S,
+        peek_timeout_s: float = PEEK_TIMEOUT_S,
+    ) -> None:
         self.ask_timeout_s = ask_timeout_s
         self.mismatch_check_s = mismatch_check_s
+        self.stalled_s = stalled_s
+        self.peek_timeout_s = peek_timeout_s
         self.peers: list[RankAddress] = []
         self._server: Any = None
         self._watch_stop = threading.Event()
@@ -554,35 +631,41 @@ class HangReport(Callback):
             time.sleep(0.2)
 
     def _watch_for_mismatch(self, trainer: L.Trainer) -> None:
-        """A thread: every `mismatch_check_s`, if this rank entered no new collective since the last look,
-        compare its newest one on each group with what the other ranks called at the same sequence
-        number. Another operation there is a certain deadlock (neither collective can ever complete):
-        the lowest of the ranks involved writes the report, and every rank involved ends its process.
+        """A thread: every `mismatch_check_s`, read which collective this rank entered last on each
+        group (in process, microseconds). Once it has entered none for `stalled_s`, and at every look
+        while that lasts, compare its newest one on each group with what each other rank entered at
+        the same sequence number (`RECENT_HANDLER`: their newest collectives, a few kB). Another
+        operation there is a certain deadlock (neither collective can ever complete): the lowest of
+        the ranks involved writes the report, and every rank involved ends its process.
 
         A rank that has not reached that sequence number yet (slow: rank 0 writing a large checkpoint
-        while the others wait in a barrier) is no evidence of anything: the others keep waiting,
-        up to `collective_timeout_s`. Cost: one flight-recorder read of this rank per interval, and
-        one of each other rank only while no new collective was entered for an interval.
+        while the others wait in a barrier, a long step, a slow data load) is no evidence of anything,
+        however long it takes: the others keep waiting, up to `collective_timeout_s`. Nothing here is
+        decided by time; `stalled_s` only keeps the comparison (one full read of this rank's flight
+        recorder per pause, and an ask of each other rank per look) off a rank that is making progress.
         """
         me = self.peers[trainer.global_rank]
         others = [peer for peer in self.peers if peer.rank != me.rank]
-        previous: list[Collective] = []
+        seen: dict[str, int] = {}
+        since = time.monotonic()
         with ThreadPoolExecutor(max_workers=len(others)) as pool:
             while not self._watch_stop.wait(self.mismatch_check_s):
-                body, _ = ask(me, COLLECTIVES_HANDLER, self.ask_timeout_s)
                 try:
-                    newest = newest_collectives(json.loads(body or ""))
-                except (TypeError, ValueError):
+                    entered = entered_now()
+                except (RuntimeError, TypeError, ValueError):  # no recorder: the collective timeout reports
+                    return
+                if entered != seen:  # progress since the last look
+                    seen, since = entered, time.monotonic()
                     continue
-                if newest != previous or not newest:  # progress since the last look, or nothing entered yet
-                    previous = newest
+                if not any(seq >= 0 for seq in entered.values()) or time.monotonic() - since < self.stalled_s:
                     continue
-                bodies = pool.map(lambda peer: ask(peer, COLLECTIVES_HANDLER, self.ask_timeout_s)[0], others)
+                newest = newest_collectives(recent_collectives())
+                bodies = pool.map(lambda peer: ask(peer, RECENT_HANDLER, self.peek_timeout_s)[0], others)
                 recorders: dict[int, dict[str, Any] | None] = {}
                 for peer, answer in zip(others, bodies, strict=True):
                     with contextlib.suppress(TypeError, ValueError):
                         recorders[peer.rank] = json.loads(answer or "")
-                for mine in previous:
+                for mine in newest:
                     conflicting = mismatched(mine, recorders)
                     if conflicting and not self._watch_stop.is_set():
                         self._end_mismatch(trainer, me, min([me.rank, *conflicting]))
@@ -591,7 +674,8 @@ class HangReport(Callback):
         """End this rank, which waits in a collective that can never complete (main thread blocked)."""
         main = sys._current_frames().get(threading.main_thread().ident or 0)
         frames = [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack(main)] if main else []
-        _waited["frames"] = [[frame.filename, frame.lineno, frame.name] for frame in frames]
+        # (Not `_waited`: its wait has not failed, and its main thread stays in the collective while the
+        # reporter reads its stack.)
         if me.rank == reporter:
             text = "".join(traceback.format_list(traceback.extract_stack(main))) if main else ""
             note = (

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import pytest
 
-from app.cluster.hangs import Answer, Frame, RankAddress, describe_hang, main_thread_frames, waited_collective
+from app.cluster.hangs import (
+    Answer,
+    Frame,
+    RankAddress,
+    describe_hang,
+    main_thread_frames,
+    mismatched,
+    newest_collectives,
+    waited_collective,
+)
 
 ME = RankAddress(0, "node1", 100, "10.0.0.1", 5000)
 PEER = RankAddress(1, "node2", 200, "10.0.0.2", 5001)
@@ -148,3 +157,31 @@ def test_the_collective_a_rank_waits_in_is_the_newest_it_entered_whatever_is_mar
     assert str(waited_collective(recorder(101, (100, "all_reduce", GRADIENTS), (101, "barrier", []), completed=101)))
     assert str(waited_collective(IN_BARRIER)) == "barrier #101"
     assert str(waited_collective(recorder(100, (100, "all_reduce", GRADIENTS), completed=100))) == "all_reduce #100"
+
+
+# --- the deadlock check (`HangReport._watch_for_mismatch`): each rank's newest collective against the
+# others' recent ones (`recent_collectives`, the same shape cut to the newest entries) ---
+
+IN_BARRIER_NEWEST = newest_collectives(IN_BARRIER)  # rank 0: barrier #101
+
+
+def test_another_operation_at_the_sequence_number_a_rank_waits_at_is_a_deadlock() -> None:
+    skipped = recorder(101, (100, "all_reduce", GRADIENTS), (101, "all_reduce", GRADIENTS))
+    assert [str(collective) for collective in IN_BARRIER_NEWEST] == ["barrier #101"]
+    assert {rank: str(theirs) for rank, theirs in mismatched(IN_BARRIER_NEWEST[0], {1: skipped}).items()} == {
+        1: "all_reduce #101"
+    }
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    [
+        recorder(100, (100, "all_reduce", GRADIENTS)),  # behind: still in its step, or asleep before #101
+        recorder(99),  # further behind: a long data load, a checkpoint written before the step
+        recorder(101, (100, "all_reduce", GRADIENTS), (101, "barrier", [])),  # arrived: the barrier completes
+        None,  # did not answer (stopped, or busy holding the GIL): no evidence either
+    ],
+    ids=["one-behind", "far-behind", "same", "no-answer"],
+)
+def test_a_rank_that_has_not_reached_the_sequence_number_or_called_the_same_is_no_deadlock(theirs: dict) -> None:
+    assert mismatched(IN_BARRIER_NEWEST[0], {1: theirs}) == {}
