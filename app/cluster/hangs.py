@@ -74,6 +74,10 @@ STALLED_S = 2.0
 PEEK_TIMEOUT_S = 2.0
 # How many of its newest collectives per process group a rank shows the others for that comparison.
 RECENT_ENTRIES = 16
+# A rank reads its whole flight recorder for those at most this often: a rank that keeps entering
+# collectives (on a group without the asking rank) while another asks it every second is not slowed
+# by more than one read per interval. A rank paused for `STALLED_S` is always read as it is.
+FULL_READ_EVERY_S = STALLED_S
 # PyTorch's debug endpoint handlers (torch/csrc/distributed/c10d/control_plane/Handlers.cpp).
 STACKS_HANDLER = "dump_traceback"
 COLLECTIVES_HANDLER = "fr_trace_json"
@@ -186,7 +190,7 @@ def _serve_recent(request: Any, response: Any) -> None:
 
 
 _recent_lock = threading.Lock()
-_recent: dict[str, Any] = {"entered": None, "recorder": None}  # the last full read, by what it had entered
+_recent: dict[str, Any] = {"entered": None, "recorder": None, "at": 0.0}  # the last full read: what it had entered
 
 
 def entered_by_group(recorder: dict[str, Any] | None) -> dict[str, int]:
@@ -206,11 +210,13 @@ def recent_collectives() -> dict[str, Any]:
     """This process's flight recorder cut to its newest `RECENT_ENTRIES` collectives per process
     group and the fields the deadlock check reads, in the recorder's own shape (`pg_status`,
     `entries`). The full recorder (up to 2000 entries: tens of milliseconds, with the GIL held) is
-    read only when a collective was entered since the last read; what was read is kept."""
+    read only when a collective was entered since the last read, at most every `FULL_READ_EVERY_S`;
+    what was read is kept (an entry, once made, never changes)."""
     import torch._C._distributed_c10d as c10d
 
     with _recent_lock:
-        if _recent["recorder"] is None or entered_now() != _recent["entered"]:
+        stale = time.monotonic() - _recent["at"] >= FULL_READ_EVERY_S and entered_now() != _recent["entered"]
+        if _recent["recorder"] is None or stale:
             recorder = json.loads(c10d._dump_fr_trace_json(True, False))
             entered = entered_by_group(recorder)
             entries = []
@@ -218,7 +224,7 @@ def recent_collectives() -> dict[str, Any]:
                 group, seq = str(entry.get("process_group", [""])[0]), entry.get("collective_seq_id")
                 if isinstance(seq, int) and seq > entered.get(group, -1) - RECENT_ENTRIES:
                     entries.append({field: entry[field] for field in ENTRY_FIELDS if field in entry})
-            _recent["entered"] = entered
+            _recent["entered"], _recent["at"] = entered, time.monotonic()
             _recent["recorder"] = {"pg_status": recorder.get("pg_status") or {}, "entries": entries}
         return _recent["recorder"]
 
@@ -659,7 +665,10 @@ class HangReport(Callback):
                     continue
                 if not any(seq >= 0 for seq in entered.values()) or time.monotonic() - since < self.stalled_s:
                     continue
-                newest = newest_collectives(recent_collectives())
+                try:
+                    newest = newest_collectives(recent_collectives())
+                except (RuntimeError, TypeError, ValueError):
+                    continue
                 bodies = pool.map(lambda peer: ask(peer, RECENT_HANDLER, self.peek_timeout_s)[0], others)
                 recorders: dict[int, dict[str, Any] | None] = {}
                 for peer, answer in zip(others, bodies, strict=True):

@@ -9,6 +9,8 @@ when two collectives were in flight), so it says nothing about where a rank wait
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from app.cluster.hangs import (
@@ -21,6 +23,7 @@ from app.cluster.hangs import (
     newest_collectives,
     waited_collective,
 )
+from tests.helpers.run import REPO
 
 ME = RankAddress(0, "node1", 100, "10.0.0.1", 5000)
 PEER = RankAddress(1, "node2", 200, "10.0.0.2", 5001)
@@ -185,3 +188,21 @@ def test_another_operation_at_the_sequence_number_a_rank_waits_at_is_a_deadlock(
 )
 def test_a_rank_that_has_not_reached_the_sequence_number_or_called_the_same_is_no_deadlock(theirs: dict) -> None:
     assert mismatched(IN_BARRIER_NEWEST[0], {1: theirs}) == {}
+
+
+def deadlock_figures(record: dict) -> str:
+    """docs/hangs.md's sentence of figures, from docs/hangs_deadlock.json (as the slow test writes it)."""
+    return (
+        f"{len(record['runs'])} runs in a row beside {record['busy_processes']} busy-looping processes on this "
+        f"{record['cores']}-core VM (load average {record['loadavg_before'][0]:.1f} before), the report written a "
+        f"median {record['reported_s']['median']:.1f} s (at most {record['reported_s']['max']:.1f} s) after the "
+        f"mismatch, every rank gone a median {record['ended_s']['median']:.1f} s (at most "
+        f"{record['ended_s']['max']:.1f} s) after it."
+    )
+
+
+def test_the_docs_quote_the_deadlock_figures_as_measured() -> None:
+    record = json.loads((REPO / "docs" / "hangs_deadlock.json").read_text())
+    docs = " ".join((REPO / "docs" / "hangs.md").read_text().split())
+    assert deadlock_figures(record) in docs, deadlock_figures(record)
+    assert len(record["runs"]) == 10 and record["ended_s"]["max"] <= record["bound_s"] == 10, record
