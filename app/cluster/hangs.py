@@ -72,6 +72,10 @@ STALLED_S = 2.0
 # How long such a comparison waits for each other rank's recent collectives (a stopped rank never
 # answers; it is named by the collective timeout's report).
 PEEK_TIMEOUT_S = 2.0
+# A rank that did not answer that ask is asked again after this long, then twice as long each time, up to
+# the maximum (`HangReport._peek` says why).
+SILENT_RETRY_S = 4.0
+SILENT_RETRY_MAX_S = 60.0
 # How many of its newest collectives per process group a rank shows the others for that comparison.
 RECENT_ENTRIES = 16
 # A rank reads its whole flight recorder for those at most this often: a rank that keeps entering
@@ -93,8 +97,9 @@ WAITED_HANDLER = "ddp_app_waited"
 # Ours: this rank's newest collectives (`recent_collectives`), a few kB, for another rank's deadlock check.
 RECENT_HANDLER = "ddp_app_recent"
 # The fields of a flight-recorder entry the deadlock check and `entries_by_seq` read.
-ENTRY_FIELDS = ("process_group", "collective_seq_id", "profiling_name", "input_sizes", "input_dtypes")
-ENTRY_FIELDS += ("time_created_ns",)
+ENTRY_FIELDS = (
+    "process_group", "collective_seq_id", "is_p2p", "profiling_name", "input_sizes", "input_dtypes", "time_created_ns",
+)  # fmt: skip
 # Code a main thread is in while it waits in a collective (besides a backward: DDP's all-reduce).
 COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/")
 # When every rank's record shows it in the collective the reporter waits in, the records are read
@@ -201,6 +206,7 @@ def entered_by_group(recorder: dict[str, Any] | None) -> dict[str, int]:
 def entered_now() -> dict[str, int]:
     """`entered_by_group` of this process, from its flight recorder's status without the entries:
     a few microseconds, whatever the recorder holds."""
+    # Private (docs/private_apis.md): required with the endpoint's names (`debug_endpoint_api`).
     import torch._C._distributed_c10d as c10d
 
     return entered_by_group(json.loads(c10d._dump_fr_trace_json(False, False)))
@@ -297,6 +303,20 @@ def ask_rank(address: RankAddress, timeout_s: float) -> Answer:
     return Answer(address, stacks, collectives, waited or None)
 
 
+def unreachable_only_off_reachable_hosts(answers: list[Answer], this_host: str) -> list[Answer]:
+    """A rank on this host, or on a host where another rank took the connection, is not unreachable:
+    a connection to it that timed out met a process that accepts none (stopped, and the short queue
+    of connections its endpoint has not accepted is full: each earlier ask of it left one there,
+    docs/hangs.md). Such a rank did not answer ("silent")."""
+    reached = {this_host} | {answer.address.host for answer in answers if answer.problem != "unreachable"}
+    return [
+        Answer(answer.address, problem="silent")
+        if answer.problem == "unreachable" and answer.address.host in reached
+        else answer
+        for answer in answers
+    ]
+
+
 def waited_collective(recorder: dict[str, Any] | None) -> Collective:
     """The collective a rank waits in (or whose wait failed): the newest one it entered, on any group.
 
@@ -321,7 +341,8 @@ def entries_by_seq(recorder: dict[str, Any] | None, group: str) -> dict[int, Col
     found: dict[int, Collective] = {}
     for entry in (recorder or {}).get("entries") or []:
         seq = entry.get("collective_seq_id")
-        if str(entry.get("process_group", [""])[0]) == group and isinstance(seq, int):
+        # A send or recv is numbered apart (`p2p_seq_id`) and carries the collectives' number beside it.
+        if str(entry.get("process_group", [""])[0]) == group and isinstance(seq, int) and not entry.get("is_p2p"):
             op = str(entry.get("profiling_name", "?")).split(":")[-1]
             shapes = zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False)
             sizes = " ".join(f"{dtype.lower()}{size}" for size, dtype in shapes)
@@ -654,6 +675,7 @@ class HangReport(Callback):
         others = [peer for peer in self.peers if peer.rank != me.rank]
         seen: dict[str, int] = {}
         since = time.monotonic()
+        quiet: dict[int, tuple[float, float]] = {}  # rank -> (when to ask it again, the wait after its next silence)
         with ThreadPoolExecutor(max_workers=len(others)) as pool:
             while not self._watch_stop.wait(self.mismatch_check_s):
                 try:
@@ -662,6 +684,7 @@ class HangReport(Callback):
                     return
                 if entered != seen:  # progress since the last look
                     seen, since = entered, time.monotonic()
+                    quiet.clear()
                     continue
                 if not any(seq >= 0 for seq in entered.values()) or time.monotonic() - since < self.stalled_s:
                     continue
@@ -669,15 +692,33 @@ class HangReport(Callback):
                     newest = newest_collectives(recent_collectives())
                 except (RuntimeError, TypeError, ValueError):
                     continue
-                bodies = pool.map(lambda peer: ask(peer, RECENT_HANDLER, self.peek_timeout_s)[0], others)
-                recorders: dict[int, dict[str, Any] | None] = {}
-                for peer, answer in zip(others, bodies, strict=True):
-                    with contextlib.suppress(TypeError, ValueError):
-                        recorders[peer.rank] = json.loads(answer or "")
+                recorders = self._peek(pool, others, quiet)
                 for mine in newest:
                     conflicting = mismatched(mine, recorders)
                     if conflicting and not self._watch_stop.is_set():
                         self._end_mismatch(trainer, me, min([me.rank, *conflicting]))
+
+    def _peek(
+        self, pool: ThreadPoolExecutor, others: list[RankAddress], quiet: dict[int, tuple[float, float]]
+    ) -> dict[int, dict[str, Any] | None]:
+        """The other ranks' recent collectives (`RECENT_HANDLER`), asked in parallel. A rank that did
+        not answer is asked again only after `SILENT_RETRY_S`, then twice as long each time, up to
+        `SILENT_RETRY_MAX_S` (until this rank moves on): a stopped process accepts no connection, and
+        each ask would leave one in its endpoint's short queue, which, once full, makes the rank look
+        unreachable to the collective timeout's report."""
+        now = time.monotonic()
+        asked = [peer for peer in others if now >= quiet.get(peer.rank, (0.0, 0.0))[0]]
+        recorders: dict[int, dict[str, Any] | None] = {}
+        bodies = pool.map(lambda peer: ask(peer, RECENT_HANDLER, self.peek_timeout_s)[0], asked)
+        for peer, body in zip(asked, bodies, strict=True):
+            if body is None:
+                wait = quiet.get(peer.rank, (0.0, SILENT_RETRY_S))[1]
+                quiet[peer.rank] = (time.monotonic() + wait, min(2 * wait, SILENT_RETRY_MAX_S))
+                continue
+            quiet.pop(peer.rank, None)
+            with contextlib.suppress(TypeError, ValueError):
+                recorders[peer.rank] = json.loads(body)
+        return recorders
 
     def _end_mismatch(self, trainer: L.Trainer, me: RankAddress, reporter: int) -> None:
         """End this rank, which waits in a collective that can never complete (main thread blocked)."""
@@ -726,7 +767,8 @@ class HangReport(Callback):
     def _ask_everyone(self) -> list[Answer]:
         """Every rank's answer (this one's too), in rank order, asked in parallel."""
         with ThreadPoolExecutor(max_workers=len(self.peers)) as pool:
-            return list(pool.map(lambda address: ask_rank(address, self.ask_timeout_s), self.peers))
+            answers = list(pool.map(lambda address: ask_rank(address, self.ask_timeout_s), self.peers))
+        return unreachable_only_off_reachable_hosts(answers, socket.gethostname())
 
 
 def write_hang_directory(

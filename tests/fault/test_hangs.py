@@ -34,7 +34,9 @@ FIT = ("fit", "--config", "configs/digits.yaml", "--trainer.max_epochs=500", "--
 # In a two-rank mismatch (skip, extra) either rank may time out first and report; both lines name
 # both ranks and both collectives.
 INJECTIONS = {
-    "sigstop": ((), ["did not arrive at all_reduce #", "it does not answer (stopped"], None),
+    # (stopped anywhere: mostly in a step, so rank 0 waits in a gradient all_reduce; at an epoch's end,
+    # in the coordinator's all_gather)
+    "sigstop": ((), ["did not arrive at all_", "it does not answer (stopped"], None),
     "skip": (
         ("--trainer.callbacks+=tests.helpers.hangs.InjectHang", "--trainer.callbacks.kind=skip"),
         ["barrier #", "all_reduce #", "instead", "on_train_batch_end at tests/helpers/hangs.py:"],
