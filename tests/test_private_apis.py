@@ -350,6 +350,15 @@ dist.all_reduce(torch.ones(3))
 me = hangs.RankAddress(0, "here", os.getpid(), "127.0.0.1", port)
 answer = hangs.ask_rank(me, 10)
 recorder = answer.collectives
+for _ in range(20):
+    dist.all_reduce(torch.ones(2))
+dist.barrier()
+recent = json.loads(hangs.ask(me, hangs.RECENT_HANDLER, 10)[0])
+later = {
+    "entered_now": hangs.entered_now(),
+    "recent_seqs": sorted(entry["collective_seq_id"] for entry in recent["entries"]),
+    "recent_newest": [str(collective) for collective in hangs.newest_collectives(recent)],
+}
 print(json.dumps({
     "problem": answer.problem,
     "stacks": answer.stacks,
@@ -358,6 +367,7 @@ print(json.dumps({
     "last_entered": hangs.last_entered(recorder, "0"),
     "last": str(hangs.waited_collective(recorder)),
     "sizes": hangs.waited_collective(recorder).sizes,
+    **later,
 }))
 dist.destroy_process_group()
 server.shutdown()
@@ -370,7 +380,8 @@ def test_torch_debug_endpoint_answers_stacks_and_flight_recorder_as_the_hang_rep
         env={**os.environ, "TORCH_FR_BUFFER_SIZE": "100"}, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     what = (
-        "torch._C._distributed_c10d._WorkerServer, _register_handler, its dump_traceback / fr_trace_json / ping "
+        "torch._C._distributed_c10d._WorkerServer, _register_handler, _dump_fr_trace_json, its dump_traceback / "
+        "fr_trace_json / ping "
         "handlers or the flight recorder's JSON (pg_status, entries) changed: app.cluster.hangs no longer names "
         f"the rank a hang waits for ({DOC})"
     )
@@ -379,6 +390,11 @@ def test_torch_debug_endpoint_answers_stacks_and_flight_recorder_as_the_hang_rep
     assert found["problem"] == "" and 'File "<string>"' in found["stacks"], (what, found)
     assert found["ping"] == "pong" and json.loads(found["waited"]) == {"frames": []}, (what, found)
     assert (found["last_entered"], found["last"], found["sizes"]) == (1, "all_reduce #1", "float[3]"), (what, found)
+    # The deadlock check's reads: the status alone (`_dump_fr_trace_json(False, ...)`), and the newest
+    # RECENT_ENTRIES collectives another rank asks for.
+    assert found["entered_now"] == {"0": 22}, (what, found)
+    assert found["recent_seqs"] == list(range(23 - hangs.RECENT_ENTRIES, 23)), (what, found)
+    assert found["recent_newest"] == ["barrier #22"], (what, found)
 
 
 def test_wandb_still_takes_the_experimental_settings_the_sink_passes() -> None:

@@ -61,17 +61,45 @@ from app.private_apis import require
 FLIGHT_RECORDER_ENTRIES = 2000
 # How long a waiting rank waits for each other rank's answer: a stopped rank never answers.
 ASK_TIMEOUT_S = 10.0
-# How often each rank looks for a certain deadlock (`MismatchWatch`): it compares its newest collective
-# with the other ranks' once it has entered no new one for this long.
-MISMATCH_CHECK_S = 5.0
+# How often each rank reads, in process, which collective it entered last on each group (a few
+# microseconds: its flight recorder's status, without the entries) to look for a certain deadlock
+# (`HangReport._watch_for_mismatch`).
+MISMATCH_CHECK_S = 1.0
+# A rank that has entered no new collective for this long compares its newest one with what the other
+# ranks entered at that sequence number. Only the cost depends on it (one full read of its own
+# flight recorder per such pause): the decision rests on the collectives, never on the time.
+STALLED_S = 2.0
+# How long such a comparison waits for each other rank's recent collectives (a stopped rank never
+# answers; it is named by the collective timeout's report).
+PEEK_TIMEOUT_S = 2.0
+# A rank that did not answer that ask is asked again after this long, then twice as long each time, up to
+# the maximum (`HangReport._peek` says why).
+SILENT_RETRY_S = 4.0
+SILENT_RETRY_MAX_S = 60.0
+# How many of its newest collectives per process group a rank shows the others for that comparison.
+RECENT_ENTRIES = 16
+# A rank reads its whole flight recorder for those at most this often: a rank that keeps entering
+# collectives (on a group without the asking rank) while another asks it every second is not slowed
+# by more than one read per interval. A rank paused for `STALLED_S` is always read as it is.
+FULL_READ_EVERY_S = STALLED_S
 # PyTorch's debug endpoint handlers (torch/csrc/distributed/c10d/control_plane/Handlers.cpp).
 STACKS_HANDLER = "dump_traceback"
 COLLECTIVES_HANDLER = "fr_trace_json"
 # This project's files that every rank's stack passes through on its way into Lightning: never the place.
-PLUMBING = ("app/cli/parser.py", "app/cli/entry.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app")
+# (The test suite forks its `ddp-app` commands from tests/helpers/zygote.py: plumbing too.)
+PLUMBING = (
+    "app/cli/parser.py", "app/cli/entry.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app",
+    "tests/helpers/zygote.py",
+)  # fmt: skip
 # Ours, on the same endpoint: where this rank's own collective timed out (its main thread has left
 # that place to write its report by the time another rank asks).
 WAITED_HANDLER = "ddp_app_waited"
+# Ours: this rank's newest collectives (`recent_collectives`), a few kB, for another rank's deadlock check.
+RECENT_HANDLER = "ddp_app_recent"
+# The fields of a flight-recorder entry the deadlock check and `entries_by_seq` read.
+ENTRY_FIELDS = (
+    "process_group", "collective_seq_id", "is_p2p", "profiling_name", "input_sizes", "input_dtypes", "time_created_ns",
+)  # fmt: skip
 # Code a main thread is in while it waits in a collective (besides a backward: DDP's all-reduce).
 COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/")
 # When every rank's record shows it in the collective the reporter waits in, the records are read
@@ -155,13 +183,65 @@ def _serve_waited(request: Any, response: Any) -> None:
     response.set_status(200)
 
 
+def _serve_recent(request: Any, response: Any) -> None:
+    try:
+        body = json.dumps(recent_collectives())
+    except Exception as error:  # noqa: BLE001 (in the endpoint's thread: the asking rank reads "no answer")
+        response.set_content(f"{type(error).__name__}: {error}", "text/plain")
+        response.set_status(500)
+        return
+    response.set_content(body, "application/json")
+    response.set_status(200)
+
+
+_recent_lock = threading.Lock()
+_recent: dict[str, Any] = {"entered": None, "recorder": None, "at": 0.0}  # the last full read: what it had entered
+
+
+def entered_by_group(recorder: dict[str, Any] | None) -> dict[str, int]:
+    """Per process group, the sequence number of the last collective entered."""
+    return {group: last_entered(recorder, group) for group in ((recorder or {}).get("pg_status") or {})}
+
+
+def entered_now() -> dict[str, int]:
+    """`entered_by_group` of this process, from its flight recorder's status without the entries:
+    a few microseconds, whatever the recorder holds."""
+    # Private (docs/private_apis.md): required with the endpoint's names (`debug_endpoint_api`).
+    import torch._C._distributed_c10d as c10d
+
+    return entered_by_group(json.loads(c10d._dump_fr_trace_json(False, False)))
+
+
+def recent_collectives() -> dict[str, Any]:
+    """This process's flight recorder cut to its newest `RECENT_ENTRIES` collectives per process
+    group and the fields the deadlock check reads, in the recorder's own shape (`pg_status`,
+    `entries`). The full recorder (up to 2000 entries: tens of milliseconds, with the GIL held) is
+    read only when a collective was entered since the last read, at most every `FULL_READ_EVERY_S`;
+    what was read is kept (an entry, once made, never changes)."""
+    import torch._C._distributed_c10d as c10d
+
+    with _recent_lock:
+        stale = time.monotonic() - _recent["at"] >= FULL_READ_EVERY_S and entered_now() != _recent["entered"]
+        if _recent["recorder"] is None or stale:
+            recorder = json.loads(c10d._dump_fr_trace_json(True, False))
+            entered = entered_by_group(recorder)
+            entries = []
+            for entry in recorder.get("entries") or []:
+                group, seq = str(entry.get("process_group", [""])[0]), entry.get("collective_seq_id")
+                if isinstance(seq, int) and seq > entered.get(group, -1) - RECENT_ENTRIES:
+                    entries.append({field: entry[field] for field in ENTRY_FIELDS if field in entry})
+            _recent["entered"], _recent["at"] = entered, time.monotonic()
+            _recent["recorder"] = {"pg_status": recorder.get("pg_status") or {}, "entries": entries}
+        return _recent["recorder"]
+
+
 def debug_endpoint_api() -> Any:
     """PyTorch's private endpoint module, with every name and handler the hang report uses; a PyTorch
     without one stops the run in one line (app/private_apis.py) instead of losing the diagnosis."""
     import torch._C._distributed_c10d as c10d
 
     needed_for = "naming the rank a hang waits for (app/cluster/hangs.py)"
-    for name in ("_WorkerServer", "_register_handler", "_get_handler_names"):
+    for name in ("_WorkerServer", "_register_handler", "_get_handler_names", "_dump_fr_trace_json"):
         require(c10d, name, "torch", needed_for)
     registered = dict.fromkeys(c10d._get_handler_names())
     for handler in (STACKS_HANDLER, COLLECTIVES_HANDLER, "ping"):
@@ -174,8 +254,9 @@ def start_debug_endpoint(ip: str) -> tuple[Any, int]:
     cannot listen there (the report then says this rank's endpoint does not answer)."""
     # Private: docs/private_apis.md, guarded in tests/test_private_apis.py.
     c10d = debug_endpoint_api()
-    if WAITED_HANDLER not in c10d._get_handler_names():  # once per process: registering twice raises
-        c10d._register_handler(WAITED_HANDLER, _serve_waited)
+    for name, handler in ((WAITED_HANDLER, _serve_waited), (RECENT_HANDLER, _serve_recent)):
+        if name not in c10d._get_handler_names():  # once per process: registering twice raises
+            c10d._register_handler(name, handler)
     try:
         server = c10d._WorkerServer(ip, 0)
     except RuntimeError as error:  # no diagnosis is no reason to stop training, but say it is lost
@@ -222,6 +303,20 @@ def ask_rank(address: RankAddress, timeout_s: float) -> Answer:
     return Answer(address, stacks, collectives, waited or None)
 
 
+def unreachable_only_off_reachable_hosts(answers: list[Answer], this_host: str) -> list[Answer]:
+    """A rank on this host, or on a host where another rank took the connection, is not unreachable:
+    a connection to it that timed out met a process that accepts none (stopped, and the short queue
+    of connections its endpoint has not accepted is full: each earlier ask of it left one there,
+    docs/hangs.md). Such a rank did not answer ("silent")."""
+    reached = {this_host} | {answer.address.host for answer in answers if answer.problem != "unreachable"}
+    return [
+        Answer(answer.address, problem="silent")
+        if answer.problem == "unreachable" and answer.address.host in reached
+        else answer
+        for answer in answers
+    ]
+
+
 def waited_collective(recorder: dict[str, Any] | None) -> Collective:
     """The collective a rank waits in (or whose wait failed): the newest one it entered, on any group.
 
@@ -246,7 +341,8 @@ def entries_by_seq(recorder: dict[str, Any] | None, group: str) -> dict[int, Col
     found: dict[int, Collective] = {}
     for entry in (recorder or {}).get("entries") or []:
         seq = entry.get("collective_seq_id")
-        if str(entry.get("process_group", [""])[0]) == group and isinstance(seq, int):
+        # A send or recv is numbered apart (`p2p_seq_id`) and carries the collectives' number beside it.
+        if str(entry.get("process_group", [""])[0]) == group and isinstance(seq, int) and not entry.get("is_p2p"):
             op = str(entry.get("profiling_name", "?")).split(":")[-1]
             shapes = zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False)
             sizes = " ".join(f"{dtype.lower()}{size}" for size, dtype in shapes)
@@ -490,9 +586,17 @@ class HangReport(Callback):
     deadlock (two ranks in different collectives at the same sequence number) without waiting for
     the timeout (`_watch_for_mismatch`). Added by `ddp-app` to every multi-process run."""
 
-    def __init__(self, ask_timeout_s: float = ASK_TIMEOUT_S, mismatch_check_s: float = MISMATCH_CHECK_S) -> None:
+    def __init__(
+        self,
+        ask_timeout_s: float = ASK_TIMEOUT_S,
+        mismatch_check_s: float = MISMATCH_CHECK_S,
+        stalled_s: float = STALLED_S,
+        peek_timeout_s: float = PEEK_TIMEOUT_S,
+    ) -> None:
         self.ask_timeout_s = ask_timeout_s
         self.mismatch_check_s = mismatch_check_s
+        self.stalled_s = stalled_s
+        self.peek_timeout_s = peek_timeout_s
         self.peers: list[RankAddress] = []
         self._server: Any = None
         self._watch_stop = threading.Event()
@@ -554,44 +658,74 @@ class HangReport(Callback):
             time.sleep(0.2)
 
     def _watch_for_mismatch(self, trainer: L.Trainer) -> None:
-        """A thread: every `mismatch_check_s`, if this rank entered no new collective since the last look,
-        compare its newest one on each group with what the other ranks called at the same sequence
-        number. Another operation there is a certain deadlock (neither collective can ever complete):
-        the lowest of the ranks involved writes the report, and every rank involved ends its process.
+        """A thread: every `mismatch_check_s`, read which collective this rank entered last on each
+        group (in process, microseconds). Once it has entered none for `stalled_s`, and at every look
+        while that lasts, compare its newest one on each group with what each other rank entered at
+        the same sequence number (`RECENT_HANDLER`: their newest collectives, a few kB). Another
+        operation there is a certain deadlock (neither collective can ever complete): the lowest of
+        the ranks involved writes the report, and every rank involved ends its process.
 
         A rank that has not reached that sequence number yet (slow: rank 0 writing a large checkpoint
-        while the others wait in a barrier) is no evidence of anything: the others keep waiting,
-        up to `collective_timeout_s`. Cost: one flight-recorder read of this rank per interval, and
-        one of each other rank only while no new collective was entered for an interval.
+        while the others wait in a barrier, a long step, a slow data load) is no evidence of anything,
+        however long it takes: the others keep waiting, up to `collective_timeout_s`. Nothing here is
+        decided by time; `stalled_s` only keeps the comparison (one full read of this rank's flight
+        recorder per pause, and an ask of each other rank per look) off a rank that is making progress.
         """
         me = self.peers[trainer.global_rank]
         others = [peer for peer in self.peers if peer.rank != me.rank]
-        previous: list[Collective] = []
+        seen: dict[str, int] = {}
+        since = time.monotonic()
+        quiet: dict[int, tuple[float, float]] = {}  # rank -> (when to ask it again, the wait after its next silence)
         with ThreadPoolExecutor(max_workers=len(others)) as pool:
             while not self._watch_stop.wait(self.mismatch_check_s):
-                body, _ = ask(me, COLLECTIVES_HANDLER, self.ask_timeout_s)
                 try:
-                    newest = newest_collectives(json.loads(body or ""))
-                except (TypeError, ValueError):
+                    entered = entered_now()
+                except (RuntimeError, TypeError, ValueError):  # no recorder: the collective timeout reports
+                    return
+                if entered != seen:  # progress since the last look
+                    seen, since = entered, time.monotonic()
+                    quiet.clear()
                     continue
-                if newest != previous or not newest:  # progress since the last look, or nothing entered yet
-                    previous = newest
+                if not any(seq >= 0 for seq in entered.values()) or time.monotonic() - since < self.stalled_s:
                     continue
-                bodies = pool.map(lambda peer: ask(peer, COLLECTIVES_HANDLER, self.ask_timeout_s)[0], others)
-                recorders: dict[int, dict[str, Any] | None] = {}
-                for peer, answer in zip(others, bodies, strict=True):
-                    with contextlib.suppress(TypeError, ValueError):
-                        recorders[peer.rank] = json.loads(answer or "")
-                for mine in previous:
+                try:
+                    newest = newest_collectives(recent_collectives())
+                except (RuntimeError, TypeError, ValueError):
+                    continue
+                recorders = self._peek(pool, others, quiet)
+                for mine in newest:
                     conflicting = mismatched(mine, recorders)
                     if conflicting and not self._watch_stop.is_set():
                         self._end_mismatch(trainer, me, min([me.rank, *conflicting]))
+
+    def _peek(
+        self, pool: ThreadPoolExecutor, others: list[RankAddress], quiet: dict[int, tuple[float, float]]
+    ) -> dict[int, dict[str, Any] | None]:
+        """The other ranks' recent collectives (`RECENT_HANDLER`), asked in parallel. A rank that did
+        not answer is asked again only after `SILENT_RETRY_S`, then twice as long each time, up to
+        `SILENT_RETRY_MAX_S` (until this rank moves on): a stopped process accepts no connection, and
+        each ask would leave one in its endpoint's short queue, which, once full, makes the rank look
+        unreachable to the collective timeout's report."""
+        now = time.monotonic()
+        asked = [peer for peer in others if now >= quiet.get(peer.rank, (0.0, 0.0))[0]]
+        recorders: dict[int, dict[str, Any] | None] = {}
+        bodies = pool.map(lambda peer: ask(peer, RECENT_HANDLER, self.peek_timeout_s)[0], asked)
+        for peer, body in zip(asked, bodies, strict=True):
+            if body is None:
+                wait = quiet.get(peer.rank, (0.0, SILENT_RETRY_S))[1]
+                quiet[peer.rank] = (time.monotonic() + wait, min(2 * wait, SILENT_RETRY_MAX_S))
+                continue
+            quiet.pop(peer.rank, None)
+            with contextlib.suppress(TypeError, ValueError):
+                recorders[peer.rank] = json.loads(body)
+        return recorders
 
     def _end_mismatch(self, trainer: L.Trainer, me: RankAddress, reporter: int) -> None:
         """End this rank, which waits in a collective that can never complete (main thread blocked)."""
         main = sys._current_frames().get(threading.main_thread().ident or 0)
         frames = [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack(main)] if main else []
-        _waited["frames"] = [[frame.filename, frame.lineno, frame.name] for frame in frames]
+        # (Not `_waited`: its wait has not failed, and its main thread stays in the collective while the
+        # reporter reads its stack.)
         if me.rank == reporter:
             text = "".join(traceback.format_list(traceback.extract_stack(main))) if main else ""
             note = (
@@ -633,7 +767,8 @@ class HangReport(Callback):
     def _ask_everyone(self) -> list[Answer]:
         """Every rank's answer (this one's too), in rank order, asked in parallel."""
         with ThreadPoolExecutor(max_workers=len(self.peers)) as pool:
-            return list(pool.map(lambda address: ask_rank(address, self.ask_timeout_s), self.peers))
+            answers = list(pool.map(lambda address: ask_rank(address, self.ask_timeout_s), self.peers))
+        return unreachable_only_off_reachable_hosts(answers, socket.gethostname())
 
 
 def write_hang_directory(

@@ -9,9 +9,22 @@ when two collectives were in flight), so it says nothing about where a rank wait
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from app.cluster.hangs import Answer, Frame, RankAddress, describe_hang, main_thread_frames, waited_collective
+from app.cluster.hangs import (
+    Answer,
+    Frame,
+    RankAddress,
+    describe_hang,
+    main_thread_frames,
+    mismatched,
+    newest_collectives,
+    unreachable_only_off_reachable_hosts,
+    waited_collective,
+)
+from tests.helpers.run import REPO
 
 ME = RankAddress(0, "node1", 100, "10.0.0.1", 5000)
 PEER = RankAddress(1, "node2", 200, "10.0.0.2", 5001)
@@ -148,3 +161,79 @@ def test_the_collective_a_rank_waits_in_is_the_newest_it_entered_whatever_is_mar
     assert str(waited_collective(recorder(101, (100, "all_reduce", GRADIENTS), (101, "barrier", []), completed=101)))
     assert str(waited_collective(IN_BARRIER)) == "barrier #101"
     assert str(waited_collective(recorder(100, (100, "all_reduce", GRADIENTS), completed=100))) == "all_reduce #100"
+
+
+# --- the deadlock check (`HangReport._watch_for_mismatch`): each rank's newest collective against the
+# others' recent ones (`recent_collectives`, the same shape cut to the newest entries) ---
+
+IN_BARRIER_NEWEST = newest_collectives(IN_BARRIER)  # rank 0: barrier #101
+
+
+def test_another_operation_at_the_sequence_number_a_rank_waits_at_is_a_deadlock() -> None:
+    skipped = recorder(101, (100, "all_reduce", GRADIENTS), (101, "all_reduce", GRADIENTS))
+    assert [str(collective) for collective in IN_BARRIER_NEWEST] == ["barrier #101"]
+    assert {rank: str(theirs) for rank, theirs in mismatched(IN_BARRIER_NEWEST[0], {1: skipped}).items()} == {
+        1: "all_reduce #101"
+    }
+
+
+def with_a_send(record: dict, seq: int) -> dict:
+    """`record` with a send after its last collective: the recorder numbers it apart (`p2p_seq_id`)
+    and writes the collectives' current number beside it."""
+    send = {**record["entries"][-1], "collective_seq_id": seq, "profiling_name": "gloo:send", "is_p2p": True}
+    return {**record, "entries": [*record["entries"], send]}
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    [
+        recorder(100, (100, "all_reduce", GRADIENTS)),  # behind: still in its step, or asleep before #101
+        with_a_send(recorder(100, (100, "all_reduce", GRADIENTS)), 101),  # behind, after a send
+        recorder(99),  # further behind: a long data load, a checkpoint written before the step
+        recorder(101, (100, "all_reduce", GRADIENTS), (101, "barrier", [])),  # arrived: the barrier completes
+        None,  # did not answer (stopped, or busy holding the GIL): no evidence either
+    ],
+    ids=["one-behind", "send-then-behind", "far-behind", "same", "no-answer"],
+)
+def test_a_rank_that_has_not_reached_the_sequence_number_or_called_the_same_is_no_deadlock(theirs: dict) -> None:
+    assert mismatched(IN_BARRIER_NEWEST[0], {1: theirs}) == {}
+
+
+def deadlock_figures(record: dict) -> str:
+    """docs/hangs.md's sentence of figures, from docs/hangs_deadlock.json (as the slow test writes it)."""
+    return (
+        f"{len(record['runs'])} runs in a row beside {record['busy_processes']} busy-looping processes on this "
+        f"{record['cores']}-core VM (load average {record['loadavg_before'][0]:.1f} before), the report written a "
+        f"median {record['reported_s']['median']:.1f} s (at most {record['reported_s']['max']:.1f} s) after the "
+        f"mismatch, every rank gone a median {record['ended_s']['median']:.1f} s (at most "
+        f"{record['ended_s']['max']:.1f} s) after it."
+    )
+
+
+def test_the_docs_quote_the_deadlock_figures_as_measured() -> None:
+    record = json.loads((REPO / "docs" / "hangs_deadlock.json").read_text())
+    docs = " ".join((REPO / "docs" / "hangs.md").read_text().split())
+    assert deadlock_figures(record) in docs, deadlock_figures(record)
+    assert len(record["runs"]) == 10 and record["ended_s"]["max"] <= record["bound_s"] == 10, record
+
+
+# A stopped rank's endpoint accepts no connection; once its queue of connections not accepted is full
+# (each ask of it leaves one), a connection times out as to a host that is down.
+OTHER = RankAddress(2, "node2", 300, "10.0.0.2", 5002)
+
+
+@pytest.mark.parametrize(
+    ("answers", "problems"),
+    [
+        ([Answer(PEER, problem="unreachable"), Answer(OTHER, COLLECTIVE_STACK)], ["silent", ""]),  # node2 answers
+        ([Answer(RankAddress(1, "node1", 200, "10.0.0.1", 5001), problem="unreachable")], ["silent"]),  # this host
+        ([Answer(PEER, problem="unreachable"), Answer(OTHER, problem="unreachable")], ["unreachable"] * 2),
+    ],
+    ids=["host-reached-by-another-rank", "this-host", "host-down"],
+)
+def test_a_rank_on_a_host_that_was_reached_is_silent_not_unreachable(answers: list, problems: list) -> None:
+    settled = unreachable_only_off_reachable_hosts(answers, ME.host)
+    assert [answer.problem for answer in settled] == problems
+    line = describe_hang(ME, IN_GRADIENTS, "x", 60, settled[:1], "d/")
+    if problems[0] == "silent":
+        assert "it does not answer (stopped" in line and "unreachable" not in line, line
