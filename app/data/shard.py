@@ -175,8 +175,8 @@ def optimize_kept_to_itself(scratch: Path) -> Iterator[None]:
       starts. Two writes at once (two users on one node, two test processes) would delete each other's
       files, and another user's /tmp/chunks cannot be deleted at all. Each write gets its own under `scratch`.
     - Its SIGINT handler (a Ctrl-C afterwards would end the caller with `os._exit(0)`: exit status 0),
-      multiprocessing's start method (set to `fork` for the whole process), and the seeds of the global
-      random, numpy and torch generators (it seeds all three with 42) are put back.
+      multiprocessing's start method (set to `fork` for the whole process; importing LitData does it too),
+      and the seeds of the global random, numpy and torch generators (it seeds all three with 42) are put back.
     """
     import multiprocessing
     import random

@@ -55,15 +55,28 @@ def test_a_writer_killed_mid_split_is_one_line_and_leaves_no_shards_and_no_proce
     assert left == []
 
 
-def test_shards_written_after_torch_used_threads_in_this_process_are_complete(tmp_path: Path) -> None:
+def test_shards_written_after_torch_used_threads_in_this_process_are_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The writers are forked from a process whose OpenMP pool ran (a test process after a fit, or the
     caller's own setup): a sample big enough for a parallel copy (76,800 values) used to wait forever in
     the writer for the pool's threads, which the fork does not copy. And LitData's changes to the caller
-    (its SIGINT handler, the start method, the global seeds) are undone."""
+    (its SIGINT handler, the start method, the global seeds) are undone, and the machine's shared LitData
+    cache folder (TMPDIR/chunks, which `optimize` deletes as it starts) is left alone: the guard of
+    DATA_OPTIMIZER_CACHE_FOLDER (docs/private_apis.md)."""
+    import tempfile
+
     from torch.utils.data import TensorDataset
+
+    shared = tmp_path / "machine_tmp"
+    (shared / "chunks").mkdir(parents=True)
+    (shared / "chunks" / "another_write.bin").write_bytes(b"not ours")
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))  # LitData's default cache: gettempdir()/chunks
 
     torch.nn.Linear(256, 256)(torch.randn(512, 256)).sum().backward()  # the intra-op pools in use
     torch.randn(4_000_000).exp_().sum()
+    import litdata  # noqa: F401 - importing it sets the start method (to fork) already: compared after it
+
     interrupt, start_method = signal.getsignal(signal.SIGINT), multiprocessing.get_start_method(allow_none=True)
     folder = write_image_folder(tmp_path / "images", images=20, classes=10, pixels=16)
     out = tmp_path / "shards"
@@ -79,6 +92,10 @@ def test_shards_written_after_torch_used_threads_in_this_process_are_complete(tm
     assert signal.getsignal(signal.SIGINT) is interrupt
     assert multiprocessing.get_start_method(allow_none=True) == start_method
     assert torch.equal(torch.get_rng_state(), generator)
+    assert (shared / "chunks" / "another_write.bin").read_bytes() == b"not ours", (
+        "LitData's optimize deleted the shared cache folder: it no longer reads DATA_OPTIMIZER_CACHE_FOLDER "
+        "(app/data/shard.py optimize_kept_to_itself; docs/private_apis.md)"
+    )
 
 
 def shard_command(folder: Path, out: Path, *extra: str) -> list[str]:
