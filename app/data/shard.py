@@ -45,11 +45,14 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch.utils.data import Dataset, Subset
 
 from app.data.seeding import reads_without_randomness
+from app.data.shard_watch import WriterWatch, no_process_outlives
 from app.errors import InvalidConfigError, UserFacingError
 
 SPLITS = ("train", "val", "test")
 MANIFEST = "ddp_app_shards.json"
 DEFAULT_CHUNK_BYTES = "64MB"  # LitData's advice: chunks of tens of MB stream well from object storage
+# A write in which no writer process makes a sample for this long is stuck, and is ended (app/data/shard_watch.py).
+DEFAULT_STALL_SECONDS = 300.0
 
 
 def image_files_of(dataset: Dataset) -> tuple[list[tuple[Path, int]], list[int]] | None:
@@ -92,30 +95,37 @@ class NotedRecord:
 
     LitData's `optimize` waits forever for a writer process whose function raised (litdata 0.2.76),
     so the function never raises: `write_split` reads the notes after `optimize` returns and reports
-    them, a bad file in one line, a bug with its traceback.
+    them, a bad file in one line, a bug with its traceback. Each sample made is counted in `made` (the
+    writer's slot, by LitData's DATA_OPTIMIZER_GLOBAL_RANK; slot 0 without it): the watch's heartbeat.
 
-    Its first call in a forked writer process re-creates torch's intra-op thread pools first, on the
-    process's one thread (as app.cluster.launch.recreate_thread_pools does for a rank): the pools the
-    parent used are marked lost by the fork, and a first use from two threads at once races.
+    Its first call in a forked writer process sets torch to one thread. The writers are forked from the
+    caller, and a process that used torch's OpenMP pool before the fork leaves the child a pool whose
+    threads do not exist: the child's first parallel op (a sample of 150,000 values cloned, a 10 M
+    element exp) waits for them forever (measured: torch 2.14, GNU OpenMP; `set_num_threads` with the
+    same count does not help, one thread does). A writer makes one sample at a time: one thread each.
     """
 
-    def __init__(self, make: Any, notes: Path) -> None:
-        self.make, self.notes = make, notes
+    def __init__(self, make: Any, notes: Path, made: Any) -> None:
+        self.make, self.notes, self.made = make, notes, made
         self.pid = os.getpid()
+        self.slot = 0
 
     def __call__(self, index: int) -> Any:
         from app.data.image_datasets import UnreadableImageError
 
         if self.pid != os.getpid():  # the first sample in this writer process
             self.pid = os.getpid()
-            torch.set_num_threads(torch.get_num_threads())
+            torch.set_num_threads(1)
+            self.slot = int(os.environ.get("DATA_OPTIMIZER_GLOBAL_RANK", 0)) % len(self.made)
         try:
-            return self.make(index)
+            record = self.make(index)
         except Exception as error:  # reported by write_split: a bad file in one line, a bug with its traceback
             note = {"index": index, "bad_data": isinstance(error, UnreadableImageError), "message": str(error)}
             note["traceback"] = traceback.format_exc()
             (self.notes / f"{index}.json").write_text(json.dumps(note))
-            return None
+            record = None
+        self.made[self.slot] += 1
+        return record
 
 
 def dataset_record(dataset: Dataset, index: int) -> Any:
@@ -145,49 +155,6 @@ def split_writer(dataset: Dataset, name: str) -> tuple[Any, list[int], str]:
     return partial(dataset_record, dataset), list(range(len(dataset))), "the samples as the data set returns them"
 
 
-def _holders_of(link: str) -> list[int]:
-    """The other processes that have a file descriptor open on `link` (a /proc fd link, `pipe:[INODE]`)."""
-    holders = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if any(os.readlink(fd) == link for fd in (entry / "fd").iterdir()):
-                holders.append(int(entry.name))
-    return holders
-
-
-@contextlib.contextmanager
-def no_process_outlives() -> Iterator[None]:
-    """Kill, by PID, every process forked during the block (however deep) that still runs after it.
-
-    LitData (0.2.76) forks a remover process from each writer process, which exits only when its writer
-    tells it to: a writer that dies first (killed by a signal, a crash) leaves it blocked forever, an
-    orphan that holds the caller's stdout and stderr open (a pipeline, or a test runner reading them,
-    never ends). Every process forked during the block holds a pipe made for it (fork copies every file
-    descriptor; os.pipe's are closed on exec), which finds them whatever their parent now is. A process
-    another thread of the caller forks meanwhile would hold it too: LitData is run from the main thread.
-    """
-    if not Path("/proc/self/fd").is_dir():  # not Linux: nothing to find them by
-        yield
-        return
-    read_fd, write_fd = os.pipe()
-    marker = f"pipe:[{os.fstat(read_fd).st_ino}]"
-    try:
-        yield
-    finally:
-        os.close(read_fd)
-        os.close(write_fd)
-        deadline = time.monotonic() + 10
-        while (left := _holders_of(marker)) and time.monotonic() < deadline:
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                with contextlib.suppress(ChildProcessError):  # a child of this process; an orphan is init's
-                    os.waitpid(pid, 0)
-            time.sleep(0.01)  # an orphan holds its descriptors until its exit is through
-
-
 def samples_in_index(out: Path) -> int:
     """How many samples the chunks listed in `out`'s LitData index hold (0 for no index, or chunks missing)."""
     try:
@@ -199,6 +166,47 @@ def samples_in_index(out: Path) -> int:
         return 0
 
 
+@contextlib.contextmanager
+def optimize_kept_to_itself(scratch: Path) -> Iterator[None]:
+    """Undo what LitData's `optimize` (0.2.76) changes in the calling process, and give it caches of its own.
+
+    - Its caches: `optimize` deletes and recreates `DATA_OPTIMIZER_CACHE_FOLDER` and
+      `DATA_OPTIMIZER_DATA_CACHE_FOLDER` (default /tmp/chunks and /tmp/data, one pair per machine) as it
+      starts. Two writes at once (two users on one node, two test processes) would delete each other's
+      files, and another user's /tmp/chunks cannot be deleted at all. Each write gets its own under `scratch`.
+    - Its SIGINT handler (a Ctrl-C afterwards would end the caller with `os._exit(0)`: exit status 0),
+      multiprocessing's start method (set to `fork` for the whole process; importing LitData does it too),
+      and the seeds of the global random, numpy and torch generators (it seeds all three with 42) are put back.
+    """
+    import multiprocessing
+    import random
+
+    import numpy
+
+    variables = {
+        "DATA_OPTIMIZER_CACHE_FOLDER": scratch / "chunks",
+        "DATA_OPTIMIZER_DATA_CACHE_FOLDER": scratch / "data",
+    }
+    saved_env = {key: os.environ.get(key) for key in variables}
+    interrupt = signal.getsignal(signal.SIGINT)
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    generators = (random.getstate(), numpy.random.get_state(), torch.get_rng_state())
+    os.environ.update({key: str(path) for key, path in variables.items()})
+    try:
+        yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        signal.signal(signal.SIGINT, interrupt)
+        multiprocessing.set_start_method(start_method, force=True)
+        random.setstate(generators[0])
+        numpy.random.set_state(generators[1])
+        torch.set_rng_state(generators[2])
+
+
 def write_split(
     dataset: Dataset,
     name: str,
@@ -208,13 +216,18 @@ def write_split(
     workers: int,
     seed: int,
     skip_bad_files: bool = False,
+    stall_seconds: float = DEFAULT_STALL_SECONDS,
 ) -> dict[str, Any]:
     """Write one split with LitData's `optimize`; the record of what was written.
 
     LitData's `optimize` returns without an error when its writer processes all died without reporting
     one (killed by a signal: the OOM killer, a kill): its index then lists fewer samples, or none. So
-    the index is counted here, and no process LitData forked outlives the call.
+    the index is counted here. It waits forever when one writer cannot finish (app/data/shard_watch.py):
+    a `WriterWatch` ends the write when a writer dies, or makes no sample for `stall_seconds`. No process
+    LitData forked outlives the call.
     """
+    from multiprocessing.sharedctypes import RawArray
+
     from litdata import optimize
 
     record, indices, holds = split_writer(dataset, name)
@@ -222,19 +235,37 @@ def write_split(
         order = torch.randperm(len(indices), generator=torch.Generator().manual_seed(seed)).tolist()
         indices = [indices[position] for position in order]
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ddp_app_shard_notes_") as notes, no_process_outlives():
-        optimize(
-            fn=NotedRecord(record, Path(notes)),
-            inputs=indices,
-            output_dir=str(out),
-            chunk_bytes=None if chunk_size else chunk_bytes,
-            chunk_size=chunk_size,
-            num_workers=max(1, workers),
-            keep_data_ordered=True,  # sample i of the shards is inputs[i]: a rewrite gives the same shards
-            start_method="fork",  # the record functions and the data set need no pickling
-            verbose=False,
+    made = RawArray("q", max(1, workers))  # shared memory the forked writers count their samples in
+    cause = None
+    with tempfile.TemporaryDirectory(prefix="ddp_app_shard_") as scratch, no_process_outlives() as marker:
+        notes = Path(scratch) / "notes"
+        notes.mkdir()
+        watch = WriterWatch(marker, made, stall_seconds) if marker else contextlib.nullcontext()
+        try:
+            with optimize_kept_to_itself(Path(scratch)), watch:
+                optimize(
+                    fn=NotedRecord(record, notes, made),
+                    inputs=indices,
+                    output_dir=str(out),
+                    chunk_bytes=None if chunk_size else chunk_bytes,
+                    chunk_size=chunk_size,
+                    num_workers=max(1, workers),
+                    keep_data_ordered=True,  # sample i of the shards is inputs[i]: a rewrite gives the same shards
+                    start_method="fork",  # the record functions and the data set need no pickling
+                    verbose=False,
+                )
+        except Exception:
+            if getattr(watch, "cause", None) is None:
+                raise  # LitData's own error, not one of the watch's kills
+        cause = getattr(watch, "cause", None)
+        failed = [json.loads(note.read_text()) for note in sorted(notes.iterdir())]
+    expected = len(indices) - len(failed)
+    if cause is not None:
+        raise UserFacingError(
+            f"writing the {name} split to {out} ended with {sum(made)} of its {expected} samples made: {cause}, "
+            f"so the write was stopped and nothing is kept. Fix: correct the cause and run again (fewer --workers "
+            f"if memory ran out; a larger --stall-seconds than {stall_seconds:g} if one sample takes that long)."
         )
-        failed = [json.loads(note.read_text()) for note in sorted(Path(notes).iterdir())]
     bugs = [note for note in failed if not note["bad_data"]]
     if bugs:
         raise RuntimeError(f"writing sample {bugs[0]['index']} of the {name} split failed:\n{bugs[0]['traceback']}")
@@ -244,9 +275,9 @@ def write_split(
             "replace them, or add --skip-bad-files to leave them out (they are listed in ddp_app_shards.json)."
         )
     written = samples_in_index(out)
-    if written != len(indices) - len(failed):
+    if written != expected:
         raise UserFacingError(
-            f"writing the {name} split to {out} ended with {written} of its {len(indices) - len(failed)} samples: "
+            f"writing the {name} split to {out} ended with {written} of its {expected} samples: "
             "a LitData writer process ended early (an error above, or killed by a signal: the OOM killer, a kill). "
             "Fix: correct the cause and run again (fewer --workers if memory ran out)."
         )
@@ -338,6 +369,7 @@ def write_shards(
     seed: int,
     source: str,
     skip_bad_files: bool = False,
+    stall_seconds: float = DEFAULT_STALL_SECONDS,
 ) -> dict[str, Any]:
     """Write the module's train, val and test splits (test only where it is not the val split) under `out`."""
     check_out(out)
@@ -359,7 +391,7 @@ def write_shards(
                 continue
             print(f"ddp-app: writing the {name} split ({len(dataset)} samples) to {out / name} ...", flush=True)
             manifest["splits"][name] = write_split(
-                dataset, name, out / name, chunk_bytes, chunk_size, workers, seed, skip_bad_files
+                dataset, name, out / name, chunk_bytes, chunk_size, workers, seed, skip_bad_files, stall_seconds
             )
             done = manifest["splits"][name]
             print(
@@ -393,13 +425,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-bad-files", action="store_true", help="leave out image files that cannot be decoded (else an error)"
     )
+    parser.add_argument(
+        "--stall-seconds", type=float, default=DEFAULT_STALL_SECONDS,
+        help=f"end the write when no writer makes a sample for this long (default {DEFAULT_STALL_SECONDS:g})",
+    )  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
     try:
         check_out(args.out)  # before the data set is read
         module = build_data_module(args.config, overrides)
         source = " ".join([f"--config {args.config}", *overrides])
         manifest = write_shards(
-            module, args.out, args.chunk_bytes, args.chunk_size, args.workers, args.seed, source, args.skip_bad_files
+            module,
+            args.out,
+            args.chunk_bytes,
+            args.chunk_size,
+            args.workers,
+            args.seed,
+            source,
+            args.skip_bad_files,
+            args.stall_seconds,
         )
     except UserFacingError as error:
         print(f"ddp-app: error: {error}", file=sys.stderr)
