@@ -47,8 +47,8 @@ def is_stateful_stream(dataset: Any) -> bool:
     return isinstance(dataset, IterableDataset) and has_state_methods(dataset)
 
 
-class PositionedStream(IterableDataset):
-    """Wraps a stateful training stream: records its state before each batch, resumes it, seeds its samples.
+class _Positioned(IterableDataset):
+    """What both positioned streams hold.
 
     Args:
         dataset: the user's `IterableDataset` with `state_dict` / `load_state_dict`.
@@ -76,15 +76,22 @@ class PositionedStream(IterableDataset):
         self.batch_size = max(1, batch_size)
         self._start = start
         self.seed, self.rank, self.world_size, self.keep = seed, rank, world_size, keep
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]  (TypeError for an unsized stream, as DataLoader expects)
+
+
+class PositionedStream(_Positioned):
+    """Wraps a stateful training stream: records its state before each batch, resumes it, seeds its samples."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._states: OrderedDict[int | str, Any] = OrderedDict()
 
     def __getattr__(self, name: str) -> Any:
         if name == "dataset":  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.dataset, name)
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]  (TypeError for an unsized stream, as DataLoader expects)
 
     def state_at(self, batches_done: int, epoch_end_done: bool) -> Any:
         """The dataset's state before batch `batches_done` of this epoch, or at its end."""
@@ -175,7 +182,7 @@ def _as_is(item: Any) -> Any:
     return item
 
 
-class WorkerPositionedStream(IterableDataset):
+class WorkerPositionedStream(_Positioned):
     """A stateful training stream read by `num_workers` loader workers, positioned per worker.
 
     Each worker iterates its own copy of the stream, so the state that matters lives in the worker.
@@ -208,19 +215,12 @@ class WorkerPositionedStream(IterableDataset):
         num_workers: int,
         collate_fn: Callable[[list[Any]], Any],
         drop_last: bool,
-        start: Callable[[], tuple[int, int, Any, bool]],
-        seed: int | None,
-        rank: int,
-        world_size: int,
-        keep: int = 16,
+        **positioning: Any,  # start, seed, rank, world_size, keep: see _Positioned
     ) -> None:
-        self.dataset = dataset
-        self.batch_size = max(1, batch_size)
+        super().__init__(dataset, batch_size, **positioning)
         self.num_workers = num_workers
         self.collate_fn = collate_fn
         self.drop_last = drop_last
-        self._start = start
-        self.seed, self.rank, self.world_size, self.keep = seed, rank, world_size, keep
         self._reset(0, 0, [Boundary(None, 0)] * num_workers, set(), 0, False)
 
     def _reset(
@@ -241,9 +241,6 @@ class WorkerPositionedStream(IterableDataset):
         state = self.__dict__.copy()
         state.update(_start=None, _batches=OrderedDict(), _floor={})
         return state
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]  (TypeError for an unsized stream)
 
     # ----- in the training process -----
 

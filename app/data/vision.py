@@ -16,8 +16,8 @@ from app.data.base import ShardedDataModule
 from app.data.datasets import cifar10_splits, download_cifar10, download_mnist, fake_image_splits, mnist_splits
 
 
-class MNISTDataModule(ShardedDataModule):
-    """torchvision MNIST (28x28 grey images); files under `<data_dir>/MNIST/raw/`."""
+class _TorchvisionDataModule(ShardedDataModule):
+    """The settings MNIST and CIFAR-10 share: where the files are, whether to download, the split."""
 
     def __init__(
         self,
@@ -33,6 +33,10 @@ class MNISTDataModule(ShardedDataModule):
         self.val_size = val_size
         self.split_seed = split_seed
 
+
+class MNISTDataModule(_TorchvisionDataModule):
+    """torchvision MNIST (28x28 grey images); files under `<data_dir>/MNIST/raw/`."""
+
     def prepare_data(self) -> None:
         download_mnist(self.data_dir, self.download)
 
@@ -40,7 +44,7 @@ class MNISTDataModule(ShardedDataModule):
         return mnist_splits(self.data_dir, self.download, self.val_size, self.split_seed)
 
 
-class CIFAR10DataModule(ShardedDataModule):
+class CIFAR10DataModule(_TorchvisionDataModule):
     """torchvision CIFAR-10 (32x32 colour images); files under `<data_dir>/cifar-10-batches-py/`.
 
     Training images get the standard augmentation (random crop with 4-pixel padding, horizontal
@@ -57,11 +61,7 @@ class CIFAR10DataModule(ShardedDataModule):
         verify_checksums: bool = True,
         **loader_options: Any,
     ) -> None:
-        super().__init__(**loader_options)  # batch_size, num_workers, ...: see ShardedDataModule
-        self.data_dir = data_dir
-        self.download = download
-        self.val_size = val_size
-        self.split_seed = split_seed
+        super().__init__(data_dir, download, val_size, split_seed, **loader_options)
         self.augment = augment
         self.verify_checksums = verify_checksums
 
