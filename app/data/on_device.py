@@ -109,11 +109,11 @@ class TensorBatchLoader:
     For a split held whole as tensors, on the training device (`on_device: true`) or in host memory
     (any TensorDataset a loader would read without workers). A DataLoader builds each batch one
     sample at a time: per sample a `__getitem__` call and its tuple, then a stack of the rows
-    (about 3 ms of the main thread per batch of 256 CIFAR-sized images on an H100 machine,
-    docs/performance.md). Here each batch is one `index_select` per tensor: the same rows in the
-    same order, so the same values bit for bit. On the device the sampler's order is copied there
-    once per epoch and nothing touches the host per batch. In host memory, with `pin_memory`, each
-    batch is gathered straight into pinned memory, so its copy to a GPU can run asynchronously.
+    (its cost on the main thread: docs/performance.md). Here each batch is one `index_select` per
+    tensor: the same rows in the same order, so the same values bit for bit. On the device the
+    sampler's order is copied there once per epoch and nothing touches the host per batch. In host
+    memory, with `pin_memory`, each batch is gathered straight into pinned memory, so its copy to a
+    GPU can run asynchronously.
 
     `sampler` is a public attribute, as on a DataLoader, so Lightning calls its `set_epoch` every
     epoch and sees that an evaluation loader does not shuffle. `state_dict`/`load_state_dict` tell

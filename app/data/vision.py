@@ -80,9 +80,7 @@ class FakeImageDataModule(ShardedDataModule):
     It is never a silent fallback for a missing dataset: a config has to name it. The images are
     drawn once, in `setup`, from a generator seeded by the split, so a training step measures
     training, not image synthesis: torchvision's FakeData re-seeds the global RNG for every
-    sample, and that call's cost grows with the depth of the call stack (torch records a stack
-    trace for its lazy CUDA/XPU seeding), which made loading 50% slower under Lightning's deeper
-    loop than in the plain reference trainer (measured on the CNN benchmark).
+    sample, at a cost that grows with the depth of the call stack (docs/performance.md).
     """
 
     def __init__(
