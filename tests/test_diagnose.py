@@ -231,10 +231,10 @@ def diagnose_on_two_nodes(tmp_path: Path, *overrides: str, config: str = "bench_
 def test_a_100_mbit_link_is_communication_bound_and_powersgd_lowers_the_communication_share(tmp_path: Path) -> None:
     with netns.namespace_pair():
         netns.limit_pair(netns.parse_link("100mbit"))
-    plain = diagnose_on_two_nodes(tmp_path / "plain")
-    compressed = diagnose_on_two_nodes(
-        tmp_path / "powersgd", "--gradient_compression.method=powersgd", "--gradient_compression.start_iter=2"
-    )
+        plain = diagnose_on_two_nodes(tmp_path / "plain")
+        compressed = diagnose_on_two_nodes(
+            tmp_path / "powersgd", "--gradient_compression.method=powersgd", "--gradient_compression.start_iter=2"
+        )
     assert plain["verdict"] == "communication-bound", plain["verdict_text"]
     assert "gradient_compression.method: auto" in plain["verdict_text"], plain["verdict_text"]
     shares = plain["shares"]["communication"], compressed["shares"]["communication"]
@@ -249,11 +249,11 @@ def test_small_gradients_over_100_mbit_are_latency_bound_and_diagnose_does_not_s
 ) -> None:
     with netns.namespace_pair():
         netns.limit_pair(netns.parse_link("100mbit"))
-    plain = diagnose_on_two_nodes(tmp_path / "plain", config="digits.yaml")
-    compressed = diagnose_on_two_nodes(
-        tmp_path / "powersgd", "--gradient_compression.method=powersgd", "--gradient_compression.start_iter=2",
-        config="digits.yaml",
-    )  # fmt: skip
+        plain = diagnose_on_two_nodes(tmp_path / "plain", config="digits.yaml")
+        compressed = diagnose_on_two_nodes(
+            tmp_path / "powersgd", "--gradient_compression.method=powersgd", "--gradient_compression.start_iter=2",
+            config="digits.yaml",
+        )  # fmt: skip
     assert plain["verdict"] == "communication-bound" and plain["communication_cost"] == "latency", plain
     assert "gradient_compression" not in plain["verdict_text"], plain["verdict_text"]
     # What the verdict rests on: compression does not lower the share at this size.
