@@ -1,28 +1,15 @@
 """`python -m app.plot RUN_DIR [--out curves.png] [--source csv|mlflow]`: a run's learning curves, one PNG.
 
-Plots every logged metric against the step, the epochs named on the top axis as the console names
-them (the logged `epoch`, from 0, each label centred over the steps of its epoch). One panel per kind
-of quantity, in this order: losses (a name containing "loss"), metrics in [0, 1] (every value in
-[0, 1]: accuracies, F1, AUROC...; one logged as a percentage is "other"), throughput (a name ending
-in `per_s`, `per_sec`, `per_second` or `/s`), the learning rate (`lr`, `lr-<optimizer>`,
-`learning_rate`), then anything else. Within a kind, a series joins the first panel on which it and
-the series already there stay readable (app/figures.py `readable`: each spans at least a tenth of
-the y axis, or is flat in fact at a level the axis shows), else it gets a panel of its own: no axis
-holds series whose scales differ by more than about 10x. Losses and learning rates that are all
-positive and span a factor of 10 or more have a log y axis; every other panel is linear. The PNG
-records its panels and series as text metadata (app/figures.py).
+Every logged metric against the step, the epochs named on the top axis as the console names them,
+one panel per kind of quantity (`kind_of`: losses, metrics in [0, 1], throughput, the learning rate,
+then anything else; docs/tracking.md). Within a kind, a series joins the first panel on which it and
+the series already there stay readable (app/figures.py `readable`), else it gets a panel of its own.
+Losses and learning rates spanning a factor of `LOG_RATIO` or more get a log y axis.
 
-RUN_DIR is a run's `trainer.default_root_dir`. ddp-app logs each training run, with all its
-restarts, into one version directory (`lightning_logs/version_N`, under Slurm `slurm-<jobid>`;
-app/tracking/run.py); the run started last is plotted, or `--version`.
-
-- `--source csv` (default): that version's `metrics.csv`, one value per name and step.
-- `--source mlflow`: the same run's history as MLflow's client returns it (the tracking URI and
-  run id from the version's `run.json`), for runs whose directory is gone or elsewhere.
-
-Directories written before run identities existed hold a new version per restart: those versions
-are joined into one curve, ordered by their first logged step, each replacing what the versions
-before it logged from that step on (a resume redid the steps after its checkpoint).
+RUN_DIR is a run's `trainer.default_root_dir`; the run started last is plotted, or `--version`.
+`--source mlflow` reads the same run's history from MLflow (the URI and run id its `run.json`
+records). Directories written before run identities existed hold a new version per restart: those
+are joined into one curve (`join_versions`).
 """
 
 from __future__ import annotations

@@ -6,16 +6,10 @@
     python -m app.slurm endpoint          # inside a job: "first-node:port", the rendezvous for torchrun
     python -m app.slurm requeue-on-failure EXIT_CODE   # in a batch script, after its srun step
 
-`render` takes nodes, tasks per node and GPUs from the config's trainer.num_nodes and trainer.devices
-(options override both sides at once) and pins them on the ddp-app command line as well, so the
-script and the Trainer cannot disagree. `check` lists every disagreement between a script's
-#SBATCH lines and a config, one per line, and exits 1 if there is any. `submit` runs `check` (with
-the sbatch options given), creates the log directory (Slurm does not), makes the config paths
-absolute and submits with --chdir set to the current directory, so it works from any directory.
-`requeue-on-failure` requeues the job after a step that failed for a reason other than bad input,
-within a budget, and prints one line saying what it did and why (app/cluster/requeue.py).
-
-Stdlib and PyYAML only: it runs on a login node in well under a second.
+`render` pins the config's sizes on both the #SBATCH lines and the ddp-app command line, so the
+script and the Trainer cannot disagree; `check` lists every disagreement, one per line (exit 1);
+`submit` checks, creates the log directory (Slurm does not) and submits from any directory
+(docs/slurm.md). Light imports only, so that it runs quickly on a login node.
 
 A tool beside app/cluster/ rather than in it: the Slurm logic it uses lives there (requeue.py,
 slurm_env.py, preflight.py), but `render`, `check` and `submit` read the config through app.cli's
@@ -455,20 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"python -m app.slurm {args.command}"
     try:
         if args.command == "render":
-            sys.stdout.write(
-                render(
-                    args.config,
-                    nodes=args.nodes,
-                    gpus_per_node=args.gpus_per_node,
-                    devices=args.devices,
-                    cpus_per_task=args.cpus_per_task,
-                    time=args.time,
-                    job_name=args.job_name,
-                    partition=args.partition,
-                    account=args.account,
-                    overrides=overrides,
-                )
-            )
+            sizes = {name: value for name, value in vars(args).items() if name not in ("command", "config")}
+            sys.stdout.write(render(args.config, overrides=overrides, **sizes))  # --nodes ... --account
             return 0
         if args.command == "check":
             problems = check(args.script, args.config, overrides)

@@ -229,20 +229,12 @@ def diagnose_on_two_nodes(tmp_path: Path, *overrides: str, config: str = "bench_
 @pytest.mark.distributed
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
 def test_a_100_mbit_link_is_communication_bound_and_powersgd_lowers_the_communication_share(tmp_path: Path) -> None:
-    lock = netns.acquire_lock()
-    try:
-        netns.remove_pair()  # a crashed run's leftovers: we hold the lock
-        netns.create_pair()
+    with netns.namespace_pair():
         netns.limit_pair(netns.parse_link("100mbit"))
         plain = diagnose_on_two_nodes(tmp_path / "plain")
         compressed = diagnose_on_two_nodes(
             tmp_path / "powersgd", "--gradient_compression.method=powersgd", "--gradient_compression.start_iter=2"
         )
-    finally:
-        try:
-            netns.remove_pair()
-        finally:
-            os.close(lock)
     assert plain["verdict"] == "communication-bound", plain["verdict_text"]
     assert "gradient_compression.method: auto" in plain["verdict_text"], plain["verdict_text"]
     shares = plain["shares"]["communication"], compressed["shares"]["communication"]
@@ -255,21 +247,13 @@ def test_a_100_mbit_link_is_communication_bound_and_powersgd_lowers_the_communic
 def test_small_gradients_over_100_mbit_are_latency_bound_and_diagnose_does_not_suggest_compression(
     tmp_path: Path,
 ) -> None:
-    lock = netns.acquire_lock()
-    try:
-        netns.remove_pair()  # a crashed run's leftovers: we hold the lock
-        netns.create_pair()
+    with netns.namespace_pair():
         netns.limit_pair(netns.parse_link("100mbit"))
         plain = diagnose_on_two_nodes(tmp_path / "plain", config="digits.yaml")
         compressed = diagnose_on_two_nodes(
             tmp_path / "powersgd", "--gradient_compression.method=powersgd", "--gradient_compression.start_iter=2",
             config="digits.yaml",
         )  # fmt: skip
-    finally:
-        try:
-            netns.remove_pair()
-        finally:
-            os.close(lock)
     assert plain["verdict"] == "communication-bound" and plain["communication_cost"] == "latency", plain
     assert "gradient_compression" not in plain["verdict_text"], plain["verdict_text"]
     # What the verdict rests on: compression does not lower the share at this size.

@@ -46,7 +46,7 @@ from app.bench.report import counts, spread
 from app.cluster.threads import configure_cpu_threads
 from app.data.imagefolder import ImageFolderDataModule
 from app.data.litdata_shards import StreamingDataModule
-from app.data.samplers import train_sampler
+from app.data.samplers import ResumableDistributedSampler
 from app.data.seeding import PerSampleSeeded, training_loader_generator
 from app.data.shard import DEFAULT_CHUNK_BYTES, write_shards
 from app.reference.config import instantiate
@@ -91,7 +91,7 @@ def training_loader(module: ImageFolderDataModule | StreamingDataModule, workers
     """The training loader the module gives a one-rank Trainer: per-sample seeded, shuffled (for shards,
     in the chunk-aware order)."""
     dataset = module.train_dataset
-    sampler = train_sampler(dataset, 1, 0, True, module.seed, module.batch_size, keyed=True)
+    sampler = ResumableDistributedSampler(dataset, 1, 0, True, module.seed, module.batch_size, keyed=True)
     return DataLoader(
         PerSampleSeeded(dataset, module.seed),
         batch_size=module.batch_size,

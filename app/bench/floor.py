@@ -160,7 +160,7 @@ def lightning_ms(
 # ddp-app: the `ddp-app` side runs with the bare side's choices, so that its difference is what
 # ddp-app itself adds; `ddp-app as configured` runs with the config's own.
 SAME_CHOICES_AS_BARE = (
-    "--trainer.strategy=auto",  # one device, no DDP wrapper (DDP over one process: about 0.26 ms per step)
+    "--trainer.strategy=auto",  # one device, no DDP wrapper (whose cost over one process is not ddp-app's)
     "--trainer.deterministic=false",
     "--lr_scheduler=null",
     "--trainer.callbacks=[]",  # the config's own callbacks (a ModelCheckpoint)

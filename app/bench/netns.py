@@ -18,13 +18,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 NAMESPACES = ("nbn-rank0", "nbn-rank1")
 INTERFACES = ("nbv-rank0", "nbv-rank1")  # interface r lives in namespace r; they are each other's peer
@@ -94,6 +97,74 @@ def acquire_lock() -> int:
             "Fix: wait for it to finish."
         ) from None
     return descriptor
+
+
+@contextlib.contextmanager
+def namespace_pair() -> Iterator[None]:
+    """Holds the lock while the pair exists: a crashed run's leftovers are removed first (we hold the
+    lock, so nothing uses them), and the pair is removed on the way out, whatever happened."""
+    lock = acquire_lock()
+    try:
+        remove_pair()
+        create_pair()
+        yield
+    finally:
+        try:
+            remove_pair()
+        finally:
+            os.close(lock)
+
+
+def refuse(prog: str, message: str) -> None:
+    """Bad input or an unusable machine: one line, exit code 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def refuse_unless_able(prog: str) -> None:
+    """Namespaces and qdiscs need root and iproute2: say so in one line before anything starts."""
+    if os.geteuid() != 0:
+        refuse(
+            prog, "needs root (it creates network namespaces and sets tc qdiscs). Fix: run it as root, e.g. with sudo."
+        )
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            refuse(prog, f"`{tool}` not found. Fix: install iproute2.")
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def stopped_cleanly(prog: str) -> Iterator[None]:
+    """SIGTERM stops a bench as Ctrl-C does, so that `namespace_pair`'s `finally` removes the namespaces;
+    a setup failure is one line (exit 2), an interruption exit 130."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    except NetworkSetupError as error:
+        refuse(prog, str(error))
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; the ranks are stopped and the namespaces removed.", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def init_gloo(plan: dict[str, Any], rank: int, world_size: int) -> None:
+    """A rank joins the bench's gloo group at the address and timeout its plan names."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{plan['master_addr']}:{plan['master_port']}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=plan["collective_timeout_s"]),
+    )
 
 
 def namespace_inode(name: str) -> int | None:

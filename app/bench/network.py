@@ -27,11 +27,9 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from app.bench.netns import (
@@ -40,12 +38,12 @@ from app.bench.netns import (
     NAMESPACES,
     TBF_LATENCY,
     Link,
-    NetworkSetupError,
-    acquire_lock,
-    create_pair,
+    namespace_pair,
     parse_link,
-    remove_pair,
+    refuse,
+    refuse_unless_able,
     run_ranks,
+    stopped_cleanly,
     tbf_burst_bytes,
 )
 from app.bench.network_report import build_report, format_table, plot
@@ -137,16 +135,6 @@ def build_schedule(
     return schedule
 
 
-def refuse(message: str) -> None:
-    """Bad input or an unusable machine: one line, exit code 2."""
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def run_bench(args: argparse.Namespace, config: dict[str, Any], batch_size: int) -> dict[str, Any]:
     default_bucket = default_bucket_mb(config)
     schedule = build_schedule(args.links, args.methods, args.buckets, args.bucket_link, default_bucket, args.repeats)
@@ -177,18 +165,10 @@ def run_bench(args: argparse.Namespace, config: dict[str, Any], batch_size: int)
     plan_path.write_text(json.dumps(plan, indent=1))
     loadavg_before, started = os.getloadavg(), time.perf_counter()
     print(f"{PROG}: {len(schedule)} measurements, ranks in {' and '.join(NAMESPACES)}", flush=True)
-    lock = acquire_lock()
-    try:
-        remove_pair()  # a crashed run's leftovers: we hold the lock, so nothing uses them
-        create_pair()
+    with namespace_pair():
         worker = ["app.bench.network_worker", "--plan", str(plan_path)]
         ranks = [(rank, [*worker, "--rank", str(rank)]) for rank in range(len(NAMESPACES))]
         run_ranks(PROG, ranks, env_without_launcher(os.environ), args.out, args.timeout)
-    finally:
-        try:
-            remove_pair()
-        finally:
-            os.close(lock)
     context = {
         "config": str(args.config),
         "per_rank_batch_size": batch_size,
@@ -282,33 +262,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        refuse("needs root (it creates network namespaces and sets tc qdiscs). Fix: run it as root, e.g. with sudo.")
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            refuse(f"`{tool}` not found. Fix: install iproute2.")
+    refuse_unless_able(PROG)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError as error:
-            refuse(f"--plot needs matplotlib ({error}). Fix: pip install -e '.[plot]', or drop --plot.")
+            refuse(PROG, f"--plot needs matplotlib ({error}). Fix: pip install -e '.[plot]', or drop --plot.")
     from app.reference.config import build_job, load_config  # imports torch: after the cheap checks
 
     try:
         config = load_config(args.config)
         batch_size = build_job(config).batch_size
     except (ValueError, KeyError) as error:
-        refuse(f"{args.config}: {error}")
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # so that the `finally` removes the namespaces
-    try:
+        refuse(PROG, f"{args.config}: {error}")
+    with stopped_cleanly(PROG):
         report = run_bench(args, config, batch_size)
-    except NetworkSetupError as error:
-        refuse(str(error))
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; the ranks are stopped and the namespaces removed.", file=sys.stderr)
-        raise SystemExit(130) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print(format_table(report))
     json_path = args.json or args.out / "bench_network.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)

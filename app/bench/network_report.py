@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from app.bench.netns import Link
-from app.bench.report import spread
+from app.bench.report import spread, whiskers
 from app.figures import save
 
 # The targets for PowerSGD against no hook on the CNN at 100 Mbit/s, and for auto at every link.
@@ -185,8 +185,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for method in methods:
         stats = [entry["settings"].get(setting_key(method, default_bucket), {}).get("step_ms") for entry in links]
         xs = [x for x, stat in zip(positions, stats, strict=True) if stat]
-        medians = [stat["median"] for stat in stats if stat]
-        errors = [[s["median"] - s["min"] for s in stats if s], [s["max"] - s["median"] for s in stats if s]]
+        medians, errors = whiskers([stat for stat in stats if stat])
         left.errorbar(xs, medians, yerr=errors, marker="o", capsize=4, label=method)
     floor = statistics.median(entry["one_rank"]["step_ms"]["median"] for entry in links)
     left.axhline(floor, linestyle="--", color="grey", label=f"1 rank, no communication ({floor:.0f} ms)")
@@ -207,14 +206,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 for figures in sweep["settings"].values()
                 if figures["method"] == method
             )
-            right.errorbar(
-                [bucket for bucket, _ in rows],
-                [stat["median"] for _, stat in rows],
-                yerr=[[s["median"] - s["min"] for _, s in rows], [s["max"] - s["median"] for _, s in rows]],
-                marker="o",
-                capsize=4,
-                label=method,
-            )
+            medians, errors = whiskers([stat for _, stat in rows])
+            right.errorbar([bucket for bucket, _ in rows], medians, yerr=errors, marker="o", capsize=4, label=method)
         right.set(
             xscale="log",
             xlabel="DDP bucket_cap_mb",

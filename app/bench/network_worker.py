@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import itertools
 import json
 import statistics
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from app.bench.netns import Link, set_rate, tx_bytes
+from app.bench.netns import Link, init_gloo, set_rate, tx_bytes
 from app.cluster.threads import configure_cpu_threads
 from app.parallel.compression import AUTO_CANDIDATES, AUTO_WARMUP_STEPS, CommunicationHook
 from app.reference.config import Job, build_job
@@ -164,13 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = json.loads(args.plan.read_text())
     rank, interface = args.rank, plan["interfaces"][args.rank]
     configure_cpu_threads()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{plan['master_addr']}:{plan['master_port']}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=plan["collective_timeout_s"]),
-    )
+    init_gloo(plan, rank, WORLD_SIZE)
     limited, current_link = False, None
     try:
         # The 1-rank baseline's group; new_group is collective, so every rank creates it.

@@ -42,35 +42,37 @@ def find(runs: list[RunResult], side: str, world_size: int, repeat: int) -> RunR
     return None
 
 
-def paired(runs: list[RunResult], world_size: int, figure: Callable[[RunResult, RunResult], float]) -> dict[str, float]:
-    """figure(reference run, Lightning run) for each repeat at one world size: the runs of a pair
-    ran one right after the other, so slow phases of a noisy machine hit both."""
+Pairing = Callable[[RunResult, RunResult], float]
+
+
+def over_repeats(
+    runs: list[RunResult], first: tuple[str, int], second: tuple[str, int], figure: Pairing
+) -> dict[str, float]:
+    """figure(run of `first`, run of `second`) per repeat, each a (side, world size): the runs of a
+    repeat ran one right after the other, so slow phases of a noisy machine hit both."""
     values = []
     for repeat in sorted({run.repeat for run in runs}):
-        reference, lightning = find(runs, "reference", world_size, repeat), find(runs, "lightning", world_size, repeat)
-        if reference is not None and lightning is not None:
-            values.append(figure(reference, lightning))
+        one, other = find(runs, *first, repeat), find(runs, *second, repeat)
+        if one is not None and other is not None:
+            values.append(figure(one, other))
     return spread(values)
+
+
+def paired(runs: list[RunResult], world_size: int, figure: Pairing) -> dict[str, float]:
+    """figure(reference run, Lightning run) for each repeat at one world size."""
+    return over_repeats(runs, ("reference", world_size), ("lightning", world_size), figure)
 
 
 def fraction_of_bare(runs: list[RunResult], side: str) -> dict[str, float]:
     """throughput(side) / throughput(framework-free loop) at world size 1, paired per repeat."""
-    values = []
-    for repeat in sorted({run.repeat for run in runs}):
-        bare, mine = find(runs, BARE, 1, repeat), find(runs, side, 1, repeat)
-        if bare is not None and mine is not None:
-            values.append(mine.samples_per_s / bare.samples_per_s)
-    return spread(values)
+    return over_repeats(runs, (BARE, 1), (side, 1), lambda bare, mine: mine.samples_per_s / bare.samples_per_s)
 
 
 def efficiency(runs: list[RunResult], side: str, world_size: int) -> dict[str, float]:
     """throughput(N) / (N x throughput(1)), each N-rank run paired with the same repeat's 1-rank run."""
-    values = []
-    for repeat in sorted({run.repeat for run in runs}):
-        one, many = find(runs, side, 1, repeat), find(runs, side, world_size, repeat)
-        if one is not None and many is not None:
-            values.append(many.samples_per_s / (world_size * one.samples_per_s))
-    return spread(values)
+    return over_repeats(
+        runs, (side, 1), (side, world_size), lambda one, many: many.samples_per_s / (world_size * one.samples_per_s)
+    )
 
 
 def per_side(runs: list[RunResult], side: str, world_size: int) -> dict[str, Any]:
@@ -206,6 +208,12 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def whiskers(stats: list[dict[str, float]]) -> tuple[list[float], list[list[float]]]:
+    """Medians, and matplotlib's yerr for [min, max] around them."""
+    medians = [stat["median"] for stat in stats]
+    return medians, [[stat["median"] - stat["min"] for stat in stats], [stat["max"] - stat["median"] for stat in stats]]
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     """Left: throughput against world size with the ideal line; right: per-step time per side."""
     try:
@@ -221,12 +229,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     colors = {"reference": "tab:blue", "lightning": "tab:purple"}
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for offset, side in zip((-0.03, 0.03), ("reference", "lightning"), strict=True):
-        stats = [report["by_world_size"][str(size)][side]["samples_per_s"] for size in sizes]
-        medians = [stat["median"] for stat in stats]
-        errors = [
-            [stat["median"] - stat["min"] for stat in stats],
-            [stat["max"] - stat["median"] for stat in stats],
-        ]
+        medians, errors = whiskers([report["by_world_size"][str(size)][side]["samples_per_s"] for size in sizes])
         xs = [size * (1 + offset) for size in sizes]
         left.errorbar(xs, medians, yerr=errors, marker="o", capsize=4, label=side, color=colors[side])
     if 1 in sizes:
@@ -239,12 +242,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.legend()
     width = 0.38
     for shift, side in zip((-width / 2, width / 2), ("reference", "lightning"), strict=True):
-        stats = [report["by_world_size"][str(size)][side]["step_ms"] for size in sizes]
-        medians = [stat["median"] for stat in stats]
-        errors = [
-            [stat["median"] - stat["min"] for stat in stats],
-            [stat["max"] - stat["median"] for stat in stats],
-        ]
+        medians, errors = whiskers([report["by_world_size"][str(size)][side]["step_ms"] for size in sizes])
         positions = [index + shift for index in range(len(sizes))]
         right.bar(positions, medians, width, yerr=errors, capsize=4, label=side, color=colors[side])
     for index, size in enumerate(sizes):

@@ -201,8 +201,8 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One strategy's three fits side by side. A step during a write is set against the quiet steps
-    of the same fit: two fits of one command differed by up to 7% in their quiet step on this VM
-    (2026-11-28), which a ratio across fits would count as the write's."""
+    of the same fit: two fits of one command differ in their quiet step, which a ratio across fits
+    would count as the write's."""
     sync, background, overlapped = runs["sync"], runs["async"], runs["overlap"]
     blocked_sync = sync["blocked_ms_per_save"]
     blocked: dict[str, float | None] = {"sync": blocked_sync}

@@ -27,11 +27,9 @@ measurement, and are removed with the namespaces in a `finally` (app/bench/netns
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -43,12 +41,11 @@ from app.bench.netns import (
     INTERFACES,
     NAMESPACES,
     Link,
-    NetworkSetupError,
-    acquire_lock,
-    create_pair,
+    namespace_pair,
     parse_link,
-    remove_pair,
+    refuse_unless_able,
     run_ranks,
+    stopped_cleanly,
     tbf_burst_bytes,
 )
 from app.cluster.launch import env_without_launcher
@@ -117,7 +114,7 @@ def rank_main(plan: dict[str, Any], rank: int) -> None:
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
-    from app.bench.netns import set_rate, tx_bytes
+    from app.bench.netns import init_gloo, set_rate, tx_bytes
     from app.cluster.threads import configure_cpu_threads
 
     configure_cpu_threads()
@@ -125,13 +122,7 @@ def rank_main(plan: dict[str, Any], rank: int) -> None:
     interface = INTERFACES[node]
     if local_rank == 0:  # each node caps its own side of the link: both directions run at the rate
         set_rate(interface, Link(plan["link"]["name"], plan["link"]["rate_mbit"]), limited=False)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{plan['master_addr']}:{plan['master_port']}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=plan["collective_timeout_s"]),
-    )
+    init_gloo(plan, rank, WORLD_SIZE)
     meshes = {
         "full": init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("data_parallel",)),
         "hybrid": init_device_mesh(
@@ -246,15 +237,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
     save(figure, path, dpi=120)
 
 
-def refuse(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -291,11 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rank_main(json.loads(options.plan.read_text()), options.rank)
         return {}
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        refuse("needs root (it creates network namespaces and sets tc qdiscs). Fix: run it as root, e.g. with sudo.")
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            refuse(f"`{tool}` not found. Fix: install iproute2.")
+    refuse_unless_able(PROG)
     import yaml
 
     config = yaml.safe_load(args.config.read_text())
@@ -321,27 +299,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"{PROG}: {len(plan['schedule'])} measurements of 4 ranks, 2 in each of {' and '.join(NAMESPACES)}", flush=True
     )
-    started, previous = time.perf_counter(), signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        lock = acquire_lock()
-        try:
-            remove_pair()  # a crashed run's leftovers: we hold the lock, so nothing uses them
-            create_pair()
-            worker = ["app.bench.sharding_traffic", "rank", "--plan", str(plan_path)]
-            ranks = [(rank // RANKS_PER_NODE, [*worker, "--rank", str(rank)]) for rank in range(WORLD_SIZE)]
-            run_ranks(PROG, ranks, env_without_launcher(os.environ), args.out, args.timeout)
-        finally:
-            try:
-                remove_pair()
-            finally:
-                os.close(lock)
-    except NetworkSetupError as error:
-        refuse(str(error))
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; the ranks are stopped and the namespaces removed.", file=sys.stderr)
-        raise SystemExit(130) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    started = time.perf_counter()
+    with stopped_cleanly(PROG), namespace_pair():
+        worker = ["app.bench.sharding_traffic", "rank", "--plan", str(plan_path)]
+        ranks = [(rank // RANKS_PER_NODE, [*worker, "--rank", str(rank)]) for rank in range(WORLD_SIZE)]
+        run_ranks(PROG, ranks, env_without_launcher(os.environ), args.out, args.timeout)
     from app.models.transformer import GPT
 
     records = [json.loads(line) for line in Path(plan["records"]).read_text().splitlines()]

@@ -53,9 +53,8 @@ WORKER_TRIES = 3  # the suggested num_workers, then (twice at most) the one the 
 COMMUNICATION_BOUND = 0.3
 # Below this many bytes of gradients per rank per step, compression does not pay: each step's exchange
 # costs its messages' latency and compression's own work more than its bytes. Measured at 100 Mbit/s
-# between two network namespaces (tests/test_diagnose.py; docs/diagnose_100mbit*.json, quoted in
-# docs/performance.md): configs/bench_cnn.yaml's 4.8 MB went from 74% of the step to 4% with powersgd;
-# digits' 0.08 MB went up, from 42% to 60%.
+# between two network namespaces (tests/test_diagnose.py); the figures are in docs/performance.md
+# (from docs/diagnose_100mbit*.json).
 SMALL_GRADIENT_BYTES = 1_000_000
 WAITING_NOTED = 0.2
 STRAGGLER_SHARE = 0.1

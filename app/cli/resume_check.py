@@ -325,7 +325,7 @@ class Runner:
     variants: dict[str, list[str]] = field(default_factory=lambda: {"default": []})
     progress_bar: bool = False  # the runs' progress display (a line per epoch in a log)
     # Arguments of the stopped and resumed runs only, not of the uninterrupted one: what only they are
-    # checked for (the tests' matrix logs them to W&B, about 4.5 s a run, to compare it with metrics.csv).
+    # checked for (the tests' matrix logs them to W&B, a slow logger, to compare it with metrics.csv).
     case_args: list[str] = field(default_factory=list)
     # Variants that train exactly as another does (they change how checkpoints are written, not what is
     # trained: `last_checkpoint.overlap_copy`): their stopped runs are compared with that one's

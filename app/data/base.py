@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 from app.data.datasets import DataNotFoundError, LoaderSettings, default_num_workers
 from app.data.on_device import TensorBatchLoader, in_memory_tensors, materialize
 from app.data.positioning import per_sample_seeding, sampler_position, training_loader_built
-from app.data.samplers import UnpaddedDistributedSampler, train_sampler
+from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
 from app.data.seeding import (
     PerSampleSeeded,
     evaluation_loader_generator,
@@ -155,7 +155,7 @@ class ShardedDataModule(L.LightningDataModule):
             # Another number of ranks, or a new global batch, than the run started with:
             layout = training_loader_built(trainer, self.batch_size, len(self.train_dataset))
         batch_size = layout.rank_batch_size(rank) if layout is not None else self.batch_size
-        sampler = train_sampler(
+        sampler = ResumableDistributedSampler(
             self.train_dataset, world_size, rank, self.shuffle, self.seed, batch_size, position, seeded, layout
         )
         if self.on_device:  # no per-sample randomness to seed: `materialize` refuses augmented splits

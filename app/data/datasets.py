@@ -88,8 +88,8 @@ def digits_splits(val_fraction: float = 0.15, test_fraction: float = 0.15, split
             f"data.val_fraction ({val_fraction}) and data.test_fraction ({test_fraction}) must each "
             "lie in (0, 1) and sum to less than 1."
         )
-    # Imported here, not at the top: scikit-learn costs about 0.5 s to import, and `ddp-app` imports
-    # every DataModule to parse a config (the launcher's check of bad input, every rank), digits or not.
+    # Imported here, not at the top: scikit-learn is slow to import, and `ddp-app` imports every
+    # DataModule to parse a config (the launcher's check of bad input, every rank), digits or not.
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

@@ -6,14 +6,11 @@ workers. The random crop and flip draw from torch's global generator, which `Per
 from (seed, epoch, index): a sample's augmentation does not depend on the worker, the rank,
 `num_workers` or a resume.
 
-Bad files. By default nothing reads the files before training: on ImageNet (1.28 M files) on a shared
-filesystem, a pass that opens every file costs minutes per pass, and every rank made one before its
-first step. A file that cannot be decoded is found when a worker decodes it: one line that names it
-(`UnreadableImageError`), or, with `skip_bad_files`, the next decodable file of the split in its place
-(`ImageFiles`). `check_files: true` reads the first 12 bytes of every file up front instead, in
-`SCAN_THREADS` threads (on a network filesystem each open is a round trip: threads overlap them), and
-under a Trainer on rank 0 only, which sends the result to the other ranks
-(`ImageFolderDataModule.make_splits`): one pass per run, not one per rank.
+Bad files (docs/usage.md): by default nothing reads the files before training, since a pass over a
+large set on a shared filesystem is slow; a file that cannot be decoded is found when a worker
+decodes it (`UnreadableImageError`, or with `skip_bad_files` the next file in its place:
+`ImageFiles`). `check_files: true` reads every file's first bytes up front, in `SCAN_THREADS`
+threads (each open on a network filesystem is a round trip), on rank 0 only under a Trainer.
 """
 
 from __future__ import annotations
@@ -145,15 +142,11 @@ class ImageFiles(Dataset):
     """Image files with their class indices, decoded to RGB and transformed one per `__getitem__`.
 
     A file that fails to decode is an error that names it, or, with `skip_bad_files`, the next file of
-    the split that decodes (by index) is loaded in its place, with the bad sample's seed and class
-    index replaced by the substitute's. Why a substitute rather than a shorter epoch: the sample count
-    stays what the sampler planned, so every rank trains the same number of steps (DDP's collectives
-    would otherwise wait for a rank that ran out), and the substitute is a function of the index
-    alone, so every rank, worker and resumed run loads the same one: exact resume holds.
-
-    Each replaced file is flagged in `replaced`, a tensor in shared memory that the loader workers
-    write and this process reads (`replaced_files()`); the first time a file is met (per rank) one
-    line names it.
+    the split that decodes (by index) is loaded in its place, with its class index. A substitute
+    rather than a shorter epoch: every rank still trains the planned number of steps (DDP's
+    collectives would wait for a rank that ran out), and the substitute depends on the index alone,
+    so exact resume holds. Replaced files are flagged in `replaced`, a tensor in shared memory that
+    the workers write and this process reads (`replaced_files()`).
     """
 
     def __init__(self, samples: list[tuple[Path, int]], transform: v2.Transform, skip_bad_files: bool = False) -> None:

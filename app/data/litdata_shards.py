@@ -1,23 +1,16 @@
 """Training from LitData shards (`python -m app.data.shard` writes them): `StreamingDataModule`.
 
 LitData's `StreamingDataset` reads the shards, from a local folder or object storage (s3://, gs://,
-... with a local chunk cache), and we read it by index (`dataset[i]`, LitData's random access).
-The order is ours, not LitData's `StreamingDataLoader`'s:
+... with a local chunk cache), and we read it by index (LitData's random access). The order is ours,
+not LitData's `StreamingDataLoader`'s, whose order depends on the number of ranks and workers and
+whose saved state runs ahead of the trained batches. `ResumableDistributedSampler` with
+`chunked_shard` (app/data/samplers.py) keeps LitData's way of reading (chunks in a shuffled order,
+samples shuffled within a window of `shuffle_chunks` chunks, each rank its own run of chunks) while
+the order stays a function of (seed, epoch, world size): a resume is exact at the same world size
+with any `num_workers`, and elastic on another (app/resume/elastic.py).
 
-- LitData deals chunks to ranks and to loader workers, so its sample order depends on the number of
-  ranks and of workers, and its loader's saved state runs ahead of the trained batches by the ones
-  Lightning and the workers prefetched.
-- `ResumableDistributedSampler` with `chunked_shard` (app/data/samplers.py) keeps LitData's way of
-  reading (chunks in a shuffled order, samples shuffled within a window of `shuffle_chunks` chunks,
-  each rank reading its own run of chunks) while the order stays a function of (seed, epoch, world
-  size) alone. So a resume is positioned by ddp-app's data position like every other data set here:
-  bit for bit at the same world size with any `num_workers`, and on another number of ranks with the
-  starting run's sample order and global batch (app/resume/elastic.py), each rank then reading the samples
-  of that micro-batch wherever they are.
-
-Samples of encoded images (from an ImageFolder) are decoded and given the same transforms as
-`ImageFolderDataModule` (same config keys), drawn per sample from (seed, epoch, index); other samples
-are returned as written.
+Encoded images (from an ImageFolder) get `ImageFolderDataModule`'s transforms, seeded per sample;
+other samples are returned as written.
 """
 
 from __future__ import annotations

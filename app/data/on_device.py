@@ -1,18 +1,13 @@
 """Splits held whole as tensors, batched by indexing: on the training device (`data.init_args.on_device: true`)
 or, for a TensorDataset read without workers, in host memory (`TensorBatchLoader`).
 
-For data sets that fit in GPU memory (the digits, MNIST, CIFAR-10 sized ones) a DataLoader is the
-slowest part of a GPU step: per sample a `__getitem__` call, per batch a collate, a pinned copy and
-a host-to-device transfer, all on the CPU thread that also has to queue the step's kernels. Here the
-split is read once, moved to the device once, and each batch is one `index_select` per tensor on
-the device, indexed by the same sampler the DataLoader would use: the same samples in the same
-order on every rank (so the same weights, bit for bit, as the ordinary loader: a test checks), the
-same mid-epoch position on a resume (`ResumableDistributedSampler`), and for evaluation the same
-unpadded shards (exact metrics).
-
-What it cannot keep: randomness per sample. A split whose samples change from one read to the next
-(random augmentation) would be frozen at one draw; `materialize` checks that and refuses in one line.
-No Lightning here.
+For data sets that fit in GPU memory a DataLoader is the slowest part of a GPU step: per sample a
+`__getitem__` call, per batch a collate, a pinned copy and a transfer, all on the CPU thread that
+also queues the step's kernels. Here the split is moved to the device once and each batch is one
+`index_select`, indexed by the same sampler a DataLoader would use: the same samples in the same
+order (the same weights, bit for bit: a test checks), the same mid-epoch position on a resume, the
+same unpadded evaluation shards. What it cannot keep is per-sample randomness: `materialize`
+refuses a split whose samples change between reads. No Lightning here.
 """
 
 from __future__ import annotations
@@ -106,20 +101,14 @@ def materialize(dataset: Dataset, split: str) -> tuple[torch.Tensor, ...]:
 class TensorBatchLoader:
     """Batches of `batch_size` rows, in the order `sampler` gives, cut from whole tensors.
 
-    For a split held whole as tensors, on the training device (`on_device: true`) or in host memory
-    (any TensorDataset a loader would read without workers). A DataLoader builds each batch one
-    sample at a time: per sample a `__getitem__` call and its tuple, then a stack of the rows
-    (about 3 ms of the main thread per batch of 256 CIFAR-sized images on an H100 machine,
-    docs/performance.md). Here each batch is one `index_select` per tensor: the same rows in the
-    same order, so the same values bit for bit. On the device the sampler's order is copied there
-    once per epoch and nothing touches the host per batch. In host memory, with `pin_memory`, each
-    batch is gathered straight into pinned memory, so its copy to a GPU can run asynchronously.
+    Each batch is one `index_select` per tensor (the module docstring says why): the same rows in
+    the same order as a DataLoader's, so the same values bit for bit. On the device the sampler's
+    order is copied there once per epoch; in host memory, with `pin_memory`, each batch is gathered
+    straight into pinned memory, so its copy to a GPU can run asynchronously.
 
-    `sampler` is a public attribute, as on a DataLoader, so Lightning calls its `set_epoch` every
-    epoch and sees that an evaluation loader does not shuffle. `state_dict`/`load_state_dict` tell
-    Lightning it may resume mid-epoch: the position lives in the sampler
-    (`ResumableDistributedSampler`). It draws no random number: a DataLoader's only draw here is its
-    worker seed, which a split without workers never uses.
+    `sampler` is a public attribute, as on a DataLoader, so Lightning calls its `set_epoch` and sees
+    whether it shuffles; `state_dict`/`load_state_dict` let Lightning resume mid-epoch (the position
+    lives in the sampler). It draws no random number, as a DataLoader without workers draws none.
     """
 
     def __init__(

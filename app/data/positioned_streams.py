@@ -1,23 +1,17 @@
 """Exact resume for a training `IterableDataset` that implements `state_dict` / `load_state_dict`.
 
 A stream has no index that a sampler could skip to: its position is whatever its own state says.
-Lightning checkpoints a loader's state only through the loader (torchdata's `StatefulDataLoader`),
-only rank 0's, and ahead of the trained batches by the batch it prefetched. `PositionedStream`
-instead records the dataset's `state_dict()` before each batch it starts, per rank, so that
-`app.resume.exact.ExactResume` saves the state at the first batch that no completed optimizer step has
-consumed, and a resume loads it into that rank's stream before iterating. The state at the end of
-the stream is recorded too: a run resumed at the next epoch's start sees the dataset as the
-uninterrupted run's next epoch does.
+Lightning checkpoints a loader's state only through the loader, only rank 0's, and ahead of the
+trained batches by the prefetched batch. `PositionedStream` instead records the dataset's
+`state_dict()` before each batch it starts, per rank, so that `app.resume.exact.ExactResume` saves
+the state at the first batch no completed optimizer step has consumed (and at the stream's end, for
+a resume at the next epoch's start). In loader workers, `WorkerPositionedStream` does the same per
+worker.
 
-The contract (the same as torchdata's): `state_dict()` describes the samples already yielded, and
-`iter()` after `load_state_dict(state)` continues from there. In loader workers each worker holds
-its own copy of the stream: `WorkerPositionedStream` has each worker send its state with each
-batch it makes, and loads into each worker of a resumed run the state it had (not with
-`persistent_workers`: `ExactResume` says so in one line at fit start).
-
-Per-sample seeding as for map-style sets (`app.data.seeding`): the generators are seeded from
-(seed, epoch, this rank's sample count) around each sample and put back afterwards, so random
-augmentation drawn in `__iter__` is the same after a resume. No Lightning here.
+The contract (torchdata's): `state_dict()` describes the samples already yielded, and `iter()` after
+`load_state_dict(state)` continues from there. Samples are seeded per sample as for map-style sets
+(`app.data.seeding`), so random augmentation drawn in `__iter__` is the same after a resume. No
+Lightning here.
 """
 
 from __future__ import annotations
@@ -47,8 +41,8 @@ def is_stateful_stream(dataset: Any) -> bool:
     return isinstance(dataset, IterableDataset) and has_state_methods(dataset)
 
 
-class PositionedStream(IterableDataset):
-    """Wraps a stateful training stream: records its state before each batch, resumes it, seeds its samples.
+class _Positioned(IterableDataset):
+    """What both positioned streams hold.
 
     Args:
         dataset: the user's `IterableDataset` with `state_dict` / `load_state_dict`.
@@ -76,15 +70,22 @@ class PositionedStream(IterableDataset):
         self.batch_size = max(1, batch_size)
         self._start = start
         self.seed, self.rank, self.world_size, self.keep = seed, rank, world_size, keep
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]  (TypeError for an unsized stream, as DataLoader expects)
+
+
+class PositionedStream(_Positioned):
+    """Wraps a stateful training stream: records its state before each batch, resumes it, seeds its samples."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._states: OrderedDict[int | str, Any] = OrderedDict()
 
     def __getattr__(self, name: str) -> Any:
         if name == "dataset":  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.dataset, name)
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]  (TypeError for an unsized stream, as DataLoader expects)
 
     def state_at(self, batches_done: int, epoch_end_done: bool) -> Any:
         """The dataset's state before batch `batches_done` of this epoch, or at its end."""
@@ -175,30 +176,26 @@ def _as_is(item: Any) -> Any:
     return item
 
 
-class WorkerPositionedStream(IterableDataset):
+class WorkerPositionedStream(_Positioned):
     """A stateful training stream read by `num_workers` loader workers, positioned per worker.
 
-    Each worker iterates its own copy of the stream, so the state that matters lives in the worker.
-    Here each worker builds its batches itself (the user's `collate_fn`, `batch_size`, `drop_last`)
-    and sends with each one the stream's `state_dict()` before and after it (`WorkerBatch`), and a
-    `WorkerDone` when its stream runs out; `WorkerStreamLoader` passes the batches on and keeps the
-    rest here, in the training process. `state_at(n)` gives, for every worker, the state before the
-    first batch of it that no completed optimizer step has consumed, and the resume loads each state
-    into a worker before it iterates, the same idea as torchdata's `StatefulDataLoader`.
+    Each worker iterates its own copy of the stream, so the state that matters lives in the worker:
+    each builds its batches itself (the user's `collate_fn`, `batch_size`, `drop_last`) and sends
+    with each the stream's `state_dict()` before and after it (`WorkerBatch`), and a `WorkerDone`
+    when its stream runs out. `state_at(n)` gives every worker's state before its first batch that
+    no completed optimizer step has consumed; the resume loads each into its worker, as torchdata's
+    `StatefulDataLoader` does.
 
     The order is the uninterrupted run's too. With `in_order`, DataLoader hands out batches to its
-    workers in turn (0, 1, ..., W-1, 0, ...), and a worker whose stream ran out loses its turns from
-    then on, whenever the training process learns it; so the batch order is the cyclic order with the
-    turns of finished workers left out. A resumed loader's cycle starts at worker 0, while the batch
-    that comes next may be worker k's (`rotation`): workers 0..k-1 then pass their first turn
-    (`WorkerPass`, dropped here), so the cycle continues where the uninterrupted one was. Worker `i`
-    keeps its id (a stream shards itself by `get_worker_info().id`: its state only fits that
-    worker). Samples are seeded from (seed, epoch, worker, the worker's sample count, rank), which a
-    resume keeps.
+    workers in turn, and a worker whose stream ran out loses its turns from then on. A resumed
+    loader's cycle starts at worker 0 while the next batch may be worker k's (`rotation`): workers
+    0..k-1 pass their first turn (`WorkerPass`, dropped here). Worker `i` keeps its id (a stream
+    shards itself by `get_worker_info().id`). Samples are seeded from (seed, epoch, worker, the
+    worker's sample count, rank).
 
-    Not with `persistent_workers` (workers keep their copies across epochs, out of reach of the
-    state to load) nor `in_order=False`: `app.data.rank_loaders` leaves those loaders as they are, with
-    a line at fit start. A checkpoint of another `num_workers` is refused in one line.
+    Not with `persistent_workers` (their copies are out of reach of the state to load) nor
+    `in_order=False`: `app.data.rank_loaders` leaves those loaders as they are, with a line at fit
+    start. A checkpoint of another `num_workers` is refused in one line.
     """
 
     def __init__(
@@ -208,19 +205,12 @@ class WorkerPositionedStream(IterableDataset):
         num_workers: int,
         collate_fn: Callable[[list[Any]], Any],
         drop_last: bool,
-        start: Callable[[], tuple[int, int, Any, bool]],
-        seed: int | None,
-        rank: int,
-        world_size: int,
-        keep: int = 16,
+        **positioning: Any,  # start, seed, rank, world_size, keep: see _Positioned
     ) -> None:
-        self.dataset = dataset
-        self.batch_size = max(1, batch_size)
+        super().__init__(dataset, batch_size, **positioning)
         self.num_workers = num_workers
         self.collate_fn = collate_fn
         self.drop_last = drop_last
-        self._start = start
-        self.seed, self.rank, self.world_size, self.keep = seed, rank, world_size, keep
         self._reset(0, 0, [Boundary(None, 0)] * num_workers, set(), 0, False)
 
     def _reset(
@@ -241,9 +231,6 @@ class WorkerPositionedStream(IterableDataset):
         state = self.__dict__.copy()
         state.update(_start=None, _batches=OrderedDict(), _floor={})
         return state
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]  (TypeError for an unsized stream)
 
     # ----- in the training process -----
 

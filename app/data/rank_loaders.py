@@ -1,34 +1,26 @@
 """Our samplers for every DataModule, not only ours: exact evaluation and exact mid-epoch resume.
 
-Lightning gives a plain `DataLoader` (shuffle=True/False, no sampler of its own) a padded
-`DistributedSampler` under DDP: evaluation counts the repeated samples twice, and a resumed
-epoch starts over from its first batch. `ddp-app` instead wraps the `*_dataloader` methods of the
-run's DataModule (and LightningModule) so that each plain loader they return is rebuilt, from its
-public attributes, with
+Lightning gives a plain `DataLoader` a padded `DistributedSampler` under DDP: evaluation counts the
+repeated samples twice, and a resumed epoch starts over from its first batch. `ddp-app` instead wraps
+the `*_dataloader` methods of the run's DataModule (and LightningModule) so that each plain loader
+they return is rebuilt, from its public attributes, with
 
-- training: `ResumableDistributedSampler` (shuffled with `seed_everything`'s seed as Lightning's
-  would be, positioned by the data position `app.resume.exact.ExactResume` owns), in a
-  `ResumableDataLoader`, over the dataset wrapped in `PerSampleSeeded` (per-sample randomness);
+- training: `ResumableDistributedSampler` (shuffled as Lightning's would be, positioned by the data
+  position `app.resume.exact.ExactResume` owns), in a `ResumableDataLoader`, over the dataset wrapped
+  in `PerSampleSeeded` (per-sample randomness); a stateful `IterableDataset` over `PositionedStream`
+  or, in loader workers, `WorkerPositionedStream` (app/data/positioned_streams.py);
 - validation, test, predict: `UnpaddedDistributedSampler` (each sample on exactly one rank).
 
-A training `DataLoader` over an `IterableDataset` with `state_dict`/`load_state_dict` is rebuilt over
-`PositionedStream` with `num_workers: 0`, or over `WorkerPositionedStream` in loader workers (without
-`persistent_workers`; app/data/positioned_streams.py): its state, per worker in the second case, is saved per rank.
+Left as returned (Lightning's own handling then applies): a sampler that is already a
+`DistributedSampler`, a sampler or batch sampler the user set, DataLoader subclasses, other iterable
+datasets and anything that is not a DataLoader. A training loader among these without a
+`state_dict` of its own gets one line at fit start: a resume mid-epoch restarts its epoch.
 
-Left as returned (Lightning's own handling then applies): loaders whose sampler is already a
-`DistributedSampler` (our `ShardedDataModule`'s, or the user's own sharding), a sampler or batch
-sampler the user set (`DataLoader(sampler=...)`: Lightning wraps it in its `DistributedSamplerWrapper`),
-DataLoader subclasses, other iterable datasets and anything that is not a DataLoader. A training
-loader among these that has no `state_dict` of its own gets one line at fit start: a resume
-mid-epoch restarts its data at the epoch's start.
-
-Why wrap the methods rather than set `use_distributed_sampler=False` or add a Callback: Lightning
-has no public hook that may replace a loader (its own replacement is the private
-`_DataConnector._prepare_dataloader`), and a Callback costs hook dispatch at every training step.
-Lightning fetches loaders with `getattr(datamodule, "val_dataloader")()`, which finds the wrapper on
-the instance; `functools.wraps` keeps `is_overridden` answering as for the unwrapped method.
-No private API is used; `tests/data/test_user_loaders.py` fails loudly if Lightning stops fetching
-loaders through the instance (the samplers it iterates would no longer be ours).
+Why wrap the methods: Lightning has no public hook that may replace a loader (its own is the private
+`_DataConnector._prepare_dataloader`), and a Callback costs hook dispatch at every step. Lightning
+fetches loaders through the instance, which finds the wrapper; `functools.wraps` keeps `is_overridden`
+answering as for the unwrapped method. `tests/data/test_user_loaders.py` fails loudly if Lightning
+stops fetching loaders that way.
 """
 
 from __future__ import annotations
@@ -83,6 +75,17 @@ def is_plain_loader(loader: Any) -> bool:
     return type(sampler) is SequentialSampler
 
 
+# What a rebuilt loader keeps of the user's: how its workers run and where its batches go.
+WORKER_OPTIONS = (
+    "num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "prefetch_factor",
+    "pin_memory_device",
+)  # fmt: skip
+
+
+def _options(loader: DataLoader, *names: str) -> dict[str, Any]:
+    return {name: getattr(loader, name) for name in names}
+
+
 def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
     """The loader with our sampler for this rank if it is a plain one (also inside lists and dicts)."""
     if isinstance(loader, (list, tuple)):
@@ -124,24 +127,10 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         generator = generator or evaluation_loader_generator(seed)
         if per_sample_seeding(trainer) and not reads_without_randomness(dataset):
             dataset = PerSampleSeeded(dataset, seed)
-    return loader_class(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=generator,
-        prefetch_factor=loader.prefetch_factor,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-        # DataLoader(in_order=...) exists from torch 2.6 on.
-        **({"in_order": loader.in_order} if hasattr(loader, "in_order") else {}),
-    )
+    kept = _options(loader, "collate_fn", "drop_last", *WORKER_OPTIONS, "persistent_workers")
+    # DataLoader(in_order=...) exists from torch 2.6 on.
+    in_order = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}
+    return loader_class(dataset, batch_size=batch_size, sampler=sampler, generator=generator, **kept, **in_order)
 
 
 def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
@@ -166,33 +155,15 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
         if loader.num_workers == 0:
             stream = PositionedStream(dataset, loader.batch_size or 1, **positioning)
             positioner.add_stream(stream)
-            return ResumableDataLoader(
-                stream,
-                batch_size=loader.batch_size,
-                collate_fn=loader.collate_fn,
-                pin_memory=loader.pin_memory,
-                drop_last=loader.drop_last,
-                timeout=loader.timeout,
-                generator=generator,
-                pin_memory_device=loader.pin_memory_device,
-            )
+            kept = _options(loader, "batch_size", "collate_fn", "pin_memory", "drop_last", "timeout")
+            return ResumableDataLoader(stream, generator=generator, pin_memory_device=loader.pin_memory_device, **kept)
         if not loader.persistent_workers and getattr(loader, "in_order", True):  # in_order: torch >= 2.6
             # Each worker's copy of the stream is positioned (app.data.positioned_streams).
             workers = WorkerPositionedStream(
                 dataset, loader.batch_size or 1, loader.num_workers, loader.collate_fn, loader.drop_last, **positioning
             )
             positioner.add_stream(workers)
-            return WorkerStreamLoader(
-                workers,
-                generator=generator,
-                num_workers=loader.num_workers,
-                pin_memory=loader.pin_memory,
-                timeout=loader.timeout,
-                worker_init_fn=loader.worker_init_fn,
-                multiprocessing_context=loader.multiprocessing_context,
-                prefetch_factor=loader.prefetch_factor,
-                pin_memory_device=loader.pin_memory_device,
-            )
+            return WorkerStreamLoader(workers, generator=generator, **_options(loader, *WORKER_OPTIONS))
     if is_stateful_stream(dataset):
         positioner.add_notice(stream_in_workers_notice(name, loader, _has_length(dataset)))
     elif isinstance(dataset, IterableDataset):

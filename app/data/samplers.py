@@ -172,7 +172,8 @@ class ResumableDistributedSampler(DistributedSampler):
     With `keyed`, it yields `SampleKey(epoch, index)` for `app.data.seeding.PerSampleSeeded` datasets.
     With `layout` (a run resumed on another number of ranks), it yields this rank's share of the
     starting run's global micro-batches instead (`ElasticLayout`); the loader's batch size is then
-    `layout.rank_batch_size(rank)`.
+    `layout.rank_batch_size(rank)`. Used at world size 1 too, so that the sample order is a function of
+    (seed, epoch, world size) only, which is what makes the parity checks possible.
     """
 
     def __init__(
@@ -230,22 +231,3 @@ class ResumableDistributedSampler(DistributedSampler):
         if self.keyed:
             return iter([SampleKey(self.epoch, index) for index in indices])
         return iter(indices)
-
-
-def train_sampler(
-    dataset: Sized,
-    num_replicas: int,
-    rank: int,
-    shuffle: bool,
-    seed: int,
-    batch_size: int = 1,
-    position: TrainingPosition | None = None,
-    keyed: bool = False,
-    layout: ElasticLayout | None = None,
-) -> DistributedSampler:
-    """The training sampler: the same for Lightning and the reference trainer, also at world size 1.
-
-    Using a `DistributedSampler` even with one process keeps the sample order a function of
-    (seed, epoch, world size) only, which is what makes the parity checks possible.
-    """
-    return ResumableDistributedSampler(dataset, num_replicas, rank, shuffle, seed, batch_size, position, keyed, layout)

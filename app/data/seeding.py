@@ -61,8 +61,7 @@ def reads_without_randomness(dataset: Dataset) -> bool:
     """Whether reading a sample of `dataset` cannot draw a random number: a plain TensorDataset, or
     plain Subsets of one (exactly these classes: a subclass may override `__getitem__`).
 
-    Seeding such a sample costs the seeding (0.29 ms per batch of 32 on the digits, a tenth of a
-    Lightning step on a CPU: docs/performance.md) and changes nothing, so it is skipped.
+    Seeding such a sample costs time (docs/performance.md) and changes nothing, so it is skipped.
     """
     while type(dataset) is Subset:
         dataset = dataset.dataset

@@ -16,8 +16,8 @@ from app.data.base import ShardedDataModule
 from app.data.datasets import cifar10_splits, download_cifar10, download_mnist, fake_image_splits, mnist_splits
 
 
-class MNISTDataModule(ShardedDataModule):
-    """torchvision MNIST (28x28 grey images); files under `<data_dir>/MNIST/raw/`."""
+class _TorchvisionDataModule(ShardedDataModule):
+    """The settings MNIST and CIFAR-10 share: where the files are, whether to download, the split."""
 
     def __init__(
         self,
@@ -33,6 +33,10 @@ class MNISTDataModule(ShardedDataModule):
         self.val_size = val_size
         self.split_seed = split_seed
 
+
+class MNISTDataModule(_TorchvisionDataModule):
+    """torchvision MNIST (28x28 grey images); files under `<data_dir>/MNIST/raw/`."""
+
     def prepare_data(self) -> None:
         download_mnist(self.data_dir, self.download)
 
@@ -40,7 +44,7 @@ class MNISTDataModule(ShardedDataModule):
         return mnist_splits(self.data_dir, self.download, self.val_size, self.split_seed)
 
 
-class CIFAR10DataModule(ShardedDataModule):
+class CIFAR10DataModule(_TorchvisionDataModule):
     """torchvision CIFAR-10 (32x32 colour images); files under `<data_dir>/cifar-10-batches-py/`.
 
     Training images get the standard augmentation (random crop with 4-pixel padding, horizontal
@@ -57,11 +61,7 @@ class CIFAR10DataModule(ShardedDataModule):
         verify_checksums: bool = True,
         **loader_options: Any,
     ) -> None:
-        super().__init__(**loader_options)  # batch_size, num_workers, ...: see ShardedDataModule
-        self.data_dir = data_dir
-        self.download = download
-        self.val_size = val_size
-        self.split_seed = split_seed
+        super().__init__(data_dir, download, val_size, split_seed, **loader_options)
         self.augment = augment
         self.verify_checksums = verify_checksums
 
@@ -80,9 +80,7 @@ class FakeImageDataModule(ShardedDataModule):
     It is never a silent fallback for a missing dataset: a config has to name it. The images are
     drawn once, in `setup`, from a generator seeded by the split, so a training step measures
     training, not image synthesis: torchvision's FakeData re-seeds the global RNG for every
-    sample, and that call's cost grows with the depth of the call stack (torch records a stack
-    trace for its lazy CUDA/XPU seeding), which made loading 50% slower under Lightning's deeper
-    loop than in the plain reference trainer (measured on the CNN benchmark).
+    sample, at a cost that grows with the depth of the call stack (docs/performance.md).
     """
 
     def __init__(

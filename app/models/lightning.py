@@ -26,10 +26,10 @@ from app.models.nets import (
 def logs_this_step(module: L.LightningModule) -> bool:
     """Whether the loggers write this training step: every `trainer.log_every_n_steps` steps.
 
-    `self.log` costs about 0.3 ms per call on a CPU (Lightning's bookkeeping and a
-    `torch.compiler.disable` wrapper), a third of a digits MLP step. Per-step values are therefore
-    logged only at the steps the loggers write: metrics.csv holds the same numbers, and the progress
-    bar shows the latest of them. The condition mirrors Lightning's own `should_update_logs`.
+    `self.log` is costly per call (Lightning's bookkeeping and a `torch.compiler.disable` wrapper;
+    docs/performance.md). Per-step values are therefore logged only at the steps the loggers write:
+    metrics.csv holds the same numbers, and the progress bar shows the latest of them. The
+    condition mirrors Lightning's own `should_update_logs`.
     """
     trainer = module.trainer
     if trainer.log_every_n_steps == 0:  # logging off: the progress bar still shows the loss
@@ -52,10 +52,8 @@ class QuickHookBookkeeping(L.LightningModule):
     """A LightningModule whose per-hook bookkeeping skips `nn.Module.__setattr__`'s checks.
 
     Lightning sets the module's `_current_fx_name` (a str or None) before and after every hook it
-    calls, 44 times per training step of the digits job. `nn.Module.__setattr__` first checks any
-    value for a Parameter, a Module or a buffer: 1.7 us against 0.3 us for a plain attribute
-    assignment on a 2-core CPU VM (`python -m app.bench.per_call`, "hook name"), 0.06 ms per step.
-    That attribute is a plain one, set in
+    calls, and `nn.Module.__setattr__` first checks any value for a Parameter, a Module or a buffer
+    (its cost: docs/bench_per_call.json, "hook name"). That attribute is a plain one, set in
     `LightningModule.__init__`, and a str or None never needs those checks, so it is set directly.
     """
 
@@ -73,8 +71,8 @@ class ClassifierModule(QuickHookBookkeeping):
     across ranks once per epoch, so the logged number is the one a single process would compute
     over the same samples, whatever the world size or shard sizes. Evaluation uses torchmetrics
     states; training keeps its two counts in plain tensors, because a torchmetrics `update` costs
-    about 6x the two additions per step (argument checks, wrapper bookkeeping; 94 vs 15 us on a
-    2-core CPU VM, `python -m app.bench.per_call`, against a 1.3 ms digits MLP step). Steps only
+    several times the two additions per step (argument checks, wrapper bookkeeping;
+    docs/performance.md). Steps only
     accumulate; the metrics are logged (computed, synced, reset) in the epoch-end hooks, so no step
     pays for a per-batch value that nobody reads.
     """

@@ -1,16 +1,10 @@
 """One training run, one identity: the same log version, MLflow run and W&B run across every attempt.
 
-A run is what `ddp-app fit` starts without `--ckpt_path`. Every continuation of it is an *attempt*
-of the same run: `--restarts`, torchrun's `--max-restarts`, a Slurm requeue, Ctrl-C or a preemption
-followed by `--ckpt_path last` (on any number of ranks). The first attempt creates the identity and
-writes it to `<default_root_dir>/lightning_logs/<version>/run.json`; every checkpoint carries it
-(its `tracking` part, app/checkpoints/state.py), so an attempt that resumes from a checkpoint of
-this directory reopens the same log version and tracker runs. `--ckpt_path last` before any
-checkpoint exists (a crash in the first minutes) continues the directory's latest run
-(app/tracking/layout.py `latest_run`). A checkpoint from another directory (fine-tuning from
-someone's run) starts a new run. app/tracking/attempt.py opens an attempt: its identity, facts and trackers.
-
-Rank 0 does all of this; the other ranks log nothing.
+A run is what `ddp-app fit` starts without `--ckpt_path`; every restart, requeue or `--ckpt_path
+last` after it is an *attempt* of the same run (docs/tracking.md). The identity lives in
+`lightning_logs/<version>/run.json` and in every checkpoint's `tracking` part, so a resume from a
+checkpoint of this directory reopens the same log version and tracker runs; one from another
+directory starts a new run. app/tracking/attempt.py opens an attempt. Rank 0 does all of this.
 """
 
 from __future__ import annotations
@@ -58,11 +52,10 @@ EXTRAS = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
 # same value (`Tracking.log_samples_per_s`): Lightning's hint to log epoch values with sync_dist=True
 # does not apply to it.
 warnings.filterwarnings("ignore", message=rf".*self\.log\('{SAMPLES_PER_S}', \.\.\., sync_dist=True\)")
-# How long the end of an attempt waits for its trackers to take what is queued (the last values,
-# tags, the run's status). A tracker still busy after that is left behind: what it did not confirm
-# is in the journal and the next attempt sends it. Bounded so that a preempted job still exits
-# well inside the launcher's STOP_GRACE_S (60 s, app/cluster/launch.py), after which it kills the
-# rank, and inside the 90 s the sbatch scripts' `--signal=SIGUSR1@90` leave before the time limit.
+# How long the end of an attempt waits for its trackers to take what is queued; what a tracker did
+# not confirm by then is in the journal, and the next attempt sends it. Bounded so that a preempted
+# job exits well inside the launcher's STOP_GRACE_S (app/cluster/launch.py) and the sbatch scripts'
+# `--signal=SIGUSR1@90`.
 CLOSE_WAIT_S = 30.0
 # A tracker call that has not returned after this long is reported (once, training goes on):
 # MLflow's client retries a server that went away for about 4 minutes before it fails.
@@ -81,14 +74,10 @@ def require_tracker(extra: str) -> None:
 class TrackedRun:
     """Rank 0's side of a run's attempt: the journal, metrics.csv and the trackers.
 
-    The journal and metrics.csv are written on the training thread; every tracker call runs on the
-    run's tracker thread (app/tracking/worker.py), which the training thread only hands work to, so
-    a tracker that hangs or went away never holds training (nor the other ranks, waiting for rank 0
-    in a collective, nor a stop signal). What to send is decided on the training thread, from the
-    history it alone touches; the tracker thread gets copies of those calls, keeps what a tracker
-    did not take in that tracker's outbox, in step order, and tries again at the next save. A
-    call is written to `sent-<tracker>.txt` only once the tracker confirmed it, so what an attempt
-    leaves unsent (a tracker still down when it ends) is sent by the next attempt.
+    The journal and metrics.csv are written on the training thread, which decides what to send;
+    every tracker call runs on the tracker thread (app/tracking/worker.py), so a tracker that hangs
+    never holds training, the other ranks or a stop signal. A call is written to
+    `sent-<tracker>.txt` only once the tracker confirmed it: the next attempt sends the rest.
     """
 
     def __init__(
@@ -158,13 +147,10 @@ class TrackedRun:
         return {"run_id": identity["run_id"], "log_version": identity["log_version"], "seq": seq, "step": step}
 
     def _complete_below(self) -> float:
-        """The steps below this one hold their last value: every call at them is settled, and a
-        later step has been settled, so nothing more will be logged at them.
-
-        For trackers that cannot add to a step once they have moved past it (W&B): Lightning logs
-        an epoch's values at the epoch's last step in several calls, some after the epoch-end
-        checkpoint, so such a step is sent only when it is complete; else an attempt that ends
-        (W&B commits the row at `finish`) after the first part leaves the rest of the step out.
+        """The steps below this one hold their last value (every call at them settled, and a later
+        step too). For trackers that cannot add to a step once past it (W&B): Lightning logs an
+        epoch's values at its last step in several calls, some after the epoch-end checkpoint, so
+        such a step is sent only when complete.
         """
         settled = [call.step for call in self.history.calls.values() if call.state == SETTLED]
         open_steps = [call.step for call in self.history.calls.values() if call.state != SETTLED]
@@ -279,9 +265,8 @@ class Tracking(L.Callback):
         # (seq, step, save_ticket) of each last.ckpt save not yet known to be on disk, oldest first.
         self._saves_unsettled: list[tuple[int, int, int | None]] = []
         self._status = "failed"
-        # samples/s per epoch, on every rank of a fit that logs: this attempt's share of the epoch
-        # (app/tracking/throughput.py defines it), plus what earlier attempts measured of it (kept in
-        # checkpoints, the clock starts from it), so an epoch split by a resume has its value.
+        # samples/s per epoch, on every rank: this attempt's share plus what earlier attempts measured
+        # (kept in checkpoints), so an epoch split by a resume has its value.
         self._measuring = False
         self._epoch = -1
         self._clock = TrainingClock()
@@ -336,10 +321,8 @@ class Tracking(L.Callback):
         return RunLogger(str(root), identity["log_version"], self.run)
 
     def viewing_lines(self) -> list[str]:
-        """One line per tracker of this attempt: its run and how to see it (`mlflow: run <id>
-        (experiment <name>): <the server's page, or the mlflow ui command>`, `wandb: offline run <id>
-        in <folder>: wandb sync <folder>`, `tensorboard: tensorboard --logdir <dir>`), without a
-        prefix. Rank 0, from the open on, and still after the run closed; empty elsewhere."""
+        """One line per tracker of this attempt: its run and how to see it, without a prefix. Rank 0,
+        from the open on, and still after the run closed; empty elsewhere."""
         return list(self._viewing)
 
     # ----- during training -----
@@ -352,9 +335,7 @@ class Tracking(L.Callback):
             self._settle_save(trainer)  # two saves in one step (last.ckpt, then another file)
             state["run"] = record = run.checkpoint_record()
             # Only last.ckpt settles values: `--ckpt_path last` resumes from it, and a user's
-            # ModelCheckpoint (every_n_train_steps, best-k) can hold a later step than last.ckpt does. A
-            # save of that file settled the values logged up to it, which a resume from the older
-            # last.ckpt then logged a second time.
+            # ModelCheckpoint can hold a later step, whose values a resume from last.ckpt logs again.
             if is_last_checkpoint_save(trainer):
                 self._saves_unsettled.append((record["seq"], record["step"], save_ticket(trainer)))
         checkpoint_state.put(checkpoint, "tracking", state)
@@ -370,10 +351,9 @@ class Tracking(L.Callback):
     def _settle_save(self, trainer: L.Trainer) -> None:
         """At a hook after a save of last.ckpt: once the file is on disk, what it holds is final.
 
-        A background write (app/checkpoints/plugin.py) may still be in flight at the next hook, or
-        several after: journaling `saved` before the file is on disk would settle values that a kill
-        now makes a resume from the previous last.ckpt log a second time. Until then the save stays
-        unsettled and the next hook asks again (writes complete in order: the oldest first)."""
+        A background write may still be in flight (app/checkpoints/plugin.py): settling before the
+        file is on disk would let a kill now log those values twice. Until then the next hook asks
+        again (writes complete in order)."""
         while self._saves_unsettled and self.run is not None and is_on_disk(trainer, self._saves_unsettled[0][2]):
             seq, step, _ = self._saves_unsettled.pop(0)
             self.run.saved(seq, step, checkpoint_tags(trainer))
@@ -410,9 +390,7 @@ class Tracking(L.Callback):
 
     def epoch_samples_per_s(self) -> float | None:
         """Training samples/s (app/tracking/throughput.py) of the epoch that ends now, on this rank,
-        over every attempt; None if not measured. `app.run.coordinator.RunCoordinator` averages it over
-        the ranks in its epoch-end exchange and logs it as `samples_per_s`.
-        """
+        over every attempt; None if not measured. The coordinator averages it over the ranks."""
         return samples_per_s(*self._clock.totals()) if self._measuring else None
 
     def log_samples_per_s(self, pl_module: L.LightningModule, samples_per_s: float) -> None:

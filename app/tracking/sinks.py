@@ -1,15 +1,9 @@
 """Where a run's metrics go: metrics.csv (every value as it stands) and the trackers (settled values).
 
-MLflow, W&B and TensorBoard keep every value they are sent; a value sent for a step that a resume
-then redoes would stay beside the redone one (MLflow's history, TensorBoard's event files) or
-block it (W&B drops a step lower than its current one). They are therefore sent settled values only
-(app/tracking/history.py), each once: `sent-<tracker>.txt` in the log directory records what each
-has been sent, so an attempt that starts after a crash sends what the previous one settled but had
-not sent yet. Every call of a tracker after its open runs on the run's tracker thread
-(app/tracking/worker.py), never on the training thread; one that fails during training (a server
-restarting) warns once and is sent the backlog at the next save; training goes on.
-
-The tracker libraries are imported only when configured (optional extras, see pyproject.toml).
+MLflow, W&B and TensorBoard keep every value they are sent, so a value that a resume redoes would
+stay beside the redone one or block it: they are sent settled values only (app/tracking/history.py),
+each once (`sent-<tracker>.txt`), from the tracker thread (app/tracking/worker.py). The tracker
+libraries are imported only when configured (optional extras, see pyproject.toml).
 """
 
 from __future__ import annotations
@@ -219,18 +213,12 @@ class WandbSink:
     """One W&B run per training run (its id is the run id), resumed in every attempt.
 
     Offline (the default), each attempt writes its own `wandb/offline-run-*-<id>` directory under
-    the log directory; `wandb sync` uploads them into the one run. Since each attempt is sent only
-    settled values, the steps continue across the directories and none is dropped as out of order.
+    the log directory; `wandb sync` uploads them into the one run.
 
-    W&B's service process writes the run file in blocks and at `finish()`: an attempt killed with
-    kill -9 leaves a file with little or nothing in it. Values count as sent only once `finish()`
-    returned; an attempt that follows a killed one sends everything settled again. Where the killed
-    attempt's file did hold some of it, `wandb sync` keeps the first copy (W&B drops a step at or
-    below the run's current step), and a settled value never changes, so the run shows each once.
-
-    For the same reason W&B cannot take more values at a step once the attempt's row for it is
-    written (a later step logged, or `finish()`): it is sent a step only when every value at it is
-    settled (`TrackedRun._complete_below`).
+    W&B writes the run file in blocks and at `finish()`, so a kill -9 leaves little in it: values
+    count as sent only once `finish()` returned, and the next attempt sends the rest again (`wandb
+    sync` keeps the first copy of a step; a settled value never changes). W&B takes no more values
+    at a step once its row is written: a step is sent only when complete (`TrackedRun._complete_below`).
     """
 
     name = "wandb"

@@ -9,12 +9,9 @@ per-step work and a time-interval save within the epoch.
 
 `app.tracking.run.Tracking` measures each epoch this way on every rank, `app.run.coordinator.RunCoordinator`
 averages it over the ranks and logs it as `samples_per_s`: the value the epoch's progress line
-(app/run/callbacks.py), the fit's summary (app/run/summary.py), the plot and the trackers all show. Issue
-42: the progress line used to measure on its own, on rank 0, from the epoch's start to its own print,
-less validation, so its window also held the epoch-end exchange between the ranks and the saves of
-the checkpoints; it said 13,654 samples/s where the summary said 22,826 for the same epoch. On the
-2-core VM (digits, 2 ranks, epoch 2): 0.36 s of batches on rank 0, about 0.48 s in the line's window,
-2,611 against the summary's 3,445.
+(app/run/callbacks.py), the fit's summary (app/run/summary.py), the plot and the trackers all show.
+One definition because two disagreed (issue 42): the progress line's own window also held the
+epoch-end exchange between the ranks and the checkpoint saves.
 """
 
 from __future__ import annotations

@@ -14,27 +14,18 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, SequentialSampler, Subset, TensorDataset
 
-from app.cli import DDPAppCLI
 from app.cli.resume_check import Case
 from app.data.base import ResumableDataLoader
 from app.data.datasets import default_num_workers
 from app.data.on_device import TensorBatchLoader, in_memory_tensors, materialize
 from app.data.samplers import UnpaddedDistributedSampler
 from app.errors import InvalidConfigError
-from tests.helpers.run import REPO, fit_runner
-
-DIGITS = str(REPO / "configs" / "digits.yaml")
+from tests.helpers.in_process import DIGITS, digits_cli
+from tests.helpers.run import fit_runner
 
 
 def fit(tmp_path: Path, *overrides: str) -> tuple[dict[str, torch.Tensor], dict[str, float], type]:
-    cli = DDPAppCLI(
-        args=[
-            "--config", DIGITS, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1",
-            "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
-            *overrides,
-        ],
-        run=False,
-    )  # fmt: skip
+    cli = digits_cli(tmp_path, 2, *overrides)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     metrics = {name: float(value) for name, value in cli.trainer.callback_metrics.items()}
     return cli.model.state_dict(), metrics, type(cli.trainer.train_dataloader)

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from app.data import DigitsDataModule
-from app.data.samplers import UnpaddedDistributedSampler, train_sampler
+from app.data.samplers import ResumableDistributedSampler, UnpaddedDistributedSampler
 from tests.helpers.run import run
 
 
@@ -29,12 +29,12 @@ def test_unpadded_sampler_refuses_fewer_samples_than_ranks() -> None:
 
 def test_train_sampler_reshuffles_per_epoch_and_honours_shuffle_false() -> None:
     dataset = TensorDataset(torch.arange(100))
-    sampler = train_sampler(dataset, 2, 0, shuffle=True, seed=1)
+    sampler = ResumableDistributedSampler(dataset, 2, 0, shuffle=True, seed=1, batch_size=1)
     sampler.set_epoch(0)
     first = list(sampler)
     sampler.set_epoch(1)
     assert list(sampler) != first
-    ordered = train_sampler(dataset, 2, 1, shuffle=False, seed=1)
+    ordered = ResumableDistributedSampler(dataset, 2, 1, shuffle=False, seed=1, batch_size=1)
     assert list(ordered) == list(range(1, 100, 2))
 
 
