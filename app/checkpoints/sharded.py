@@ -45,6 +45,7 @@ from app.checkpoints.io import (
     CLI_INSTANTIATOR_KEY,
     CheckpointError,
     CheckpointSummary,
+    disk_error_in,
     safe_load,
     summarize_checkpoint,
 )
@@ -112,8 +113,9 @@ def sharded_write_error(path: Path, error: CheckpointException) -> CheckpointWri
     """The one line for a sharded save the disk refused on some rank, as a file's save says it
     (`write_failed`); None for any other failure, which keeps DCP's per-rank tracebacks."""
     for rank, (failure, _) in sorted(error.failures.items()):
-        if isinstance(failure, OSError):
-            return write_failed(path, failure, f" (rank {rank}'s shards)")
+        refused = disk_error_in(failure, path.parent)  # torch's zip writer's errors too
+        if refused is not None:
+            return write_failed(path, refused, f" (rank {rank}'s shards)")
     return None
 
 

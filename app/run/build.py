@@ -30,12 +30,12 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, RichModelSummary
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
@@ -44,7 +44,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 
 from app.checkpoints.io import CheckpointSummary, check_model_class, check_state_fits
 from app.checkpoints.last import agreed_last_checkpoint
-from app.checkpoints.plugin import BackgroundCheckpointIO, BackgroundWriter, SafeCheckpointIO
+from app.checkpoints.save_mode import SavePlan, save_plan
 from app.checkpoints.sharded import is_checkpoint, summarize_any
 from app.cluster.ddp_stream import build_ddp_on_the_current_stream
 from app.cluster.hangs import HangReport
@@ -133,31 +133,18 @@ def config_for_the_ranks(config: Any, launch: Launch | None, rank_zero: bool) ->
         print(notice, flush=True)
 
 
-IN_THE_BACKGROUND = "written in the background"
-
-
-def checkpoint_save_mode(config: Any) -> str:
-    """How this run's checkpoints are written, as the line at fit's start says it."""
+def checkpoint_save_plan(config: Any) -> SavePlan:
+    """How this run's checkpoints are written (app/checkpoints/save_mode.py), from its config."""
     strategy = resolve_strategy(config["trainer"].get("strategy"))
     plugins = config["trainer"].get("plugins") or []
-    plugins = plugins if isinstance(plugins, list) else [plugins]
-    own = [type(p).__name__ for p in plugins if isinstance(p, CheckpointIO) and type(p) is not SafeCheckpointIO]
-    if not config["last_checkpoint"].async_save:
-        return "written before training goes on (last_checkpoint.async_save: false)"
-    whose = "this rank's shards" if strategy.kind == StrategyKind.FSDP else "the checkpoint"
-    pause = f"a save pauses training for a copy of {whose} to host memory; last_checkpoint.async_save"
-    if config["last_checkpoint"].overlap_copy:
-        pause = (
-            f"a save pauses training for a copy of {whose} less the parameters and optimizer state, which are "
-            "copied during the next step, whose optimizer step waits for them; last_checkpoint.overlap_copy"
-        )
-    if strategy.kind == StrategyKind.FSDP:  # its shards bypass the CheckpointIO: a config's own plugin changes nothing
-        return f"{IN_THE_BACKGROUND} by every rank ({pause})"
-    if strategy.kind not in (StrategyKind.DDP, StrategyKind.SINGLE):
-        return f"written before training goes on (strategy {strategy.written} writes its own checkpoints)"
-    if own:
-        return f"written before training goes on, by the config's checkpoint I/O plugin {own[0]}"
-    return f"{IN_THE_BACKGROUND} ({pause})"
+    writes_own = strategy.kind not in (StrategyKind.DDP, StrategyKind.SINGLE, StrategyKind.FSDP)
+    return save_plan(
+        config["last_checkpoint"].async_save,
+        config["last_checkpoint"].overlap_copy,
+        plugins if isinstance(plugins, list) else [plugins],
+        sharded=strategy.is_sharded,
+        own_writer=strategy.written if writes_own else None,
+    )
 
 
 def build_trainer(
@@ -165,20 +152,13 @@ def build_trainer(
 ) -> tuple[Trainer, EvaluationThroughput | None]:
     """The Trainer of this run (`make_trainer`: LightningCLI's own, with the keyword arguments it is
     given), and the evaluation throughput meter of validate/test/predict."""
-    # Plugins. A config's own plugins replace the default list: keep the safe checkpoint I/O anyway.
+    # Plugins: the config's own, with the checkpoint I/O its save plan chooses (app/checkpoints/save_mode.py).
+    saving = checkpoint_save_plan(config)
     plugins = config["trainer"].get("plugins") or []
-    plugins = list(plugins) if isinstance(plugins, list) else [plugins]
-    if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
-        plugins.append(SafeCheckpointIO())
-    # Saves in the background where the Trainer writes one file from rank 0 through this plugin, unless
-    # the config brings its own plugin; under fsdp the strategy writes its shards itself (below).
-    save_mode = checkpoint_save_mode(config)
-    in_background = save_mode.startswith(IN_THE_BACKGROUND)
+    plugins = saving.plugins(
+        plugins if isinstance(plugins, list) else [plugins], timedelta(seconds=config["collective_timeout_s"])
+    )
     strategy = resolve_strategy(config["trainer"].get("strategy"))
-    sharded = strategy.is_sharded
-    if in_background and not sharded:
-        overlap = config["last_checkpoint"].overlap_copy
-        plugins = [BackgroundCheckpointIO(p, overlap) if type(p) is SafeCheckpointIO else p for p in plugins]
     # Not SLURMEnvironment.detect(): that is also true under torchrun inside a Slurm job. Preemption is
     # handled by ddp-app at a step boundary, not by Lightning's SIGUSR1 handler, which saves inside the
     # signal handler (Lightning #21406).
@@ -224,9 +204,6 @@ def build_trainer(
         trainer.callbacks.append(coordinator)
     if trainer.world_size == 1:  # no peer to hang on or to ask
         trainer.callbacks = [callback for callback in trainer.callbacks if not isinstance(callback, HangReport)]
-    if in_background and sharded:
-        # Strategy fsdp writes its shards itself (DCP), past the CheckpointIO: it gets the writer directly.
-        trainer.strategy.background_writer = BackgroundWriter(config["last_checkpoint"].overlap_copy)
     keep_lightning_off_stop_signals(trainer)  # private: Lightning's SIGTERM handler broadcasts inside it
     build_ddp_on_the_current_stream(trainer.strategy)  # private: Lightning wraps DDP on a side stream
     if subcommand not in (None, "fit") or not saves_last:
@@ -238,7 +215,7 @@ def build_trainer(
         mesh = strategy.mesh(launch.world_size, launch.devices)
         print(describe_launch(launch, environment, mesh=mesh.describe() if mesh else None), flush=True)
     if subcommand == "fit" and saves_last and trainer.is_global_zero:
-        print(f"ddp-app: checkpoints: {save_mode}", flush=True)
+        print(f"ddp-app: checkpoints: {saving.line}", flush=True)
     if config["trainer"]["logger"] in (None, True) and subcommand != "fit":
         trainer.loggers = default_loggers(trainer.default_root_dir)  # fit's: the tracked run, `prepare_run`
     if subcommand == "predict":
