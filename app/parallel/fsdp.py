@@ -142,17 +142,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             layout = self.mesh_layout  # a bad shard_group_size stops every rank before any collective
             require(self, "_setup_distributed", "lightning", "starting the process group of strategy fsdp")
             self._setup_distributed()  # ModelParallelStrategy's: the process group with our timeout
-            # An explicit device type: a mesh built for "cuda" while gloo runs on CPU failed (pytorch#132471).
-            if layout.is_hybrid:  # row-major: each shard group is `shards` consecutive ranks
-                self._data_parallel_mesh = init_device_mesh(
-                    self.root_device.type,
-                    (layout.replicas, layout.shards),
-                    mesh_dim_names=("data_parallel_replicate", "data_parallel_shard"),
-                )
-            else:
-                self._data_parallel_mesh = init_device_mesh(
-                    self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
-                )
+            self._data_parallel_mesh = data_parallel_mesh(self.root_device.type, layout)
         if self.lightning_module is not None:
             # What `LightningModule.device_mesh` returns, for a module's own `configure_model`.
             require(self.lightning_module, "_device_mesh", "lightning", "LightningModule.device_mesh under fsdp")
@@ -212,8 +202,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
-        """Sharded checkpoints (app/checkpoints/sharded_io.py), also where the Trainer was built
-        without ddp-app's plugins; app/run/build.py passes one, written in the background or not."""
+        """Sharded checkpoints (app/checkpoints/sharded_io.py), also in a Trainer built without ddp-app's."""
         if self._checkpoint_io is None:
             self._checkpoint_io = ShardedCheckpointIO()
         return self._checkpoint_io
@@ -239,19 +228,16 @@ class FSDP2Strategy(ModelParallelStrategy):
             checkpoint_path, module=self.model, optimizers=self.optimizers, strict=self.lightning_module.strict_loading
         )
         saved = checkpoint_state.get(checkpoint, "sharding")  # None before hybrid sharding existed
-        if saved is not None and self.is_global_zero:
-            written, now = MeshLayout(**saved), self.mesh_layout
-            if written != now:
-                print(
-                    f"ddp-app: the checkpoint's shards were written by {written.describe()} and this run is "
-                    f"{now.describe()}: DCP reshards the weights and the optimizer state",
-                    flush=True,
-                )
+        if saved is not None and self.is_global_zero and MeshLayout(**saved) != self.mesh_layout:
+            print(
+                f"ddp-app: the checkpoint's shards were written by {MeshLayout(**saved).describe()} and this run "
+                f"is {self.mesh_layout.describe()}: DCP reshards the weights and the optimizer state",
+                flush=True,
+            )
         return checkpoint
 
     def teardown(self) -> None:
-        """The checkpoint writes finish (a failed one is said) while the process groups still exist
-        (ModelParallelStrategy's teardown skips the checkpoint I/O's)."""
+        """The checkpoint writes finish (a failed one is said); ModelParallelStrategy's skips them."""
         self.checkpoint_io.teardown()
         super().teardown()
 
@@ -266,6 +252,17 @@ class FSDP2Strategy(ModelParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         return get_optimizer_state_dict(self.model, optimizer)
+
+
+def data_parallel_mesh(device_type: str, layout: MeshLayout) -> DeviceMesh:
+    """What FSDP2 shards over: one dimension, "data_parallel", of every rank; under hybrid sharding
+    "data_parallel_replicate" x "data_parallel_shard", row-major (each shard group is `shards`
+    consecutive ranks). An explicit device type: a mesh built for "cuda" while gloo runs on CPU
+    failed (pytorch#132471)."""
+    if layout.is_hybrid:
+        names = ("data_parallel_replicate", "data_parallel_shard")
+        return init_device_mesh(device_type, (layout.replicas, layout.shards), mesh_dim_names=names)
+    return init_device_mesh(device_type, (layout.replicas * layout.shards,), mesh_dim_names=("data_parallel",))
 
 
 def _has_parameters(module: nn.Module) -> bool:
