@@ -358,7 +358,8 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
 
     Lightning's `AsyncCheckpointIO` is the base (its wrapping of a CheckpointIO, its loads), not its
     saves: they queue any number of writes, clone tensors on their device, and raise a failed write's
-    error raw at a later save, after queueing that one.
+    error raw at a later save, after queueing that one. `checkpoint_io`: one with a `prepare_write`
+    (`SafeCheckpointIO`, the default, or `ShardedCheckpointIO`).
     """
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None, overlap_copy: bool = False) -> None:
