@@ -112,21 +112,22 @@ def test_lightning_run_killed_during_saves_keeps_a_loadable_last_ckpt(tmp_path: 
     assert len(leftovers) <= 1, leftovers  # at most the one being written at the last kill
 
 
-class _FullDisk(io.RawIOBase):
-    """A file that takes `room` bytes and then fails as a full disk does (OSError ENOSPC)."""
+class _ShortWrites(io.RawIOBase):
+    """A file with `room` bytes left, as the OS has it: the write that crosses it is short (takes what
+    fits and says so), the next raises `OSError(code)` (full, over quota, failing)."""
 
-    def __init__(self, file: Any, room: int) -> None:
-        self.file, self.room = file, room
+    def __init__(self, file: Any, room: int, code: int) -> None:
+        self.file, self.room, self.code = file, room, code
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        size = len(memoryview(data))
-        if size > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= size
-        return self.file.write(data)
+        if self.room <= 0:
+            raise OSError(self.code, os.strerror(self.code))
+        taken = memoryview(data)[: self.room]
+        self.room -= len(taken)
+        return self.file.write(taken)
 
 
 def test_a_full_disk_inside_torch_save_is_reported_as_a_full_disk_with_the_path(tmp_path: Path) -> None:
@@ -135,7 +136,7 @@ def test_a_full_disk_inside_torch_save_is_reported_as_a_full_disk_with_the_path(
     target.write_bytes(b"previous")
     big = {"w": torch.randn(100_000)}
     with pytest.raises(OSError) as error:
-        atomic_write(target, lambda file: torch.save(big, _FullDisk(file, 50_000)))
+        atomic_write(target, lambda file: torch.save(big, io.BufferedWriter(_ShortWrites(file, 50_000, errno.ENOSPC))))
     assert error.value.errno == errno.ENOSPC and error.value.filename == str(target)
     assert target.read_bytes() == b"previous"
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
@@ -361,24 +362,6 @@ def test_a_checkpoint_with_a_byte_changed_on_disk_is_refused_naming_the_record(t
     finally:
         torch.serialization.set_crc32_options(True)
     assert torch.equal(safe_load(unchecked)["state_dict"]["w"], weights)
-
-
-class _ShortWrites(io.RawIOBase):
-    """A file with `room` bytes left, as the OS has it: the write that crosses it is short (takes what
-    fits and says so), the next raises `OSError(code)` (full, over quota, failing)."""
-
-    def __init__(self, file: Any, room: int, code: int) -> None:
-        self.file, self.room, self.code = file, room, code
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        if self.room <= 0:
-            raise OSError(self.code, os.strerror(self.code))
-        taken = memoryview(data)[: self.room]
-        self.room -= len(taken)
-        return self.file.write(taken)
 
 
 @pytest.mark.parametrize(
