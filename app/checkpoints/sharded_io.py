@@ -56,7 +56,6 @@ from app.checkpoints.sharded import (
     publish,
     remove_sharded,
     remove_unpublished,
-    sharded_write_error,
 )
 from app.checkpoints.staging import HostStaging
 
@@ -232,6 +231,16 @@ class ShardedCheckpointIO(CheckpointIO):
         if _distributed():
             dist.broadcast_object_list(values, src=0, group=group)
         return values
+
+
+def sharded_write_error(path: Path, error: CheckpointException) -> CheckpointWriteError | None:
+    """The one line for a sharded save the disk refused on some rank, as a file's save says it
+    (`write_failed`); None for any other failure, which keeps DCP's per-rank tracebacks."""
+    for rank, (failure, _) in sorted(error.failures.items()):
+        refused = disk_error_in(failure, path.parent)  # torch's zip writer's errors too
+        if refused is not None:
+            return write_failed(path, refused, f" (rank {rank}'s shards)")
+    return None
 
 
 class SafeFileSystemWriter(FileSystemWriter):

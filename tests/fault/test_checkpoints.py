@@ -400,7 +400,7 @@ def test_dcps_failure_of_another_rank_that_lost_its_cause_is_still_the_disks_one
     pos" arrives bare. On a full filesystem it is the full disk's line, naming that rank; elsewhere EIO."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from app.checkpoints.sharded import sharded_write_error
+    from app.checkpoints.sharded_io import sharded_write_error
 
     bare = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     failure = CheckpointException("write", {1: (bare, None), 0: (ValueError("not a disk"), None)})
