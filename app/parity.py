@@ -196,22 +196,14 @@ def reference_to_lightning_checkpoint(
         missing = sorted(set(state_dict) ^ set(module.state_dict()))
         raise ValueError(f"the reference's weights do not fit {type(module).__name__}: first mismatch {missing[0]}")
     scheduler_state = snapshot.get("SCHEDULER_STATE") or {}
-    converted = {
-        **{
-            key: lightning_checkpoint[key]
-            for key in ("pytorch-lightning_version", "epoch", "global_step", "loops")
-            if key in lightning_checkpoint
-        },
-        "state_dict": state_dict,
-        # Optimizer state is keyed by parameter index. The module holds nothing but `net` (checked
-        # above), so its parameters are the network's in the same order: the indices carry over.
-        "optimizer_states": [snapshot["OPTIMIZER_STATE"]],
-        "lr_schedulers": [scheduler_state] if scheduler_state else [],
-    }
-    position = (checkpoint_state.get(lightning_checkpoint, "exact_resume") or {}).get("position")
-    if position is not None:
-        checkpoint_state.put(converted, "exact_resume", {"position": position})
-    return converted
+    # Optimizer state is keyed by parameter index. The module holds nothing but `net` (checked above),
+    # so its parameters are the network's in the same order: the indices carry over.
+    return checkpoint_state.lightning_checkpoint(
+        state_dict,
+        [snapshot["OPTIMIZER_STATE"]],
+        [scheduler_state] if scheduler_state else [],
+        counters_of=lightning_checkpoint,
+    )
 
 
 def single_process_fit(config: dict[str, Any], world_size: int, mode: str) -> dict[str, torch.Tensor]:

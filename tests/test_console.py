@@ -22,7 +22,7 @@ ALLOWED = [
         r"",  # before the model summary
         r"ddp-app: launched as a plain command: LightningEnvironment, world size 2 = 1 node\(s\) x 2 process\(es\), "
         r"rendezvous [\d.]+:\d+",
-        # How checkpoints are written (app/run/build.py `checkpoint_save_mode`), once, at fit's start.
+        # How checkpoints are written (app/run/plan.py `checkpoint_save_plan`), once, at fit's start.
         r"ddp-app: checkpoints: written in the background \(.*\)",
         # Rank 0's one line that the ranks met (Lightning's rules and backend line around it: verbose only).
         r"All distributed processes registered\. Starting with 2 processes",

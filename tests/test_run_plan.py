@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import app.run.plan as plan_module
+from app.checkpoints.save_mode import SaveMode
 from app.cli import DDPAppCLI
 from app.cli.entry import check_before_launch
 from app.parallel.strategy import StrategyKind
@@ -37,7 +38,7 @@ def test_the_parse_only_pass_returns_the_plan_of_the_run(tmp_path: Path) -> None
     assert plan.subcommand == "fit" and plan.strategy.kind is StrategyKind.DDP
     assert plan.launch is not None and plan.world_size == 2 and plan.ranks.processes == 2
     assert plan.run_dir == tmp_path and plan.rank_zero and plan.resume.written is None
-    assert "written in the background" in plan.save_mode and plan.mesh is None
+    assert plan.checkpoints.mode is SaveMode.BACKGROUND and plan.mesh is None
     assert "(ddp)" in plan.describe() and "precision: 32-true" in plan.describe()
     with pytest.raises(AttributeError):
         plan.subcommand = "validate"  # type: ignore[misc]  (frozen: decided once)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from app.checkpoints import state as checkpoint_state
 from app.checkpoints.plugin import BackgroundCheckpointIO, SafeCheckpointIO
 from app.checkpoints.staging import HostStaging
 from app.cluster.threads import configure_cpu_threads
@@ -51,7 +52,7 @@ def measure(hidden: int, layers: int, saves: int, directory: Path) -> dict[str, 
     quiet = [train_step(model, optimizer, batch) for _ in range(10)]
 
     def checkpoint() -> dict[str, object]:
-        return {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}
+        return checkpoint_state.lightning_checkpoint(model.state_dict(), [optimizer.state_dict()])
 
     sync, background, overlap = SafeCheckpointIO(), BackgroundCheckpointIO(), BackgroundCheckpointIO(overlap_copy=True)
     fresh = BackgroundCheckpointIO()

@@ -19,6 +19,7 @@ import importlib
 import io
 import os
 import pickle
+import shutil
 import tempfile
 import urllib.request
 import zipfile
@@ -51,10 +52,11 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
         os.replace(temporary, path)
     except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
-        if _disk_full_in(error) and not (isinstance(error, OSError) and error.filename):
-            # torch.save's zip writer reports a full disk as "unexpected pos" while closing, with
-            # the OSError(ENOSPC) only in the context: raise the cause the user can act on, with the path.
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
+        refused = disk_error_in(error, path.parent)
+        if refused is not None and not (isinstance(error, OSError) and error.filename):
+            # torch.save's zip writer reports a full disk as "unexpected pos" while closing, with the
+            # OSError only in the context (or nowhere): raise the cause the user can act on, with the path.
+            raise OSError(refused.errno, refused.strerror, str(path)) from error
         raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
@@ -63,16 +65,35 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
         os.close(directory)
 
 
-def _disk_full_in(error: BaseException) -> bool:
-    """Whether an `OSError(ENOSPC)` is in `error`'s cause/context chain."""
+# What torch's zip writer (caffe2 inline_container.cc) raises when a write of the file under it failed
+# or came back short: its own RuntimeError, the OSError (if any) only in the exception's context.
+ZIP_WRITER_FAILURES = ("unexpected pos", "PytorchStreamWriter failed writing")
+LOW_SPACE_BYTES = 1 << 20  # a filesystem with less free than this after a failed write is called full
+
+
+def disk_error_in(error: BaseException, directory: str | Path) -> OSError | None:
+    """The disk's refusal behind a failed write into `directory`, or None for any other failure (a
+    bug keeps its traceback): the first OSError in `error`'s cause/context chain (ENOSPC, EDQUOT,
+    EIO, EROFS, ...), else, for torch's zip writer failing on its own ("unexpected pos": a short
+    write, or a chain lost on the way, as DCP's pickled per-rank failures lose it), an OSError
+    ENOSPC where the filesystem is (nearly) full and EIO where it is not."""
     seen: set[int] = set()
     current: BaseException | None = error
+    zip_writer = False
     while current is not None and id(current) not in seen:
-        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
-            return True
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        zip_writer = zip_writer or any(sign in str(current) for sign in ZIP_WRITER_FAILURES)
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    return False
+    if not zip_writer:
+        return None
+    try:
+        full = shutil.disk_usage(directory).free < LOW_SPACE_BYTES
+    except OSError:
+        full = False
+    code = errno.ENOSPC if full else errno.EIO
+    return OSError(code, os.strerror(code))
 
 
 def gather_per_rank(state: Any) -> list[Any]:

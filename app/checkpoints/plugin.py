@@ -1,8 +1,10 @@
 """The Trainer's checkpoint I/O (`trainer.plugins`): Lightning's own, made atomic and safe to load,
 and written in the background by default.
 
-Every ddp-app Trainer gets it (app/run/build.py), a config with its own `plugins:` too; the sharded
-path (strategy fsdp) writes through app/parallel/fsdp.py instead.
+Every ddp-app Trainer gets one (app/run/build.py `save_plan`), a config with its own `plugins:` too:
+`SafeCheckpointIO` (a file from rank 0) or, under strategy fsdp, `ShardedCheckpointIO` (every rank's
+shards, app/checkpoints/sharded_io.py), each wrapped in `BackgroundCheckpointIO` where saves are
+written in the background. Both go through the one `BackgroundWriter` below.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from app.errors import UserFacingError
 from app.private_apis import require
 
 Stage = Callable[..., tuple[Any, ...]]  # a write's arguments -> the ones it writes, copied (`stage`)
+# What a checkpoint I/O hands the writer for a background save (`prepare_write`): the write, its
+# arguments, and the late copy to make of them first on the writer thread (None: none).
+Write = tuple[Callable[..., None], tuple[Any, ...], Stage | None]
 OVERLAP_CHECK = "last_checkpoint.overlap_copy's check that no parameter changed while a save copied it"
 WRITER_NICENESS = 10  # about a tenth of a core's time against a training thread at 0 (the kernel's weights)
 
@@ -76,6 +81,12 @@ class SafeCheckpointIO(TorchCheckpointIO):
         if isinstance(checkpoint, dict):
             checkpoint.setdefault("callbacks", {})
         return checkpoint
+
+    def prepare_write(self, checkpoint: dict[str, Any], path: Any, staging: HostStaging, late: dict[int, str]) -> Write:
+        """A background save's part on the training thread: the whole checkpoint copied to host memory
+        (`snapshot`, less the `late` storages, copied on the writer thread by `stage`)."""
+        copied = snapshot(checkpoint, staging, late)
+        return self.save_checkpoint, (copied, path, None), functools.partial(stage, staging) if late else None
 
 
 def version(tensor: torch.Tensor) -> int:
@@ -141,9 +152,9 @@ def stage(staging: HostStaging, checkpoint: dict[str, Any], path: Any, *rest: An
 
 
 class BackgroundWriter:
-    """Checkpoint writes on one background thread, for both save paths: `BackgroundCheckpointIO` (a file
-    from rank 0, DDP or one process) and strategy fsdp's sharded saves (app/parallel/fsdp.py, which
-    bypass the CheckpointIO). What is written is the caller's; how and when is this class's:
+    """Checkpoint writes on one background thread, for both checkpoint I/Os `BackgroundCheckpointIO`
+    wraps: a file from rank 0 (`SafeCheckpointIO`, DDP or one process) and every rank's shards
+    (`ShardedCheckpointIO`, strategy fsdp). What is written is the I/O's; how and when is this class's:
 
     - at most one write in flight: a save first waits for the previous one (and says so when that
       took long: saves come faster than the disk takes them), so host memory holds one copy (its
@@ -341,12 +352,14 @@ class BackgroundWriter:
 
 
 class BackgroundCheckpointIO(AsyncCheckpointIO):
-    """`SafeCheckpointIO`'s atomic saves, written by a `BackgroundWriter`: a save blocks training only
-    for `snapshot`, a copy to host memory (`last_checkpoint.async_save`, docs/resume.md).
+    """A checkpoint I/O's saves (`SafeCheckpointIO`'s atomic file, `ShardedCheckpointIO`'s shards)
+    written by a `BackgroundWriter`: a save blocks training only for what the I/O's `prepare_write`
+    does on the training thread, a copy to host memory (`last_checkpoint.async_save`, docs/resume.md).
 
     Lightning's `AsyncCheckpointIO` is the base (its wrapping of a CheckpointIO, its loads), not its
     saves: they queue any number of writes, clone tensors on their device, and raise a failed write's
-    error raw at a later save, after queueing that one.
+    error raw at a later save, after queueing that one. `checkpoint_io`: one with a `prepare_write`
+    (`SafeCheckpointIO`, the default, or `ShardedCheckpointIO`).
     """
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None, overlap_copy: bool = False) -> None:
@@ -355,21 +368,26 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
         self.staging = HostStaging()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        write = self.checkpoint_io.save_checkpoint
+        checkpoint_io = self.checkpoint_io
         if self.writer.begin_save(Path(path).name):
-            late = self.writer.stepped_storages()  # empty unless `overlap_copy`
-            copied = snapshot(checkpoint, self.staging, late)
-            staged = functools.partial(stage, self.staging) if late else None
-            self.writer.write_in_background(write, copied, path, storage_options, stage=staged)
+            if storage_options is not None:
+                raise TypeError("BackgroundCheckpointIO takes no storage_options (checkpoints go to a path).")
+            late = self.writer.stepped_storages()  # empty unless `overlap_copy`; alike on every rank
+            write, arguments, staged = checkpoint_io.prepare_write(checkpoint, path, self.staging, late)
+            self.writer.write_in_background(write, *arguments, stage=staged)
         else:
-            write(checkpoint, path, storage_options)
+            checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
             self.writer.written()
 
     def remove_checkpoint(self, path: Any) -> None:
         self.writer.remove(self.checkpoint_io.remove_checkpoint, path)
 
     def teardown(self) -> None:
-        self.writer.teardown()
+        """The writes finish (a failed one is said); the last save's host copy is released."""
+        try:
+            self.writer.teardown()
+        finally:
+            self.staging = HostStaging()
 
 
 def _yield_to_training() -> None:
@@ -381,13 +399,8 @@ def _yield_to_training() -> None:
 
 
 def background_writer(trainer: L.Trainer) -> BackgroundWriter | None:
-    """The writer of this Trainer's background saves, if it has one: strategy fsdp's own (its shards
-    bypass the CheckpointIO; app/parallel/fsdp.py), else a BackgroundCheckpointIO's."""
-    strategy = trainer.strategy
-    own = getattr(strategy, "background_writer", None)
-    if isinstance(own, BackgroundWriter):
-        return own
-    checkpoint_io = strategy.checkpoint_io
+    """The writer of this Trainer's background saves, if it has one (its BackgroundCheckpointIO's)."""
+    checkpoint_io = trainer.strategy.checkpoint_io
     return checkpoint_io.writer if isinstance(checkpoint_io, BackgroundCheckpointIO) else None
 
 

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
@@ -48,7 +47,6 @@ from app.checkpoints.io import (
     safe_load,
     summarize_checkpoint,
 )
-from app.checkpoints.plugin import CheckpointWriteError, write_failed
 
 META_NAME = "meta.pt"  # rank 0's non-tensor part of the Lightning checkpoint (Lightning's name too)
 DCP_INDEX = ".metadata"  # DCP's index of every shard, written last (torch.distributed.checkpoint.filesystem)
@@ -106,15 +104,6 @@ def publish(shards: Path, path: Path) -> None:
     os.replace(link, path)
     _fsync_directory(path.parent)
     remove_unpublished(path)
-
-
-def sharded_write_error(path: Path, error: CheckpointException) -> CheckpointWriteError | None:
-    """The one line for a sharded save the disk refused on some rank, as a file's save says it
-    (`write_failed`); None for any other failure, which keeps DCP's per-rank tracebacks."""
-    for rank, (failure, _) in sorted(error.failures.items()):
-        if isinstance(failure, OSError):
-            return write_failed(path, failure, f" (rank {rank}'s shards)")
-    return None
 
 
 def remove_sharded(path: Path) -> None:

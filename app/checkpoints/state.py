@@ -7,9 +7,11 @@ each callback's `state_dict`. What ddp-app adds lives under `checkpoint["ddp_app
     {"format_version": 2, "parts": {"exact_resume": {...}, "tracking": {...}, "gradient_compression": {...}}}
 
 Each part has one owner, named in `PARTS`, which writes it with `put` while Lightning builds the
-checkpoint (on every rank, in the owner's `on_save_checkpoint`) and reads it with `get`. No other code
-writes a top-level key of a checkpoint. On the sharded path (strategy fsdp) the same dict goes into the
-checkpoint's `meta.pt` beside the shards (app/parallel/fsdp.py).
+checkpoint (on every rank, in the owner's `on_save_checkpoint`) and reads it with `get`. Only
+app/checkpoints/ writes a checkpoint's top-level keys (`TOP_LEVEL_KEYS`) or the entries under them;
+code elsewhere goes through the functions here (`put`, `lightning_checkpoint`, `replace_loop_state`),
+and tests/checkpoints/test_one_writer.py checks it. On the sharded path (strategy fsdp) the same dict
+goes into the checkpoint's `meta.pt` beside the shards (app/checkpoints/sharded_io.py).
 
 Checkpoints written before this format (format 1: ddp-app 689925d and earlier, one top-level key per
 part) are read through `migrate_format_1`, so they still resume; a checkpoint of a newer format is
@@ -19,6 +21,7 @@ and the parity tools read it too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from app.errors import ResumeError
@@ -44,6 +47,26 @@ _FORMAT_1_KEYS = {
     "user_code_directories": ("exact_resume", "user_code_directories"),
     "ddp_app_run": ("tracking", "run"),
 }
+
+
+# The top-level keys of a Lightning checkpoint (`_CheckpointConnector.dump_checkpoint`) that ddp-app
+# reads or builds; with ddp-app's own and format 1's, every key only app/checkpoints/ writes.
+LIGHTNING_KEYS = (
+    "epoch",
+    "global_step",
+    "pytorch-lightning_version",
+    "state_dict",
+    "loops",
+    "callbacks",
+    "optimizer_states",
+    "lr_schedulers",
+    "hparams_name",
+    "hyper_parameters",
+    "datamodule_hparams_name",
+    "datamodule_hyper_parameters",
+)
+COUNTER_KEYS = ("pytorch-lightning_version", "epoch", "global_step", "loops")  # where a fit stopped
+TOP_LEVEL_KEYS = frozenset((*LIGHTNING_KEYS, STATE_KEY, *_FORMAT_1_KEYS, "gradient_compression"))
 
 
 def put(checkpoint: dict[str, Any], part: str, value: Any) -> None:
@@ -89,3 +112,32 @@ def migrate_format_1(checkpoint: dict[str, Any]) -> dict[str, Any]:
     if "gradient_compression" in checkpoint:
         parts["gradient_compression"] = checkpoint["gradient_compression"]
     return parts
+
+
+def lightning_checkpoint(
+    state_dict: dict[str, Any],
+    optimizer_states: list[Any],
+    lr_schedulers: list[Any] | None = None,
+    counters_of: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A checkpoint Lightning loads: these weights, optimizer and scheduler states and, from
+    `counters_of` (a checkpoint Lightning wrote), where its fit stopped (`COUNTER_KEYS`) and its data
+    position (the `exact_resume` part's), nothing else of it (app.parity continues the reference's
+    run from one; the save benchmarks write one)."""
+    checkpoint: dict[str, Any] = {key: counters_of[key] for key in COUNTER_KEYS if key in (counters_of or {})}
+    checkpoint["state_dict"] = state_dict
+    checkpoint["optimizer_states"] = optimizer_states
+    if lr_schedulers is not None:
+        checkpoint["lr_schedulers"] = lr_schedulers
+    position = (get(counters_of, "exact_resume") or {}).get("position") if counters_of is not None else None
+    if position is not None:
+        put(checkpoint, "exact_resume", {"position": position})
+    return checkpoint
+
+
+def replace_loop_state(checkpoint: dict[str, Any], loop: str, change: Callable[[Any], Any]) -> None:
+    """Lightning's state of `loop` (`fit_loop`) in a checkpoint being loaded, replaced by
+    `change(state)`; nothing where the checkpoint has none (ExactResume's canonical counters)."""
+    loops = checkpoint.get("loops") or {}
+    if loop in loops:
+        loops[loop] = change(loops[loop])

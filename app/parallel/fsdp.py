@@ -17,8 +17,9 @@ same run works on CPU with gloo. The data is sharded over every rank under eithe
 samplers, and `distributed_sampler_kwargs` below): Lightning's own would shard it over the
 `data_parallel` mesh dimension only, and under HSDP every rank of a group would read the same batches.
 
-Checkpoints are sharded: every rank writes its shards through DCP, and a save is published
-atomically (app/checkpoints/sharded.py); a resume on another number of ranks reshards them.
+Checkpoints are sharded: every rank writes its shards through the strategy's checkpoint I/O
+(`ShardedCheckpointIO`, app/checkpoints/sharded_io.py: DCP, published atomically), which this class
+calls on every rank; a resume on another number of ranks reshards them.
 """
 
 from __future__ import annotations
@@ -29,48 +30,20 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 import torch.distributed._composable as composable
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from app.checkpoints import state as checkpoint_state
-from app.checkpoints.io import CheckpointError, atomic_torch_save, safe_load
-from app.checkpoints.plugin import (
-    BackgroundWriter,
-    CheckpointWriteError,
-    changed_while_copied,
-    snapshot,
-    stage,
-    write_failed,
-)
-from app.checkpoints.sharded import (
-    META_NAME,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    is_sharded_checkpoint,
-    new_shards_directory,
-    publish,
-    remove_sharded,
-    remove_unpublished,
-    sharded_write_error,
-)
-from app.checkpoints.staging import HostStaging
+from app.checkpoints.sharded_io import ShardedCheckpointIO
 from app.errors import UserFacingError
 from app.parallel.mesh import MeshLayout, ShardGroupSize, check_shard_group_size, mesh_layout
 from app.private_apis import require
@@ -82,8 +55,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy with the sharding done for the user, and safe, atomic,
-    resharding checkpoints.
+    """Lightning's ModelParallelStrategy with the sharding done for the user; its checkpoints (safe,
+    atomic, resharding) are its checkpoint I/O's (`ShardedCheckpointIO`).
 
     Args:
         shard_modules: class names of the submodules that become their own shard units (gathered
@@ -141,10 +114,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.shard_group_size = shard_group_size
         check_shard_group_size(shard_group_size)
         self._data_parallel_mesh: DeviceMesh | None = None
-        # Set by app/run/build.py where saves are written in the background (`last_checkpoint.async_save`).
-        self.background_writer: BackgroundWriter | None = None
-        self._checkpoint_group: dist.ProcessGroup | None = None  # the background writes' own (gloo)
-        self._host_staging = HostStaging()  # background saves' host copy, kept from save to save
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -173,17 +142,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             layout = self.mesh_layout  # a bad shard_group_size stops every rank before any collective
             require(self, "_setup_distributed", "lightning", "starting the process group of strategy fsdp")
             self._setup_distributed()  # ModelParallelStrategy's: the process group with our timeout
-            # An explicit device type: a mesh built for "cuda" while gloo runs on CPU failed (pytorch#132471).
-            if layout.is_hybrid:  # row-major: each shard group is `shards` consecutive ranks
-                self._data_parallel_mesh = init_device_mesh(
-                    self.root_device.type,
-                    (layout.replicas, layout.shards),
-                    mesh_dim_names=("data_parallel_replicate", "data_parallel_shard"),
-                )
-            else:
-                self._data_parallel_mesh = init_device_mesh(
-                    self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
-                )
+            self._data_parallel_mesh = data_parallel_mesh(self.root_device.type, layout)
         if self.lightning_module is not None:
             # What `LightningModule.device_mesh` returns, for a module's own `configure_model`.
             require(self.lightning_module, "_device_mesh", "lightning", "LightningModule.device_mesh under fsdp")
@@ -241,157 +200,46 @@ class FSDP2Strategy(ModelParallelStrategy):
             )
         return units
 
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Sharded checkpoints (app/checkpoints/sharded_io.py), also in a Trainer built without ddp-app's."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ShardedCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        """Every rank writes its shards into a fresh directory; rank 0 writes meta.pt and, once every
-        rank has finished, publishes it under `filepath` atomically (app/checkpoints/sharded.py).
-
-        With `background_writer` (`last_checkpoint.async_save`, during training) the save blocks only
-        while this rank's shards are copied to host memory (`snapshot`, into buffers kept from save
-        to save): the writes (`dcp.save` of that copy), DCP's index and the publishing of the link
-        run on the writer's thread, whose collectives go over a process group of their own (gloo:
-        DCP's background collectives need a CPU group, and must not interleave with training's on the
-        default group). A kill before the link moves
-        leaves the previous checkpoint published; the next save removes the unpublished directory."""
-        if storage_options is not None:
-            raise TypeError("FSDP2Strategy.save_checkpoint takes no storage_options (checkpoints go to a path).")
-        writer = self.background_writer
-        in_background = writer.begin_save(Path(filepath).name) if writer is not None else False
-        path = Path(self.broadcast(str(filepath)))
-        shards = new_shards_directory(path) if self.is_global_zero else None
-        shards = Path(self.broadcast(str(shards)))
-        if self.is_global_zero:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                remove_unpublished(path)  # directories of saves a kill interrupted
-                shards.mkdir()
-            except OSError as error:
-                raise write_failed(path, error) from error
-        self.barrier()
+        """Every rank's shards through the checkpoint I/O, on every rank (Lightning's `Strategy` calls it
+        on rank 0 only), with the mesh they are written from."""
         layout = self.mesh_layout
         checkpoint_state.put(checkpoint, "sharding", {"replicas": layout.replicas, "shards": layout.shards})
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            tensors[f"optimizer_{index}"] = optimizer_state
-        if in_background:
-            assert writer is not None
-            if self._checkpoint_group is None:  # every rank, at the same save: a collective call
-                self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
-            # The only part that blocks: this rank's shards copied into host buffers kept from the last
-            # save, as a DDP save's (`snapshot`). With last_checkpoint.overlap_copy, what an optimizer
-            # step changes is copied on the writer's thread instead, while the next step's forward and
-            # backward run; that step's update waits for the copy (`stage`).
-            late = writer.stepped_storages()  # empty unless overlap_copy
-            staged = snapshot(tensors, self._host_staging, late)
-            if self.is_global_zero:
-                self._write_meta(checkpoint, shards, path)
-            copy_late = self._copy_late if writer.copies_late else None  # alike on every rank
-            writer.write_in_background(self._save_staged, staged, path, shards, stage=copy_late)
-            return
-        try:
-            dcp.save(tensors, checkpoint_id=shards)  # returns once DCP's index is written (rank 0, after all)
-        except CheckpointException as error:
-            _raise_write_error(path, error)
-        if self.is_global_zero:
-            self._write_meta(checkpoint, shards, path)
-        self.barrier()
-        if self.is_global_zero:
-            publish(shards, path)
-        if writer is not None:
-            writer.written()
-
-    def _copy_late(self, staged: dict[str, Any], path: Path, shards: Path) -> tuple[Any, ...]:
-        """On the writer's thread (`last_checkpoint.overlap_copy`): the late copies made (`stage`); a
-        change seen while they were made is held for `_save_staged` to fail the save on every rank."""
-        try:
-            staged, *_ = stage(self._host_staging, staged, path)
-        except CheckpointWriteError as torn:
-            return staged, path, shards, torn
-        return staged, path, shards, None
-
-    def _save_staged(
-        self, staged: dict[str, Any], path: Path, shards: Path, torn: CheckpointWriteError | None = None
-    ) -> None:
-        """On the writer's thread: DCP writes this rank's staged shards (a blocking `dcp.save` of the
-        host copies, its collectives over the writes' own group), then rank 0 moves the link. Rank 0's
-        `dcp.save` returns once every rank's shards and DCP's index are on disk (DCP gathers every
-        rank's result before it writes the index).
-
-        First every rank learns whether any rank's late copy was `torn` (one all-reduce), so that all
-        of them fail that save alike instead of the others waiting in `dcp.save` for it.
-
-        Not `dcp.async_save` from the training thread: its upload thread, started there, ran at
-        training's priority and took its time from the save step (about 1 s of a 1 GB save's 5.5 s
-        step on 2 busy cores, in a timed fit not kept); here, DCP's work runs at the writer's
-        lower priority."""
-        changed = torch.tensor([self.global_rank + 1 if torn is not None else 0], dtype=torch.int32)
-        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self._checkpoint_group)
-        if changed.item():
-            other = f"a parameter or optimizer state on rank {int(changed.item()) - 1}"
-            raise torn or changed_while_copied(path, other)
-        try:
-            dcp.save(staged, checkpoint_id=shards, process_group=self._checkpoint_group)
-        except CheckpointException as error:
-            _raise_write_error(path, error)
-        if self.is_global_zero:
-            try:
-                publish(shards, path)
-            except OSError as error:
-                raise write_failed(path, error) from error
-
-    @staticmethod
-    def _write_meta(checkpoint: dict[str, Any], shards: Path, path: Path) -> None:
-        try:
-            atomic_torch_save(checkpoint, shards / META_NAME)
-        except OSError as error:
-            raise write_failed(path, error) from error
-
-    def remove_checkpoint(self, filepath: str | Path) -> None:
-        if not self.is_global_zero:
-            return
-        if self.background_writer is not None:
-            self.background_writer.remove(remove_sharded, Path(filepath))  # after the save before it is published
-        else:
-            remove_sharded(Path(filepath))
-
-    def teardown(self) -> None:
-        """The background writes finish (a failed one is said) while the process groups still exist."""
-        if self.background_writer is not None:
-            self.background_writer.teardown()
-        self._host_staging = HostStaging()  # the last save's host copy released
-        super().teardown()
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load this rank's part of the weights and optimizer state (DCP reshards them when the world
-        size changed) and return the rest of the checkpoint; nothing read here can run code."""
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not is_sharded_checkpoint(path):
-            raise CheckpointError(
-                f"{path} is not a sharded checkpoint, which strategy fsdp resumes from (loading a DDP checkpoint "
-                "into a sharded model is not built yet). Fix: resume it with the strategy it was trained with."
-            )
+        """This rank's part of the weights and optimizer state loaded in place by the checkpoint I/O
+        (DCP reshards them when the mesh changed); returns the rest of the checkpoint."""
         assert self.model is not None
-        strict = self.lightning_module.strict_loading
-        model_state = {"state_dict": get_model_state_dict(self.model)}
-        dcp.load(model_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
-        set_model_state_dict(self.model, model_state["state_dict"], options=StateDictOptions(strict=strict))
-        for index, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{index}"
-            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            dcp.load(optimizer_state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
-            set_optimizer_state_dict(self.model, optimizer, optimizer_state[key])
-        checkpoint = safe_load(path / META_NAME, name=f"--ckpt_path {path}")
+        checkpoint = self.checkpoint_io.load_checkpoint(
+            checkpoint_path, module=self.model, optimizers=self.optimizers, strict=self.lightning_module.strict_loading
+        )
         saved = checkpoint_state.get(checkpoint, "sharding")  # None before hybrid sharding existed
-        if saved is not None and self.is_global_zero:
-            written, now = MeshLayout(**saved), self.mesh_layout
-            if written != now:
-                print(
-                    f"ddp-app: the checkpoint's shards were written by {written.describe()} and this run is "
-                    f"{now.describe()}: DCP reshards the weights and the optimizer state",
-                    flush=True,
-                )
+        if saved is not None and self.is_global_zero and MeshLayout(**saved) != self.mesh_layout:
+            print(
+                f"ddp-app: the checkpoint's shards were written by {MeshLayout(**saved).describe()} and this run "
+                f"is {self.mesh_layout.describe()}: DCP reshards the weights and the optimizer state",
+                flush=True,
+            )
         return checkpoint
+
+    def teardown(self) -> None:
+        """The checkpoint writes finish (a failed one is said); ModelParallelStrategy's skips them."""
+        self.checkpoint_io.teardown()
+        super().teardown()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards (DTensors), for DCP."""
@@ -406,12 +254,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         return get_optimizer_state_dict(self.model, optimizer)
 
 
-def _raise_write_error(path: Path, error: CheckpointException) -> None:
-    """Raise the one line of a sharded save the disk refused, else DCP's own error (a bug's tracebacks)."""
-    one_line = sharded_write_error(path, error)
-    if one_line is None:
-        raise error
-    raise one_line from error
+def data_parallel_mesh(device_type: str, layout: MeshLayout) -> DeviceMesh:
+    """What FSDP2 shards over: one dimension, "data_parallel", of every rank; under hybrid sharding
+    "data_parallel_replicate" x "data_parallel_shard", row-major (each shard group is `shards`
+    consecutive ranks). An explicit device type: a mesh built for "cuda" while gloo runs on CPU
+    failed (pytorch#132471)."""
+    if layout.is_hybrid:
+        names = ("data_parallel_replicate", "data_parallel_shard")
+        return init_device_mesh(device_type, (layout.replicas, layout.shards), mesh_dim_names=names)
+    return init_device_mesh(device_type, (layout.replicas * layout.shards,), mesh_dim_names=("data_parallel",))
 
 
 def _has_parameters(module: nn.Module) -> bool:

@@ -380,11 +380,10 @@ class ExactResume(L.Callback, TrainingPosition):
             saved, trainer.world_size, trainer.global_rank, self.global_batch_size, self.elastic
         )
         position = resumed.position
-        loops = checkpoint.get("loops") or {}
-        if "fit_loop" in loops:
-            loops["fit_loop"] = canonical_fit_loop_state(
-                loops["fit_loop"], position, validates_after_epoch(trainer, position.epoch)
-            )
+        validates = validates_after_epoch(trainer, position.epoch)
+        checkpoint_state.replace_loop_state(
+            checkpoint, "fit_loop", lambda fit_loop: canonical_fit_loop_state(fit_loop, position, validates)
+        )
         self.epoch, self.epoch_end_done = position.epoch, position.epoch_end_done
         self.batches_seen = self.batches_done = position.batches_done
         self._skip = position.batches_to_skip

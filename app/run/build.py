@@ -34,12 +34,12 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, RichModelSummary
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
@@ -48,7 +48,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 
 from app.checkpoints.io import CheckpointSummary
 from app.checkpoints.last import agreed_last_checkpoint
-from app.checkpoints.plugin import BackgroundCheckpointIO, BackgroundWriter, SafeCheckpointIO
+from app.checkpoints.save_mode import SavePlan
 from app.cluster.ddp_stream import build_ddp_on_the_current_stream
 from app.cluster.hangs import HangReport
 from app.cluster.preemption import STOP_SIGNAL_FLAG, keep_lightning_off_stop_signals
@@ -67,7 +67,7 @@ from app.run.callbacks import (
 )
 from app.run.config_checks import apply_collective_timeout, drop_static_graph_for_accumulation
 from app.run.coordinator import RunCoordinator
-from app.run.plan import IN_THE_BACKGROUND, ResumeFrom, RunPlan, resume_from_last
+from app.run.plan import ResumeFrom, RunPlan, resume_from_last
 from app.run.step_timing import StepTiming, serve_first_batch_again
 from app.run.summary import EvaluationThroughput
 from app.tracking.run import Tracking
@@ -153,19 +153,12 @@ def build_trainer(
     """The Trainer of this run (`make_trainer`: LightningCLI's own, with the keyword arguments it is
     given), and the evaluation throughput meter of validate/test/predict."""
     subcommand, launch, strategy = plan.subcommand, plan.launch, plan.strategy
-    # Plugins. A config's own plugins replace the default list: keep the safe checkpoint I/O anyway.
+    # Plugins: the config's own, with the checkpoint I/O the plan chooses (app/checkpoints/save_mode.py).
+    saving: SavePlan = plan.checkpoints
     plugins = config["trainer"].get("plugins") or []
-    plugins = list(plugins) if isinstance(plugins, list) else [plugins]
-    if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
-        plugins.append(SafeCheckpointIO())
-    # Saves in the background where the Trainer writes one file from rank 0 through this plugin, unless
-    # the config brings its own plugin; under fsdp the strategy writes its shards itself (below).
-    save_mode = plan.save_mode
-    in_background = save_mode.startswith(IN_THE_BACKGROUND)
-    sharded = strategy.is_sharded
-    if in_background and not sharded:
-        overlap = config["last_checkpoint"].overlap_copy
-        plugins = [BackgroundCheckpointIO(p, overlap) if type(p) is SafeCheckpointIO else p for p in plugins]
+    plugins = saving.plugins(
+        plugins if isinstance(plugins, list) else [plugins], timedelta(seconds=config["collective_timeout_s"])
+    )
     # Not SLURMEnvironment.detect(): that is also true under torchrun inside a Slurm job. Preemption is
     # handled by ddp-app at a step boundary, not by Lightning's SIGUSR1 handler, which saves inside the
     # signal handler (Lightning #21406).
@@ -212,9 +205,6 @@ def build_trainer(
         # `enable_checkpointing: false` refuses any Checkpoint callback at construction, and the
         # coordinator is one (for its place in the hooks) that then saves nothing.
         trainer.callbacks.append(coordinator)
-    if in_background and sharded:
-        # Strategy fsdp writes its shards itself (DCP), past the CheckpointIO: it gets the writer directly.
-        trainer.strategy.background_writer = BackgroundWriter(config["last_checkpoint"].overlap_copy)
     keep_lightning_off_stop_signals(trainer)  # private: Lightning's SIGTERM handler broadcasts inside it
     build_ddp_on_the_current_stream(trainer.strategy, strategy.kind)  # private: Lightning wraps DDP on a side stream
     if subcommand not in (None, "fit") or not saves_last:
@@ -226,7 +216,7 @@ def build_trainer(
         mesh = plan.mesh.describe() if plan.mesh else None
         print(describe_launch(launch, environment, mesh=mesh), flush=True)
     if subcommand == "fit" and saves_last and trainer.is_global_zero:
-        print(f"ddp-app: checkpoints: {save_mode}", flush=True)
+        print(f"ddp-app: checkpoints: {saving.line}", flush=True)
     if config["trainer"]["logger"] in (None, True) and subcommand != "fit":
         trainer.loggers = evaluation_loggers(trainer.default_root_dir, subcommand or "run")  # fit's: `prepare_run`
     if subcommand == "predict":

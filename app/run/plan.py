@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from jsonargparse import Namespace
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from app.checkpoints.io import (
     CheckpointSummary,
@@ -32,7 +31,7 @@ from app.checkpoints.io import (
     not_a_checkpoint,
     refuse_url,
 )
-from app.checkpoints.plugin import SafeCheckpointIO
+from app.checkpoints.save_mode import SavePlan, save_plan
 from app.checkpoints.sharded import is_checkpoint, is_sharded_checkpoint, summarize_any
 from app.cluster.launch import RankPlan, rank_plan
 from app.cluster.preflight import Launch, on_gpu, preflight
@@ -77,7 +76,7 @@ class RunPlan:
     launch: Launch | None
     ranks: RankPlan
     mesh: MeshLayout | None
-    save_mode: str  # how checkpoints are written, as fit's first lines say it
+    checkpoints: SavePlan  # how checkpoints are written, and through which checkpoint I/O
     resume: ResumeFrom
     precision: str
     run_dir: Path
@@ -105,7 +104,7 @@ class RunPlan:
             f"strategy: {self.strategy.written} ({self.strategy.kind.value})"
             + (f", {self.mesh.describe()}" if self.mesh else ""),
             f"launch: {where}; forks {self.ranks.processes} local rank(s)",
-            f"checkpoints: {self.save_mode}",
+            f"checkpoints: {self.checkpoints.line}",
             f"resume: {self.resume.written or 'no'}",
             f"precision: {self.precision}",
             f"run directory: {self.run_dir}",
@@ -165,7 +164,7 @@ def make_run_plan(
         launch=launch,
         ranks=ranks,
         mesh=mesh,
-        save_mode=checkpoint_save_mode(config, strategy),
+        checkpoints=checkpoint_save_plan(config, strategy),
         resume=resume,
         precision=str(trainer_config.get("precision") or "32-true"),  # Lightning's default when unset
         run_dir=Path(trainer_config.get("default_root_dir") or os.getcwd()),
@@ -174,30 +173,17 @@ def make_run_plan(
     )
 
 
-IN_THE_BACKGROUND = "written in the background"
-
-
-def checkpoint_save_mode(config: Any, strategy: ResolvedStrategy) -> str:
-    """How this run's checkpoints are written, as the line at fit's start says it."""
+def checkpoint_save_plan(config: Any, strategy: ResolvedStrategy) -> SavePlan:
+    """How this run's checkpoints are written (app/checkpoints/save_mode.py), for the plan's strategy."""
     plugins = config["trainer"].get("plugins") or []
-    plugins = plugins if isinstance(plugins, list) else [plugins]
-    own = [type(p).__name__ for p in plugins if isinstance(p, CheckpointIO) and type(p) is not SafeCheckpointIO]
-    if not config["last_checkpoint"].async_save:
-        return "written before training goes on (last_checkpoint.async_save: false)"
-    whose = "this rank's shards" if strategy.kind == StrategyKind.FSDP else "the checkpoint"
-    pause = f"a save pauses training for a copy of {whose} to host memory; last_checkpoint.async_save"
-    if config["last_checkpoint"].overlap_copy:
-        pause = (
-            f"a save pauses training for a copy of {whose} less the parameters and optimizer state, which are "
-            "copied during the next step, whose optimizer step waits for them; last_checkpoint.overlap_copy"
-        )
-    if strategy.kind == StrategyKind.FSDP:  # its shards bypass the CheckpointIO: a config's own plugin changes nothing
-        return f"{IN_THE_BACKGROUND} by every rank ({pause})"
-    if strategy.kind not in (StrategyKind.DDP, StrategyKind.SINGLE):
-        return f"written before training goes on (strategy {strategy.written} writes its own checkpoints)"
-    if own:
-        return f"written before training goes on, by the config's checkpoint I/O plugin {own[0]}"
-    return f"{IN_THE_BACKGROUND} ({pause})"
+    writes_own = strategy.kind not in (StrategyKind.DDP, StrategyKind.SINGLE, StrategyKind.FSDP)
+    return save_plan(
+        config["last_checkpoint"].async_save,
+        config["last_checkpoint"].overlap_copy,
+        plugins if isinstance(plugins, list) else [plugins],
+        sharded=strategy.is_sharded,
+        own_writer=strategy.written if writes_own else None,
+    )
 
 
 def expand_strategy_names(trainer_config: Any) -> None:

@@ -250,3 +250,41 @@ def test_host_staging_gives_a_tensor_its_last_buffer_and_a_changed_one_a_new_buf
     staging.finish()
     assert reshaped.shape == (8, 64) and reshaped.data_ptr() != first[0].data_ptr()
     assert torch.equal(reshaped, weights.view(8, 64))
+
+
+def test_the_save_plan_says_each_mode_in_fits_words_and_chooses_its_checkpoint_io() -> None:
+    """One decision from plain values (app/checkpoints/save_mode.py): the line fit prints at its start and
+    the checkpoint I/O the Trainer gets, for each mode, under DDP and under fsdp."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from app.checkpoints.save_mode import SaveMode, save_plan
+    from app.checkpoints.sharded_io import ShardedCheckpointIO
+
+    copy = "a save pauses training for a copy of {} to host memory; last_checkpoint.async_save"
+    plan = save_plan(async_save=True, overlap_copy=False, plugins=[])
+    assert (
+        plan.mode == SaveMode.BACKGROUND and plan.line == f"written in the background ({copy.format('the checkpoint')})"
+    )
+    (io,) = plan.plugins([])
+    assert isinstance(io, BackgroundCheckpointIO) and type(io.checkpoint_io) is SafeCheckpointIO
+    plan = save_plan(async_save=True, overlap_copy=True, plugins=[], sharded=True)
+    assert plan.mode == SaveMode.BACKGROUND_OVERLAPPED and plan.line.startswith(
+        "written in the background by every rank (a save pauses training for a copy of this rank's shards less the "
+        "parameters and optimizer state"
+    )
+    (io,) = plan.plugins([TorchCheckpointIO()])  # a config's own I/O cannot write shards: replaced
+    assert isinstance(io.checkpoint_io, ShardedCheckpointIO) and io.writer.overlap_copy
+    plan = save_plan(async_save=False, overlap_copy=False, plugins=[], sharded=True)
+    assert (
+        plan.mode == SaveMode.SYNC
+        and plan.line == "written before training goes on (last_checkpoint.async_save: false)"
+    )
+    assert [type(io) for io in plan.plugins([])] == [ShardedCheckpointIO]
+    own = TorchCheckpointIO()
+    plan = save_plan(async_save=True, overlap_copy=False, plugins=[own])
+    assert plan.mode == SaveMode.PLUGIN and plan.plugins([own]) == [own]
+    assert plan.line == "written before training goes on, by the config's checkpoint I/O plugin TorchCheckpointIO"
+    plan = save_plan(async_save=True, overlap_copy=False, plugins=[], own_writer="deepspeed")
+    assert plan.mode == SaveMode.STRATEGY and not plan.mode.in_background
+    assert plan.line == "written before training goes on (strategy deepspeed writes its own checkpoints)"
+    assert [type(io) for io in plan.plugins([])] == [SafeCheckpointIO]  # as before: unused by such a strategy

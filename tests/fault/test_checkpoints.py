@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import http.server
@@ -111,21 +112,22 @@ def test_lightning_run_killed_during_saves_keeps_a_loadable_last_ckpt(tmp_path: 
     assert len(leftovers) <= 1, leftovers  # at most the one being written at the last kill
 
 
-class _FullDisk(io.RawIOBase):
-    """A file that takes `room` bytes and then fails as a full disk does (OSError ENOSPC)."""
+class _ShortWrites(io.RawIOBase):
+    """A file with `room` bytes left, as the OS has it: the write that crosses it is short (takes what
+    fits and says so), the next raises `OSError(code)` (full, over quota, failing)."""
 
-    def __init__(self, file: Any, room: int) -> None:
-        self.file, self.room = file, room
+    def __init__(self, file: Any, room: int, code: int) -> None:
+        self.file, self.room, self.code = file, room, code
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        size = len(memoryview(data))
-        if size > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= size
-        return self.file.write(data)
+        if self.room <= 0:
+            raise OSError(self.code, os.strerror(self.code))
+        taken = memoryview(data)[: self.room]
+        self.room -= len(taken)
+        return self.file.write(taken)
 
 
 def test_a_full_disk_inside_torch_save_is_reported_as_a_full_disk_with_the_path(tmp_path: Path) -> None:
@@ -134,7 +136,7 @@ def test_a_full_disk_inside_torch_save_is_reported_as_a_full_disk_with_the_path(
     target.write_bytes(b"previous")
     big = {"w": torch.randn(100_000)}
     with pytest.raises(OSError) as error:
-        atomic_write(target, lambda file: torch.save(big, _FullDisk(file, 50_000)))
+        atomic_write(target, lambda file: torch.save(big, io.BufferedWriter(_ShortWrites(file, 50_000, errno.ENOSPC))))
     assert error.value.errno == errno.ENOSPC and error.value.filename == str(target)
     assert target.read_bytes() == b"previous"
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
@@ -360,3 +362,171 @@ def test_a_checkpoint_with_a_byte_changed_on_disk_is_refused_naming_the_record(t
     finally:
         torch.serialization.set_crc32_options(True)
     assert torch.equal(safe_load(unchecked)["state_dict"]["w"], weights)
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        (errno.EDQUOT, "disk quota exceeded"),
+        (errno.ENOSPC, "no space left on device"),
+        (errno.EIO, "input/output error"),
+    ],
+    ids=["edquot", "enospc", "eio"],
+)
+def test_a_refused_write_inside_torch_save_is_one_line_naming_the_path_and_the_reason(
+    tmp_path: Path, code: int, reason: str
+) -> None:
+    """A short write, then the disk's error, under Python's buffered file (which retries the rest of a
+    short write, as for every file ddp-app writes): torch.save's zip writer turns each into its own
+    "unexpected pos" error; the line names the disk's reason, and the previous file stays."""
+    from app.checkpoints.plugin import CheckpointWriteError, SafeCheckpointIO
+
+    target = tmp_path / "last.ckpt"
+    target.write_bytes(b"previous")
+    real_save = torch.save
+    with pytest.MonkeyPatch.context() as patch:  # the file torch.save writes into refuses past 50 kB
+        patch.setattr(
+            torch, "save", lambda obj, file: real_save(obj, io.BufferedWriter(_ShortWrites(file, 50_001, code)))
+        )
+        with pytest.raises(CheckpointWriteError) as error:
+            SafeCheckpointIO().save_checkpoint({"w": torch.randn(100_000)}, target)
+    assert str(error.value).startswith(f"could not write the checkpoint {target}: {reason}; the previous checkpoint")
+    assert target.read_bytes() == b"previous"
+    assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
+
+
+def test_dcps_failure_of_another_rank_that_lost_its_cause_is_still_the_disks_one_line(tmp_path: Path) -> None:
+    """DCP hands each rank's failure to every rank pickled, without its context: a rank's "unexpected
+    pos" arrives bare. On a full filesystem it is the full disk's line, naming that rank; elsewhere EIO."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from app.checkpoints.sharded_io import sharded_write_error
+
+    bare = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    failure = CheckpointException("write", {1: (bare, None), 0: (ValueError("not a disk"), None)})
+    line = str(sharded_write_error(tmp_path / "last.ckpt", failure))
+    assert line.startswith(f"could not write the checkpoint {tmp_path}/last.ckpt (rank 1's shards): input/output error")
+    full = tmp_path / "full"
+    full.mkdir()
+    with _tmpfs(full, "1m"):
+        (full / "filler").write_bytes(b"\0" * (1 << 20) if False else b"")
+        subprocess.run(["dd", "if=/dev/zero", f"of={full}/filler", "bs=64k"], capture_output=True)
+        line = str(sharded_write_error(full / "last.ckpt", failure))
+    assert "(rank 1's shards): no space left on device; the previous checkpoint there, if any, is unchanged" in line
+    assert (
+        sharded_write_error(tmp_path / "last.ckpt", CheckpointException("write", {0: (bare.__class__("a bug"), None)}))
+        is None
+    )
+
+
+@contextlib.contextmanager
+def _tmpfs(directory: Path, size: str) -> Iterator[None]:
+    """A tmpfs of `size` mounted on `directory` (root only; the test is skipped otherwise)."""
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+FULL_DISK_CONFIG = "configs/gpt_fsdp.yaml"  # a GPT: about 1.4 MB a checkpoint (DDP), 1.8 MB of shards (fsdp)
+FULL_DISK_OVERLAY = """
+trainer:
+  max_epochs: 1
+  enable_progress_bar: false
+  logger: false
+{strategy}
+last_checkpoint:
+  every_n_steps: 2
+  async_save: {async_save}
+"""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_gpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool], tuple[Path, Path]]:
+    """(the overlay, the uninterrupted run's last.ckpt) of each strategy and save mode, made once."""
+    made: dict[tuple[str, bool], tuple[Path, Path]] = {}
+
+    def run(strategy: str, async_save: bool) -> tuple[Path, Path]:
+        if (strategy, async_save) not in made:
+            root = tmp_path_factory.mktemp(f"uninterrupted-{strategy}-{async_save}")
+            overlay = root / "overlay.yaml"
+            line = "  strategy: ddp" if strategy == "ddp" else ""
+            overlay.write_text(FULL_DISK_OVERLAY.format(strategy=line, async_save=str(async_save).lower()))
+            result = ddp_app(
+                "fit",
+                "--config",
+                FULL_DISK_CONFIG,
+                "--config",
+                str(overlay),
+                f"--trainer.default_root_dir={root / 'run'}",
+            )
+            assert result.returncode == 0, result.stderr[-3000:]
+            made[strategy, async_save] = overlay, root / "run" / "checkpoints" / "last.ckpt"
+        return made[strategy, async_save]
+
+    return run
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("strategy", "async_save"),
+    [
+        ("ddp", True),
+        ("fsdp", True),
+        pytest.param("ddp", False, marks=pytest.mark.slow),
+        pytest.param("fsdp", False, marks=pytest.mark.slow),
+    ],
+    ids=["ddp-background", "fsdp-background", "ddp-sync", "fsdp-sync"],
+)
+def test_a_full_disk_is_one_line_exit_2_keeps_the_previous_checkpoint_and_resumes_bit_for_bit(
+    tmp_path: Path, uninterrupted_gpt, strategy: str, async_save: bool
+) -> None:
+    """The run directory on a 64 MB tmpfs with room for about one and a half checkpoints: the first
+    save (step 2) fits, the second cannot. Then space is freed and `--ckpt_path last` ends with the
+    uninterrupted run's weights."""
+    from app.checkpoints.sharded import load_whole
+
+    overlay, expected = uninterrupted_gpt(strategy, async_save)
+    saved = expected.resolve()  # a file (DDP), or the directory of shards its link names (fsdp)
+    size = sum(path.stat().st_size for path in saved.rglob("*")) if saved.is_dir() else saved.stat().st_size
+    run = tmp_path / "run"
+    run.mkdir()
+    with _tmpfs(run, "64m"):
+        filler = run / "filler"
+        left = size * 3 // 2 + 64 * 1024  # the first save and the run's other files fit, a second save not
+        room = os.statvfs(run).f_bavail * os.statvfs(run).f_frsize - left
+        with open(filler, "wb") as file:
+            os.posix_fallocate(file.fileno(), 0, room)
+        result = ddp_app(
+            "fit", "--config", FULL_DISK_CONFIG, "--config", str(overlay), f"--trainer.default_root_dir={run}"
+        )
+        log = result.stdout + result.stderr
+        errors = sorted({line for line in log.splitlines() if "error:" in line})
+        last = run / "checkpoints" / "last.ckpt"
+        assert result.returncode == 2 and len(errors) == 1, log[-3000:]
+        assert (
+            f"could not write the checkpoint {last}" in errors[0]
+            and "no space left on device; the previous checkpoint there, if any, is unchanged. Fix: free space on"
+            in errors[0]
+        ), errors
+        assert "Traceback" not in log, log[-3000:]
+        assert load_whole(last)["global_step"] == 2  # the first save, whole; the second never published
+        leftovers = [path.name for path in last.parent.iterdir() if path.name.endswith((".tmp", ".shards"))]
+        assert len(leftovers) == (1 if strategy == "fsdp" else 0), leftovers  # the failed save's space freed
+        filler.unlink()
+        resumed = ddp_app(
+            "fit",
+            "--config",
+            FULL_DISK_CONFIG,
+            "--config",
+            str(overlay),
+            f"--trainer.default_root_dir={run}",
+            "--ckpt_path=last",
+        )
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        first, second = load_whole(expected)["state_dict"], load_whole(last)["state_dict"]
+        assert first.keys() == second.keys()
+        different = [key for key in first if not torch.equal(first[key], second[key])]
+        assert not different, f"weights differ after the resume, first: {different[0]}"
