@@ -157,8 +157,9 @@ def _resolve_name(name: str, world_size: int) -> ResolvedStrategy:
 def _resolve_class(cls: type, written: str, init_args: Any) -> ResolvedStrategy:
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
-    # By name, not `issubclass`: app/parallel/fsdp.py imports this module (no import circle).
-    if any(f"{base.__module__}.{base.__qualname__}" == FSDP_CLASS_PATH for base in cls.__mro__):
+    from app.parallel.fsdp import FSDP2Strategy  # here: the launcher's light imports need no FSDP
+
+    if issubclass(cls, FSDP2Strategy):
         return ResolvedStrategy(StrategyKind.FSDP, written, shard_group_size=_get(init_args, "shard_group_size"))
     if issubclass(cls, DeepSpeedStrategy):  # a DDPStrategy subclass that ddp-app neither launches nor checkpoints
         return ResolvedStrategy(StrategyKind.OTHER, written)

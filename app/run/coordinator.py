@@ -129,6 +129,16 @@ def settle_logged_values(trainer: L.Trainer) -> None:
     trainer.callback_metrics  # noqa: B018 (the read is the point)
 
 
+def exchange(record: Record, group: Any, world_size: int) -> Agreement:
+    """One message: every rank's record to every rank, and the decision all of them read from it."""
+    if group is None:  # one process: nobody to agree with
+        return agree([record.as_row()])
+    mine = torch.tensor(record.as_row(), dtype=torch.float64)  # on the CPU: gloo, no device sync
+    table = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(table, mine, group=group)
+    return agree(torch.stack(table).tolist())
+
+
 class RunCoordinator(Checkpoint):
     """Owns every exchange between ddp-app's ranks during `fit` (see the module docstring): stop
     signals, last.ckpt's time-interval saves and the epoch's samples/s. Installed by `ddp-app` in
@@ -174,15 +184,6 @@ class RunCoordinator(Checkpoint):
 
     # ----- the exchange -----
 
-    def _exchange(self, record: Record) -> Agreement:
-        """One message: every rank's record to every rank, and the decision all of them read from it."""
-        if self._group is None:  # one process: nobody to agree with
-            return agree([record.as_row()])
-        mine = torch.tensor(record.as_row(), dtype=torch.float64)  # on the CPU: gloo, no device sync
-        table = [torch.empty_like(mine) for _ in range(self._world_size)]
-        dist.all_gather(table, mine, group=self._group)
-        return agree(torch.stack(table).tolist())
-
     def _check(self, samples_per_s: float = -1.0, step_times: tuple[float, ...] = NOT_TIMED) -> Agreement:
         """Exchange this rank's signal, due save and proposed next check; fixes the step of the next check."""
         now = time.monotonic()
@@ -195,7 +196,7 @@ class RunCoordinator(Checkpoint):
             step_times=step_times,
         )
         self._steps_since_check, self._last_check = 0, now
-        agreement = self._exchange(record)
+        agreement = exchange(record, self._group, self._world_size)
         self._steps_until_check = agreement.next_check_in
         return agreement
 
