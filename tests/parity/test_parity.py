@@ -233,3 +233,47 @@ def test_a_reference_snapshot_becomes_a_lightning_checkpoint_with_its_optimizer_
     assert "callbacks" not in checkpoint
     with pytest.raises(ValueError, match="same epoch"):
         reference_to_lightning_checkpoint({**snapshot, "EPOCHS_RUN": 2}, module, lightning)
+
+
+def test_a_second_run_into_the_same_out_is_refused_in_one_line_naming_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first run left its files; the second stops before any launch, exit 2, in one line whose fix is
+    `--out` with a fresh directory, and the first run's files are as they were."""
+    ran: list[Path] = []
+
+    def run_parity(config: Path, world_size: int, epochs: int, out: Path, optimizers: list[str]) -> tuple:
+        ran.append(out)  # the launches themselves are test_parity_command_passes_on_digits's
+        return [], {}
+
+    monkeypatch.setattr(app.parity, "run_parity", run_parity)
+    out = tmp_path / "parity"
+    with pytest.raises(SystemExit) as first:
+        app.parity.main(["--config", "configs/digits.yaml", "--out", str(out)])
+    assert first.value.code == 0 and ran == [out]
+    (out / "sgd" / "lightning").mkdir(parents=True)  # what the first run's fits leave
+    (out / "sgd" / "lightning" / "marker").write_text("the first run's")
+    before = {path: path.stat().st_mtime_ns for path in out.rglob("*")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as second:
+        app.parity.main(["--config", "configs/digits.yaml", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert second.value.code == 2 and ran == [out], "the second run started"
+    assert captured.out == "" and len(captured.err.splitlines()) == 1, captured
+    line = captured.err.strip()
+    assert line.startswith(f"app.parity: error: {out} already holds a parity run (parity.json, sgd)"), line
+    assert f"Fix: --out {tmp_path / 'parity-2'} (a new directory)" in line, line
+    assert {path: path.stat().st_mtime_ns for path in out.rglob("*")} == before
+    # The directory it names is one the command accepts.
+    with pytest.raises(SystemExit) as third:
+        app.parity.main(["--config", "configs/digits.yaml", "--out", str(tmp_path / "parity-2")])
+    assert third.value.code == 0 and ran == [out, tmp_path / "parity-2"]
+
+
+def test_help_says_what_out_is(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as shown:
+        app.parity.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert shown.value.code == 0
+    assert "--out OUT a new or empty directory for every run's files and parity.json (default: runs/parity)" in text
+    assert "earlier parity run is refused" in text
