@@ -223,7 +223,9 @@ def end_rank(code: int) -> NoReturn:
     teardown. Lightning leaves the process group up, and in that teardown a gloo worker thread can
     drop the group's last reference (a communication hook's callback holds one): the group's
     destructor then joins that thread from itself and the process aborts ("terminate called ...")
-    after its work is done and saved, which a launcher counts as a failure."""
+    after its work is done and saved, which a launcher counts as a failure. os._exit runs no C++
+    static destructors either (`outlive_the_interpreter` says why those matter for a process that
+    ends through the interpreter instead)."""
     # Private (docs/private_apis.md): there since check_exit_handlers passed as the launch began. It
     # prints a failing handler's traceback itself; nothing may keep the rank from its os._exit below.
     with contextlib.suppress(BaseException):
