@@ -77,7 +77,8 @@ def run_parity_command(tmp_path: Path, *options: str) -> dict:
     report_path = tmp_path / "parity.json"
     command = [sys.executable, "-m", "app.parity", "--config", "configs/digits.yaml", "--world-size", "2", *options,
                "--out", str(tmp_path), "--json", str(report_path)]  # fmt: skip
-    result = run(command, timeout=900)  # SGD + Adam: about 270 s in CI, up to 560 s on a busy 2-core VM
+    # SGD + Adam: about 270 s in CI, 881 s on a 2-core VM shared by other test jobs (load 9-12, docs/parity.md).
+    result = run(command, timeout=1800)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "P1" in result.stdout and "PASS" in result.stdout
     assert result.stdout.startswith("app.parity: configs/digits.yaml with Lightning and with the reference")
@@ -112,6 +113,7 @@ def assert_every_kind_of_check(checks: list[dict], optimizer: str) -> None:
 @pytest.mark.parity
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.timeout(1900)  # above run_parity_command's own deadline, which names the command that overran
 def test_parity_command_passes_on_digits(tmp_path: Path) -> None:
     """The command as docs/parity.md gives it: SGD and Adam, 3 epochs."""
     checks = run_parity_command(tmp_path)["checks"]
