@@ -29,15 +29,15 @@ from tests.helpers.run import REPO, check_marked_distributed
 
 FATAL = "Fatal Python error"
 
-# The hang report's registration, then the state interpreter finalization can leave it in: no module
-# holds the handler any more, torch's registry has the last reference until libc's exit.
-HANDLER_LEFT_TO_TORCH = """
+# The hang report's registration, then the state interpreter finalization can leave it in: the module's
+# namespace cleared, so torch's registry holds the last reference to each handler until libc's exit.
+HANDLERS_LEFT_TO_TORCH = """
 import sys
 from app.cluster import hangs
 server, port = hangs.start_debug_endpoint("127.0.0.1")
 assert hangs.ask(hangs.RankAddress(0, "here", 0, "127.0.0.1", port), "ping", 30)[0] == "pong"
 server.shutdown()
-del hangs._serve_waited
+vars(hangs).clear()
 del sys.modules["app.cluster.hangs"], sys.modules["app.cluster"].hangs, hangs
 print("registered", flush=True)
 """
@@ -71,7 +71,7 @@ def assert_ended_cleanly(result: subprocess.CompletedProcess[str], what: str) ->
 
 
 def test_a_process_that_registered_the_hang_reports_handler_exits_0() -> None:
-    result = run_interpreter([sys.executable, "-X", "dev", "-c", HANDLER_LEFT_TO_TORCH], timeout=120)
+    result = run_interpreter([sys.executable, "-X", "dev", "-c", HANDLERS_LEFT_TO_TORCH], timeout=120)
     assert "registered" in result.stdout, result.stdout[-3000:]
     assert_ended_cleanly(result, "a process that left the hang report's handler to torch's registry")
 
