@@ -68,8 +68,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import load_net_weights, net_state_dict, safe_load
 from app.checkpoints.sharded import META_NAME, is_sharded_checkpoint, load_full_tensors
+from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
 from app.cluster.launch import env_without_launcher
 from app.cluster.threads import configure_cpu_threads
+from app.errors import UserFacingError
 from app.parallel.strategy import FSDP_CLASS_PATH, mesh_layout, resolve_strategy
 from app.reference.config import Job, build_job, instantiate, load_config
 
@@ -809,6 +811,34 @@ def print_table(checks: list[Check]) -> None:
             print(f"      {check.detail}")
 
 
+def fresh_out_suggestion(out: Path) -> Path:
+    """The first of `<out>-2`, `<out>-3`, ... that does not exist or is empty: a directory to name in the fix."""
+    number = 2
+    while (candidate := out.with_name(f"{out.name}-{number}")).exists() and any(candidate.iterdir()):
+        number += 1
+    return candidate
+
+
+def check_fresh_out(out: Path) -> None:
+    """Refuse, before the first launch, an `--out` that already holds files (a previous parity run's).
+
+    Every launch trains a fresh run in its own directory under `out`, and ddp-app refuses to fit into
+    a directory that holds a run (app/run/directory.py), as it would write over its checkpoints: a
+    second run into the same `out` stopped minutes in, at its first fit, with a traceback. The previous
+    run's files (its table in parity.json, the logs a failed check points at) are the user's to keep."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserFacingError(f"--out {out} is a file, not a directory. Fix: --out a new directory.")
+    held = sorted(entry.name for entry in out.iterdir())
+    if held:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise UserFacingError(
+            f"{out} already holds a parity run ({shown}); each run trains fresh in its own directory and "
+            f"writes over no earlier run. Fix: --out {fresh_out_suggestion(out)} (a new directory), or remove {out}."
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval-worker"]:
@@ -822,11 +852,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m app.parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", required=True, type=Path)
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--config", required=True, type=Path, help="the ddp-app config to train both ways")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks of the DDP runs (default: 2)")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of each run (default: 3)")
     parser.add_argument("--optimizers", default="sgd,adam", help="comma-separated subset of: sgd, adam")
-    parser.add_argument("--out", type=Path, default=Path("runs/parity"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/parity"),
+        help="a new or empty directory for every run's files and parity.json (default: runs/parity); one that "
+        "holds an earlier parity run is refused: give each run its own",
+    )
     parser.add_argument("--json", type=Path, default=None, help="default: <out>/parity.json")
     args = parser.parse_args(argv)
     optimizers = [name.strip() for name in args.optimizers.split(",") if name.strip()]
@@ -835,6 +871,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown optimizer(s) {unknown}; choose from {sorted(OPTIMIZERS)}")
     if not args.config.is_file():
         parser.error(f"config {args.config} does not exist")
+    try:
+        check_fresh_out(args.out)
+    except UserFacingError as error:
+        print(f"app.parity: error: {error}", file=sys.stderr)
+        raise SystemExit(BAD_INPUT_EXIT_CODE) from None
     started = time.perf_counter()
     if is_fsdp_config(load_config(args.config)):  # strategy fsdp: its own rows (P9a-e, below)
         print(f"parity (fsdp): {args.config}, {args.world_size} ranks, {args.epochs} epochs: P9a-e", flush=True)

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from app.cluster.exit_codes import HANG_EXIT_CODE
-from app.cluster.launch import end_rank
+from app.cluster.launch import end_rank, outlive_the_interpreter
 from app.errors import PEER_LOST
 from app.private_apis import require
 
@@ -256,7 +256,8 @@ def start_debug_endpoint(ip: str) -> tuple[Any, int]:
     c10d = debug_endpoint_api()
     for name, handler in ((WAITED_HANDLER, _serve_waited), (RECENT_HANDLER, _serve_recent)):
         if name not in c10d._get_handler_names():  # once per process: registering twice raises
-            c10d._register_handler(name, handler)
+            # Never freed: torch frees its handlers after Python has finalized (outlive_the_interpreter).
+            c10d._register_handler(name, outlive_the_interpreter(handler))
     try:
         server = c10d._WorkerServer(ip, 0)
     except RuntimeError as error:  # no diagnosis is no reason to stop training, but say it is lost

@@ -223,7 +223,9 @@ def end_rank(code: int) -> NoReturn:
     teardown. Lightning leaves the process group up, and in that teardown a gloo worker thread can
     drop the group's last reference (a communication hook's callback holds one): the group's
     destructor then joins that thread from itself and the process aborts ("terminate called ...")
-    after its work is done and saved, which a launcher counts as a failure."""
+    after its work is done and saved, which a launcher counts as a failure. os._exit runs no C++
+    static destructors either (`outlive_the_interpreter` says why those matter for a process that
+    ends through the interpreter instead)."""
     # Private (docs/private_apis.md): there since check_exit_handlers passed as the launch began. It
     # prints a failing handler's traceback itself; nothing may keep the rank from its os._exit below.
     with contextlib.suppress(BaseException):
@@ -232,6 +234,29 @@ def end_rank(code: int) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
+
+
+def outlive_the_interpreter(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """`handler`, kept alive until the process is gone: for a Python callable given to a C++ registry
+    that a C++ static destructor frees after the interpreter has finalized.
+
+    PyTorch's debug-endpoint handlers (`torch._C._distributed_c10d._register_handler`, which the hang
+    report uses, app/cluster/hangs.py) live in such a registry. A process that ends through the
+    interpreter's normal exit (`return` from main, `sys.exit`) finalizes Python, which clears the
+    modules and with them every other reference to the handler; then libc's `exit` runs the registry's
+    destructor, which drops the last one without the GIL, and the process aborts with "Fatal Python
+    error: PyThreadState_Get: the function must be called with the GIL held ... Python runtime state:
+    finalizing" (SIGABRT) after its work is done. `end_rank`'s `os._exit` runs no C++ destructors, so
+    ranks of ddp-app's own launcher and of torchrun or srun never met it; the ranks Lightning starts
+    itself for a `DDPAppCLI` used as a library (`python -m app.parity eval-worker`, a user's script)
+    did, 6 of 6 times on an AMD EPYC VM and 3 of 3 here (issue 56). Whether the module still held a
+    reference at that point depended on the import graph (689925d exited 0, 472f2b6 aborted); one
+    reference that is never released (`Py_IncRef`, CPython's public C API) makes it independent of it.
+    """
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(handler))
+    return handler
 
 
 def _rank_main(run_rank: Callable[[], int], rank_env: dict[str, str], parent: int, stderr_fd: int) -> None:

@@ -40,8 +40,9 @@ def test_lightning_fsdp2_trains_the_same_weights_as_the_reference_bit_for_bit(tm
 def test_the_parity_command_passes_every_fsdp_row(tmp_path: Path) -> None:
     """`python -m app.parity --config configs/gpt_fsdp.yaml`: P9a to P9e (about 3 minutes here)."""
     command = [sys.executable, "-m", "app.parity", "--config", "configs/gpt_fsdp.yaml", "--epochs", "1"]
-    run_command([*command, "--out", str(tmp_path)], tmp_path / "parity.log", timeout=900)
-    report = json.loads((tmp_path / "parity.json").read_text())
+    out = tmp_path / "parity"  # a directory of its own: the command refuses one that holds files (its log here)
+    run_command([*command, "--out", str(out)], tmp_path / "parity.log", timeout=900)
+    report = json.loads((out / "parity.json").read_text())
     assert [check["name"] for check in report["checks"]] == ["P9a", "P9b", "P9c", "P9d", "P9e"]
     assert_counted_once((tmp_path / "parity.log").read_text(), len(fsdp_stage_plan(2)))
     assert report["passed"], report["checks"]
