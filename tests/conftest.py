@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +47,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="K/N: of the `slow` tests, run only those of shard K of N (tests/slow_shards.py); CI runs one "
         "shard per stop beside the default run (.ci/run).",
     )
+    parser.addoption(
+        "--slow-budget-min",
+        type=float,
+        default=None,
+        help="Minutes after which a pytest process starts no further `slow` test (each is skipped, saying "
+        "so): keeps CI's slow shard inside its share of CI's time.",
+    )
+
+
+SESSION_STARTED = time.monotonic()
 
 
 def keep_one_slow_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -85,8 +96,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Let `tests.helpers.run` check that a test which starts several ranks is marked `distributed`
-    (set before any fixture runs: a module-scoped fixture may start the ranks)."""
+    (set before any fixture runs: a module-scoped fixture may start the ranks); skip a slow test once
+    `--slow-budget-min` is spent."""
     run.CURRENT_MARKERS = {marker.name for marker in item.iter_markers()}
+    budget_min = item.config.getoption("--slow-budget-min")
+    if budget_min is not None and item.get_closest_marker("slow"):
+        spent_min = (time.monotonic() - SESSION_STARTED) / 60
+        if spent_min > budget_min:
+            pytest.skip(f"--slow-budget-min {budget_min:g} spent ({spent_min:.0f} min): runs in a later CI stop")
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,10 @@
 """The slow tier in thirds, so CI runs one third each stop (`.ci/run`; issue 56).
 
 A module's slow tests stay together (they share module-scoped runs, trained once per module). Modules
-go to shards longest first, each to the shard with the least time so far, by the durations measured
-and kept in `tests/slow_durations.json` (seconds per module on the 2-core VM; a module not listed
-counts `UNMEASURED_S`). The same durations always give the same shards, on any machine.
+go to shards longest first, each to the shard with the least time so far, by the durations kept in
+`tests/slow_durations.json` (seconds per module; a module not listed counts `UNMEASURED_S`, so an
+empty file splits by module count). The same file always gives the same shards, on any machine.
+Record durations there from a whole slow-tier run (`--durations=0`) to balance the thirds by time.
 """
 
 from __future__ import annotations
