@@ -59,6 +59,7 @@ SMALL_GRADIENT_BYTES = 1_000_000
 WAITING_NOTED = 0.2
 STRAGGLER_SHARE = 0.1
 STRAGGLER_SCORE = 0.8  # a rank at or below this score (fastest own time / its own) is a straggler
+UNEVEN_DATA_RATIO = 4.0  # one rank's data wait this many times the others' largest: its own loading is slow
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,16 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "step_ms": 1000 * step,
         "batch_in_memory_step_ms": 1000 * in_memory,
         "shares": shares,
-        "ranks": [{**asdict(rank), "alone": alone[index], "score": scores[index]} for index, rank in enumerate(base)],
+        "ranks": [
+            {
+                **asdict(rank),
+                "all_reduce": min(rank.communication, all_reduce),
+                "waiting": max(rank.communication - all_reduce, 0.0),
+                "alone": alone[index],
+                "score": scores[index],
+            }
+            for index, rank in enumerate(base)
+        ],
         "gradient_bytes_per_step": facts["gradient_bytes"],
         "num_workers": facts["num_workers"],
         "world_size": facts["world_size"],
@@ -141,8 +151,34 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         candidates["data-bound"] = shares["data"]
     if shares["communication"] >= COMMUNICATION_BOUND:
         candidates["communication-bound"] = shares["communication"]
+    # One rank's loading, not every rank's: the data share would blame the loaders of all, and a
+    # num_workers that the other ranks do not need. The rank (and its host) is named instead.
+    datas = [rank.data for rank in base]
+    slow_loader = max(range(len(datas)), key=lambda rank: datas[rank])
+    others = [data for rank, data in enumerate(datas) if rank != slow_loader] or [0.0]
+    uneven_data = (datas[slow_loader] - statistics.median(others)) / step
+    if len(datas) > 1 and uneven_data >= DATA_BOUND and datas[slow_loader] >= UNEVEN_DATA_RATIO * max(others):
+        candidates.pop("data-bound", None)
+        candidates["slow loading on one rank"] = uneven_data
+    if shares["waiting"] >= WAITING_NOTED:
+        candidates["waiting for late ranks"] = shares["waiting"]
     kind = max(candidates, key=candidates.__getitem__) if candidates else "compute-bound and balanced"
-    if kind == "straggler":
+    if kind == "slow loading on one rank":
+        host = base[slow_loader].host
+        text = (
+            f"slow loading on one rank: rank {slow_loader} on host {host} waits {1000 * datas[slow_loader]:.1f} ms per "
+            f"step for its next batch, the other ranks {1000 * statistics.median(others):.1f} ms, and every rank waits "
+            f"for it ({100 * uneven_data:.0f}% of each step). Fix: look at what that rank reads from (its host's disk "
+            f"or network share, its part of the data); on a cluster exclude the node (sbatch --exclude={host})."
+        )
+    elif kind == "waiting for late ranks":
+        text = (
+            f"waiting for late ranks: the ranks wait {percent['waiting']} of each step for whichever is late at that "
+            f"step (no rank is late steadily; the all-reduce itself is {percent['communication']}, data "
+            f"{percent['data']}). Fix: other load on the host, or more threads than cores (torch threads x ranks): "
+            "fewer ranks or threads per host, or a host of its own."
+        )
+    elif kind == "straggler":
         host = base[slowest].host
         text = (
             f"straggler: rank {slowest} on host {host} does its own work in {1000 * alone[slowest]:.1f} ms per step, "
@@ -178,7 +214,7 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             f"ms step; the slowest rank scores {scores[slowest]:.2f}. Next: trainer.precision: bf16-mixed (GPUs), "
             "compile: true, a larger per-rank batch if memory allows."
         )
-    if shares["waiting"] >= WAITING_NOTED:
+    if shares["waiting"] >= WAITING_NOTED and kind != "waiting for late ranks":
         text += (
             f" Note: the ranks wait {percent['waiting']} of each step for whichever is late at that step (no rank "
             "is late steadily): other load on the host, or more threads than cores (torch threads x ranks)."
@@ -189,8 +225,20 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def data_bound_text(report: dict[str, Any]) -> str:
-    """The data-bound verdict, with the suggested num_workers and what trying it measured (if tried)."""
+    """The data-bound verdict, with the suggested num_workers and what trying it measured (if tried). A
+    num_workers whose try failed (a DataModule without that argument, or whose workers break) is not
+    suggested: the try's failure is named instead, with the fixes that remain."""
     workers = int(report["num_workers"] or 0)
+    tried = report.get("tried_num_workers") or []
+    if tried and "failed" in tried[-1]:
+        return (
+            f"data-bound: {report['shares']['data']:.0%} of each step waits for the next batch "
+            f"({report['step_ms']:.1f} ms per step, {report['batch_in_memory_step_ms']:.1f} ms with the batch already "
+            f"in memory). More loader workers could not be tried: the run with data.init_args.num_workers "
+            f"{tried[-1]['num_workers']} failed ({tried[-1]['failed']}). Fix: give the DataModule's DataLoader more "
+            "workers (num_workers, persistent_workers=True) where it builds it, make each sample cheaper to load "
+            "(decode or resize once, ahead), or keep data that fits in memory on the device (docs/performance.md)."
+        )
     text = (
         f"data-bound: {report['shares']['data']:.0%} of each step waits for the next batch "
         f"({report['step_ms']:.1f} ms per step, {report['batch_in_memory_step_ms']:.1f} ms with the batch already "
@@ -199,9 +247,6 @@ def data_bound_text(report: dict[str, Any]) -> str:
         "that waits on I/O), persistent_workers: true, pin_memory: true on GPUs; data.init_args.on_device: true for "
         "data that fits in memory; LitData shards for many small files (docs/performance.md)."
     )
-    tried = report.get("tried_num_workers") or []
-    if tried and "failed" in tried[-1]:
-        return text + f" (The run with num_workers {tried[-1]['num_workers']} failed: {tried[-1]['failed']}.)"
     if tried:
         measured = ", ".join(
             f"{row['data_share']:.0%} with {row['num_workers']} ({row['step_ms']:.1f} ms per step)" for row in tried
@@ -251,13 +296,16 @@ def check_workers(
 
 
 def format_table(report: dict[str, Any]) -> str:
-    rows = [("rank", "host", "step ms", "data", "compute", "communication", "other", "alone ms", "score")]
+    """Per rank, in ms: the step and its parts, the collectives' time split into the all-reduce itself and
+    the wait for a late rank (the verdict's two shares), the step alone (no communication) and the score."""
+    rows = [("rank", "host", "step ms", "data", "compute", "all-reduce", "waiting", "other", "alone ms", "score")]
+    parts = ("step", "data", "compute", "all_reduce", "waiting", "other")
     for rank in report["ranks"]:
         rows.append(
             (
                 str(rank["rank"]),
                 rank["host"],
-                *(f"{1000 * rank[part]:.2f}" for part in ("step", "data", "compute", "communication", "other")),
+                *(f"{1000 * rank[part]:.2f}" for part in parts),
                 f"{1000 * rank['alone']:.2f}",
                 f"{rank['score']:.2f}",
             )
@@ -267,7 +315,8 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Stacked bars per rank (as configured: data, compute, communication, other) beside its time alone."""
+    """Stacked bars per rank (as configured: data, compute, all-reduce, waiting, other) beside its time alone,
+    titled by the verdict: the same parts as the table and the verdict's shares."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,9 +326,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     positions = range(len(ranks))
     figure, axes = plt.subplots(figsize=(2.2 + 1.2 * len(ranks), 4))
     bottom = [0.0] * len(ranks)
-    for part in ("data", "compute", "communication", "other"):
+    for part in ("data", "compute", "all_reduce", "waiting", "other"):
         heights = [1000 * rank[part] for rank in ranks]
-        axes.bar(positions, heights, bottom=bottom, label=part, width=0.6)
+        axes.bar(positions, heights, bottom=bottom, label=part.replace("_", "-"), width=0.6)
         bottom = [low + height for low, height in zip(bottom, heights, strict=True)]
     axes.scatter(positions, [1000 * rank["alone"] for rank in ranks], marker="_", s=900, color="black", label="alone")
     axes.set_xticks(list(positions), [f"rank {rank['rank']}\n{rank['score']:.2f}" for rank in ranks])
