@@ -79,9 +79,16 @@ def pairwise_cases() -> list[Case]:
         best = max(candidates, key=lambda combo: len(pairs(combo) & uncovered))
         chosen.append(best)
         uncovered -= pairs(best)
-    # Stop in epoch 0 at its end (the last batch, validation, the epoch-end save), else in epoch 1.
+
+    # Stop in epoch 0 at its end (the last batch, validation), else in epoch 1. After an epoch-end save
+    # the stop lands when the next epoch starts: under `more-epochs` the stopped run has one epoch fewer
+    # (2 of 3), so epoch 1's save has no next epoch to stop in, and the stop follows epoch 0's.
+    def epoch(moment: str, continues: str) -> int:
+        at_the_end = moment in ("last-batch", "validation")
+        return 0 if at_the_end or (moment == "after-epoch-save" and continues == "more-epochs") else 1
+
     return [
-        Case(stop, moment, continues, variant, epoch=0 if moment in ("last-batch", "validation") else 1)
+        Case(stop, moment, continues, variant, epoch=epoch(moment, continues))
         for stop, moment, continues, variant in chosen
     ]
 

@@ -147,7 +147,11 @@ def test_a_rank_killed_mid_epoch_restarts_from_the_sharded_last_ckpt_and_ends_bi
     assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
     assert "restart 1 of 1" in stdout + stderr
     restarted_from = int(clock.read_text().split("start ")[2].split()[1])
-    assert 8 <= restarted_from < 16, f"restarted from step {restarted_from}, not from an interval save in epoch 0"
+    # Killed at step 10 or later: the save of step 8 may still be in flight (written in the background)
+    # on a loaded machine, and then the last complete one, of step 4, is the one to restart from.
+    assert 4 <= restarted_from < 16 and restarted_from % 4 == 0, (
+        f"restarted from step {restarted_from}, not from an interval save in epoch 0"
+    )
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     for prefix in ("state_dict.", "optimizer_0.state."):
         expected, actual = load_full_tensors(adamw_uninterrupted, prefix), load_full_tensors(last, prefix)
