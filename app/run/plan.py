@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,6 @@ class RunPlan:
     precision: str
     run_dir: Path
     rank_zero: bool
-    command_line: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def world_size(self) -> int:
@@ -136,8 +135,7 @@ def make_run_plan(
     see the model that will be built."""
     env = os.environ if env is None else env
     trainer_config = config["trainer"]
-    expand_strategy_names(trainer_config)
-    strategy = resolve_strategy(trainer_config.get("strategy"))
+    strategy = expand_strategy_names(trainer_config)
     resume = ResumeFrom(config.get("ckpt_path"))
     launch = None
     if check_machine:
@@ -169,7 +167,6 @@ def make_run_plan(
         precision=str(trainer_config.get("precision") or "32-true"),  # Lightning's default when unset
         run_dir=Path(trainer_config.get("default_root_dir") or os.getcwd()),
         rank_zero=is_global_rank_zero(launch, env),
-        command_line=tuple(command_line),
     )
 
 
@@ -186,16 +183,17 @@ def checkpoint_save_plan(config: Any, strategy: ResolvedStrategy) -> SavePlan:
     )
 
 
-def expand_strategy_names(trainer_config: Any) -> None:
-    """`strategy: fsdp` becomes ddp-app's FSDP2 strategy with its defaults (Lightning's own `fsdp` is
-    its FSDP1 strategy), and a class path written as a plain string (`--trainer.strategy
-    app.parallel.fsdp.FSDP2Strategy`) becomes that class with its defaults, before Lightning reads it."""
-    strategy = trainer_config.get("strategy")
-    if not isinstance(strategy, str):
-        return
-    class_path = resolve_strategy(strategy).class_path_for_a_name
+def expand_strategy_names(trainer_config: Any) -> ResolvedStrategy:
+    """`trainer.strategy` resolved, once; returns it. `strategy: fsdp` becomes ddp-app's FSDP2 strategy
+    with its defaults (Lightning's own `fsdp` is its FSDP1 strategy), and a class path written as a
+    plain string (`--trainer.strategy app.parallel.fsdp.FSDP2Strategy`) becomes that class with its
+    defaults, before Lightning reads it; the resolution keeps the form the config wrote, for messages."""
+    written = trainer_config.get("strategy")
+    strategy = resolve_strategy(written)
+    class_path = strategy.class_path_for_a_name if isinstance(written, str) else None
     if class_path is not None:
         trainer_config["strategy"] = Namespace(class_path=class_path, init_args=Namespace())
+    return strategy
 
 
 def resume_from(config: Any, strategy: ResolvedStrategy, command_line: Sequence[str]) -> ResumeFrom:
@@ -236,7 +234,9 @@ def resume_from(config: Any, strategy: ResolvedStrategy, command_line: Sequence[
 
 
 def resume_from_last(path: str, model_class_path: str, model: Any) -> ResumeFrom:
-    """`--ckpt_path last` once the ranks agreed on the file: the same checks as a given path, on it."""
+    """`--ckpt_path last` once the ranks agreed on the file: its summary, its model class and its
+    weights' shapes against the built model (its strategy kind was checked in the plan, on
+    `<default_root_dir>/checkpoints/last.ckpt`; command-line model arguments are not compared)."""
     summary = summarize_any(path)
     check_model_class(summary, model_class_path)
     resume = ResumeFrom(path, summary)
