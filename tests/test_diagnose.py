@@ -185,6 +185,44 @@ def diagnose(
     return report
 
 
+def test_a_sharded_run_is_judged_on_its_timed_collectives_and_their_bytes() -> None:
+    """FSDP2 (issue 56): no run without communication exists, so a rank's own work is its step less its
+    timed all-gathers and reduce-scatters; the verdict names their bytes and no DDP compression."""
+    sharded = {"collectives": "fsdp", "communication_bytes": 3_000_000}
+    report = verdict(
+        {
+            "as_configured": records([(20, 0.1, 9, 10, 0.9)] * 2, **sharded),
+            "batch_in_memory": records([(20, 0, 9, 10, 1)] * 2, **sharded),
+        }
+    )
+    assert report["verdict"] == "communication-bound" and report["shares"]["communication"] == pytest.approx(0.5)
+    assert "all-gathers and reduce-scatters take 50%" in report["verdict_text"], report["verdict_text"]
+    assert (
+        "3.00 MB per rank per step" in report["verdict_text"] and "gradient_compression" not in report["verdict_text"]
+    )
+    assert report["communication_bytes_per_step"] == 3_000_000 and report["ranks"][0]["alone"] == pytest.approx(0.010)
+    assert "collectives" in format_table(report).splitlines()[0]
+
+
+@pytest.mark.distributed
+def test_diagnose_measures_fsdp_communication_inside_forward_and_backward(tmp_path: Path) -> None:
+    """`ddp-app diagnose --config configs/gpt_fsdp.yaml` (issue 56's acceptance): communication above 0%
+    with its bytes per step, at least what the weights' all-gather and the gradients' reduce-scatter
+    carry (each parameter's bytes twice), and a table that adds up to the verdict's shares."""
+    from app.models.gpt import GPTLanguageModel
+
+    report = diagnose(tmp_path, config="configs/gpt_fsdp.yaml", steps=12, timeout=300)
+    model = GPTLanguageModel(vocab_size=64, context=32, d_model=64, n_layers=2, n_heads=4, mlp_ratio=4)
+    parameter_bytes = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    assert report["collectives"] == "fsdp" and report["shares"]["communication"] > 0, report["shares"]
+    assert 2 * parameter_bytes <= report["communication_bytes_per_step"] <= 4 * parameter_bytes + 1_000_000
+    assert f"{report['communication_bytes_per_step'] / 1e6:.2f} MB per rank per step" in report["verdict_text"]
+    for rank in report["ranks"]:
+        assert rank["communication"] > 0 and rank["all_reduce"] + rank["waiting"] == pytest.approx(
+            rank["communication"]
+        )
+
+
 @pytest.mark.slow  # about 4 min on the shared 2-core VM: three short 2-rank fits
 @pytest.mark.distributed
 def test_digits_as_shipped_is_no_false_alarm(tmp_path: Path) -> None:

@@ -7,12 +7,15 @@ LightningCLI takes the checkpoint's model arguments from that one reading.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 import app.run.plan as plan_module
+from app.checkpoints.io import summarize_checkpoint
+from app.checkpoints.plugin import SafeCheckpointIO
 from app.checkpoints.save_mode import SaveMode
 from app.cli import DDPAppCLI
 from app.cli.entry import check_before_launch
@@ -73,6 +76,42 @@ def test_a_forked_rank_does_not_read_the_checkpoint_the_launcher_read(
     assert len(loads) == 1, loads
     # The checkpoint's model arguments still win over the config's, as LightningCLI's rule says.
     assert rank.config["fit"]["model"]["init_args"]["hidden"] == launcher.resume.summary.hyper_parameters["hidden"]
+
+
+def test_a_rank_without_a_launcher_reads_the_checkpoint_once(
+    one_rank_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank started by torchrun or srun makes its own plan: the summary's read of `--ckpt_path` (or of
+    the last.ckpt `--ckpt_path last` finds) is the read Lightning's load gets, once; a file rewritten
+    since, or a second load, is read again."""
+    loads: list[str] = []
+    original = torch.load
+
+    def counting_load(source, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        loads.append(str(source))
+        return original(source, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    monkeypatch.setattr(plan_module, "_HANDED_RESUME", None)
+    args = [
+        *DIGITS,
+        "--trainer.devices=1",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--ckpt_path={one_rank_checkpoint}",
+    ]
+    rank = DDPAppCLI(args=args, parse_only=True, check_machine=True)
+    assert rank.plan is not None and rank.plan.resume.summary is not None and len(loads) == 1
+    loaded = SafeCheckpointIO().load_checkpoint(one_rank_checkpoint)
+    assert "state_dict" in loaded and len(loads) == 1, loads
+    SafeCheckpointIO().load_checkpoint(one_rank_checkpoint)
+    assert len(loads) == 2, loads  # kept for one load only
+    copy = tmp_path / "copy.ckpt"
+    copy.write_bytes(one_rank_checkpoint.read_bytes())
+    summarize_checkpoint(copy)
+    copy.write_bytes(one_rank_checkpoint.read_bytes() + b"")  # rewritten: a new mtime
+    os.utime(copy, ns=(0, 0))
+    SafeCheckpointIO().load_checkpoint(copy)
+    assert len(loads) == 4, loads
 
 
 def test_the_strategy_a_rank_runs_is_its_own_not_the_launchers(tmp_path: Path) -> None:

@@ -390,6 +390,35 @@ class CheckpointSummary:
     run: dict[str, Any] | None = None  # the tracked run it belongs to (app/tracking/run.py CHECKPOINT_KEY)
 
 
+# One read of a resumed checkpoint per process: the file a summary read, kept for the load that follows
+# in the same process (`take_read_checkpoint`, once), keyed by the file's path, mtime and size so that
+# a file rewritten in between is read again. The launcher drops it before it forks its ranks.
+_READ_FOR_THE_LOAD: tuple[tuple[str, int, int], dict[str, Any]] | None = None
+
+
+def _file_key(path: str | Path) -> tuple[str, int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:  # a URL, or a file gone since
+        return None
+    return (os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+
+
+def take_read_checkpoint(path: str | Path) -> dict[str, Any] | None:
+    """The checkpoint `summarize_checkpoint` read from `path` in this process, once; None: read it."""
+    global _READ_FOR_THE_LOAD
+    kept, _READ_FOR_THE_LOAD = _READ_FOR_THE_LOAD, None
+    if kept is None or kept[0] != _file_key(path):
+        return None
+    return kept[1]
+
+
+def forget_read_checkpoint() -> None:
+    """Drop the kept checkpoint (a launcher, whose ranks load it themselves)."""
+    global _READ_FOR_THE_LOAD
+    _READ_FOR_THE_LOAD = None
+
+
 def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     """Load a Lightning checkpoint (weights_only) and keep its model class, hyperparameters and shapes.
 
@@ -415,6 +444,9 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
             f"{path} is not a Lightning checkpoint (it has no 'state_dict' or 'pytorch-lightning_version'). "
             "Fix: give --ckpt_path a .ckpt written by ddp-app fit."
         )
+    global _READ_FOR_THE_LOAD
+    key = _file_key(path)
+    _READ_FOR_THE_LOAD = (key, checkpoint) if key is not None else None
     hyper_parameters = dict(checkpoint.get("hyper_parameters") or {})
     hyper_parameters.pop(CLI_INSTANTIATOR_KEY, None)
     class_path = hyper_parameters.pop(CLI_CLASS_PATH_KEY, None)

@@ -29,7 +29,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from app.checkpoints.io import atomic_torch_save, refuse_url, remove_stale_temporaries, safe_load
+from app.checkpoints.io import atomic_torch_save, refuse_url, remove_stale_temporaries, safe_load, take_read_checkpoint
 from app.checkpoints.staging import HostStaging, storage_key
 from app.errors import UserFacingError
 from app.private_apis import require
@@ -74,7 +74,9 @@ class SafeCheckpointIO(TorchCheckpointIO):
             raise write_failed(path, error) from error
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = safe_load(path, map_location=map_location if map_location is not None else "cpu")
+        checkpoint = take_read_checkpoint(path) if map_location in (None, "cpu") else None
+        if checkpoint is None:
+            checkpoint = safe_load(path, map_location=map_location if map_location is not None else "cpu")
         # Lightning calls the callbacks' on_load_checkpoint only if the checkpoint has a "callbacks"
         # entry (`call._call_callbacks_on_load_checkpoint`); a converted one (app.parity) may not, and
         # ExactResume must see every checkpoint a run resumes from, or it counts from epoch 0.

@@ -109,6 +109,9 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         rank.step - rank.communication for rank in base
     ]
     facts = variants["as_configured"][0]
+    # What a rank's collectives carry per step: DDP all-reduces the gradients; FSDP2's were counted as they ran.
+    sharded = facts.get("collectives") == "fsdp"
+    moved = facts["communication_bytes"] if sharded else facts["gradient_bytes"]
     # The lockstep cost (the step less the slowest rank's alone) is the all-reduce itself plus waiting
     # for whichever rank is late at that step. The rank that arrives last at a step waits for the
     # all-reduce alone: the steps' smallest wait over the ranks measures it.
@@ -139,6 +142,8 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             for index, rank in enumerate(base)
         ],
         "gradient_bytes_per_step": facts["gradient_bytes"],
+        "collectives": facts.get("collectives", "ddp"),
+        "communication_bytes_per_step": moved,
         "num_workers": facts["num_workers"],
         "world_size": facts["world_size"],
         "cpu_count": facts["cpu_count"],
@@ -174,7 +179,8 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     elif kind == "waiting for late ranks":
         text = (
             f"waiting for late ranks: the ranks wait {percent['waiting']} of each step for whichever is late at that "
-            f"step (no rank is late steadily; the all-reduce itself is {percent['communication']}, data "
+            f"step (no rank is late steadily; the all-reduce itself is {percent['communication']} for "
+            f"{moved / 1e6:.2f} MB per rank per step, data "
             f"{percent['data']}). Fix: other load on the host, or more threads than cores (torch threads x ranks): "
             "fewer ranks or threads per host, or a host of its own."
         )
@@ -189,11 +195,20 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     elif kind == "data-bound":
         report["suggested_num_workers"] = suggested_workers(int(facts["num_workers"] or 0), step, in_memory)
         text = data_bound_text(report)
-    elif kind == "communication-bound" and facts["gradient_bytes"] < SMALL_GRADIENT_BYTES:
+    elif kind == "communication-bound" and sharded:
+        report["communication_cost"] = "latency" if moved < SMALL_GRADIENT_BYTES else "bandwidth"
+        text = (
+            f"communication-bound: FSDP2's all-gathers and reduce-scatters take {percent['communication']} of each "
+            f"step ({moved / 1e6:.2f} MB per rank per step; {1000 * max(alone):.1f} ms per step without them). Fix: "
+            "trainer.strategy.init_args.reshard_after_forward: false (one all-gather per unit and step, not two, "
+            "for more memory), shard_group_size: node (hybrid: the all-gathers stay inside a node), a larger "
+            "per-rank batch or trainer.accumulate_grad_batches (docs/fsdp.md)."
+        )
+    elif kind == "communication-bound" and moved < SMALL_GRADIENT_BYTES:
         report["communication_cost"] = "latency"
         text = (
             f"communication-bound by latency: the gradient all-reduce adds {percent['communication']} to each step "
-            f"for only {facts['gradient_bytes'] / 1e6:.2f} MB of gradients per rank per step ({1000 * max(alone):.1f} "
+            f"for only {moved / 1e6:.2f} MB of gradients per rank per step ({1000 * max(alone):.1f} "
             "ms per step without it): the cost is each exchange's messages, not their bytes, and compression adds "
             "exchanges and work without saving time at this size (docs/performance.md, Diagnose). Fix: fewer "
             "exchanges per sample: a larger per-rank batch or trainer.accumulate_grad_batches; a faster interconnect."
@@ -202,14 +217,15 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         report["communication_cost"] = "bandwidth"
         text = (
             f"communication-bound: the gradient all-reduce adds {percent['communication']} to each step "
-            f"({facts['gradient_bytes'] / 1e6:.2f} MB of gradients per rank per step; {1000 * max(alone):.1f} ms "
+            f"({moved / 1e6:.2f} MB of gradients per rank per step; {1000 * max(alone):.1f} ms "
             f"per step without it). Fix: gradient_compression.method: auto (or powersgd), a larger per-rank batch "
             "or trainer.accumulate_grad_batches (fewer all-reduces per sample), "
             "trainer.strategy.init_args.bucket_cap_mb (docs/compression.md)."
         )
     else:
         text = (
-            f"compute-bound and balanced: data {percent['data']}, communication {percent['communication']}, "
+            f"compute-bound and balanced: data {percent['data']}, communication {percent['communication']} "
+            f"({moved / 1e6:.2f} MB per rank per step), "
             f"waiting for a late rank {percent['waiting']}, straggler {percent['straggler']} of a {1000 * step:.1f} "
             f"ms step; the slowest rank scores {scores[slowest]:.2f}. Next: trainer.precision: bf16-mixed (GPUs), "
             "compile: true, a larger per-rank batch if memory allows."
@@ -298,7 +314,8 @@ def check_workers(
 def format_table(report: dict[str, Any]) -> str:
     """Per rank, in ms: the step and its parts, the collectives' time split into the all-reduce itself and
     the wait for a late rank (the verdict's two shares), the step alone (no communication) and the score."""
-    rows = [("rank", "host", "step ms", "data", "compute", "all-reduce", "waiting", "other", "alone ms", "score")]
+    collectives = "collectives" if report.get("collectives") == "fsdp" else "all-reduce"
+    rows = [("rank", "host", "step ms", "data", "compute", collectives, "waiting", "other", "alone ms", "score")]
     parts = ("step", "data", "compute", "all_reduce", "waiting", "other")
     for rank in report["ranks"]:
         rows.append(
@@ -429,8 +446,11 @@ def main(argv: list[str]) -> int:
 
     records: dict[str, list[dict[str, Any]]] = {}
     for variant, overrides in VARIANTS.items():
-        if variant == "no_communication" and records["as_configured"][0]["world_size"] == 1:
-            break  # one rank: nobody to communicate with
+        first = records["as_configured"][0] if records else {}
+        if variant == "no_communication" and (first["world_size"] == 1 or first.get("collectives") == "fsdp"):
+            # One rank: nobody to communicate with. FSDP2: no step runs without its all-gathers, so a
+            # rank's own work is its step less its timed collectives (`verdict`).
+            break
         try:
             code, log = run_variant(variant, overrides)
         except UserFacingError as error:  # `read_records`: the run's step times are not all where they should be

@@ -28,6 +28,7 @@ from app.checkpoints.io import (
     check_model_class,
     check_overrides,
     check_state_fits,
+    forget_read_checkpoint,
     not_a_checkpoint,
     refuse_url,
 )
@@ -290,6 +291,7 @@ def hand_to_forked_ranks(plan: RunPlan) -> None:
     checkpoint it resumes from is read once, here, not again in every rank before its load."""
     global _HANDED_RESUME
     _HANDED_RESUME = plan.resume if plan.resume.summary is not None else None
+    forget_read_checkpoint()  # each rank loads the weights itself; the launcher keeps none in memory
 
 
 def handed_resume(written: str) -> ResumeFrom | None:

@@ -7,10 +7,12 @@ from the end of the previous step to the end of this one, into:
   `stop` ("[_TrainingEpochLoop].train_dataloader_next"); ddp-app's default profiler (`NoProfiler`,
   app/run/build.py) adds up its time. Under a profiler of the config's own it is not measured (0,
   and the time counts as other).
-- communication: the gradient all-reduce's exposed wait: from the moment the step's last gradient is
-  accumulated (a post-accumulate-grad hook on every trained parameter; DDP launches the last bucket's
-  all-reduce right then) to the end of `backward` (where DDP waits for every bucket). All-reduce
-  that overlaps the backward pass is hidden and not counted; waiting for a slower rank is counted.
+- communication: under DDP, the gradient all-reduce's exposed wait: from the moment the step's last
+  gradient is accumulated (a post-accumulate-grad hook on every trained parameter; DDP launches the
+  last bucket's all-reduce right then) to the end of `backward` (where DDP waits for every bucket).
+  All-reduce that overlaps the backward pass is hidden and not counted; waiting for a slower rank is
+  counted. Under FSDP2, the all-gathers and reduce-scatters inside forward and backward
+  (app/parallel/collective_timing.py), with their bytes.
 - compute: this callback's `on_train_batch_start` to its `on_train_batch_end` less communication:
   forward, backward, optimizer step, and the hooks of the callbacks after it inside the step.
 - other: the rest: what Lightning and ddp-app do between steps (logging, the other callbacks'
@@ -52,6 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.checkpoints import state as checkpoint_state
 from app.errors import InvalidConfigError
+from app.parallel.collective_timing import CollectiveClock, time_fsdp_collectives
 from app.tracking.layout import STEP_TIME_METRICS
 
 ABLATIONS = ("none", "batch_in_memory", "no_communication")
@@ -89,13 +92,19 @@ class StepTiming(L.Callback):
         self._steps = 0
         self._record: list[list[float]] = []
         self._facts: dict[str, Any] = {}
+        self._collectives = CollectiveClock()
+        self._collective_bytes = 0
 
     def _gradient_ready(self, parameter: torch.Tensor) -> None:
         self._last_gradient_at = time.perf_counter()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         trained = [parameter for parameter in pl_module.parameters() if parameter.requires_grad]
-        self._hooks = [parameter.register_post_accumulate_grad_hook(self._gradient_ready) for parameter in trained]
+        layout = getattr(trainer.strategy, "mesh_layout", None)
+        hybrid = layout is not None and layout.replicas > 1
+        sharded = time_fsdp_collectives(pl_module, self._collectives, hybrid) > 0
+        if not sharded:  # under FSDP2 the collectives are timed where they run, not after the last gradient
+            self._hooks = [parameter.register_post_accumulate_grad_hook(self._gradient_ready) for parameter in trained]
         self._profiler = trainer.profiler if hasattr(trainer.profiler, "training_fetch_s") else None
         self._previous_end = None
         self._record = []
@@ -109,6 +118,7 @@ class StepTiming(L.Callback):
             "host": socket.gethostname(),
             "cpu_count": os.cpu_count(),
             "gradient_bytes": sum(parameter.numel() * parameter.element_size() for parameter in trained),
+            "collectives": "fsdp" if sharded else "ddp",
             "num_workers": getattr(loader, "num_workers", None),
             "persistent_workers": getattr(loader, "persistent_workers", None),
             "pin_memory": getattr(loader, "pin_memory", None),
@@ -137,6 +147,7 @@ class StepTiming(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._communication = 0.0
+        self._collectives.take()
         self._started = time.perf_counter()
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -148,6 +159,8 @@ class StepTiming(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = time.perf_counter()
+        collective_s, collective_bytes = self._collectives.take()
+        self._communication += collective_s
         fetched = self._profiler.training_fetch_s if self._profiler is not None else 0.0
         if self._previous_end is not None:
             step = now - self._previous_end
@@ -156,6 +169,7 @@ class StepTiming(L.Callback):
             times = (step, data, compute, self._communication, max(step - data - compute - self._communication, 0.0))
             self._sums = [total + value for total, value in zip(self._sums, times, strict=True)]
             self._steps += 1
+            self._collective_bytes = collective_bytes
             if self.record_dir is not None:
                 self._record.append(list(times))
         self._previous_end = now
@@ -181,6 +195,8 @@ class StepTiming(L.Callback):
             directory = Path(self.record_dir)
             directory.mkdir(parents=True, exist_ok=True)
             record = {**self._facts, "ablation": self.ablation, "steps": self._record}
+            if self._facts.get("collectives") == "fsdp":  # the bytes of the last timed step (all alike)
+                record["communication_bytes"] = self._collective_bytes
             path = directory / f"rank{trainer.global_rank}.json"
             path.with_suffix(".tmp").write_text(json.dumps(record))
             os.replace(path.with_suffix(".tmp"), path)  # whole or absent: diagnose reads it from another node

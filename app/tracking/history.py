@@ -183,8 +183,17 @@ def sent_seqs(path: Path) -> set[int]:
     return {int(line) for line in path.read_text().split() if line.isdigit()}
 
 
+# The first line of a `sent-<tracker>.txt`, for whoever opens it (no number in it: `sent_seqs` reads numbers).
+SENT_HEADER = (
+    "# ddp-app: the seq of each call of journal.jsonl this tracker confirmed, one per line; "
+    "a resumed or restarted run sends it only the others (docs/tracking.md)\n"
+)
+
+
 def mark_sent(path: Path, calls: list[Call]) -> None:
     with path.open("a", encoding="utf-8") as file:
+        if file.tell() == 0:
+            file.write(SENT_HEADER)
         file.write("".join(f"{call.seq}\n" for call in calls))
         file.flush()
         os.fsync(file.fileno())

@@ -111,6 +111,8 @@ def test_a_tracker_that_hangs_never_holds_the_training_thread(
     assert run.worker.drain(10)
     assert sink.steps() == [9, 19, 19, 29, 39, 39, 49, 59, 59] and sink.status == "success"
     assert sent_seqs(log_dir / "sent-controlled.txt") == set(run.history.calls)
+    # Issue 56: the file says what its numbers are to whoever opens it.
+    assert (log_dir / "sent-controlled.txt").read_text().startswith("# ddp-app: the seq of each call of journal.jsonl")
 
 
 def test_a_tracker_that_fails_gets_its_backlog_in_step_order_when_it_answers_again(
