@@ -47,12 +47,8 @@ def test_the_parse_only_pass_returns_the_plan_of_the_run(tmp_path: Path) -> None
         plan.subcommand = "validate"  # type: ignore[misc]  (frozen: decided once)
 
 
-def test_a_forked_rank_does_not_read_the_checkpoint_the_launcher_read(
-    one_rank_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The launcher reads `--ckpt_path` once (its summary); a rank it forks inherits that reading, so
-    the rank's only read is Lightning's own load of the weights. Before the plan, a rank read the file
-    twice more before that load: ddp-app's summary and LightningCLI's `_parse_ckpt_path`."""
+def count_torch_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files `torch.load` reads from now on, in order."""
     loads: list[str] = []
     original = torch.load
 
@@ -61,6 +57,16 @@ def test_a_forked_rank_does_not_read_the_checkpoint_the_launcher_read(
         return original(source, *args, **kwargs)
 
     monkeypatch.setattr(torch, "load", counting_load)
+    return loads
+
+
+def test_a_forked_rank_does_not_read_the_checkpoint_the_launcher_read(
+    one_rank_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher reads `--ckpt_path` once (its summary); a rank it forks inherits that reading, so
+    the rank's only read is Lightning's own load of the weights. Before the plan, a rank read the file
+    twice more before that load: ddp-app's summary and LightningCLI's `_parse_ckpt_path`."""
+    loads = count_torch_loads(monkeypatch)
     args = [
         *DIGITS,
         "--trainer.devices=1",
@@ -84,14 +90,7 @@ def test_a_rank_without_a_launcher_reads_the_checkpoint_once(
     """A rank started by torchrun or srun makes its own plan: the summary's read of `--ckpt_path` (or of
     the last.ckpt `--ckpt_path last` finds) is the read Lightning's load gets, once; a file rewritten
     since, or a second load, is read again."""
-    loads: list[str] = []
-    original = torch.load
-
-    def counting_load(source, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        loads.append(str(source))
-        return original(source, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", counting_load)
+    loads = count_torch_loads(monkeypatch)
     monkeypatch.setattr(plan_module, "_HANDED_RESUME", None)
     args = [
         *DIGITS,
