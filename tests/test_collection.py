@@ -26,3 +26,12 @@ def test_the_whole_suite_collects_in_the_same_order_under_any_hash_seed() -> Non
     assert len(orders[0]) > 500, orders[0][-5:]
     different = [(first, second) for first, second in zip(*orders, strict=True) if first != second]
     assert not different, f"{len(different)} tests collected in another order, first: {different[0]}"
+
+
+def test_ci_runs_the_slow_shard_this_stop_names() -> None:
+    """`.ci/run` reads this stop's third of the slow tier from `.ci/slow_shard` (moved on at each stop)."""
+    from tests.slow_shards import parse_shard
+
+    index, count = parse_shard((REPO / ".ci" / "slow_shard").read_text().strip())
+    assert count == 3 and 1 <= index <= 3
+    assert "$(cat .ci/slow_shard)" in (REPO / ".ci" / "run").read_text()
