@@ -1,10 +1,7 @@
-"""The Trainer's checkpoint I/O (`trainer.plugins`): Lightning's own, made atomic and safe to load,
-and written in the background by default.
+"""The Trainer's checkpoint I/O: Lightning's own, made atomic and safe to load, written in the background by default.
 
-Every ddp-app Trainer gets one (app/run/build.py `save_plan`), a config with its own `plugins:` too:
-`SafeCheckpointIO` (a file from rank 0) or, under strategy fsdp, `ShardedCheckpointIO` (every rank's
-shards, app/checkpoints/sharded_io.py), each wrapped in `BackgroundCheckpointIO` where saves are
-written in the background. Both go through the one `BackgroundWriter` below.
+`SafeCheckpointIO` (a file from rank 0) or, under fsdp, `ShardedCheckpointIO` (app/checkpoints/sharded_io.py), each
+wrapped in `BackgroundCheckpointIO` for background saves; both go through the one `BackgroundWriter`.
 """
 
 from __future__ import annotations
@@ -97,12 +94,12 @@ def version(tensor: torch.Tensor) -> int:
 
 
 def snapshot(checkpoint: dict[str, Any], staging: HostStaging, late: dict[int, str] | None = None) -> dict[str, Any]:
-    """A copy of `checkpoint` that the next training steps cannot change: every tensor copied to host
-    memory (`staging`'s buffers; from a GPU, a device-to-host copy) and everything else deep-copied (a
-    scheduler's lists, a callback's state), the tensors just copied excepted.
+    """A copy of `checkpoint` the next steps cannot change: tensors copied to host (`staging`'s buffers), the rest
+    deep-copied.
 
-    Tensors in the storages `late` (what an optimizer step changes: `BackgroundWriter.stepped_storages`)
-    are not copied here but held as `LateCopy`, for `stage` to copy on the writer thread."""
+    Tensors in the storages `late` (what an optimizer step changes) are held as `LateCopy`, for `stage` to copy on the
+    writer thread.
+    """
     copies: dict[int, Any] = {}  # deepcopy's memo: these are copies already (or held as they are)
     staging.begin()
 
@@ -152,28 +149,18 @@ def stage(staging: HostStaging, checkpoint: dict[str, Any], path: Any, *rest: An
 
 
 class BackgroundWriter:
-    """Checkpoint writes on one background thread, for both checkpoint I/Os `BackgroundCheckpointIO`
-    wraps: a file from rank 0 (`SafeCheckpointIO`, DDP or one process) and every rank's shards
-    (`ShardedCheckpointIO`, strategy fsdp). What is written is the I/O's; how and when is this class's:
+    """Checkpoint writes on one background thread, for both I/Os `BackgroundCheckpointIO` wraps.
 
-    - at most one write in flight: a save first waits for the previous one (and says so when that
-      took long: saves come faster than the disk takes them), so host memory holds one copy (its
-      buffers kept for the next save: `HostStaging`);
-    - writes and removals run in the order they were asked for, on a thread at a lower priority;
-    - a failed write stops every later write and removal (a ModelCheckpoint's previous best-k file
-      stays), and its one line (`CheckpointWriteError`, naming the path) is raised by the next save,
-      by `wait` or at teardown: the run never claims a checkpoint it does not have;
-    - only training's saves are written in the background (`start_background_writes`, at fit's train
-      start); a stop (preemption, Ctrl-C) and the end of training wait for them (`finish_writes`)
-      before they name a checkpoint, and a save after that, or outside fit (a script's own
-      `trainer.save_checkpoint(path)` followed by a load), is on disk when the call returns;
-    - `saves_started` and `saves_written` count the saves asked for and those on disk (in order, so
-      the first `saves_written` are): app/tracking/run.py calls a save's values final only then;
-    - with `overlap_copy` (`last_checkpoint.overlap_copy`), the parameters and the optimizer state
-      are copied on the writer thread while the next step's forward and backward run, and the next
-      update waits for that copy (Lightning's `on_before_optimizer_step`, after the backward, and
-      each optimizer's step pre-hook where a step runs no closure: `watch`, `wait_for_staging`), as
-      torchtitan waits for its staging before the optimizer step. Everything else is copied at the save.
+    - at most one write in flight (a save waits for the previous one, and says so when it took long), so host memory
+      holds one copy;
+    - writes and removals run in order, on a lower-priority thread;
+    - a failed write stops every later write and removal, and its one line (`CheckpointWriteError`) is raised by the
+      next save, `wait` or teardown;
+    - only training's saves are in the background (`start_background_writes`); stops and the end of training wait for
+      them (`finish_writes`), later saves are synchronous;
+    - `saves_started` / `saves_written` count saves asked for and on disk (app/tracking/run.py reads them);
+    - with `overlap_copy`, parameters and optimizer state are copied on the writer thread during the next step's forward
+      and backward, and its optimizer step waits for the copy (`watch`, `wait_for_staging`), as torchtitan does.
     """
 
     SLOW_WAIT_S = 1.0  # a wait for the previous write at least this long is said in the log...
@@ -352,14 +339,11 @@ class BackgroundWriter:
 
 
 class BackgroundCheckpointIO(AsyncCheckpointIO):
-    """A checkpoint I/O's saves (`SafeCheckpointIO`'s atomic file, `ShardedCheckpointIO`'s shards)
-    written by a `BackgroundWriter`: a save blocks training only for what the I/O's `prepare_write`
-    does on the training thread, a copy to host memory (`last_checkpoint.async_save`, docs/resume.md).
+    """A checkpoint I/O's saves written by a `BackgroundWriter`: a save blocks training only for its `prepare_write` (a
+    copy to host memory).
 
-    Lightning's `AsyncCheckpointIO` is the base (its wrapping of a CheckpointIO, its loads), not its
-    saves: they queue any number of writes, clone tensors on their device, and raise a failed write's
-    error raw at a later save, after queueing that one. `checkpoint_io`: one with a `prepare_write`
-    (`SafeCheckpointIO`, the default, or `ShardedCheckpointIO`).
+    Lightning's `AsyncCheckpointIO` is the base for its wrapping and loads, not its saves (unbounded queue, on-device
+    clones, a failed write raised raw later). `checkpoint_io`: one with a `prepare_write`.
     """
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None, overlap_copy: bool = False) -> None:
@@ -414,13 +398,11 @@ def start_background_writes(trainer: L.Trainer) -> None:
 
 
 def save_ticket(trainer: L.Trainer) -> int | None:
-    """A number for the save being made now, to ask `is_on_disk` later; call it from a callback's
-    `on_save_checkpoint`, which Lightning calls just before it hands that checkpoint to the strategy
-    (`Trainer.save_checkpoint`). None where saves are written synchronously: the file is on disk once
-    the save returns, before the next hook.
+    """A number for the save being made now, to ask `is_on_disk` later (call from `on_save_checkpoint`); None where
+    saves are synchronous.
 
-    What a save holds is final only once it is on disk: app/tracking/run.py settles the values logged
-    up to last.ckpt then, not at the next hook, while a background write may still be in flight."""
+    A save's values are final only once it is on disk: app/tracking/run.py settles them then.
+    """
     writer = background_writer(trainer)
     return writer.saves_started + 1 if writer is not None else None
 

@@ -86,12 +86,12 @@ class ShardedCheckpointIO(CheckpointIO):
         self._publish(shards, path)
 
     def prepare_write(self, checkpoint: dict[str, Any], path: Any, staging: HostStaging, late: dict[int, str]) -> Write:
-        """A background save's part on the training thread: the path agreed, meta.pt written and this
-        rank's shards copied to host memory (`snapshot`, into `staging`'s buffers kept from save to
-        save; the `late` storages copied on the writer thread by `stage`, while the next step's forward
-        and backward run). The writes, DCP's index and the publishing run on the writer's thread, whose
-        collectives go over the checkpoints' own group (gloo: DCP's background collectives need a CPU
-        group, and must not interleave with training's on the default group)."""
+        """A background save's training-thread part: path agreed, meta.pt written, this rank's shards copied to host
+        (`late` storages copied by `stage` on the writer thread).
+
+        The writes, DCP's index and publishing run on the writer thread over the checkpoints' own gloo group (DCP's
+        background collectives need a CPU group apart from training's).
+        """
         tensors, path, shards = self._begin(checkpoint, path)
         staged = snapshot(tensors, staging, late)
         copy_late = functools.partial(self._copy_late, staging) if late else None
@@ -107,10 +107,9 @@ class ShardedCheckpointIO(CheckpointIO):
         optimizers: list[torch.optim.Optimizer] | tuple = (),
         strict: bool = True,
     ) -> dict[str, Any]:
-        """With `module` (a collective, every rank): this rank's part of the weights and of each
-        optimizer's state loaded into them in place (DCP reshards where the mesh changed), and the
-        rest of the checkpoint returned. Without: the whole checkpoint in this one process
-        (`load_whole`). Nothing read here can run code."""
+        """With `module` (a collective): this rank's weights and optimizer states loaded in place (DCP reshards), the
+        rest returned. Without: the whole checkpoint in this process (`load_whole`). Nothing read runs code.
+        """
         path = Path(self._from_rank_zero([str(path)], dist.group.WORLD)[0]) if _distributed() else Path(path)
         if not is_sharded_checkpoint(path):
             raise CheckpointError(
@@ -172,16 +171,11 @@ class ShardedCheckpointIO(CheckpointIO):
     def _write_staged(
         self, staged: dict[str, Any], path: Path, shards: Path, torn: CheckpointWriteError | None
     ) -> None:
-        """On the writer's thread: DCP writes this rank's staged shards (a blocking `dcp.save` of the
-        host copies, its collectives over the checkpoints' group), then rank 0 moves the link. Rank 0's
-        `dcp.save` returns once every rank's shards and DCP's index are on disk.
+        """On the writer thread: a blocking `dcp.save` of the staged shards, then rank 0 moves the link.
 
-        First every rank learns whether any rank's late copy was `torn` (one all-reduce), so that all
-        of them fail that save alike instead of the others waiting in `dcp.save` for it.
-
-        Not `dcp.async_save` from the training thread: its upload thread, started there, ran at
-        training's priority and took its time from the save step; here, DCP's work runs at the
-        writer's lower priority (docs/performance.md)."""
+        One all-reduce first tells every rank whether any late copy was `torn`, so all fail that save alike. Not
+        `dcp.async_save`: its upload thread ran at training's priority (docs/performance.md).
+        """
         changed = torch.tensor([dist.get_rank() + 1 if torn is not None else 0], dtype=torch.int32)
         dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self._group)
         if changed.item():
@@ -244,11 +238,9 @@ def sharded_write_error(path: Path, error: CheckpointException) -> CheckpointWri
 
 
 class SafeFileSystemWriter(FileSystemWriter):
-    """DCP's file writer, whose refused writes are raised as the OSError behind them (errno kept).
-
-    DCP gathers each rank's failure to every rank by pickling it, which drops the exception's
-    context: torch's zip writer's "unexpected pos" would arrive without the ENOSPC under it. Raised
-    here as an OSError, on the rank that failed, the cause crosses (`disk_error_in`)."""
+    """DCP's file writer, raising refused writes as their OSError (errno kept) on the failing rank, since DCP's pickled
+    failures drop the cause (`disk_error_in`).
+    """
 
     def write_data(self, *args: Any, **kwargs: Any) -> Any:
         try:

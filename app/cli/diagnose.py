@@ -266,10 +266,9 @@ def check_workers(
     records: dict[str, list[dict[str, Any]]],
     run_variant: Callable[..., tuple[int, Path]],
 ) -> None:
-    """Try the suggested `num_workers` before suggesting it: one more shortened fit with it, and, where
-    the data share is still `DATA_FIXED` or more (loader workers slow each other down where they share
-    the cores), more with the number the last measured one calls for (`WORKER_TRIES` in all). The
-    report names the number measured to fix it, or says that none did."""
+    """Try the suggested `num_workers` with one more shortened fit (more where the data share stays `DATA_FIXED` or
+    above, `WORKER_TRIES` in all); the report names the number that fixed it, or says none did.
+    """
     in_memory = report["batch_in_memory_step_ms"] / 1000  # as `verdict` measured it
     workers, tried = report["suggested_num_workers"], []
     for _ in range(WORKER_TRIES):
