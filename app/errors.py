@@ -1,13 +1,9 @@
 """One place that turns an exception into the one line a user reads, or decides it is a bug.
 
-Every entry point (`ddp-app`, and every rank it starts) prints `ddp-app: error: <line>` and exits 2
-for the problems below, which are the user's to fix: errors we raise for bad input
-(`UserFacingError` and its subclasses) and errors we recognise (parser errors, Lightning's
-configuration errors, a full disk, a lost peer rank, a failed rendezvous, a checkpoint for another
-model). Anything else, a `ValueError` in a user's `training_step` included, keeps its traceback.
-`DDP_APP_TRACEBACK=1` prints the traceback before the one line too.
-
-This module imports no Lightning: the datasets the reference trainer shares raise these errors.
+Every entry point prints `ddp-app: error: <line>` and exits 2 for the user's problems: our `UserFacingError` family and
+errors we recognise (parser and Lightning configuration errors, a full disk, a lost peer, a failed rendezvous, a
+checkpoint of another model). Anything else keeps its traceback; `DDP_APP_TRACEBACK=1` prints it before the line too. No
+Lightning here.
 """
 
 from __future__ import annotations
@@ -111,11 +107,9 @@ def _yaml_syntax_error(message: str, config_file: str | None) -> str:
 
 
 def _config_file_being_read() -> str | None:
-    """The config file jsonargparse was reading when it reported a YAML error (the error names only
-    "<unicode string>"): the innermost file of jsonargparse's stack of config files being loaded,
-    still set while its parser reports the error. `jsonargparse._util.config_load_stack` is private
-    (docs/private_apis.md); if a release drops it, the line names no file and
-    tests/test_errors.py fails."""
+    """The config file jsonargparse was reading when it reported a YAML error (innermost of its private
+    `config_load_stack`, docs/private_apis.md); tests/test_errors.py fails if a release drops it.
+    """
     util = sys.modules.get("jsonargparse._util")
     stack_variable = getattr(util, "config_load_stack", None)
     stack = stack_variable.get() if stack_variable is not None else ()

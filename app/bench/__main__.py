@@ -59,10 +59,8 @@ def resolve_accelerator(requested: str) -> str:
 
 
 def pair_order(repeat: int) -> tuple[str, ...]:
-    """(reference, lightning) on even repeats, (lightning, reference) on odd ones.
-
-    With a fixed order the second run of every pair pays for whatever the first one left behind
-    (a VM's CPU budget, heat, other tenants' bursts), and the paired ratios carry that bias.
+    """(reference, lightning) on even repeats, (lightning, reference) on odd ones: a fixed order would bias the paired
+    ratios against whichever runs second.
     """
     return SIDES if repeat % 2 == 0 else SIDES[::-1]
 

@@ -248,10 +248,8 @@ def tbf_burst_bytes(rate_mbit: float) -> int:
 
 
 def set_rate(interface: str, link: Link, limited: bool) -> bool:
-    """Cap `interface`'s egress at the link's rate (from inside its namespace); returns whether a tbf is on.
-
-    Each rank caps its own side, so both directions of the link run at the rate. `limited` says
-    whether a tbf is installed now: unlimited removes it, which restores the veth's default qdisc.
+    """Cap `interface`'s egress at the link's rate (inside its namespace; each rank caps its own side); returns whether
+    a tbf is on.
     """
     if link.rate_mbit is None:
         if limited:
@@ -290,10 +288,11 @@ def run_ranks(
     timeout_s: float,
     rank_envs: Sequence[Mapping[str, str]] = (),
 ) -> None:
-    """Start each rank `(node, python -m arguments)` inside namespace `node` with gloo bound to that node's
-    link (GLOO_SOCKET_IFNAME) and `rank_envs[rank]` (if given) added to `env`, and wait for all. Rank 0
-    prints to our stdout; every rank's errors go to out/rank<N>.log. A failed rank takes the others
-    down at once; all are killed by PID in a `finally`."""
+    """Run each rank `(node, python -m arguments)` in namespace `node`, gloo bound to its link, and wait for all.
+
+    Rank 0 prints to our stdout, every rank's errors go to out/rank<N>.log; a failed rank takes the others down (by
+    PID).
+    """
     processes: list[subprocess.Popen[bytes]] = []
     logs = [out / f"rank{rank}.log" for rank in range(len(ranks))]
     try:

@@ -109,11 +109,8 @@ def build_schedule(
     default_bucket: float,
     repeats: int,
 ) -> list[dict[str, Any]]:
-    """Every measurement in the order the ranks run them.
-
-    Within a repeat each link gets the 1-rank baseline and every (method, bucket) setting in turn;
-    odd repeats run the links and the settings in reverse order. Buckets other than the default are
-    swept at `bucket_link` only.
+    """Every measurement in run order: per repeat and link, the 1-rank baseline and each (method, bucket); odd repeats
+    reversed; non-default buckets at `bucket_link` only.
     """
     schedule = []
     for repeat in range(repeats):

@@ -58,15 +58,12 @@ STRATEGIES = {"ddp": ["--trainer.strategy=ddp"], "fsdp": []}  # the config's own
 
 
 class SaveTimer(L.Callback):
-    """Per rank, during training, written to `<default_root_dir>/save-times-rank<r>.json` at its end:
+    """Per rank, written to `<default_root_dir>/save-times-rank<r>.json` at the end.
 
-    - `save_call`: each save's own time, `trainer.save_checkpoint` (the coordinator saves last.ckpt
-      through it at a batch's start; under DDP it ends with Lightning's barrier, so every rank waits
-      for rank 0's copy), and `staging_wait`: the next step's wait for an overlapped copy;
-    - `writing`: the steps a background write ran beside: the rest of the save's own step, and each
-      later step that starts while the write is in flight (less any wait for the copy);
-    - `quiet`: the other steps, the steps right after a save left out;
-    - `save`, `after_save`: the whole save step and the step after it (the earlier figures' basis)."""
+    - `save_call`: each `trainer.save_checkpoint`; `staging_wait`: the next step's wait for an overlapped copy;
+    - `writing`: the steps a background write ran beside (less any wait for the copy); `quiet`: the others;
+    - `save`, `after_save`: the whole save step and the step after it.
+    """
 
     def __init__(self) -> None:
         kinds = ("save_call", "staging_wait", "writing", "quiet", "save", "after_save")

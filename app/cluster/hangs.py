@@ -1,30 +1,14 @@
 """A hang names its culprit: the rank that did not arrive, its host, and the collective the others wait in.
 
-A rank that stops (SIGSTOP, a dead NFS read in its data loader, a lost link) or that calls
-collectives in another order than its peers leaves the others waiting in a collective until
-`collective_timeout_s`. PyTorch then raises "Timed out waiting ..." on the waiting ranks and says
-nothing about who is missing. Here, every rank:
+PyTorch's timeout says nothing about who is missing. So every rank keeps the flight recorder on
+(`TORCH_FR_BUFFER_SIZE`), runs PyTorch's per-rank debug endpoint (`_WorkerServer`, a C++ thread that answers
+`dump_traceback` and `fr_trace_json` while Python is blocked), and tells every other rank its host, pid and endpoint
+once at setup (`all_gather_object`: rank 0 may be the stopped one).
 
-- keeps PyTorch's flight recorder on (`TORCH_FR_BUFFER_SIZE`): the last collectives of each process
-  group, with sequence numbers, and per group the last one enqueued and the last one completed;
-- runs PyTorch's per-rank debug endpoint (`_WorkerServer`, the worker half of
-  `torch.distributed.debug.start_debug_server`) in a C++ thread, which answers `dump_traceback`
-  (every thread's Python stack, via faulthandler) and `fr_trace_json` (the flight recorder) even
-  while the rank's own Python code is blocked, in a collective or anywhere else;
-- tells every other rank, once at setup, its host, pid and that endpoint's address (one
-  `all_gather_object`: nothing has to be read from rank 0's store later, and rank 0 may be the
-  one that is stopped).
-
-A rank whose collective times out (`HangReport.on_exception`) asks every other rank for its stack
-and its flight recorder (in parallel, `ASK_TIMEOUT_S` each), compares the collectives each entered,
-by sequence number, with its own, writes `<default_root_dir>/hang-<time>-rank<R>/` and ends with
-one line naming the culprit(s): a rank whose sequence runs behind, ahead or apart from its own. A
-rank that does not answer is stopped or holds the GIL; one that cannot even be connected to is on a
-host this one cannot reach. Only when every rank entered the same collectives, is still in a
-collective and has not moved when read again `RECHECK_S` later is the network blamed.
-
-What works where is in docs/hangs.md (the flight recorder has no start/end times on gloo, only
-"retired"; on NCCL the watchdog, not the waiting call, sees a timeout).
+On a timeout (`HangReport.on_exception`) a rank asks every other for its stack and flight recorder, compares the
+collectives each entered by sequence number, writes `<default_root_dir>/hang-<time>-rank<R>/` and names the culprit(s)
+in one line. The network is blamed only when every rank entered the same collectives and none moved within `RECHECK_S`.
+What works where: docs/hangs.md.
 """
 
 from __future__ import annotations
@@ -213,11 +197,12 @@ def entered_now() -> dict[str, int]:
 
 
 def recent_collectives() -> dict[str, Any]:
-    """This process's flight recorder cut to its newest `RECENT_ENTRIES` collectives per process
-    group and the fields the deadlock check reads, in the recorder's own shape (`pg_status`,
-    `entries`). The full recorder (up to 2000 entries: tens of milliseconds, with the GIL held) is
-    read only when a collective was entered since the last read, at most every `FULL_READ_EVERY_S`;
-    what was read is kept (an entry, once made, never changes)."""
+    """This process's flight recorder, cut to the newest `RECENT_ENTRIES` per group and the fields the deadlock check
+    reads.
+
+    The full recorder (slow, GIL held) is read only after a new collective, at most every `FULL_READ_EVERY_S`; entries
+    never change, so what was read is kept.
+    """
     import torch._C._distributed_c10d as c10d
 
     with _recent_lock:
@@ -321,12 +306,9 @@ def unreachable_only_off_reachable_hosts(answers: list[Answer], this_host: str) 
 def waited_collective(recorder: dict[str, Any] | None) -> Collective:
     """The collective a rank waits in (or whose wait failed): the newest one it entered, on any group.
 
-    Not "the oldest one not marked completed": gloo's flight recorder marks a collective completed
-    from its worker thread after the waiting call has returned, a failed one as completed too, and
-    each worker writes its own collective's number, so two in flight at once can leave an older
-    number last. Under load a rank's record can show, for seconds, a collective it has long left
-    as pending (a barrier's predecessor, with the barrier itself entered and waited in). What a
-    rank has entered is written by the calling thread, in order, before the call waits."""
+    Not "the oldest not completed": gloo marks completion from worker threads, late and out of order, so a record can
+    show a long-left collective as pending. Entries are written by the calling thread, in order, before it waits.
+    """
     newest = newest_collectives(recorder)
     return max(newest, key=lambda collective: collective.created_ns, default=Collective("?", -1, "a collective"))
 
@@ -467,11 +449,9 @@ class Verdict:
 
 
 def where_it_is(answer: Answer, mine: dict[str, Any] | None, this_host: str) -> Verdict | None:
-    """Why `answer`'s rank is not in the collective the reporting rank (flight recorder `mine`) waits
-    in, or None if it is: it entered the same collectives in the same order, no more and no fewer,
-    and its stack (if known) is in a collective too. A rank whose sequence runs behind (it has not
-    entered the reporter's newest collective), ahead (it entered more) or apart (another operation
-    at the same sequence number) is named with where it is."""
+    """Why `answer`'s rank is not in the collective the reporter (flight recorder `mine`) waits in, or None if it is
+    (same collectives, same order, stack in a collective). A rank behind, ahead or apart is named with where it is.
+    """
     waiting = waited_collective(mine)
     if answer.problem == "unreachable":
         return Verdict(waiting, f"its host {answer.address.host} is unreachable from {this_host}")
@@ -659,18 +639,12 @@ class HangReport(Callback):
             time.sleep(0.2)
 
     def _watch_for_mismatch(self, trainer: L.Trainer) -> None:
-        """A thread: every `mismatch_check_s`, read which collective this rank entered last on each
-        group (in process, microseconds). Once it has entered none for `stalled_s`, and at every look
-        while that lasts, compare its newest one on each group with what each other rank entered at
-        the same sequence number (`RECENT_HANDLER`: their newest collectives, a few kB). Another
-        operation there is a certain deadlock (neither collective can ever complete): the lowest of
-        the ranks involved writes the report, and every rank involved ends its process.
+        """A thread: every `mismatch_check_s`, read which collective this rank entered last on each group.
 
-        A rank that has not reached that sequence number yet (slow: rank 0 writing a large checkpoint
-        while the others wait in a barrier, a long step, a slow data load) is no evidence of anything,
-        however long it takes: the others keep waiting, up to `collective_timeout_s`. Nothing here is
-        decided by time; `stalled_s` only keeps the comparison (one full read of this rank's flight
-        recorder per pause, and an ask of each other rank per look) off a rank that is making progress.
+        Once stalled for `stalled_s`, compare its newest one per group with what each other rank entered at that
+        sequence number (`RECENT_HANDLER`). Another operation there is a certain deadlock: the lowest rank involved
+        writes the report and every rank involved exits. A rank that has not reached that number yet is only slow:
+        nothing here is decided by time (`stalled_s` only keeps the reads off a rank that progresses).
         """
         me = self.peers[trainer.global_rank]
         others = [peer for peer in self.peers if peer.rank != me.rank]
@@ -702,11 +676,11 @@ class HangReport(Callback):
     def _peek(
         self, pool: ThreadPoolExecutor, others: list[RankAddress], quiet: dict[int, tuple[float, float]]
     ) -> dict[int, dict[str, Any] | None]:
-        """The other ranks' recent collectives (`RECENT_HANDLER`), asked in parallel. A rank that did
-        not answer is asked again only after `SILENT_RETRY_S`, then twice as long each time, up to
-        `SILENT_RETRY_MAX_S` (until this rank moves on): a stopped process accepts no connection, and
-        each ask would leave one in its endpoint's short queue, which, once full, makes the rank look
-        unreachable to the collective timeout's report."""
+        """The other ranks' recent collectives (`RECENT_HANDLER`), asked in parallel.
+
+        A silent rank is asked again only after `SILENT_RETRY_S`, doubling up to `SILENT_RETRY_MAX_S`: each unanswered
+        ask fills a stopped rank's short accept queue, which would make it look unreachable to the timeout's report.
+        """
         now = time.monotonic()
         asked = [peer for peer in others if now >= quiet.get(peer.rank, (0.0, 0.0))[0]]
         recorders: dict[int, dict[str, Any] | None] = {}

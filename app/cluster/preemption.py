@@ -1,12 +1,8 @@
 """Stop signals: preemption (SIGUSR1/SIGTERM) and Ctrl-C (SIGINT). The handlers only set a flag.
 
-SLURM sends SIGUSR1 ahead of the time limit (`#SBATCH --signal=SIGUSR1@90`) and SIGTERM before it
-kills a job; a user presses Ctrl-C. Lightning's own SIGUSR1 handler saves the checkpoint inside the
-handler, which can hang intermittently (Lightning #21406), and its Ctrl-C handling saves nothing.
-Here a handler records the signal; `app.run.coordinator.RunCoordinator` acts on it at the next
-step boundary, on every rank at the same step: it saves `last.ckpt` and raises `Stopped`.
-A second Ctrl-C while that is under way ends the process at once: the previous `last.ckpt` stays
-intact because checkpoints are replaced atomically (`app.checkpoints.io.atomic_torch_save`).
+Lightning's SIGUSR1 handler saves inside the handler, which can hang (Lightning #21406), and its Ctrl-C saves nothing.
+`app.run.coordinator.RunCoordinator` acts on the flag at the next step boundary on every rank: it saves `last.ckpt` and
+raises `Stopped`. A second Ctrl-C exits at once; the previous `last.ckpt` stays intact (atomic writes).
 """
 
 from __future__ import annotations
@@ -61,11 +57,10 @@ def abort_now(signum: int, frame: FrameType | None) -> None:
 
 
 class StopSignalFlag:
-    """Records the first stop signal a process gets; `STOP_SIGNAL_FLAG` is the one of this process.
+    """Records the first stop signal a process gets; `STOP_SIGNAL_FLAG` is this process's.
 
-    `app.cli.entry.run` installs it for SIGUSR1 and SIGTERM as a rank starts, so that a preemption during
-    setup (imports, data, rendezvous, sanity check) is recorded instead of killing the rank, and
-    `RunCoordinator` adds SIGINT when training starts (before that, Ctrl-C raises at once).
+    `app.cli.entry.run` installs it for SIGUSR1 and SIGTERM as a rank starts (a preemption during setup is recorded, not
+    fatal); `RunCoordinator` adds SIGINT at train start.
     """
 
     def __init__(self) -> None:
@@ -110,12 +105,9 @@ STOP_SIGNAL_FLAG = StopSignalFlag()  # signal handlers belong to the process: on
 def keep_lightning_off_stop_signals(trainer: Any) -> None:
     """Lightning installs no signal handler for this Trainer; ddp-app's flag-only ones stay in place.
 
-    Lightning 2.6 installs a SIGTERM handler at the start of every Trainer run
-    (`_SignalConnector.register_signal_handlers`) that calls `dist.broadcast` inside the handler: only
-    the rank that got the signal enters that collective, so it hangs until the collective timeout
-    (a SIGTERM to rank 0 during the sanity check hung a 2-rank fit); then Lightning ends the loops
-    with `SIGTERMException`, a `SystemExit` with code 0: a preempted fit exited 0, untrained.
-    Private (docs/private_apis.md); tests/test_private_apis.py fails if a Lightning upgrade changes it.
+    Lightning 2.6's SIGTERM handler (`_SignalConnector.register_signal_handlers`) calls `dist.broadcast` inside the
+    handler, which hangs on the one rank that got the signal, and then exits 0, untrained. Private
+    (docs/private_apis.md); tests/test_private_apis.py fails if a Lightning upgrade changes it.
     """
     needed_for = "keeping Lightning's SIGTERM handler off a fit"
     connector = require(trainer, "_signal_connector", "lightning", needed_for)

@@ -1,15 +1,12 @@
-"""Which launcher started this process, and whether it agrees with the Trainer: checked before any
-process group exists, so that a mismatch ends in one line instead of a hang or a stack trace.
+"""Which launcher started this process, and whether it agrees with the Trainer, checked before any process group exists
+(one line instead of a hang).
 
     srun      a Slurm job step (SLURM_STEP_ID is set): one task per rank, Lightning's SLURMEnvironment
     torchrun  TorchElastic's variables are set: torchrun started the ranks (Lightning checks it first)
     plain     anything else: Lightning starts ranks 1..devices-1 itself by running the command again
 
-Lightning decides "srun was used" from SLURM_NTASKS alone, which a batch script or an salloc shell
-also carries. A job with N tasks started without srun then runs one process that waits at
-"Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/N" until the time limit. SLURM_STEP_ID is set
-by srun only (measured on Slurm 22.05: absent in the batch script and in salloc's shell), so it
-tells the two apart.
+Lightning decides "srun was used" from SLURM_NTASKS, which a batch script or salloc shell also has (the run then waits
+until the time limit). Only srun sets SLURM_STEP_ID.
 """
 
 from __future__ import annotations
@@ -74,11 +71,11 @@ def devices_as_written_count(devices: Any) -> int | None:
 
 
 def resolve_devices(devices: Any, accelerator: Any = "auto") -> int | None:
-    """The number of processes per node that Trainer(devices=...) means; None if it cannot be told here.
+    """The processes per node that Trainer(devices=...) means (the one place that decides it); None if it cannot be told
+    here.
 
-    The one place that turns `trainer.devices` into a process count. On GPUs: a count, a list or
-    "0,1" of indices, and "auto" or -1 for every visible GPU. On CPU, where Lightning takes only a
-    count, a GPU config's list means that many processes, "auto" one, and -1 one per core.
+    On GPUs: a count, a list or "0,1", and "auto" or -1 for every visible GPU. On CPU a list means that many processes,
+    "auto" one, -1 one per core.
     """
     if isinstance(devices, (list, tuple)):
         return len(devices)
@@ -263,18 +260,10 @@ def _plain_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
 def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) -> None:
     """Under torchrun, give every round of the worker group a rendezvous store of its own.
 
-    torchrun's agent shares its rendezvous TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE)
-    and keeps it across restarts, while `init_process_group` files gloo's keys under the fixed
-    prefix "default_pg": after `--max-restarts` restarted the group, its ranks read the dead
-    round's addresses and fail in connectFullMesh ("Connection refused") or wait. So global rank 0
-    takes a free port and publishes it in the agent's store with a fresh random tag, and every rank
-    meets there; MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE are changed for this process only.
-
-    The round cannot be named by TORCHELASTIC_RESTART_COUNT: with several agents (nodes) it counts
-    each agent's own failures, so after one node's rank died it is 1 there and 0 on the others
-    (measured with torch 2.14 on the two-node Slurm cluster: the ranks waited on different keys
-    until the timeout). Every rank instead remembers, in the store, the tag it met under, and waits
-    for a tag it has not met under yet: rank 0 of the new round has written it.
+    torchrun's agent keeps its TCPStore across restarts and gloo files its keys under "default_pg", so restarted ranks
+    would read the dead round's addresses. Global rank 0 publishes a free port under a fresh random tag in the agent's
+    store, and every rank waits for a tag it has not met under yet (TORCHELASTIC_RESTART_COUNT differs between nodes, so
+    it cannot name the round). MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE change for this process only.
     """
     if not is_torchrun(env) or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
@@ -317,10 +306,8 @@ def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) 
 
 
 def export_master_address(env: MutableMapping[str, str]) -> None:
-    """Give Lightning's SLURMEnvironment our per-job MASTER_ADDR and MASTER_PORT before it reads them.
-
-    Its own port, 15000 + job id % 10000, is the same for two jobs on one node whose ids share the
-    last four digits; `job_master_port` hashes the whole id. A MASTER_PORT already set still wins.
+    """Give Lightning's SLURMEnvironment our per-job MASTER_ADDR and MASTER_PORT (`job_master_port`) before it reads
+    them; a MASTER_PORT already set wins.
     """
     if lightning_uses_slurm(env) and (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")):
         address, port = master_address_and_port(dict(env))
@@ -343,10 +330,8 @@ def describe_launch(
 
 
 def preflight(trainer_config: Mapping[str, Any], env: MutableMapping[str, str] | None = None) -> Launch | None:
-    """Check the launch against the Trainer's devices/num_nodes and export the rendezvous address.
-
-    Returns None (and checks nothing) when `devices` cannot be resolved before the Trainer exists,
-    e.g. a custom accelerator object with devices="auto".
+    """Check the launch against the Trainer's devices/num_nodes and export the rendezvous address; None (nothing
+    checked) when `devices` cannot be resolved before the Trainer exists.
     """
     env = os.environ if env is None else env
     devices = resolve_devices(trainer_config.get("devices", "auto"), trainer_config.get("accelerator", "auto"))

@@ -1,21 +1,12 @@
-"""Requeueing a Slurm batch job: after a preemption, after a failure worth running again, never
-after bad input. Stdlib only: the batch script calls it through `python -m app.slurm`.
+"""Requeueing a Slurm batch job: after a preemption or a failure worth retrying, never after bad input. Stdlib only
+(`python -m app.slurm`).
 
-- A preempted job is requeued by its rank 0 once every rank has saved `last.ckpt`
-  (`app.cluster.preemption`, exit code 3).
-- A job step that fails (srun returns non-zero: a rank killed, a node lost, a crash) is requeued by
-  the batch script (`python -m app.slurm requeue-on-failure "$status"`), at most
-  `DDP_APP_MAX_REQUEUES` times (default 3), counted by Slurm's `SLURM_RESTART_COUNT`, which
-  counts every requeue of the job, preemptions included. The job starts again with
+- A preempted job is requeued by its rank 0 once every rank saved `last.ckpt` (exit code 3).
+- A failed job step is requeued by the batch script (`python -m app.slurm requeue-on-failure "$status"`), at most
+  `DDP_APP_MAX_REQUEUES` times (default 3, counted by `SLURM_RESTART_COUNT`, preemptions included), and resumes with
   `--ckpt_path last`.
-- A deterministic failure (exit 2: bad input, a non-finite loss, a checkpoint that does not load)
-  is never requeued: the rank that stops on it turns the job's requeue flag off
-  (`scontrol update JobId=N Requeue=0`) before it exits. The batch script cannot tell it from
-  srun's exit code: with `--kill-on-bad-exit` srun reports 128 + the signal it ended the other
-  tasks with (143) whatever the first task's exit code was, and without accounting Slurm keeps
-  no per-step exit code (DerivedExitCode is a maximum over every attempt of the job, never reset
-  by a requeue). Measured on Slurm 22.05; the flag also keeps Slurm itself from requeueing the
-  job after a node failure.
+- A deterministic failure (exit 2) is never requeued: the failing rank turns the job's requeue flag off (`scontrol
+  update JobId=N Requeue=0`), since srun's exit code cannot tell it apart (Slurm 22.05).
 """
 
 from __future__ import annotations

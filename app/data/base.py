@@ -21,12 +21,8 @@ __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader that tells Lightning it can resume mid-epoch.
-
-    Its position needs no state of its own: `ResumableDistributedSampler` asks the run's
-    `TrainingPositioner` (app/data/positioning.py), which keeps it in every checkpoint. Implementing `state_dict` /
-    `load_state_dict` is how Lightning recognises a resumable loader (otherwise it warns that a
-    mid-epoch resume is unreliable).
+    """A DataLoader that tells Lightning it can resume mid-epoch (`state_dict` / `load_state_dict`); the position lives
+    in the run's `TrainingPositioner` (app/data/positioning.py), not here.
     """
 
     def state_dict(self) -> dict[str, int]:

@@ -1,16 +1,11 @@
 """Your own images in the ImageFolder layout (`train/<class>/<file>`), without Lightning.
 
-`imagefolder_splits` lists the files once per rank (deterministic, nothing written), checks the
-layout, and returns datasets that decode and augment one image per `__getitem__`, in the DataLoader
-workers. The random crop and flip draw from torch's global generator, which `PerSampleSeeded` seeds
-from (seed, epoch, index): a sample's augmentation does not depend on the worker, the rank,
-`num_workers` or a resume.
+`imagefolder_splits` lists and checks the files once per rank; images are decoded and augmented one per `__getitem__` in
+the loader workers, seeded per sample (`PerSampleSeeded`), so augmentation does not depend on workers, ranks or resumes.
 
-Bad files (docs/usage.md): by default nothing reads the files before training, since a pass over a
-large set on a shared filesystem is slow; a file that cannot be decoded is found when a worker
-decodes it (`UnreadableImageError`, or with `skip_bad_files` the next file in its place:
-`ImageFiles`). `check_files: true` reads every file's first bytes up front, in `SCAN_THREADS`
-threads (each open on a network filesystem is a round trip), on rank 0 only under a Trainer.
+Bad files (docs/usage.md): found when decoded (`UnreadableImageError`, or with `skip_bad_files` the next file in its
+place: `ImageFiles`); `check_files: true` reads every file's first bytes up front, in `SCAN_THREADS` threads, on rank 0
+only.
 """
 
 from __future__ import annotations
@@ -44,11 +39,8 @@ WORKER_PREFIX = "Caught "
 
 
 class UnreadableImageError(UserFacingError):
-    """An image file that cannot be decoded; the message names it.
-
-    Raised in a loader worker, it reaches the training process as a new `UnreadableImageError` built
-    from "Caught UnreadableImageError in DataLoader worker process 0. Original Traceback ...": the
-    worker's traceback, then our line. The user reads only our line.
+    """An image file that cannot be decoded; the message names it (the user reads our line after the worker's
+    traceback).
     """
 
     def __init__(self, message: str) -> None:
@@ -60,10 +52,8 @@ class UnreadableImageError(UserFacingError):
 
 
 def image_format_problem(path: Path) -> str | None:
-    """Why `path` cannot be an image decode_image reads (None: it starts like one).
-
-    Reads the first 12 bytes only: a whole decode of every file on every rank would cost a pass
-    over the data set before the first step. A file whose body is damaged fails when it is decoded.
+    """Why `path` cannot be an image decode_image reads (None: it starts like one); reads 12 bytes only, so a damaged
+    body fails at decode.
     """
     try:
         with path.open("rb") as file:
@@ -141,12 +131,9 @@ def drop_unreadable(
 class ImageFiles(Dataset):
     """Image files with their class indices, decoded to RGB and transformed one per `__getitem__`.
 
-    A file that fails to decode is an error that names it, or, with `skip_bad_files`, the next file of
-    the split that decodes (by index) is loaded in its place, with its class index. A substitute
-    rather than a shorter epoch: every rank still trains the planned number of steps (DDP's
-    collectives would wait for a rank that ran out), and the substitute depends on the index alone,
-    so exact resume holds. Replaced files are flagged in `replaced`, a tensor in shared memory that
-    the workers write and this process reads (`replaced_files()`).
+    A file that fails to decode is an error naming it, or, with `skip_bad_files`, the next file that decodes takes its
+    place: every rank keeps its step count (DDP would wait) and the substitute depends on the index alone (exact
+    resume). Replaced files are flagged in `replaced`, a shared-memory tensor (`replaced_files()`).
     """
 
     def __init__(self, samples: list[tuple[Path, int]], transform: v2.Transform, skip_bad_files: bool = False) -> None:
@@ -276,11 +263,8 @@ def check_class_count(num_classes: int, classes: list[str], where: str) -> str |
 
 
 def cpu_first_run_advice(precision: str, processes: int | None, cores: int) -> str | None:
-    """One line for an image config written for GPUs and run on a machine without one: what to change.
-
-    bf16 autocast on a CPU without bf16 arithmetic is emulated, slower than float32; and each rank runs
-    one thread (app/cluster/threads.py), so `devices: auto`, one process on a CPU, uses one core.
-    None when the run already does neither.
+    """One line for an image config written for GPUs and run without one: what to change (bf16 is emulated on such CPUs;
+    `devices: auto` uses one core). None when it does neither.
     """
     changes = []
     if precision.startswith("bf16"):

@@ -29,19 +29,14 @@ from app.data.image_datasets import (
 class ImageFolderDataModule(ShardedDataModule):
     """Images in `data_dir/train/<class>/` and `data_dir/val/<class>/` (JPEG, PNG, GIF, WebP).
 
-    Without a val/ folder, `val_fraction` of train/ is held out (a permutation seeded by
-    `split_seed`); a test/ folder is the test split, else the val split is. Training images get a
-    random resized crop to `image_size` (area fraction in `crop_scale`) and, if `horizontal_flip`, a
-    random flip; evaluation images are resized to `resize_size` on their short side and center-cropped
-    to `image_size`. Both are normalized with `mean` and `std`. The random draws are seeded per
-    sample from (seed, epoch, index), so resumes are exact with any `num_workers`.
+    Without val/, `val_fraction` of train/ is held out (seeded by `split_seed`); test/ is the test split, else val.
+    Training: a random resized crop to `image_size` (area in `crop_scale`) and, with `horizontal_flip`, a random flip;
+    evaluation: resize the short side to `resize_size`, center-crop to `image_size`; both normalized with `mean` and
+    `std`. Draws are seeded per sample, so resumes are exact with any `num_workers`.
 
-    Bad files (app/data/image_datasets.py says why): by default none is looked for before training; a
-    file that fails to decode in a worker stops the run with one line that names it, or, with
-    `skip_bad_files`, the next image of the split is trained in its place and the replaced files are
-    counted at the end of the fit (per rank: each rank meets only its own samples). `check_files:
-    true` reads every file's first bytes in `setup`, on rank 0 only (the other ranks get its result):
-    a bad one is an error that names it on every rank, or, with `skip_bad_files`, is left out.
+    Bad files: a file that fails to decode stops the run with one line naming it, or with `skip_bad_files` the next
+    image takes its place (counted per rank at the end). `check_files: true` reads every file's first bytes in `setup`
+    on rank 0: a bad one is an error, or with `skip_bad_files` left out.
     """
 
     def __init__(

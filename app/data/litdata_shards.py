@@ -1,16 +1,11 @@
 """Training from LitData shards (`python -m app.data.shard` writes them): `StreamingDataModule`.
 
-LitData's `StreamingDataset` reads the shards, from a local folder or object storage (s3://, gs://,
-... with a local chunk cache), and we read it by index (LitData's random access). The order is ours,
-not LitData's `StreamingDataLoader`'s, whose order depends on the number of ranks and workers and
-whose saved state runs ahead of the trained batches. `ResumableDistributedSampler` with
-`chunked_shard` (app/data/samplers.py) keeps LitData's way of reading (chunks in a shuffled order,
-samples shuffled within a window of `shuffle_chunks` chunks, each rank its own run of chunks) while
-the order stays a function of (seed, epoch, world size): a resume is exact at the same world size
-with any `num_workers`, and elastic on another (app/resume/elastic.py).
+`StreamingDataset` reads the shards (a local folder or object storage with a chunk cache) by index; the order is ours,
+not `StreamingDataLoader`'s (which depends on ranks and workers and saves state ahead of training).
+`ResumableDistributedSampler` with `chunked_shard` keeps LitData's chunk-wise reading while the order stays a function
+of (seed, epoch, world size): exact resume with any `num_workers`, elastic on another world size.
 
-Encoded images (from an ImageFolder) get `ImageFolderDataModule`'s transforms, seeded per sample;
-other samples are returned as written.
+Encoded images get `ImageFolderDataModule`'s transforms, seeded per sample; other samples are returned as written.
 """
 
 from __future__ import annotations
@@ -62,11 +57,8 @@ def is_store(data_dir: str) -> bool:
 
 
 class ShardSamples(Dataset):
-    """One split's shards as a map-style data set: sample `i` is `StreamingDataset[i]`, decoded.
-
-    `chunk_sizes` (samples per chunk, in index order) tells the training sampler how the samples lie
-    in chunks. The `StreamingDataset` opens its chunks lazily in whichever process reads, so each
-    loader worker reads with its own copy.
+    """One split's shards as a map-style data set (`StreamingDataset[i]`, decoded); `chunk_sizes` tells the sampler how
+    samples lie in chunks. Chunks open lazily in each reading process.
     """
 
     def __init__(self, input_dir: str, transform: Any, cache_dir: str | None, shuffle_chunks: int) -> None:
@@ -120,15 +112,13 @@ class ShardSamples(Dataset):
 
 
 class StreamingDataModule(ShardedDataModule):
-    """LitData shards written by `python -m app.data.shard`: `data_dir/train`, `data_dir/val` and,
-    if written, `data_dir/test` (else the val split is the test split).
+    """LitData shards written by `python -m app.data.shard`: `data_dir/train`, `data_dir/val` and, if written,
+    `data_dir/test` (else val).
 
-    `data_dir` is a local folder or a URL LitData streams from (s3://bucket/shards; chunks are then
-    cached in `cache_dir`, LitData's default cache when null). `shuffle_chunks`: the training order
-    shuffles the chunk order and then the samples within each window of this many chunks (larger
-    mixes more; every rank then has more chunks open). Samples of encoded images get the training
-    and evaluation transforms of `ImageFolderDataModule` (the same keys); other samples are used as
-    written. `batch_size`, `num_workers`, ...: see `ShardedDataModule`.
+    `data_dir` is a local folder or a URL (s3://bucket/shards; chunks cached in `cache_dir`, LitData's default when
+    null). `shuffle_chunks`: the training order shuffles chunks, then samples within windows of this many chunks (more
+    mixes more, more chunks open). Encoded images get `ImageFolderDataModule`'s transforms (same keys). `batch_size`,
+    `num_workers`, ...: see `ShardedDataModule`.
     """
 
     def __init__(
@@ -163,11 +153,10 @@ class StreamingDataModule(ShardedDataModule):
 
     @staticmethod
     def classes_on_disk(data_dir: str) -> list[str] | None:
-        """The class names the shard writer recorded (`ddp_app_shards.json`, app/data/shard.py), for the
-        launcher's check against the model's `num_classes` before any rank starts (app/run/config_checks.py).
-        None where nothing is recorded: a URL (not read before the ranks start), shards of a data set
-        without class folders, or shards written before the writer recorded them. A local `data_dir`
-        without train/ shards is an error that says so."""
+        """The class names the shard writer recorded (`ddp_app_shards.json`), for the launcher's `num_classes` check;
+        None where none is recorded (a URL, unlabelled or older shards). A local `data_dir` without train/ shards is
+        an error.
+        """
         data_dir = str(data_dir).rstrip("/")
         if is_store(data_dir):
             return None

@@ -1,14 +1,9 @@
 """What the data layer asks of the part of a run that keeps its place in the training data.
 
-The loaders ddp-app builds (app/data/base.py, app/data/rank_loaders.py) need, when an iterator starts,
-the epoch and the batches to skip (a mid-epoch resume), whether samples are seeded per sample, the
-layout of an elastic resume, and somewhere to register the stateful streams they position. They ask
-a `TrainingPositioner` found among the Trainer's callbacks, and never import who implements it:
-ddp-app's `ExactResume` (app/resume/exact.py) does, and a Trainer without one trains each epoch
-from its first batch, as Lightning would.
-
-This is the data layer's protocol in the sense of torchdata's `StatefulDataLoader`: resume depends
-on data through it; data does not depend on resume.
+The loaders ddp-app builds ask a `TrainingPositioner` among the Trainer's callbacks for the epoch and batches to skip,
+per-sample seeding, an elastic layout, and where to register stateful streams. ddp-app's `ExactResume`
+(app/resume/exact.py) implements it; without one each epoch starts at its first batch. Resume depends on data through
+this protocol, not the other way round.
 """
 
 from __future__ import annotations

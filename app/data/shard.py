@@ -70,10 +70,8 @@ def image_files_of(dataset: Dataset) -> tuple[list[tuple[Path, int]], list[int]]
 
 
 def image_record(samples: list[tuple[Path, int]], index: int) -> dict[str, Any]:
-    """One image file's sample: its encoded bytes and class index (decoded in training, app.data.litdata_shards).
-
-    The file is decoded once here, so that shards never hold an image training cannot decode (the
-    whole pass costs a decode per image, spread over the writer processes).
+    """One image file's sample: its encoded bytes and class index, decoded once here so shards never hold an image
+    training cannot decode.
     """
     from torchvision.io import ImageReadMode, decode_image
 
@@ -93,16 +91,9 @@ def image_record(samples: list[tuple[Path, int]], index: int) -> dict[str, Any]:
 class NotedRecord:
     """Makes sample `index`'s record; a failure is written to `notes` and the sample left out (None).
 
-    LitData's `optimize` waits forever for a writer process whose function raised (litdata 0.2.76),
-    so the function never raises: `write_split` reads the notes after `optimize` returns and reports
-    them, a bad file in one line, a bug with its traceback. Each sample made is counted in `made` (the
-    writer's slot, by LitData's DATA_OPTIMIZER_GLOBAL_RANK; slot 0 without it): the watch's heartbeat.
-
-    Its first call in a forked writer process sets torch to one thread. The writers are forked from the
-    caller, and a process that used torch's OpenMP pool before the fork leaves the child a pool whose
-    threads do not exist: the child's first parallel op (a sample of 150,000 values cloned, a 10 M
-    element exp) waits for them forever (measured: torch 2.14, GNU OpenMP; `set_num_threads` with the
-    same count does not help, one thread does). A writer makes one sample at a time: one thread each.
+    It never raises: LitData's `optimize` waits forever for a writer whose function raised (0.2.76); `write_split`
+    reports the notes. `made` counts samples per writer slot (the watch's heartbeat). The first call in a forked writer
+    sets torch to one thread: an OpenMP pool used before the fork hangs the child's first parallel op.
     """
 
     def __init__(self, make: Any, notes: Path, made: Any) -> None:
@@ -170,13 +161,9 @@ def samples_in_index(out: Path) -> int:
 def optimize_kept_to_itself(scratch: Path) -> Iterator[None]:
     """Undo what LitData's `optimize` (0.2.76) changes in the calling process, and give it caches of its own.
 
-    - Its caches: `optimize` deletes and recreates `DATA_OPTIMIZER_CACHE_FOLDER` and
-      `DATA_OPTIMIZER_DATA_CACHE_FOLDER` (default /tmp/chunks and /tmp/data, one pair per machine) as it
-      starts. Two writes at once (two users on one node, two test processes) would delete each other's
-      files, and another user's /tmp/chunks cannot be deleted at all. Each write gets its own under `scratch`.
-    - Its SIGINT handler (a Ctrl-C afterwards would end the caller with `os._exit(0)`: exit status 0),
-      multiprocessing's start method (set to `fork` for the whole process; importing LitData does it too),
-      and the seeds of the global random, numpy and torch generators (it seeds all three with 42) are put back.
+    - its cache folders (shared /tmp/chunks, /tmp/data, deleted at start): each write gets its own under `scratch`;
+    - its SIGINT handler (Ctrl-C would `os._exit(0)`), the multiprocessing start method and the global seeds it sets to
+      42 are put back.
     """
     import multiprocessing
     import random
@@ -220,11 +207,8 @@ def write_split(
 ) -> dict[str, Any]:
     """Write one split with LitData's `optimize`; the record of what was written.
 
-    LitData's `optimize` returns without an error when its writer processes all died without reporting
-    one (killed by a signal: the OOM killer, a kill): its index then lists fewer samples, or none. So
-    the index is counted here. It waits forever when one writer cannot finish (app/data/shard_watch.py):
-    a `WriterWatch` ends the write when a writer dies, or makes no sample for `stall_seconds`. No process
-    LitData forked outlives the call.
+    `optimize` returns without error when its writers died silently, so the index is counted here; and it waits forever
+    for a stuck writer, so a `WriterWatch` ends the write. No process LitData forked outlives the call.
     """
     from multiprocessing.sharedctypes import RawArray
 
