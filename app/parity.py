@@ -175,17 +175,9 @@ def reference_to_lightning_checkpoint(
 ) -> dict[str, Any]:
     """A Lightning checkpoint that continues the reference's run: its weights, optimizer and scheduler.
 
-    `snapshot` is the reference's `snapshot.pt` (MODEL_STATE, OPTIMIZER_STATE, SCHEDULER_STATE,
-    EPOCHS_RUN); `module` is the LightningModule (with the network as `module.net`) that will load
-    it, and whose `configure_optimizers` builds the optimizer and scheduler the reference built.
-
-    The reference keeps no loop counters, and Lightning's (which epoch comes next, the global step,
-    what set_epoch the sampler gets) are Lightning's private format. They and ddp-app's data position
-    (the position in its `exact_resume` part), and nothing else, come from `lightning_checkpoint`: a checkpoint
-    Lightning wrote for the same config at the end of the same epoch (P1's last.ckpt).
-    Its weights, optimizer, scheduler, callback and RNG states are left
-    out, so whatever the continued run starts from is the reference's. Neither side restores RNG
-    state (the reference saves none): bit-for-bit continuation needs a model without dropout.
+    `snapshot` is the reference's `snapshot.pt`; `module` the LightningModule that loads it. Only the loop counters and
+    ddp-app's data position come from `lightning_checkpoint` (Lightning's own checkpoint of the same epoch, P1's
+    last.ckpt). Neither side restores RNG state: bit-for-bit continuation needs a model without dropout.
     """
     epochs_run = int(snapshot["EPOCHS_RUN"])
     if int(lightning_checkpoint["epoch"]) + 1 != epochs_run:
@@ -820,12 +812,9 @@ def fresh_out_suggestion(out: Path) -> Path:
 
 
 def check_fresh_out(out: Path) -> None:
-    """Refuse, before the first launch, an `--out` that already holds files (a previous parity run's).
-
-    Every launch trains a fresh run in its own directory under `out`, and ddp-app refuses to fit into
-    a directory that holds a run (app/run/directory.py), as it would write over its checkpoints: a
-    second run into the same `out` stopped minutes in, at its first fit, with a traceback. The previous
-    run's files (its table in parity.json, the logs a failed check points at) are the user's to keep."""
+    """Refuse, before the first launch, an `--out` that already holds files: ddp-app refuses to fit over a run (it would
+    stop at the first fit), and the previous run's files are the user's.
+    """
     if not out.exists():
         return
     if not out.is_dir():

@@ -82,11 +82,8 @@ def is_resumed(metrics_path: Path) -> bool:
 def join_versions(versions: list[Series], resumed: list[bool] | None = None) -> Series:
     """One series from the versions of a run, in step order, later versions winning overlaps.
 
-    `versions` are in version order (the order ties on the first step are broken in). A resumed
-    version (`resumed`, from the marker ddp-app writes) continues the series: its values replace the
-    earlier ones name by name at the steps it logged, and values it did not log again stay (a step
-    whose training row was logged before the checkpoint and whose validation row after the resume).
-    Any other version replaces everything from its first step on (a new run into the same directory).
+    A resumed version (`resumed`) replaces earlier values name by name at the steps it logged, keeping values it did not
+    log again; any other version replaces everything from its first step on.
     """
     flags = resumed or [False] * len(versions)
     joined: Series = {}

@@ -1,7 +1,5 @@
-"""Bare `torch.nn.Module` networks and their losses; no Lightning.
-
-These are shared by the LightningModules in `app.models.lightning` and by the plain-PyTorch
-reference trainer in `app.reference`, so that parity compares the very same modules.
+"""Bare `torch.nn.Module` networks and their losses, no Lightning: shared by `app.models.lightning` and the reference
+trainer, so parity compares the same modules.
 """
 
 from __future__ import annotations
@@ -29,10 +27,8 @@ class ToyNet(nn.Module):
 
 
 class ToyMpNet(nn.Module):
-    """The tutorial's ToyMpModel: the two halves of ToyNet on two devices (model parallelism).
-
-    DDP wraps it without `device_ids`, because the module spans more than one device.
-    On CPU both halves live on "cpu", which exercises the same code path.
+    """The tutorial's ToyMpModel: ToyNet's two halves on two devices (model parallelism); DDP wraps it without
+    `device_ids`. On CPU both halves are on "cpu".
     """
 
     def __init__(self, dev0: str | torch.device, dev1: str | torch.device) -> None:
@@ -88,10 +84,8 @@ Stem = Literal["cifar", "imagenet"]
 
 
 def resnet18_cifar(num_classes: int = 10) -> nn.Module:
-    """torchvision resnet18 adapted to 32x32 inputs: 3x3 stem convolution, no max-pool.
-
-    The ImageNet stem (7x7 stride 2 + max-pool) would shrink a 32x32 image to 8x8 before the
-    first block and lose most of the accuracy on CIFAR-10.
+    """torchvision resnet18 for 32x32 inputs: 3x3 stem, no max-pool (the ImageNet stem would shrink the image to 8x8
+    before the first block).
     """
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
@@ -112,11 +106,8 @@ def resnet18(num_classes: int = 10, stem: Stem = "cifar") -> nn.Module:
 
 @dataclass
 class TrainingParts:
-    """What a LightningModule trains, without Lightning: the bare network and its loss.
-
-    The LightningModules in `app.models.lightning` build theirs with the functions below, and the
-    reference trainer calls the same function with the config's `model.init_args`, so both
-    construct the same modules in the same order (and, seeded alike, get identical weights).
+    """What a LightningModule trains, without Lightning: the bare network and its loss, built by the same function the
+    reference trainer calls, so both get identical modules (and, seeded alike, weights).
     """
 
     net: nn.Module

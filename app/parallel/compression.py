@@ -1,16 +1,10 @@
 """Gradient compression for DDP's all-reduce, chosen in the config: `gradient_compression.method`.
 
-DDP averages gradients with an all-reduce of every parameter every step; on 1-10 Gbit/s Ethernet
-that can cost more than the step's compute. PyTorch ships DDP communication hooks that send less:
-`fp16` / `bf16` halve the bytes (each value rounded to 16 bits before the sum), and PowerSGD sends
-a rank-r approximation of every weight matrix (P and Q, (rows + columns) x r values instead of
-rows x columns), with error feedback carrying what the approximation missed into the next step.
-
-Lightning 2.6 registers a `DDPStrategy(ddp_comm_hook=...)` only when the root device is CUDA
-(`DDPStrategy._register_ddp_hooks`), silently not on CPU/gloo, and never saves PowerSGD's state.
-Here the hook is registered on any device (`GradientCompression`, a callback every `ddp-app` run
-gets), and PowerSGD's state is saved in every checkpoint, per rank, in a form that loads with
-`torch.load(weights_only=True)`, so that a resume is bit-exact.
+On slow Ethernet the all-reduce can cost more than the step. PyTorch's DDP hooks send less: `fp16` / `bf16` halve the
+bytes, PowerSGD sends a rank-r approximation of every matrix with error feedback. Lightning 2.6 registers a hook only on
+CUDA (`DDPStrategy._register_ddp_hooks`) and never saves PowerSGD's state; here the hook works on any device
+(`GradientCompression`, on every run) and PowerSGD's state is checkpointed per rank, weights_only-loadable, for
+bit-exact resume.
 
 Methods:
 - `none`: DDP's own all-reduce (no hook is registered).
@@ -19,12 +13,9 @@ Methods:
 - `auto`: tries none, bf16 and powersgd for a few steps each at the start of training, keeps the
   fastest (the most exact one when they are within `AUTO_TOLERANCE`), and says why in one line.
 
-PowerSGD keeps its state per DDP bucket (`error_dict[bucket_index]` is the flat error of the whole
-bucket, `q_memory_dict` the warm-started Q matrices), and DDP's buckets are not stable: the first
-step of every (re)started run uses the initial bucketing, from the second step on DDP uses buckets
-rebuilt in the order the gradients became ready. A checkpoint therefore stores the state per
-parameter name, and `ParameterMemory` moves it into whatever buckets DDP has when a bucket's
-parameters change. The same checkpoint so resumes under another `bucket_cap_mb` as well.
+PowerSGD keeps state per DDP bucket, and buckets are rebuilt after the first step of every run, so checkpoints store it
+per parameter name and `ParameterMemory` moves it into whatever buckets DDP has (a resume under another `bucket_cap_mb`
+works too).
 """
 
 from __future__ import annotations
@@ -79,11 +70,8 @@ def check_settings(method: str, powersgd_rank: int, start_iter: int, probe_steps
 
 
 def compressed_matrix(shape: torch.Size, rank: int, min_compression_rate: float) -> tuple[int, int, int] | None:
-    """(rows, columns, rank) when `powerSGD_hook` compresses a gradient of this shape, else None.
-
-    The hook views every gradient as rows = shape[0] x columns = the rest, and compresses it when
-    (rows + columns) x rank x min_compression_rate < rows x columns (`powerSGD_hook._should_compress`;
-    tests/test_compression.py checks this rule against it).
+    """(rows, columns, rank) when `powerSGD_hook` compresses a gradient of this shape, else None: (rows + columns) x
+    rank x min_compression_rate < rows x columns (`_should_compress`, checked by tests/test_compression.py).
     """
     rows = shape[0] if len(shape) else 1
     columns = int(torch.Size(shape).numel()) // max(rows, 1)
@@ -94,10 +82,8 @@ def compressed_matrix(shape: torch.Size, rank: int, min_compression_rate: float)
 
 
 class ParameterMemory:
-    """PowerSGD's per-bucket memories (error feedback, warm-started Q) kept by parameter name, so
-    that they move into whatever buckets DDP has and into a checkpoint (the module docstring says why).
-
-    PowerSGD's state is passed in on every call: `CommunicationHook` replaces it (auto, a resume).
+    """PowerSGD's per-bucket memories (error feedback, warm-started Q) kept by parameter name, to move between buckets
+    and into checkpoints; the state is passed in on every call (`CommunicationHook` replaces it).
     """
 
     def __init__(self) -> None:
@@ -127,11 +113,8 @@ class ParameterMemory:
     def _layout(
         self, state: powersgd.PowerSGDState, names: tuple[str, ...]
     ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]], int]:
-        """Where each parameter sits in a bucket's flat buffer (name, start, length), where in its flat
-        Q memory, and the length of its P memory.
-
-        Q memory follows `powerSGD_hook`: the compressed gradients grouped by shape, in the order
-        each shape first appears, then by position in the bucket.
+        """Each parameter's place in a bucket's flat buffer (name, start, length), in its flat Q memory (grouped by
+        shape as `powerSGD_hook` does), and its P memory's length.
         """
         offsets, by_shape, start, p_length = [], {}, 0, 0
         for name in names:
@@ -375,10 +358,8 @@ class CommunicationHook:
 
 
 def communication_hook(state, bucket):  # type: ignore[no-untyped-def]
-    """What DDP calls: `register_comm_hook(state, hook)` wants a function of (state, bucket).
-
-    No annotations on purpose: DDP compares them with `dist.GradBucket` and `Future[Tensor]`, and
-    `from __future__ import annotations` turns them into strings that fail that check.
+    """What DDP calls with (state, bucket). No annotations on purpose: DDP compares them with `dist.GradBucket` and
+    `Future[Tensor]`, and postponed annotations are strings that fail it.
     """
     return state.communicate(bucket)
 

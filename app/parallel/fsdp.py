@@ -1,25 +1,16 @@
-"""`strategy: fsdp`: fully sharded data parallel (FSDP2, `torch.distributed.fsdp.fully_shard`) for a
-model that no longer fits one device with DDP (docs/fsdp.md).
+"""`strategy: fsdp`: fully sharded data parallel (FSDP2, `fully_shard`) for a model that no longer fits one device with
+DDP (docs/fsdp.md).
 
     trainer:
       strategy:
         class_path: app.parallel.fsdp.FSDP2Strategy
         init_args: {shard_modules: [Block], param_dtype: bfloat16, shard_group_size: node}
 
-(`strategy: fsdp` is the same with every default.) Each rank keeps 1/world_size of every
-parameter, gradient and optimizer state; a shard unit's full parameters exist only while its
-forward or backward runs. Built on Lightning's `ModelParallelStrategy`, which needs the module to
-shard itself in `configure_model`; this subclass shards a plain LightningModule by itself instead,
-over a 1-D mesh of every rank, or, with `shard_group_size`, a 2-D mesh (replicas x shards) that
-`fully_shard` replicates over its first dimension (hybrid sharding, HSDP). The mesh has an explicit
-device type (gloo + `fully_shard` failed where GPUs were visible, pytorch/pytorch#132471), so the
-same run works on CPU with gloo. The data is sharded over every rank under either mesh (ddp-app's
-samplers, and `distributed_sampler_kwargs` below): Lightning's own would shard it over the
-`data_parallel` mesh dimension only, and under HSDP every rank of a group would read the same batches.
-
-Checkpoints are sharded: every rank writes its shards through the strategy's checkpoint I/O
-(`ShardedCheckpointIO`, app/checkpoints/sharded_io.py: DCP, published atomically), which this class
-calls on every rank; a resume on another number of ranks reshards them.
+(`strategy: fsdp` is the same with every default.) Built on Lightning's `ModelParallelStrategy`, but shards a plain
+LightningModule itself, over a 1-D mesh or, with `shard_group_size`, a 2-D (replicas x shards) mesh (HSDP). The mesh
+names its device type (gloo + `fully_shard` failed with GPUs visible, pytorch/pytorch#132471). Data is sharded over
+every rank (Lightning's would use the `data_parallel` dimension only). Checkpoints are sharded through
+`ShardedCheckpointIO` (app/checkpoints/sharded_io.py), called on every rank; a resume on another world size reshards.
 """
 
 from __future__ import annotations
@@ -311,11 +302,8 @@ def optimize_sharded_parameters(
 ) -> None:
     """Point the optimizers at the sharded parameters where they hold the unsharded ones.
 
-    `fully_shard` replaces every parameter with a sharded one (a DTensor) of the same name, and
-    LightningCLI builds the config's `optimizer:` on the module's parameters when it parses the
-    config, long before the strategy shards them: that optimizer would step parameters nothing
-    uses. Nothing has stepped it yet (a resume loads its state later), so each parameter is
-    replaced by its sharded successor, in place, keeping the groups and any scheduler bound to it.
+    LightningCLI builds `optimizer:` before `fully_shard` replaces each parameter with a DTensor of the same name.
+    Nothing has stepped it yet, so each parameter is swapped in place, keeping groups and schedulers.
     """
     for optimizer in optimizers:
         for group in optimizer.param_groups:

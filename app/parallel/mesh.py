@@ -17,11 +17,10 @@ ShardGroupSize = int | Literal["node"] | None
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """Strategy fsdp's ranks as `replicas` groups of `shards` consecutive ranks: each group holds one
-    whole copy of the model, sharded over its ranks. One replica is full sharding (FSDP); more is
-    hybrid sharding (HSDP): parameters are gathered and gradients reduce-scattered within a group (one
-    node's fast links), and only the gradient shards are all-reduced between the groups (across nodes).
-    The data is sharded over every rank either way: each rank reads its own samples."""
+    """Strategy fsdp's ranks as `replicas` groups of `shards` consecutive ranks, each group one sharded copy of the
+    model. One replica is FSDP; more is HSDP (gather and reduce-scatter within a group, gradient shards all-reduced
+    between groups). Data is sharded over every rank.
+    """
 
     replicas: int
     shards: int

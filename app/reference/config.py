@@ -1,9 +1,5 @@
-"""Read the same YAML that drives `ddp-app` and build what the reference trainer needs from it.
-
-The reference shares with the Lightning side only the bare network and its loss (built by the
-function in `app.models.nets` that the config's LightningModule calls too) and the datasets (from
-`app.data.datasets`, which the config's DataModule calls); the training loop is its own. Nothing
-here imports Lightning.
+"""Read the same YAML that drives `ddp-app` and build what the reference trainer needs: the bare network and loss
+(`app.models.nets`) and datasets (`app.data.datasets`); the loop is its own. No Lightning.
 """
 
 from __future__ import annotations

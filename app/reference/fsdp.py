@@ -205,12 +205,9 @@ def worker(rank: int, world_size: int, local_rank: int, options: dict[str, Any])
 def end_rank() -> NoReturn:
     """Exit a rank whose work is done and saved, without the interpreter's teardown.
 
-    destroy_process_group does not release the gloo group here: the device mesh keeps it (and its
-    three gloo threads) alive, and DTensor's sharding caches keep the mesh, past the end of
-    `worker`, until the interpreter's teardown. Releasing it there, after Python has started to shut
-    down, can abort the finished rank ("terminate called without an active exception", SIGABRT),
-    which mp.spawn and torchrun report as a failed run. Nothing is left to do that the teardown
-    would do, so the rank ends here, as ddp-app's own ranks do (docs/fsdp.md, "Clean exit").
+    The device mesh keeps the gloo group alive until teardown, where releasing it can SIGABRT a finished rank
+    ("terminate called without an active exception"), failing mp.spawn and torchrun; ddp-app's ranks end the same way
+    (docs/fsdp.md, "Clean exit").
     """
     sys.stdout.flush()
     sys.stderr.flush()

@@ -4,10 +4,8 @@
     torchrun --nproc_per_node=2 -m app.reference --config configs/digits.yaml
     srun --ntasks-per-node=2 python -m app.reference --config configs/digits.yaml
 
-It trains the same `nn.Module` and dataset classes as the Lightning side, from the same YAML, so
-that `python -m app.parity` can compare the two weight for weight. It imports torch, the models and
-the datasets, and no Lightning; instrumentation (the benchmark's step timer) is passed in as
-`make_hooks`, see `app.bench.reference`.
+It trains the same modules and datasets as the Lightning side, from the same YAML, for `python -m app.parity`. No
+Lightning; instrumentation comes in as `make_hooks` (`app.bench.reference`).
 """
 
 from __future__ import annotations
