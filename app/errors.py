@@ -177,10 +177,8 @@ def _raised_in(error: BaseException, places: tuple[str, ...]) -> bool:
 
 
 def user_message(error: BaseException) -> str | None:
-    """The one-line message for an error the user can fix, or None for a bug (keep the traceback).
-
-    With `DDP_APP_TRACEBACK=1`, the traceback of an error that gets a one-line message is printed
-    to stderr first (a bug's traceback is printed anyway).
+    """The one-line message for an error the user can fix, or None for a bug (keep the traceback); with
+    `DDP_APP_TRACEBACK=1` the traceback is printed first.
     """
     message = one_line_message(error)
     if message is not None and os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):

@@ -1,31 +1,17 @@
 """Exact resume: the application owns the position in the data, and every random draw is reproducible.
 
-"Stops for any reason, continues as if it never stopped" rests on three records in every checkpoint:
+Every checkpoint keeps three records:
 
-1. **The data position** (`DataPosition`, in the checkpoint's `exact_resume` part,
-   app/checkpoints/state.py): the epoch, how many of its batches were consumed by completed
-   optimizer steps, whether the epoch's end (validation, epoch-end callbacks) has run, and the run's
-   shape at save time (world size, per-rank batch, accumulation, batches per epoch, shuffling seed).
-   It is counted by `ExactResume` itself, never re-derived from Lightning's loop counters, whose
-   meaning changes with how a run stopped: after a `max_steps` or `max_time` stop Lightning runs the
-   epoch-end hooks of an unfinished epoch and counts it as done, and a save on an epoch's last batch
-   resumes in the next epoch without its validation.
-2. **Lightning's loop state, made to agree with the position.** On load, `canonical_fit_loop_state`
-   rewrites the checkpoint's `loops.fit_loop` counters into one of three forms whose resume Lightning
-   2.6 gets right (guarded in tests/test_private_apis.py, every stop moment in
-   tests/fault/test_resume_matrix.py): the start of an epoch, the middle of one after k batches,
-   or "all batches trained, validation and epoch end still to run". The sampler then skips exactly
-   the consumed batches (`ResumableDistributedSampler` asks `ExactResume.sampler_position`); a
-   stateful stream loads its state (app/data/positioned_streams.py).
-3. **Every rank's random state** (torch, CUDA, NumPy, Python), restored right before the first thing
-   the resumed run does: dropout masks and anything else drawn in the training step match.
+1. **The data position** (`DataPosition`, in the `exact_resume` part): epoch, batches consumed by completed optimizer
+steps, whether the epoch end ran, and the run's shape. Counted by `ExactResume`, never derived from Lightning's loop
+counters, whose meaning depends on how a run stopped. 2. **Lightning's loop state, made to agree with it**:
+`canonical_fit_loop_state` rewrites `loops.fit_loop` into one of three forms Lightning 2.6 resumes right (guarded in
+tests/test_private_apis.py and tests/fault/test_resume_matrix.py); the sampler skips the consumed batches, a stateful
+stream loads its state. 3. **Every rank's random state** (torch, CUDA, NumPy, Python), restored right before the resumed
+run's first action.
 
-Randomness inside data loading is not a stream at all: `app.data.seeding.PerSampleSeeded` seeds torch, NumPy and
-Python's `random` from (seed, epoch, sample index) around each `__getitem__` of a training set, so a
-sample's augmentation is the same whichever worker, rank or resumed process loads it.
-
-What a checkpoint's record becomes in the fit that resumes from it, and the checks that refuse in one
-line what cannot continue exactly: app/resume/resumed.py (`Resumed`).
+Data loading's randomness is seeded per sample (`app.data.seeding.PerSampleSeeded`). What a record becomes in the
+resuming fit, and its checks: app/resume/resumed.py (`Resumed`).
 """
 
 from __future__ import annotations
@@ -58,21 +44,17 @@ def _counters(ready: int, started: int, processed: int, completed: int) -> dict[
 def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, validates: bool) -> dict[str, Any]:
     """Lightning's `fit_loop` state dict with its progress counters set from `position`.
 
-    Private layout (docs/private_apis.md; tests/test_private_apis.py fails in seconds if Lightning
-    changes it): the counters live under
-    `epoch_progress`, `epoch_loop.batch_progress`, `epoch_loop.val_loop.batch_progress` and
-    `epoch_loop.state_dict._batches_that_stepped` (the logger's step). The three forms are the ones
-    Lightning writes itself at the matching moments and resumes correctly:
+    Private layout (docs/private_apis.md; tests/test_private_apis.py guards it): `epoch_progress`,
+    `epoch_loop.batch_progress`, `epoch_loop.val_loop.batch_progress` and `epoch_loop.state_dict._batches_that_stepped`.
+    The three forms are those Lightning writes itself:
 
     - epoch start (E >= 1): as saved in `on_train_epoch_end` of epoch E - 1;
     - mid-epoch after k batches: as saved in `on_train_batch_end` of batch k;
-    - all batches trained, validation and epoch end pending: the epoch loop "restarted on its last
-      batch" with the validation loop "restarted mid-evaluation" at its first batch, so that
-      validation runs in full and the epoch-end hooks follow. (Lightning's own form for a save on
-      the last batch skips both and starts the next epoch.)
+    - all batches trained, validation and epoch end pending: the epoch loop restarted on its last batch and the
+      validation loop mid-evaluation at its first (Lightning's own last-batch form skips both).
 
-    `validates`: whether validation runs after this epoch (it advances the logger's step by one).
-    Optimizer and scheduler progress are left as saved: their totals are the global step.
+    `validates`: whether validation runs after this epoch (it advances the logger's step). Optimizer and scheduler
+    progress are left as saved.
     """
     state = copy.deepcopy(fit_loop)
     layout = ("lightning", "exact resume", "the checkpoint's loops.fit_loop state")

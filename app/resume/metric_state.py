@@ -1,9 +1,6 @@
-"""What a rank accumulates during an epoch outside the model's state_dict, kept per rank in checkpoints.
-
-A training epoch's metrics (every torchmetrics state, and what a module returns from
-`per_rank_state()`) are per-rank running sums: resumed in an epoch's middle without them, the
-epoch's logged metrics would cover only the batches after the resume. `app.resume.exact.ExactResume`
-saves them with each rank's random state (one gather per save) and loads them when training starts.
+"""What a rank accumulates during an epoch outside the model's state_dict (torchmetrics states, `per_rank_state()`),
+kept per rank in checkpoints so a mid-epoch resume logs the whole epoch. Saved and loaded by
+`app.resume.exact.ExactResume`.
 """
 
 from __future__ import annotations

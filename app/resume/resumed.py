@@ -1,7 +1,5 @@
-"""A fit resumed from a checkpoint: what the checkpoint's `exact_resume` record becomes on this run,
-the checks that refuse in one line what cannot be continued exactly, and this rank's saved state
-until it is restored. `app.resume.exact.ExactResume` builds a `Resumed` in `on_load_checkpoint`
-and asks it at its hooks; the random state's capture and restore are here too.
+"""A fit resumed from a checkpoint: what its `exact_resume` record becomes on this run, the one-line refusals, and this
+rank's saved state until restored (random state included). Built by `ExactResume.on_load_checkpoint`.
 """
 
 from __future__ import annotations

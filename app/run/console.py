@@ -1,33 +1,19 @@
 """What a run prints: the user's run, said once; everything else only with `DDP_APP_VERBOSE=1`.
 
-A `ddp-app` run prints its launch line, the model summary, one line per epoch, warnings about the
-user's own code and config, and errors (tests/test_console.py pins the shapes). Lightning and
-PyTorch print more, some of it once per rank. Each item is turned off at its source with a public
-switch scoped to it, so that anything new still shows:
+A run prints its launch line, the model summary, one line per epoch, warnings about the user's code and config, and
+errors (tests/test_console.py pins the shapes). Each extra is turned off at its source with a narrow public switch, so
+anything new still shows:
 
-- Lightning's product tip ("Tip: ... litlogger"), "GPU available: ..., used: ..." and "TPU
-  available" (the launch line says where the ranks run), and the 100-dash rules and
-  "distributed_backend=gloo" of the banner said when the ranks meet: a filter on Lightning's
-  rank-zero logger, which also says "`Trainer.fit` stopped", which stays. Of the banner, its one
-  line "All distributed processes registered. Starting with N processes" stays: ddp-app's launch
-  line ("world size N = nodes x processes") comes before the rendezvous, and this line is the sign
-  that every node joined it (docs/slurm.md);
-- "Seed set to 42" and "Initializing distributed: GLOBAL_RANK: r, MEMBER: r+1/N" from every rank
-  (and "LOCAL_RANK: r - CUDA_VISIBLE_DEVICES" on GPUs), and from every parse of the config
-  (`python -m app.sweep` parses it once per swept value): those loggers at WARNING. The seed is in
-  the config.yaml saved beside the logs;
-- the model summary's FLOPs column and "Total Flops" line when every count is 0, as they are for a
-  module without `example_input_array` (Lightning 2.6 counts FLOPs on that input only):
-  `app.run.callbacks.PlainModelSummary`, the ModelSummary callback `app.cli` gives every run;
-- Lightning's hint that `srun` exists but was not used: app/cluster/preflight.py decides the launch
-  and refuses, in one line, a Slurm job started without srun;
-- the deprecation warning Lightning's own `_pytree.py` triggers in PyTorch, once per rank;
-- Lightning's "Checkpoint directory ... exists and is not empty" at every resume: a fit may write
-  into a run's checkpoint directory only to continue that run (app/run/directory.py);
-- PyTorch's C++ log lines below ERROR, such as the `[c10d]` lines of every rank's debug endpoint
-  (app/cluster/hangs.py) at start and exit: TORCH_CPP_LOG_LEVEL=ERROR, which PyTorch reads once,
-  when it loads, so `app.__main__` sets it for the `ddp-app` process (and the ranks it forks)
-  before anything imports torch. A TORCH_CPP_LOG_LEVEL the user set wins.
+- Lightning's tip, "GPU/TPU available" and the banner's rules and backend line (a filter on Lightning's rank-zero
+  logger); "All distributed processes registered" stays: it shows every node joined (docs/slurm.md);
+- "Seed set to", "Initializing distributed" and the CUDA_VISIBLE_DEVICES lines of every rank and parse: those loggers at
+  WARNING;
+- the model summary's all-zero FLOPs: `app.run.callbacks.PlainModelSummary`;
+- Lightning's unused-`srun` hint: app/cluster/preflight.py refuses such a job in one line;
+- the deprecation warning Lightning's `_pytree.py` triggers, once per rank;
+- "Checkpoint directory ... exists and is not empty" at every resume (app/run/directory.py owns that rule);
+- PyTorch's C++ log lines below ERROR: TORCH_CPP_LOG_LEVEL=ERROR, read once at load, so `app.__main__` sets it before
+  torch is imported (a user's value wins).
 
 This module imports neither torch nor Lightning: `quiet_native_logs` runs before they load.
 """

@@ -1,39 +1,22 @@
 """The one place where ddp-app's ranks talk to each other during `fit`: `RunCoordinator`.
 
-Every rank must issue the same collectives in the same order. A collective issued from a hook is
-only safe if every rank reaches that hook at the same point of the same run, whatever callbacks the
-user passes and whatever its rank; and a collective that one rank issues where another rank issues
-a different one hangs both. So everything ddp-app's ranks must agree on during training is
-exchanged here, in one message per fixed point, and nowhere else:
+Every rank must issue the same collectives in the same order, so everything the ranks agree on during training is
+exchanged here, one message per fixed point:
 
 - **training start** (`on_train_start`): a stop signal recorded during setup;
-- **a check step** (`on_train_batch_end`, about every `last_checkpoint.check_interval_s` seconds of
-  training, at the same step on every rank): a stop signal, whether a time-interval save of
-  last.ckpt is due, and the step of the next check (the smallest any rank proposes);
-- **the epoch's end** (`on_train_epoch_end`, after every other callback and the module): a stop
-  signal, the epoch's training samples/s and its mean step time by part (app/run/step_timing.py).
+- **a check step** (`on_train_batch_end`, about every `last_checkpoint.check_interval_s`): a stop signal, whether a
+  timed save of last.ckpt is due, the next check's step;
+- **the epoch's end** (`on_train_epoch_end`): a stop signal, the epoch's samples/s and mean step time by part.
 
-Each message is one `all_gather` of a small float64 record per rank (`Record`), on a CPU (gloo)
-group; every rank then reads the same table the same way (`agree`). One rank never decides alone,
-and nothing that runs on one rank only (the progress line, console output, tracker sends, rank-0
-file writes) issues a collective.
+Each message is one `all_gather` of a small float64 `Record` per rank on a gloo group; every rank reads the same table
+the same way (`agree`). Nothing that runs on one rank only issues a collective.
 
-Lightning's own collectives are the other half of the protocol. A value logged with
-`sync_dist=True` on epoch level is reduced lazily, by whoever first reads the metrics: a progress
-bar reading them on rank 0 alone (Lightning's own bars do, at every epoch end) reduces them there
-while the other ranks reduce them later, when Lightning logs the epoch. That is harmless as long as
-no other collective comes in between on some rank. So before the epoch-end exchange, and before the
-saves that follow it, every rank reads the metrics here (`settle_logged_values`): what a rank-0
-reader already reduced is cached there and reduced now on the others, in the same order. The
-epoch's progress line is printed after that, from values every rank has reduced.
+Lightning reduces epoch-level `sync_dist=True` values lazily, by whoever reads first (rank 0's progress bar), so before
+the epoch-end exchange every rank reads them here in the same order (`settle_logged_values`).
 
-Why the epoch end is here and not in a callback of its own: Lightning calls the epoch-end hooks of
-plain callbacks, then the module's, then those of EarlyStopping and `Checkpoint` callbacks, and
-always keeps `Checkpoint` callbacks after every other callback (`_reorder_callbacks`). As a
-`Checkpoint` appended after the Trainer is built, this one runs last in every hook: its save of
-last.ckpt holds the best-k state a ModelCheckpoint updated in the same hook, and its epoch-end
-exchange follows every value the user's callbacks and module log there. The order of everything
-ddp-app installs is stated once, in `app/run/build.py` `build_trainer`.
+Why the epoch end is here: Lightning keeps `Checkpoint` callbacks after all others (`_reorder_callbacks`), so as a
+`Checkpoint` this runs last in every hook: last.ckpt holds the best-k state and the exchange follows every user log. The
+order of everything ddp-app installs: `app/run/build.py` `build_trainer`.
 """
 
 from __future__ import annotations
@@ -120,11 +103,8 @@ def agree(rows: list[list[float]]) -> Agreement:
 
 
 def settle_logged_values(trainer: L.Trainer) -> None:
-    """Reduce, on this rank, every value logged with `sync_dist=True` that no one has reduced yet.
-
-    Called at the same point on every rank. Reading the metrics is what makes Lightning reduce
-    them (one collective per value, in the order they were first logged); a value a rank-0-only
-    reader (a progress bar) reduced earlier is cached there and not reduced again.
+    """Reduce, on this rank, every `sync_dist=True` value no one has reduced yet (called at the same point on every
+    rank; values a rank-0 reader reduced are cached).
     """
     trainer.callback_metrics  # noqa: B018 (the read is the point)
 

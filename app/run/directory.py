@@ -1,31 +1,18 @@
-"""One run per directory: a fit never overwrites another run's checkpoints, and two fits never
-train into one directory at the same time.
+"""One run per directory: a fit never overwrites another run's checkpoints, and two fits never train into one directory
+at once.
 
 The rule (docs/usage.md, "One run per directory"):
 
-- `ddp-app fit` into a `default_root_dir` whose checkpoint directories hold checkpoints either
-  continues that run (`--ckpt_path last`, or a checkpoint file of those directories) or is refused
-  in one line that says to choose between `--ckpt_path last` and another `--trainer.default_root_dir`.
-  Only the checkpoints need the rule: logs are versioned (`lightning_logs/version_N`) and a tracker
-  run belongs to the run that writes them (app/tracking/run.py), so a refused fit writes nothing,
-  and a continued one adds to its own run.
-- While a fit runs, `<default_root_dir>/fit.lock` names it: host, pid, start time, and the Slurm job
-  or torchrun run it belongs to. A second fit into that directory, on this host or another (shared
-  storage), is refused in one line naming the first. The holder touches the file every
-  `HEARTBEAT_S`; a lock whose holder is gone never blocks a resume: on its own host a process that
-  no longer runs (killed, or its pid reused), on any host an earlier attempt of the same Slurm job
-  (a requeue) or torchrun run (a restart), else a heartbeat older than `STALE_AFTER_S`.
+- A fit into a `default_root_dir` whose checkpoint directories hold checkpoints either continues that run (`--ckpt_path
+  last`, or one of its files) or is refused in one line naming both choices. Logs are versioned and tracker runs belong
+  to their run, so a refused fit writes nothing.
+- While a fit runs, `<default_root_dir>/fit.lock` names it (host, pid, start, Slurm job or torchrun run); a second fit,
+  on any host, is refused in one line. The holder touches it every `HEARTBEAT_S`; a lock whose holder is gone (dead pid
+  on its host, an earlier attempt of the same job or run, or older than `STALE_AFTER_S`) never blocks a resume.
 
-Who holds the lock: `ddp-app`'s launcher for the ranks it forks (their whole life, restarts
-included; the ranks see `LOCK_VARIABLE`), global rank 0 under torchrun or srun (where a refused
-rank 0 ends its job: srun's --kill-on-bad-exit, torchrun's agent), and any in-process `DDPAppCLI`
-fit (tools, tests) for the length of its fit.
-
-Creating the file with O_EXCL makes two fits started at the same moment agree on one holder (NFS v3
-and later honour O_EXCL). Two resumes that take over the same stale lock within the same
-millisecond could both proceed; that race is left open.
-
-This module imports neither torch nor Lightning.
+The holder: the launcher for its forked ranks (they see `LOCK_VARIABLE`), global rank 0 under torchrun or srun, an
+in-process `DDPAppCLI` fit for its length. O_EXCL makes simultaneous starts agree (NFS v3+); two takeovers of one stale
+lock in the same millisecond is a race left open. No torch or Lightning here.
 """
 
 from __future__ import annotations
@@ -245,9 +232,8 @@ def acquire(root: Path, env: MutableMapping[str, str]) -> RunLock | None:
 def refuse_overwrite(root: Path, checkpoint_dirs: Iterable[Path], ckpt_path: str | None) -> None:
     """Stop in one line if a fit that does not continue the run in `root` would write over its checkpoints.
 
-    Continuing means `--ckpt_path last` (or "best", "hpc": Lightning's names for this run's files),
-    or a checkpoint file inside one of `checkpoint_dirs`. A checkpoint is a file or, with strategy fsdp,
-    a link to a directory of shards (app/checkpoints/sharded.py): anything by that name counts."""
+    Continuing means `--ckpt_path last` ("best", "hpc") or a checkpoint (file or sharded link) inside `checkpoint_dirs`.
+    """
     dirs = [Path(directory) for directory in checkpoint_dirs]
     existing = sorted(
         (path for directory in dirs if directory.is_dir() for path in directory.glob("*.ckpt") if path.exists()),

@@ -1,16 +1,9 @@
 """The Trainer's arguments, checked once in the launcher before any rank starts.
 
-`check_trainer_arguments` builds the Trainer from the config's `trainer` section the way every rank
-will, in this process, in a few milliseconds: Lightning itself chooses the accelerator, strategy,
-precision and devices, and rejects what it cannot use. Whatever Lightning or PyTorch raises there
-becomes one line naming the key at fault, found by building again with one argument at a time put
-back to Lightning's default: the argument whose default makes that error go away is the one to fix.
-An error raised outside Lightning and PyTorch (our code, a user's class) is a bug and keeps its
-traceback, as does one that no single argument explains.
-
-Building the Trainer starts no process and touches no GPU (CUDA's availability is asked through
-NVML, so the ranks forked afterwards can still use CUDA); what the build changes in this process
-(torch's determinism flags, environment variables, log lines) is put back or kept quiet.
+`check_trainer_arguments` builds the Trainer as every rank will (milliseconds): whatever Lightning or PyTorch raises
+becomes one line naming the key, found by rebuilding with one argument at a time back at its default. Errors from
+outside Lightning and PyTorch, or that no single argument explains, keep their traceback. The build starts no process
+and touches no GPU (NVML check); its side effects are put back or kept quiet.
 """
 
 from __future__ import annotations
@@ -88,10 +81,9 @@ def check_trainer_arguments(
 ) -> None:
     """Build the Trainer as the ranks will; raise TrainerArgumentError naming the key Lightning refuses.
 
-    `instantiate` returns the `trainer` section with its classes (strategy, plugins, ...) built,
-    fresh on every call: Lightning's connector changes a strategy object it is given. `trainer_config`
-    is the section as parsed (the values the user wrote); `overrides` are what the ranks get
-    instead of the config's values (the launcher's devices on CPU).
+    `instantiate` builds the section's classes fresh per call (Lightning changes a strategy it is given);
+    `trainer_config` is the section as parsed; `overrides` are what the ranks get instead (the launcher's devices on
+    CPU).
     """
     check_lower_bounds(trainer_config)
     given = {**(overrides or {}), **LEFT_OUT}

@@ -1,9 +1,6 @@
-"""Optuna's pruner at epoch ends, in every rank of a search trial's ddp-app run.
-
-Rank 0 reports the sweep's metric after each validation to the trial and asks the study's pruner;
-the verdict goes to every rank through the strategy's `reduce_boolean_decision` (one small
-collective per epoch), and a pruned trial stops like an early-stopped run: at the epoch's end,
-last.ckpt written, exit 0. `pruned.json` in the run directory tells the sweep worker.
+"""Optuna's pruner at epoch ends, in every rank of a search trial's run: rank 0 reports the metric and asks the pruner,
+the verdict reaches every rank through `reduce_boolean_decision`, and a pruned trial stops like an early stop
+(last.ckpt, exit 0, `pruned.json` for the worker).
 """
 
 from __future__ import annotations

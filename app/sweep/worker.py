@@ -1,10 +1,7 @@
 """Run sweep points: take the next one (or continue this Slurm task's own), run `ddp-app fit`, record it.
 
-Locally the worker runs every point, one after another. Under Slurm, each array task is a worker
-for one point: `srun ddp-app fit ...` on the task's allocation (several ranks, several nodes, as
-slurm/train.sbatch runs them). A preempted point's ddp-app saves last.ckpt and asks Slurm to
-requeue the task (app/cluster/requeue.py); the requeued task finds its claim and continues the
-point with `--ckpt_path last` (every attempt passes it: the first finds no checkpoint and starts).
+Locally one point after another; under Slurm one point per array task (`srun ddp-app fit ...`). A preempted point is
+requeued (app/cluster/requeue.py) and continued with `--ckpt_path last`, which every attempt passes.
 """
 
 from __future__ import annotations

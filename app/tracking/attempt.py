@@ -60,11 +60,10 @@ def mlflow_unreachable(uri: str, error: Exception, deadline: float | None) -> Us
 
 
 def check_remote_mlflow_answers(tracking_uri: str | None) -> None:
-    """The launcher's check, before any rank starts (app/cli/parser.py): a remote MLflow store (a server,
-    Databricks) that does not answer stops the launch in one line, within MLFLOW_OPEN_DEADLINE_S,
-    instead of after the ranks started. It only reads (lists one experiment). A local store (the
-    default SQLite, a sqlite: or file: URI) is not looked at here: opening it creates it, which only
-    rank 0's open may do. Ranks started by torchrun or srun skip this; rank 0's open checks the same."""
+    """The launcher's check before any rank starts: a remote MLflow store that does not answer within
+    MLFLOW_OPEN_DEADLINE_S stops the launch in one line. It only reads; local stores are left to rank 0's open
+    (opening creates them), as are torchrun and srun ranks.
+    """
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri is None or urllib.parse.urlparse(uri).scheme in LOCAL_SCHEMES:
         return

@@ -1,10 +1,8 @@
 """One training run, one identity: the same log version, MLflow run and W&B run across every attempt.
 
-A run is what `ddp-app fit` starts without `--ckpt_path`; every restart, requeue or `--ckpt_path
-last` after it is an *attempt* of the same run (docs/tracking.md). The identity lives in
-`lightning_logs/<version>/run.json` and in every checkpoint's `tracking` part, so a resume from a
-checkpoint of this directory reopens the same log version and tracker runs; one from another
-directory starts a new run. app/tracking/attempt.py opens an attempt. Rank 0 does all of this.
+Every restart, requeue or `--ckpt_path last` after `ddp-app fit` is an *attempt* of the same run (docs/tracking.md). The
+identity lives in `lightning_logs/<version>/run.json` and each checkpoint's `tracking` part, so a resume from this
+directory reopens it; app/tracking/attempt.py opens an attempt. Rank 0 only.
 """
 
 from __future__ import annotations
@@ -74,10 +72,9 @@ def require_tracker(extra: str) -> None:
 class TrackedRun:
     """Rank 0's side of a run's attempt: the journal, metrics.csv and the trackers.
 
-    The journal and metrics.csv are written on the training thread, which decides what to send;
-    every tracker call runs on the tracker thread (app/tracking/worker.py), so a tracker that hangs
-    never holds training, the other ranks or a stop signal. A call is written to
-    `sent-<tracker>.txt` only once the tracker confirmed it: the next attempt sends the rest.
+    The training thread writes the journal and metrics.csv; tracker calls run on the tracker thread
+    (app/tracking/worker.py), so a hanging tracker never holds training. `sent-<tracker>.txt` records what a tracker
+    confirmed.
     """
 
     def __init__(
@@ -147,10 +144,8 @@ class TrackedRun:
         return {"run_id": identity["run_id"], "log_version": identity["log_version"], "seq": seq, "step": step}
 
     def _complete_below(self) -> float:
-        """The steps below this one hold their last value (every call at them settled, and a later
-        step too). For trackers that cannot add to a step once past it (W&B): Lightning logs an
-        epoch's values at its last step in several calls, some after the epoch-end checkpoint, so
-        such a step is sent only when complete.
+        """The steps below this one hold their last value. For trackers that cannot add to a past step (W&B): an epoch's
+        values arrive in several calls, so a step is sent only when complete.
         """
         settled = [call.step for call in self.history.calls.values() if call.state == SETTLED]
         open_steps = [call.step for call in self.history.calls.values() if call.state != SETTLED]
@@ -281,12 +276,10 @@ class Tracking(L.Callback):
         config_yaml: str,
         resumed_from: str | None,
     ) -> RunLogger:
-        """The logger for this attempt; on rank 0 also the run: a new one, or the one it continues.
+        """The logger for this attempt; on rank 0 also the run (new or continued).
 
-        The tracker that can fail to open (MLflow: a wrong URI, a server that is down) is reached
-        first, within seconds, before anything is written: a launch it stops leaves no log version.
-        On rank 0 a run with a `tracking:` section prints one line per tracker: the run and how to
-        see it (`viewing_lines`).
+        MLflow, which can fail to open, is reached first, before anything is written, so a launch it stops leaves no log
+        version. With a `tracking:` section rank 0 prints one line per tracker (`viewing_lines`).
         """
         root = Path(trainer.default_root_dir)
         logs = root / LOGS_NAME
@@ -349,11 +342,9 @@ class Tracking(L.Callback):
             self._clock.reset(float(throughput["samples"]), float(throughput["seconds"]))
 
     def _settle_save(self, trainer: L.Trainer) -> None:
-        """At a hook after a save of last.ckpt: once the file is on disk, what it holds is final.
-
-        A background write may still be in flight (app/checkpoints/plugin.py): settling before the
-        file is on disk would let a kill now log those values twice. Until then the next hook asks
-        again (writes complete in order)."""
+        """At a hook after a save of last.ckpt: once the file is on disk (a background write may be in flight), what it
+        holds is final; until then the next hook asks again.
+        """
         while self._saves_unsettled and self.run is not None and is_on_disk(trainer, self._saves_unsettled[0][2]):
             seq, step, _ = self._saves_unsettled.pop(0)
             self.run.saved(seq, step, checkpoint_tags(trainer))

@@ -1,14 +1,9 @@
 """The one thread per tracked run that talks to its trackers, so that training never waits on them.
 
-A tracker is a network service (or a library with a service process of its own): MLflow's HTTP
-client retries a server that went away for about 4 minutes per request, during which rank 0 would
-sit in a checkpoint hook while the other ranks wait for it in a collective, and a stop signal would
-go unanswered. Every tracker call after the open therefore runs here, one at a time and in the
-order the training thread asked for them; the training thread only enqueues (app/tracking/run.py).
-`Outboxes` is the thread's own state: what each tracker has still to be sent.
-
-The thread is a daemon: a run that ends while a tracker still hangs leaves it behind (the journal
-keeps what it did not confirm, and the next attempt sends it), and the process exits regardless.
+A tracker can hang for minutes (MLflow retries a lost server), which would stall rank 0 in a hook while the others wait
+in a collective. So every call after the open runs here, in order; the training thread only enqueues. `Outboxes` is what
+each tracker still has to be sent. A daemon: a run that ends leaves a hung tracker behind (the journal keeps the rest
+for the next attempt).
 """
 
 from __future__ import annotations
