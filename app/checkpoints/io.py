@@ -1,15 +1,11 @@
 """Saving and loading checkpoints: atomic writes, never-executing loads, clear errors.
 
-- Writes go to a temporary file in the destination directory, are flushed and fsynced, and then
-  `os.replace`d over the target: a crash leaves the old file or the new one, never half of one.
-  (Lightning serialises into memory and then writes through fsspec, without fsync.)
-- Every load uses `torch.load(..., weights_only=True)`, also for http(s) URLs (Lightning defaults
-  to `weights_only=False` for those): a checkpoint whose unpickling would run code is refused.
-- Every load first checks the CRC32 torch.save wrote beside each record (`refuse_bad_checksums`),
-  which torch.load itself never reads: a checkpoint changed on disk is refused, not loaded wrong.
+- Writes go to a temporary file in the destination directory, fsynced, then `os.replace`d: a crash leaves the old file
+  or the new one (Lightning writes through fsspec, without fsync).
+- Every load uses `torch.load(..., weights_only=True)`, http(s) URLs included (Lightning defaults to False there).
+- Every load first checks torch.save's per-record CRC32s (`refuse_bad_checksums`), which torch.load never reads.
 
-No Lightning here: the datasets the reference trainer shares load tensor files with `safe_load`.
-Lightning's side, `SafeCheckpointIO`, is in `app.cli`; exporting a model, in `app.export`.
+No Lightning here; `SafeCheckpointIO` is in `app.cli`, exporting in `app.export`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""How a run writes its checkpoints, decided once from plain values (`save_plan`), and the one place that
-chooses the Trainer's checkpoint I/O from it (`SavePlan.plugins`).
+"""How a run writes its checkpoints, decided once from plain values (`save_plan`), and the one place that chooses the
+Trainer's checkpoint I/O (`SavePlan.plugins`).
 
     SYNC                   a save returns once the checkpoint is on disk (`last_checkpoint.async_save: false`)
     BACKGROUND             a save copies to host memory, the writer thread writes (app/checkpoints/plugin.py)
@@ -7,8 +7,8 @@ chooses the Trainer's checkpoint I/O from it (`SavePlan.plugins`).
     PLUGIN                 the config's own CheckpointIO writes, before training goes on
     STRATEGY               a strategy that writes its own checkpoints (DeepSpeed, a user's)
 
-Under strategy fsdp every rank writes its shards (`ShardedCheckpointIO`); otherwise rank 0 writes a file
-(`SafeCheckpointIO`). No Lightning strategy here: the caller resolves the strategy (app/parallel/strategy.py).
+Under fsdp every rank writes its shards (`ShardedCheckpointIO`), else rank 0 a file (`SafeCheckpointIO`). The caller
+resolves the strategy.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
-"""Sharded checkpoints (`strategy: fsdp`, app/parallel/fsdp.py): every rank writes its own shards, and a
-checkpoint is still complete or absent, never half-written; loading one never runs code.
+"""Sharded checkpoints (`strategy: fsdp`): every rank writes its own shards, and a checkpoint is complete or absent,
+never half-written; loading one never runs code.
 
-A sharded checkpoint is a directory in the layout of `torch.distributed.checkpoint` (DCP): one
-`__<rank>_0.distcp` file of tensors per rank, DCP's `.metadata` index (written by rank 0 after
-every rank has written its shards), and `meta.pt` (`META_NAME`), rank 0's `torch.save` of
-everything else in the Lightning checkpoint (loops, callbacks with ddp-app's data position and
-per-rank state, hyperparameters, learning-rate schedulers).
+A checkpoint is a DCP directory: one `__<rank>_0.distcp` per rank, DCP's `.metadata` (rank 0, after every rank's
+shards), and `meta.pt` (`META_NAME`, rank 0's `torch.save` of the rest of the Lightning checkpoint).
 
-What a user names (`checkpoints/last.ckpt`) is a symbolic link to that directory, which is
-written under a fresh name beside it (`.last.ckpt.<token>.shards`) and published by replacing the
-link, one `os.replace` (atomic, as for a file: app/checkpoints/io.py `atomic_write`), once every
-rank's shards, DCP's index and meta.pt are on disk. A rank killed at any moment leaves the
-previous checkpoint in place; the orphaned directory of the unfinished save is removed by the next
-save. Every rank must see the same filesystem (a local disk on one node, else a network one).
+What a user names (`checkpoints/last.ckpt`) is a symlink to that directory, written under a fresh name
+(`.last.ckpt.<token>.shards`) and published by one `os.replace` of the link once everything is on disk. A killed rank
+leaves the previous checkpoint; the next save removes the orphan. All ranks must see one filesystem.
 
-Loads never run code: `meta.pt` goes through `safe_load` (`weights_only=True`), the tensors through
-DCP's reader with `torch.load(weights_only=True)`, and DCP's `.metadata`, which PyTorch reads with
-a plain `pickle.load`, through `SafeFileSystemReader`, whose unpickler builds nothing but DCP's
-own metadata records, torch sizes and dtypes.
+Loads never run code: `meta.pt` through `safe_load`, tensors through DCP with `weights_only=True`, and `.metadata` (a
+plain pickle in PyTorch) through `SafeFileSystemReader`, which builds only DCP's metadata records, sizes and dtypes.
 """
 
 from __future__ import annotations
@@ -169,12 +161,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class _Preloaded(io.BytesIO):
-    """What `SafeLoadPlanner` hands the default planner: an object it already loaded safely.
-
-    `DefaultLoadPlanner.load_bytes` calls `torch.load(value, weights_only=False)`; `torch.load` of a
-    file object whose `read` returns the pickle of `loaded` would unpickle again. So instead the
-    already-loaded value is re-serialised with torch.save, which the default planner then reads back;
-    its content is exactly what `weights_only=True` accepted.
+    """What `SafeLoadPlanner` hands the default planner: an already safely loaded value, re-serialised with torch.save,
+    since `DefaultLoadPlanner.load_bytes` calls `torch.load(weights_only=False)`.
     """
 
     def __init__(self, loaded: Any) -> None:

@@ -1,17 +1,10 @@
-"""Strategy fsdp's checkpoint I/O: every rank writes its shards of a checkpoint through DCP into a fresh
-directory, published atomically once complete (the layout: app/checkpoints/sharded.py), and a load
-reshards them onto this run's mesh. The same save, load and remove as `SafeCheckpointIO`
-(app/checkpoints/plugin.py) and the same `prepare_write`, so that `BackgroundCheckpointIO` writes
-either through the one `BackgroundWriter`.
+"""Strategy fsdp's checkpoint I/O: every rank writes its shards through DCP into a fresh directory, published atomically
+(layout: app/checkpoints/sharded.py); a load reshards onto this run's mesh.
 
-It is the strategy's `checkpoint_io` (a Trainer plugin, app/run/build.py). Lightning's `Strategy`
-calls its CheckpointIO's save on rank 0 only and its load without the module; `FSDP2Strategy`
-(app/parallel/fsdp.py) calls this one's save on every rank (a collective) and its load with the
-module and optimizers to load into, and keeps only the sharding.
-
-A disk that refuses a save (full, over quota, read-only, failing) on any rank ends that save on every
-rank in the same one line (`write_failed`), with the previous checkpoint still published and the
-failed save's shards removed.
+Same save, load, remove and `prepare_write` as `SafeCheckpointIO`, so `BackgroundCheckpointIO` writes either through the
+one `BackgroundWriter`. It is the strategy's `checkpoint_io`; `FSDP2Strategy` calls its save on every rank and its load
+with the module and optimizers. A disk that refuses a save on any rank ends it on every rank in one line
+(`write_failed`), the previous checkpoint still published.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """`ddp-app diagnose --config CONFIG [overrides] [--steps 60] [--out DIR]`: why is my run slow?
 
-Runs the config shortened to `--steps` training steps (no validation) three times, as `resume-check`
-does (each a `ddp-app fit` of its own, built by the same code as any fit), and attributes the step
-time by ablation, on the numbers app/run/step_timing.py records on every rank:
+Runs the config shortened to `--steps` steps (no validation) three times, each a `ddp-app fit`, and attributes the step
+time by ablation from app/run/step_timing.py's numbers:
 
   as configured       the step time T (the mean of the ranks), and each rank's measured parts;
   batch in memory     the first batch again at every step: T - T(batch in memory) is the data share;
-  no communication    a DDP hook that keeps each rank's own gradients, so every rank runs alone:
-                      its step time then is its own work. T - the slowest rank's own work is the
-                      lockstep cost, split into the all-reduce itself (at each step, the smallest
-                      wait over the ranks: the last to arrive waits for the all-reduce alone) and
-                      waiting for whichever rank is late at that step; the slowest rank's own work
+  no communication    a DDP hook that keeps each rank's own gradients: each rank's own work. T - the
+                      slowest rank's own work is the lockstep cost (all-reduce, the smallest wait
+                      over the ranks, plus waiting for a late rank); the slowest rank's own work
                       against the median's is the straggler share; each rank's score is the fastest
-                      rank's own time over its own (1.0 = as fast as the fastest).
+                      rank's own time over its own.
 
-Each rank's figure is the mean of its steps after `WARMUP_STEPS` and one per loader worker (its
-first batch waits for the worker to start), less its slowest tenth (a step
-that met another process's burst on a shared machine). It prints a table per rank and one verdict
-with the fix, and writes `report.json` and `report.png` (stacked bars per rank) in
-`<default_root_dir>-diagnose/<time>/` (or `--out`), beside the run, whose own directory it leaves
-untouched. `verdict` is a function of the recorded numbers alone (tests/test_diagnose.py).
+Each rank's figure is the mean of its steps after `WARMUP_STEPS` and one per loader worker, less its slowest tenth. It
+prints a table per rank and one verdict with the fix, and writes `report.json` and `report.png` in
+`<default_root_dir>-diagnose/<time>/` (or `--out`), leaving the run's directory untouched. `verdict` depends on the
+recorded numbers alone (tests/test_diagnose.py).
 """
 
 from __future__ import annotations

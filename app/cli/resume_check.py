@@ -1,18 +1,14 @@
 """`ddp-app resume-check --config CONFIG [overrides] [--json FILE]`: prove that your own run resumes exactly.
 
-Runs the config, shortened (`--epochs`, `--limit-batches`), once uninterrupted and then stopped and
-resumed with `--ckpt_path last` at a few moments where resumes go wrong, and prints one table:
+Runs the config shortened (`--epochs`, `--limit-batches`), once uninterrupted and then stopped and resumed with
+`--ckpt_path last` at moments where resumes go wrong, and prints one table:
 
     moment                                      steps  weights    optimizer  metrics  result
     kill -9 of rank 1 mid-epoch                 20     0          0          same     EXACT
 
-Exit code 0 only if every moment is EXACT. Where one differs, one line names the most likely cause,
-found by checks that do not depend on the run: a training set that returns different data for the
-same (seed, epoch, index) draws randomness from a generator of its own; a training loader with a
-sampler of its own cannot be positioned; an IterableDataset restarts its stream. The stop itself is
-made inside the rank by `StopAt`, a callback added on the command line for the stopped run only.
-
-The same runner drives the stop matrix in tests/fault/test_resume_matrix.py.
+Exit code 0 only if every moment is EXACT; otherwise one line names the likely cause, from run-independent checks (a
+dataset with its own generator, a sampler of its own, an IterableDataset that restarts). Stops are made inside the rank
+by `StopAt`. The same runner drives tests/fault/test_resume_matrix.py.
 """
 
 from __future__ import annotations

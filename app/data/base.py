@@ -35,17 +35,14 @@ class ResumableDataLoader(DataLoader):
 class ShardedDataModule(L.LightningDataModule):
     """Builds the train/val/test datasets in `setup` and shards them over the ranks.
 
-    Subclasses implement `make_splits()`, by calling their function in `app.data.datasets` (which
-    the reference trainer calls too); it must be deterministic (same split on every rank and
-    every run) and must not write anything, because with `strategy="ddp"` it runs once per rank.
-    The datasets are plain attributes (`train_dataset`, `val_dataset`, `test_dataset`) so that the
-    reference trainer can use them without a Trainer.
+    Subclasses implement `make_splits()` with their function in `app.data.datasets`: deterministic and writing nothing
+    (it runs on every rank). The datasets are plain attributes (`train_dataset`, `val_dataset`, `test_dataset`) for the
+    reference trainer.
 
-    `batch_size` is per process: the global batch is batch_size x devices x num_nodes.
-    `num_workers: null` (the default) sizes the loader workers to the machine (`default_num_workers`).
-    `on_device: true` keeps the training and evaluation splits whole on the training device and builds
-    batches there (app/data/on_device.py): for data that fits in GPU memory, without random
-    augmentation; same samples, same order, same resume position as the ordinary loaders.
+    `batch_size` is per process: the global batch is batch_size x devices x num_nodes. `num_workers: null` (the default)
+    sizes the loader workers to the machine (`default_num_workers`). `on_device: true` keeps the splits whole on the
+    training device and batches there (app/data/on_device.py): for data that fits in GPU memory, without random
+    augmentation; same samples, order and resume position.
     """
 
     def __init__(

@@ -1,9 +1,6 @@
-"""The datasets behind every DataModule, without Lightning: splits, downloads and loader settings.
-
-Each DataModule in `app.data` builds its (train, val, test) splits with a function here, and the
-reference trainer calls the same function with the config's `data.init_args`. `DATASETS` maps a
-DataModule's class name to it; the arguments and defaults match the DataModule's `__init__`
-(tests/data/test_datasets.py checks).
+"""The datasets behind every DataModule, without Lightning: splits, downloads and loader settings. `DATASETS` maps a
+DataModule's class name to its split function (same arguments and defaults as its `__init__`,
+tests/data/test_datasets.py checks), which the reference trainer calls too.
 """
 
 from __future__ import annotations

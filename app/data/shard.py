@@ -1,25 +1,16 @@
 """`python -m app.data.shard --config C --out DIR`: write a config's data set as LitData shards.
 
-The data module of the config (`data:`, with `--data.init_args.NAME=VALUE` overrides) is built and
-set up as for training, and each of its splits is written with LitData's `optimize` into
-`DIR/train`, `DIR/val` and `DIR/test` (chunks of `--chunk-bytes`, LitData's `index.json`), plus
-`DIR/ddp_app_shards.json` saying what was written from what (an ImageFolder's class names and count
-included: the launcher checks the model's num_classes against them). `StreamingDataModule`
-(app/data/litdata_shards.py) trains from the result, locally or after a copy to object storage.
+The config's data module (with `--data.init_args.NAME=VALUE` overrides) is set up as for training and each split written
+with LitData's `optimize` into `DIR/train`, `DIR/val`, `DIR/test` (chunks of `--chunk-bytes`), plus
+`DIR/ddp_app_shards.json` (what was written from what, an ImageFolder's class names included for the launcher's
+num_classes check). `StreamingDataModule` trains from it.
 
-What a sample holds:
-  - image files (`ImageFolderDataModule`): the file's encoded bytes and its class index, so the
-    shards are as small as the JPEGs and decoding and augmentation stay in the training loader's
-    workers, seeded per sample as from the folder;
-  - any other map-style data set whose reading draws no random number (digits, MNIST, CIFAR-10,
-    a user's `TensorDataset`): the sample as `dataset[index]` returns it (tensors and numbers).
-A data set that augments when read is refused: its shards would freeze one random draw.
+A sample holds an image file's encoded bytes and class index (decoded and augmented in training), or, for any other data
+set that draws no random number when read, `dataset[index]` as returned. A data set that augments when read is refused
+(its shards would freeze one draw).
 
-The training split is written in a seeded random order (`--seed`): an ImageFolder lists its files
-class by class, and a chunk of one class would make every batch drawn from a few chunks
-one-sided (StreamingDataModule shuffles chunks and samples within a window of chunks, not the
-whole set). The other splits keep their order. Nothing is overwritten: an existing `--out` with
-files in it is refused, and a write that ends with fewer samples than the split holds is an error.
+The training split is written in a seeded random order (`--seed`), so no chunk is one class; other splits keep their
+order. An `--out` with files is refused, and a write that ends short is an error.
 """
 
 from __future__ import annotations
