@@ -3,8 +3,7 @@
 Every entry point prints `ddp-app: error: <line>` and exits 2 for the user's problems: our `UserFacingError` family and
 errors we recognise (parser and Lightning configuration errors, a full disk, a lost peer, a failed rendezvous, a
 checkpoint of another model). Anything else keeps its traceback; `DDP_APP_TRACEBACK=1` prints it before the line too. No
-Lightning here.
-"""
+Lightning here."""
 
 from __future__ import annotations
 
@@ -108,8 +107,7 @@ def _yaml_syntax_error(message: str, config_file: str | None) -> str:
 
 def _config_file_being_read() -> str | None:
     """The config file jsonargparse was reading when it reported a YAML error (innermost of its private
-    `config_load_stack`, docs/private_apis.md); tests/test_errors.py fails if a release drops it.
-    """
+    `config_load_stack`, docs/private_apis.md); tests/test_errors.py fails if a release drops it."""
     util = sys.modules.get("jsonargparse._util")
     stack_variable = getattr(util, "config_load_stack", None)
     stack = stack_variable.get() if stack_variable is not None else ()
@@ -166,8 +164,8 @@ def _is_lightning_misconfiguration(error: BaseException) -> bool:
     return exceptions is not None and isinstance(error, exceptions.MisconfigurationException)
 
 
-# Lightning's modules that validate the Trainer's arguments and raise a plain ValueError for a bad
-# one (`accelerator="quantum"`, an unknown strategy or precision name).
+# Lightning's modules that validate the Trainer's arguments and raise a plain ValueError for a bad one
+# (`accelerator="quantum"`, an unknown strategy or precision name).
 LIGHTNING_INPUT_CHECKS = ("lightning/pytorch/trainer/connectors/", "lightning/fabric/connector.py")
 
 
@@ -178,8 +176,7 @@ def _raised_in(error: BaseException, places: tuple[str, ...]) -> bool:
 
 def user_message(error: BaseException) -> str | None:
     """The one-line message for an error the user can fix, or None for a bug (keep the traceback); with
-    `DDP_APP_TRACEBACK=1` the traceback is printed first.
-    """
+    `DDP_APP_TRACEBACK=1` the traceback is printed first."""
     message = one_line_message(error)
     if message is not None and os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
         traceback.print_exception(error, file=sys.stderr)
@@ -220,8 +217,8 @@ def one_line_message(error: BaseException) -> str | None:
             "Fix: check that rank 0 runs, the address is reachable from this node and the port is open."
         )
     if _raised_in(error, PARSER):
-        # jsonargparse wraps what a constructor raised while it checks the config. Our own input
-        # error keeps its line, a parser complaint gets one, and a bug in a user's class its traceback.
+        # jsonargparse wraps what a constructor raised while it checks the config. Our own input error keeps its line, a
+        # parser complaint gets one, and a bug in a user's class its traceback.
         root = _root_cause(error)
         if isinstance(root, UserFacingError):
             return _one_line(str(root))
@@ -234,8 +231,8 @@ PARSER = ("jsonargparse/", "argparse.py")
 
 
 def failed_because_a_peer_died(error: BaseException) -> bool:
-    """Whether this rank stops only because another one died: one line, but not bad input, so it
-    exits with its own code and a restart or requeue is worth it."""
+    """Whether this rank stops only because another one died: one line, but not bad input, so it exits with its own code
+    and a restart or requeue is worth it."""
     message = one_line_message(error)
     return message is not None and LOST_ANOTHER_RANK in message
 

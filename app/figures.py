@@ -7,8 +7,7 @@ ticks, and per series (an artist with a legend label) its name, style and data m
 Readability rule (`readable`): a series may share a y axis only where the axis shows it: its values span at least
 MIN_SHARE of the axis's range, or it is flat (changes by at most FLAT_CHANGE of its level) and the axis shows its level
 (log axes always; linear when the level is a tenth of the range). Log spans are in decades. `fits_one_axis` applies it
-with matplotlib's default margins.
-"""
+with matplotlib's default margins."""
 
 from __future__ import annotations
 
@@ -25,8 +24,8 @@ Y_MARGIN = 0.05  # matplotlib's default axes.ymargin: autoscaled limits add this
 
 
 def readable(low: float, high: float, axis_low: float, axis_high: float, log: bool = False) -> bool:
-    """Whether a series with values in [low, high] is readable on a y axis from axis_low to axis_high
-    (the module's docstring states the rule)."""
+    """Whether a series with values in [low, high] is readable on a y axis from axis_low to axis_high (the module's
+    docstring states the rule)."""
     level = max(abs(low), abs(high))
     if log:
         changes_visible = math.log10(high / low) >= MIN_SHARE * math.log10(axis_high / axis_low)

@@ -83,8 +83,7 @@ def join_versions(versions: list[Series], resumed: list[bool] | None = None) -> 
     """One series from the versions of a run, in step order, later versions winning overlaps.
 
     A resumed version (`resumed`) replaces earlier values name by name at the steps it logged, keeping values it did not
-    log again; any other version replaces everything from its first step on.
-    """
+    log again; any other version replaces everything from its first step on."""
     flags = resumed or [False] * len(versions)
     joined: Series = {}
     ordered = sorted(((v, r) for v, r in zip(versions, flags, strict=True) if v), key=lambda item: min(item[0]))
@@ -98,8 +97,8 @@ def join_versions(versions: list[Series], resumed: list[bool] | None = None) -> 
 
 
 def epoch_spans(series: Series) -> dict[int, tuple[int, int]]:
-    """{epoch: (its first step, one past its last)}: an epoch starts one past the last step logged in
-    the previous one (the first at step 0) and ends one past its own last logged step."""
+    """{epoch: (its first step, one past its last)}: an epoch starts one past the last step logged in the previous one
+    (the first at step 0) and ends one past its own last logged step."""
     last_step: dict[int, int] = {}
     for step, values in series.items():
         if "epoch" in values:
@@ -149,14 +148,14 @@ class Panel:
 
 
 def log_axis(kind: str, values: list[float]) -> bool:
-    """Losses and learning rates fall by orders of magnitude: a log axis keeps the late epochs readable.
-    Other kinds stay linear, so that series of different scales are split, not stacked by decade."""
+    """Losses and learning rates fall by orders of magnitude: a log axis keeps the late epochs readable. Other kinds
+    stay linear, so that series of different scales are split, not stacked by decade."""
     return kind in ("loss", "lr") and min(values) > 0 and max(values) / min(values) >= LOG_RATIO
 
 
 def panels_of(curves: dict[str, list[float]]) -> list[Panel]:
-    """The panels, in kind order: each series on the first panel of its kind that stays readable
-    with it (`fits_one_axis`), else on a new one."""
+    """The panels, in kind order: each series on the first panel of its kind that stays readable with it
+    (`fits_one_axis`), else on a new one."""
     kinds = {name: kind_of(name, values) for name, values in curves.items()}
     panels: list[Panel] = []
     for name in sorted(curves, key=lambda name: (list(KIND_TITLES).index(kinds[name]), name)):
@@ -172,9 +171,9 @@ def panels_of(curves: dict[str, list[float]]) -> list[Panel]:
 
 
 def mark_epochs(axes: list[Any], spans: dict[int, tuple[int, int]], logged_steps: list[int]) -> None:
-    """Epoch boundaries as faint vertical lines on every panel; the top panel names each epoch, as
-    the console does, over the middle of its steps (at most about 15 names). The x range holds every
-    epoch from its first step (epoch 0 from step 0, before the first logged value) and every step."""
+    """Epoch boundaries as faint vertical lines on every panel; the top panel names each epoch, as the console does,
+    over the middle of its steps (at most about 15 names). The x range holds every epoch from its first step (epoch 0
+    from step 0, before the first logged value) and every step."""
     first = min(min(start for start, _ in spans.values()), *logged_steps)
     last = max(max(end for _, end in spans.values()), *logged_steps)
     boundaries = sorted({start for start, _ in spans.values()} | {last})
@@ -198,8 +197,8 @@ def plot(series: Series, out: Path, title: str, version_starts: list[int]) -> No
     matplotlib.use("Agg")  # files only: no display needed, also on a cluster node
     import matplotlib.pyplot as plt
 
-    # The per-step time breakdown is a diagnosis, not a training curve: it is in the fit's summary, the
-    # trackers, and `ddp-app diagnose`'s chart (docs/performance.md).
+    # The per-step time breakdown is a diagnosis, not a training curve: it is in the fit's summary, the trackers, and
+    # `ddp-app diagnose`'s chart (docs/performance.md).
     names = sorted({name for values in series.values() for name in values} - {"epoch", *STEP_TIME_METRICS})
     curves = {name: values for name in names if (values := curve(series, name)[1])}
     if not curves:
@@ -228,8 +227,8 @@ def plot(series: Series, out: Path, title: str, version_starts: list[int]) -> No
 
 
 def run_version(run_dir: Path, version: str | None) -> Path | None:
-    """The log directory of the run to plot: `--version`, else the latest run's; None for a
-    directory written before run identities (`run.json`) existed."""
+    """The log directory of the run to plot: `--version`, else the latest run's; None for a directory written before run
+    identities (`run.json`) existed."""
     logs = run_dir / "lightning_logs"
     if version is not None:
         if not (logs / version).is_dir():

@@ -3,8 +3,7 @@
 docs/private_apis.md lists each and why; tests/test_private_apis.py checks them at test time. At runtime each use asks
 `require` once, so an unsupported version stops the run with one line (API, installed version, supported range, fix)
 instead of an AttributeError deep in a rank. No Lightning or torch here: `app.cluster.launch` uses it before the ranks
-start.
-"""
+start."""
 
 from __future__ import annotations
 
@@ -85,9 +84,9 @@ def _name_of(owner: object) -> str:
 
 
 def require(owner: object, name: str, package: str, needed_for: str, owner_name: str | None = None) -> Any:
-    """`owner.name` (or `owner[name]` for a mapping, such as a state dict Lightning wrote), or
-    `PrivateApiChanged` naming it, the installed `package` version and the supported range.
-    `owner_name` names the owner in the message where its type's name would not say what it is."""
+    """`owner.name` (or `owner[name]` for a mapping, such as a state dict Lightning wrote), or `PrivateApiChanged`
+    naming it, the installed `package` version and the supported range. `owner_name` names the owner in the message
+    where its type's name would not say what it is."""
     if isinstance(owner, Mapping):
         if name in owner:
             return owner[name]

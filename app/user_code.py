@@ -2,8 +2,7 @@
 
 The same on every rank: the current directory first on `sys.path` (as `python -m` does), then the directory of every
 `--config` file in order, then what was there (PYTHONPATH, installed packages). Modules already imported (torch,
-lightning, app) cannot be replaced by a local file.
-"""
+lightning, app) cannot be replaced by a local file."""
 
 from __future__ import annotations
 
@@ -58,8 +57,8 @@ def _classes_in(module_name: str) -> dict[str, type]:
 
 
 def suggest_class(class_path: str) -> str | None:
-    """The closest existing `module.Class` to a mistyped class path: in its own module, then in
-    `app.models` and `app.data`; None if nothing is close."""
+    """The closest existing `module.Class` to a mistyped class path: in its own module, then in `app.models` and
+    `app.data`; None if nothing is close."""
     module_name, _, class_name = class_path.rpartition(".")
     for candidate_module in dict.fromkeys([module_name, "app.models", "app.data"]):
         if not candidate_module:

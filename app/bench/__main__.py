@@ -60,8 +60,7 @@ def resolve_accelerator(requested: str) -> str:
 
 def pair_order(repeat: int) -> tuple[str, ...]:
     """(reference, lightning) on even repeats, (lightning, reference) on odd ones: a fixed order would bias the paired
-    ratios against whichever runs second.
-    """
+    ratios against whichever runs second."""
     return SIDES if repeat % 2 == 0 else SIDES[::-1]
 
 
@@ -75,8 +74,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         size: variant_config(base, size, accelerator, args.epochs, args.out / f"config-ws{size}.yaml")
         for size in args.world_sizes
     }
-    # Warm-up launches (not timed) fill the page cache and compile bytecode, which would
-    # otherwise make the first pair slower than the rest.
+    # Warm-up launches (not timed) fill the page cache and compile bytecode, which would otherwise make the first pair
+    # slower than the rest.
     schedule = [(-1, min(args.world_sizes), side) for side in SIDES] if args.warmup else []
     # At world size 1 each pair is preceded by the framework-free loop of the same repeat.
     schedule += [

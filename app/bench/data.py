@@ -77,8 +77,8 @@ def image_folder_module(data_dir: Path, data_options: dict[str, Any], batch_size
 def shards_module(
     module: ImageFolderDataModule, data_options: dict[str, Any], out: Path, chunk_bytes: str
 ) -> StreamingDataModule:
-    """`module`'s splits written as LitData shards under `out`, read back by a StreamingDataModule with
-    the same transforms and batch size."""
+    """`module`'s splits written as LitData shards under `out`, read back by a StreamingDataModule with the same
+    transforms and batch size."""
     write_shards(module, out, chunk_bytes, None, workers=1, seed=0, source="python -m app.bench.data")
     keys = ("image_size", "crop_scale", "horizontal_flip", "resize_size", "mean", "std", "seed")
     options = {key: value for key, value in data_options.items() if key in keys}
@@ -88,8 +88,8 @@ def shards_module(
 
 
 def training_loader(module: ImageFolderDataModule | StreamingDataModule, workers: int) -> DataLoader:
-    """The training loader the module gives a one-rank Trainer: per-sample seeded, shuffled (for shards,
-    in the chunk-aware order)."""
+    """The training loader the module gives a one-rank Trainer: per-sample seeded, shuffled (for shards, in the
+    chunk-aware order)."""
     dataset = module.train_dataset
     sampler = ResumableDistributedSampler(dataset, 1, 0, True, module.seed, module.batch_size, keyed=True)
     return DataLoader(

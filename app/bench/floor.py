@@ -59,9 +59,9 @@ NOOP_CALLBACKS = 10
 
 
 def config_parts(config: dict[str, Any], batches: int) -> tuple[torch.nn.Module, torch.nn.Module, dict, list]:
-    """(network, loss, optimizer entry, training batches) from a ddp-app config whose model is one of
-    app.models (its `net` and `criterion`) and whose data is one of app.data (its `train_dataset` and
-    `batch_size`): the first `batches` batches of the training split, in order."""
+    """(network, loss, optimizer entry, training batches) from a ddp-app config whose model is one of app.models (its
+    `net` and `criterion`) and whose data is one of app.data (its `train_dataset` and `batch_size`): the first `batches`
+    batches of the training split, in order."""
     model = instantiate(config["model"])
     data = instantiate(config["data"])
     data.setup("fit")
@@ -156,9 +156,9 @@ def lightning_ms(
     return clock.epoch_ms
 
 
-# What a config chooses beside the model, priced by Lightning and PyTorch the same with or without
-# ddp-app: the `ddp-app` side runs with the bare side's choices, so that its difference is what
-# ddp-app itself adds; `ddp-app as configured` runs with the config's own.
+# What a config chooses beside the model, priced by Lightning and PyTorch the same with or without ddp-app: the
+# `ddp-app` side runs with the bare side's choices, so that its difference is what ddp-app itself adds; `ddp-app as
+# configured` runs with the config's own.
 SAME_CHOICES_AS_BARE = (
     "--trainer.strategy=auto",  # one device, no DDP wrapper (whose cost over one process is not ddp-app's)
     "--trainer.deterministic=false",
@@ -169,9 +169,8 @@ SAME_CHOICES_AS_BARE = (
 
 
 def ddp_app_ms(config: Path, batches: list, epochs: int, overrides: tuple[str, ...] = ()) -> list[float]:
-    """The Trainer and module `ddp-app fit --config config` builds, fitted on `batches` in this process
-    (validation and the sanity check off, as on the bare side; loggers, progress line and every
-    callback of ddp-app's on)."""
+    """The Trainer and module `ddp-app fit --config config` builds, fitted on `batches` in this process (validation and
+    the sanity check off, as on the bare side; loggers, progress line and every callback of ddp-app's on)."""
     clock = StepClock()
     with tempfile.TemporaryDirectory() as root, contextlib.redirect_stdout(io.StringIO()):
         cli = DDPAppCLI(

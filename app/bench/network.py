@@ -110,8 +110,7 @@ def build_schedule(
     repeats: int,
 ) -> list[dict[str, Any]]:
     """Every measurement in run order: per repeat and link, the 1-rank baseline and each (method, bucket); odd repeats
-    reversed; non-default buckets at `bucket_link` only.
-    """
+    reversed; non-default buckets at `bucket_link` only."""
     schedule = []
     for repeat in range(repeats):
         for link in links if repeat % 2 == 0 else links[::-1]:

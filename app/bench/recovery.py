@@ -50,8 +50,8 @@ RUN = ("--trainer.max_epochs=8", "--trainer.enable_progress_bar=false")
 CPU_ONLY_SBATCH = ("--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10")
 SLURM_FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
 GOAL_S = 30
-# Slurm paths: (script, environment, requeues expected). torchrun.sbatch's agents restart the ranks
-# inside the job (--max-restarts); multinode.sbatch requeues the job.
+# Slurm paths: (script, environment, requeues expected). torchrun.sbatch's agents restart the ranks inside the job
+# (--max-restarts); multinode.sbatch requeues the job.
 SLURM_PATHS = {
     "slurm": ("multinode.sbatch", {}, 1),
     "slurm-torchrun": ("torchrun.sbatch", {"NPROC_PER_NODE": "1"}, 0),
@@ -59,9 +59,9 @@ SLURM_PATHS = {
 
 
 class StepClock(L.Callback):
-    """Rank 0 appends `<unix time> <global step>` to `path` after every training step, and
-    `start <unix time> <global step> <steps per epoch>` when training starts (again); every rank
-    writes `<path>.rank<global rank>` = `<pid> <host>`, so that a benchmark can kill it."""
+    """Rank 0 appends `<unix time> <global step>` to `path` after every training step, and `start <unix time> <global
+    step> <steps per epoch>` when training starts (again); every rank writes `<path>.rank<global rank>` = `<pid>
+    <host>`, so that a benchmark can kill it."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)

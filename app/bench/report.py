@@ -48,8 +48,8 @@ Pairing = Callable[[RunResult, RunResult], float]
 def over_repeats(
     runs: list[RunResult], first: tuple[str, int], second: tuple[str, int], figure: Pairing
 ) -> dict[str, float]:
-    """figure(run of `first`, run of `second`) per repeat, each a (side, world size): the runs of a
-    repeat ran one right after the other, so slow phases of a noisy machine hit both."""
+    """figure(run of `first`, run of `second`) per repeat, each a (side, world size): the runs of a repeat ran one right
+    after the other, so slow phases of a noisy machine hit both."""
     values = []
     for repeat in sorted({run.repeat for run in runs}):
         one, other = find(runs, *first, repeat), find(runs, *second, repeat)

@@ -95,8 +95,8 @@ def run_env(accelerator: str, timings: Path, profile: str | None = None) -> dict
         env[PROFILE_VARIABLE] = profile
     env.setdefault("OMP_NUM_THREADS", "1")
     if accelerator == "cpu" and gpus_present():
-        # The reference picks CUDA whenever it sees a GPU. Only then: on a machine without GPUs the
-        # variable would also hide a cost users pay there (`app.cli.entry.allow_plain_cuda_availability_checks`).
+        # The reference picks CUDA whenever it sees a GPU. Only then: on a machine without GPUs the variable would also
+        # hide a cost users pay there (`app.cli.entry.allow_plain_cuda_availability_checks`).
         env["CUDA_VISIBLE_DEVICES"] = ""
     env[DIR_VARIABLE] = str(timings)
     return env
@@ -127,8 +127,7 @@ def epoch_step_times(
     "gpu_starts").
 
     A step runs from its start to the next's (batch fetch and hooks included); intervals across an epoch boundary and
-    the first `warmup_steps` are left out.
-    """
+    the first `warmup_steps` are left out."""
     epochs, starts = record["epochs"], record[clock]
     by_epoch: dict[int, list[float]] = {}
     for index in range(max(warmup_steps, 0), len(starts) - 1):

@@ -62,8 +62,7 @@ class SaveTimer(L.Callback):
 
     - `save_call`: each `trainer.save_checkpoint`; `staging_wait`: the next step's wait for an overlapped copy;
     - `writing`: the steps a background write ran beside (less any wait for the copy); `quiet`: the others;
-    - `save`, `after_save`: the whole save step and the step after it.
-    """
+    - `save`, `after_save`: the whole save step and the step after it."""
 
     def __init__(self) -> None:
         kinds = ("save_call", "staging_wait", "writing", "quiet", "save", "after_save")
@@ -197,9 +196,8 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One strategy's three fits side by side. A step during a write is set against the quiet steps
-    of the same fit: two fits of one command differ in their quiet step, which a ratio across fits
-    would count as the write's."""
+    """One strategy's three fits side by side. A step during a write is set against the quiet steps of the same fit: two
+    fits of one command differ in their quiet step, which a ratio across fits would count as the write's."""
     sync, background, overlapped = runs["sync"], runs["async"], runs["overlap"]
     blocked_sync = sync["blocked_ms_per_save"]
     blocked: dict[str, float | None] = {"sync": blocked_sync}
@@ -230,8 +228,8 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Two panels, one group of bars per (ranks, strategy): the training blocked per save (the issue's
-    15%-of-synchronous target marked on each group), and the step during a background write against
-    a quiet step (its 1.10x target)."""
+    15%-of-synchronous target marked on each group), and the step during a background write against a quiet step (its
+    1.10x target)."""
     import matplotlib
 
     matplotlib.use("Agg")

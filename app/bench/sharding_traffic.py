@@ -56,8 +56,8 @@ RANKS_PER_NODE = 2
 WORLD_SIZE = RANKS_PER_NODE * len(NAMESPACES)
 MASTER_PORT = 29500  # inside node 0's namespace, where nothing else listens
 DEFAULT_MODEL_ARGS = {"d_model": 128, "n_layers": 2}
-# The issue's targets at 2 nodes x 2 ranks (issue 45): hybrid's inter-node bytes at most half of full
-# sharding's; its per-rank state 1/(ranks per node) of DDP's.
+# The issue's targets at 2 nodes x 2 ranks (issue 45): hybrid's inter-node bytes at most half of full sharding's; its
+# per-rank state 1/(ranks per node) of DDP's.
 HYBRID_OVER_FULL_BYTES_TARGET = 0.5
 
 
@@ -175,8 +175,8 @@ def rank_main(plan: dict[str, Any], rank: int) -> None:
 
 
 def summarize(records: list[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """Per strategy: the median over repeats of the bytes crossing the link per step (both nodes'
-    interfaces), of the slowest rank's step, and the largest rank's state; ratios to full and to DDP."""
+    """Per strategy: the median over repeats of the bytes crossing the link per step (both nodes' interfaces), of the
+    slowest rank's step, and the largest rank's state; ratios to full and to DDP."""
     by_strategy: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for record in records:
         by_strategy.setdefault(record["strategy"], {}).setdefault(record["repeat"], []).append(record)

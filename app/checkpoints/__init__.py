@@ -9,5 +9,4 @@
 - `plugin.py`: `SafeCheckpointIO` and the one `BackgroundWriter` (`BackgroundCheckpointIO`); `save_mode.py`: `SaveMode`,
   `SavePlan`, the one choice of the Trainer's checkpoint I/O.
 
-Exporting (`python -m app.export`) is a tool beside this package.
-"""
+Exporting (`python -m app.export`) is a tool beside this package."""

@@ -5,8 +5,7 @@
 - Every load uses `torch.load(..., weights_only=True)`, http(s) URLs included (Lightning defaults to False there).
 - Every load first checks torch.save's per-record CRC32s (`refuse_bad_checksums`), which torch.load never reads.
 
-No Lightning here; `SafeCheckpointIO` is in `app.cli`, exporting in `app.export`.
-"""
+No Lightning here; `SafeCheckpointIO` is in `app.cli`, exporting in `app.export`."""
 
 from __future__ import annotations
 
@@ -50,8 +49,8 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
         Path(temporary).unlink(missing_ok=True)
         refused = disk_error_in(error, path.parent)
         if refused is not None and not (isinstance(error, OSError) and error.filename):
-            # torch.save's zip writer reports a full disk as "unexpected pos" while closing, with the
-            # OSError only in the context (or nowhere): raise the cause the user can act on, with the path.
+            # torch.save's zip writer reports a full disk as "unexpected pos" while closing, with the OSError only in
+            # the context (or nowhere): raise the cause the user can act on, with the path.
             raise OSError(refused.errno, refused.strerror, str(path)) from error
         raise
     directory = os.open(path.parent, os.O_RDONLY)
@@ -61,8 +60,8 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
         os.close(directory)
 
 
-# What torch's zip writer (caffe2 inline_container.cc) raises when a write of the file under it failed
-# or came back short: its own RuntimeError, the OSError (if any) only in the exception's context.
+# What torch's zip writer (caffe2 inline_container.cc) raises when a write of the file under it failed or came back
+# short: its own RuntimeError, the OSError (if any) only in the exception's context.
 ZIP_WRITER_FAILURES = ("unexpected pos", "PytorchStreamWriter failed writing")
 LOW_SPACE_BYTES = 1 << 20  # a filesystem with less free than this after a failed write is called full
 
@@ -71,8 +70,7 @@ def disk_error_in(error: BaseException, directory: str | Path) -> OSError | None
     """The disk's refusal behind a failed write into `directory`, or None (a bug keeps its traceback).
 
     The first OSError in `error`'s cause/context chain; for torch's zip writer's bare "unexpected pos" (a short write,
-    or a chain DCP's pickling lost), ENOSPC where the filesystem is (nearly) full, else EIO.
-    """
+    or a chain DCP's pickling lost), ENOSPC where the filesystem is (nearly) full, else EIO."""
     seen: set[int] = set()
     current: BaseException | None = error
     zip_writer = False
@@ -131,8 +129,7 @@ def refuse_url(path: Any, key: str, to_read: bool = False) -> None:
     """One line if `path` (the value of `key`) is a URL ddp-app cannot use.
 
     Saves need an atomic rename and `last` a directory listing: object stores (s3://, gs://) have neither. A checkpoint
-    to read may be an http(s) URL.
-    """
+    to read may be an http(s) URL."""
     text = str(path)
     if "://" not in text or (to_read and text.startswith(DOWNLOADABLE)):
         return
@@ -154,8 +151,7 @@ def safe_load(path: str | Path, map_location: Any = "cpu", name: str | None = No
     """`torch.load` with `weights_only=True` for files and http(s) URLs, and one-line errors.
 
     A file torch.save did not write is refused from its first bytes (torch's unpickler would fail with a KeyError or
-    advise weights_only=False). `name`: how the line names the checkpoint; default, its path.
-    """
+    advise weights_only=False). `name`: how the line names the checkpoint; default, its path."""
     source: str | Path | io.BytesIO = path
     if str(path).startswith(("http://", "https://")):
         try:
@@ -179,8 +175,8 @@ def safe_load(path: str | Path, map_location: Any = "cpu", name: str | None = No
         raise as_checkpoint_error(path, error) from error
 
 
-# torch.save writes a zip archive (since torch 1.6) or, with `_use_new_zipfile_serialization=False`, a
-# pickle stream that starts with this magic number (torch/serialization.py MAGIC_NUMBER, a LONG1 opcode).
+# torch.save writes a zip archive (since torch 1.6) or, with `_use_new_zipfile_serialization=False`, a pickle stream
+# that starts with this magic number (torch/serialization.py MAGIC_NUMBER, a LONG1 opcode).
 ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_PROTOCOL_OPCODE = b"\x80"
 TORCH_LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
@@ -197,8 +193,8 @@ def not_a_checkpoint(name: str, what: str, fix: str | None = None) -> Checkpoint
 
 
 def describe_other_format(file: BinaryIO, suffix: str = "") -> str | None:
-    """What a file is when torch.save did not write it ("a text file", ...), from its first bytes;
-    None when it has torch.save's format (a truncated or corrupt one is torch.load's to report)."""
+    """What a file is when torch.save did not write it ("a text file", ...), from its first bytes; None when it has
+    torch.save's format (a truncated or corrupt one is torch.load's to report)."""
     start = file.read(SNIFFED_BYTES)
     if not start:
         return "an empty file"
@@ -229,8 +225,8 @@ def describe_other_format(file: BinaryIO, suffix: str = "") -> str | None:
 
 
 def _zip_names(file: BinaryIO, start: bytes) -> list[str]:
-    """The names in a zip archive; for one whose end is cut off (a truncated save), its first name,
-    from the first local file header (its name length at offset 26, the name at 30)."""
+    """The names in a zip archive; for one whose end is cut off (a truncated save), its first name, from the first local
+    file header (its name length at offset 26, the name at 30)."""
     try:
         file.seek(0)
         return zipfile.ZipFile(file).namelist()
@@ -249,8 +245,8 @@ def refuse_other_formats(file: BinaryIO, path: str | Path, name: str | None) -> 
         raise not_torch_save(path, name, what)
 
 
-# Files whose checksums matched in this process, by `_file_identity`: a file rewritten in place or
-# replaced (a new save is renamed over the old one: another inode) is checked again.
+# Files whose checksums matched in this process, by `_file_identity`: a file rewritten in place or replaced (a new save
+# is renamed over the old one: another inode) is checked again.
 _CHECKSUMS_MATCHED: set[tuple[int, int, int, int]] = set()
 
 
@@ -267,8 +263,7 @@ def refuse_bad_checksums(file: BinaryIO, path: str | Path) -> None:
     """Raise the one-line CheckpointError where a torch.save zip's data does not match its CRC32s; rewinds `file`.
 
     `torch.load` never checks them, so a flipped byte would load as a wrong weight. Files saved without checksums (all
-    CRCs 0) and the legacy non-zip format have none to check.
-    """
+    CRCs 0) and the legacy non-zip format have none to check."""
     start = file.read(len(ZIP_MAGIC))
     file.seek(0)
     if start != ZIP_MAGIC:
@@ -355,9 +350,9 @@ def check_compatible(net: nn.Module, state: dict[str, torch.Tensor], source: str
     check_shapes(shapes(net.state_dict()), shapes(state), source)
 
 
-# Where LightningCLI keeps the model's (or DataModule's) class path in a checkpoint's hyperparameters, and
-# its own instantiator: private names of lightning.pytorch.cli, read here, in sharded.py and in export.py
-# (docs/private_apis.md; guarded in tests/test_private_apis.py).
+# Where LightningCLI keeps the model's (or DataModule's) class path in a checkpoint's hyperparameters, and its own
+# instantiator: private names of lightning.pytorch.cli, read here, in sharded.py and in export.py (docs/private_apis.md;
+# guarded in tests/test_private_apis.py).
 CLI_CLASS_PATH_KEY = "_class_path"
 CLI_INSTANTIATOR_KEY = "_instantiator"
 
@@ -375,8 +370,7 @@ class CheckpointSummary:
 
 def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     """Load a Lightning checkpoint (weights_only), keeping its model class, hyperparameters and shapes; refuse a file
-    that is not one (Lightning would fail deep in every rank).
-    """
+    that is not one (Lightning would fail deep in every rank)."""
     checkpoint = safe_load(path, name=f"--ckpt_path {path}")
     if not isinstance(checkpoint, dict):
         raise CheckpointError(
@@ -463,8 +457,8 @@ def load_net_weights(net: nn.Module, state: dict[str, torch.Tensor], source: str
 
 
 def exportable_state_dict(checkpoint: dict[str, Any], source: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """What `python -m app.export` writes: the bare network (`net.*` keys without the prefix) when the
-    LightningModule has a `net`, else the module's own weights, exactly as in the checkpoint."""
+    """What `python -m app.export` writes: the bare network (`net.*` keys without the prefix) when the LightningModule
+    has a `net`, else the module's own weights, exactly as in the checkpoint."""
     state = net_state_dict(checkpoint) or checkpoint["state_dict"]
     if not state:
         raise CheckpointError(

@@ -3,8 +3,7 @@
 Lightning 2.6's `save_last=True` rewrites last.ckpt only when it saved a top-k checkpoint, so with a metric that stops
 improving it goes stale. ddp-app writes it itself, beside the config's ModelCheckpoints, at every epoch end, every
 `every_n_seconds` (and `every_n_steps`) and at a stop signal, always at optimizer-step boundaries and on all ranks at
-the same step (decided by `app.run.coordinator.RunCoordinator`).
-"""
+the same step (decided by `app.run.coordinator.RunCoordinator`)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ LAST_NAME = "last.ckpt"
 
 
 def checkpoint_directory(trainer: L.Trainer) -> Path:
-    """Where last.ckpt lives: the directory of the first ModelCheckpoint that keeps a last
-    checkpoint, else of the first ModelCheckpoint, else `<default_root_dir>/checkpoints`."""
+    """Where last.ckpt lives: the directory of the first ModelCheckpoint that keeps a last checkpoint, else of the first
+    ModelCheckpoint, else `<default_root_dir>/checkpoints`."""
     model_checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
     keeping_last = [cb for cb in model_checkpoints if cb.save_last]
     for callback in keeping_last or model_checkpoints:
@@ -32,8 +31,7 @@ def checkpoint_directory(trainer: L.Trainer) -> Path:
 
 def find_last_checkpoint(trainer: L.Trainer) -> str | None:
     """What `--ckpt_path last` means: the newest `last*.ckpt` (a file or a complete sharded checkpoint) of any
-    checkpoint directory, or None (a first run).
-    """
+    checkpoint directory, or None (a first run)."""
     directories = {checkpoint_directory(trainer)}
     directories |= {Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
     candidates = [path for directory in directories for path in directory.glob("last*.ckpt") if is_checkpoint(path)]
@@ -44,8 +42,7 @@ def agreed_last_checkpoint(trainer: L.Trainer) -> str | None:
     """`--ckpt_path last` for every rank: what global rank 0 finds, broadcast.
 
     Ranks looking for themselves could disagree on a network filesystem and train apart. The process group starts here,
-    before `fit`: Lightning's `setup_environment` keeps one that exists (docs/private_apis.md).
-    """
+    before `fit`: Lightning's `setup_environment` keeps one that exists (docs/private_apis.md)."""
     if trainer.world_size == 1:
         return find_last_checkpoint(trainer)
     trainer.strategy.setup_environment()
@@ -70,8 +67,7 @@ class LastCheckpoint:
                 while the next step's forward and backward run; that step's update waits for the copy
                 (docs/performance.md, "Checkpoint saves"). Off by default: only for a module whose
                 weights change in optimizer steps alone; an in-place change in between fails that save
-                in one line, one through `.data` goes unnoticed (docs/resume.md, "Background saves").
-    """
+                in one line, one through `.data` goes unnoticed (docs/resume.md, "Background saves")."""
 
     def __init__(
         self,
@@ -99,8 +95,8 @@ class LastCheckpoint:
         self.overlap_copy = overlap_copy
         self.dirpath: str | None = None
         self.last_model_path = ""
-        # True while last.ckpt is written: the save `--ckpt_path last` resumes from, unlike a
-        # ModelCheckpoint's step-N or best-k file (app/tracking/run.py settles values on it only).
+        # True while last.ckpt is written: the save `--ckpt_path last` resumes from, unlike a ModelCheckpoint's step-N
+        # or best-k file (app/tracking/run.py settles values on it only).
         self.saving = False
         self.saved_step = -1
         self.last_save = time.monotonic()

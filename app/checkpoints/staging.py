@@ -5,8 +5,7 @@ and torchtitan do, one host copy stays allocated between saves (rank 0 under DDP
 GPU pinned, copies non-blocking.
 
 A tensor reuses the buffer of the same tensor at the previous save (same memory, offset, shape, strides, dtype). Safe
-because at most one write is in flight (`BackgroundWriter.begin_save`); unused buffers are released at the next save.
-"""
+because at most one write is in flight (`BackgroundWriter.begin_save`); unused buffers are released at the next save."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ Key = tuple[int, int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    """Which memory a tensor lives in (0: none): a state dict's entries are views of the parameters;
-    a DTensor's (FSDP2), its local shard's."""
+    """Which memory a tensor lives in (0: none): a state dict's entries are views of the parameters; a DTensor's
+    (FSDP2), its local shard's."""
     if isinstance(tensor, DTensor):
         tensor = tensor.to_local()
     return tensor.untyped_storage().data_ptr()
@@ -41,8 +40,8 @@ class HostStaging:
         self._previous, self._current = self._current, {}
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` copied to host memory, into the buffer it had at the last save where it fits.
-        The copy is complete only after `finish`."""
+        """`tensor` copied to host memory, into the buffer it had at the last save where it fits. The copy is complete
+        only after `finish`."""
         if isinstance(tensor, DTensor):
             return self._copy_dtensor(tensor)
         tensor = tensor.detach()
@@ -67,8 +66,7 @@ class HostStaging:
         """A DTensor whose local shard is copied into host memory, with the same mesh, placements and global shape.
 
         Rebuilt through the flatten protocol (no data copy, no DTensor op): DCP's stager's two DTensor ops per tensor
-        cost more than the copy. `DTensor.from_local` would move the shard back to the device.
-        """
+        cost more than the copy. `DTensor.from_local` would move the shard back to the device."""
         flatten = require(tensor, "__tensor_flatten__", "torch", DTENSOR_REBUILD)
         names, context = flatten()
         inner = {}

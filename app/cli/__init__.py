@@ -2,8 +2,7 @@
 LightningCLI, `resume_check.py` and `diagnose.py` the subcommands. How a run is built: app/run/build.py.
 
 The parser's public names are importable from here, so `class_path: app.cli.SafeCheckpointIO` (saved configs) keeps
-working.
-"""
+working."""
 
 from app.checkpoints.plugin import SafeCheckpointIO
 from app.cli.parser import DDPAppCLI, ParsedRun, parse_config

@@ -4,8 +4,7 @@
 
 A rank started by torchrun or srun runs as it is; otherwise a parse-only `DDPAppCLI` reports bad input once, before any
 rank exists, then app/cluster/launch.py forks and supervises the ranks (restarting from last.ckpt up to `restarts`
-times).
-"""
+times)."""
 
 from __future__ import annotations
 
@@ -41,10 +40,10 @@ from app.run.console import STARTED_VARIABLE, quiet_console
 from app.run.directory import LOCK_VARIABLE, acquire
 from app.run.plan import hand_to_forked_ranks
 
-# `ddp-app --help`'s description: every subcommand, one line each. `resume-check` is not a LightningCLI
-# subcommand (app/__main__.py runs it before the CLI exists), so the parser's own list below it,
-# fit to predict with Lightning's docstrings, cannot name it (issue 42: a newcomer found it only in
-# docs/resume.md). tests/test_subcommands.py checks that this names every subcommand there is.
+# `ddp-app --help`'s description: every subcommand, one line each. `resume-check` is not a LightningCLI subcommand
+# (app/__main__.py runs it before the CLI exists), so the parser's own list below it, fit to predict with Lightning's
+# docstrings, cannot name it (issue 42: a newcomer found it only in docs/resume.md). tests/test_subcommands.py checks
+# that this names every subcommand there is.
 SUBCOMMANDS_HELP = """\
 ddp-app trains and evaluates a LightningModule with DDP, from a YAML config (README.md, docs/usage.md).
 
@@ -70,8 +69,7 @@ def run(args: list[str]) -> int:
     """Run the CLI in this process (a rank, or a run without DDP); returns the exit code.
 
     Preemption signals are recorded from the start (during setup they stop every rank together at train start) and stay
-    handled until exit: a signal after training is ignored, as the work is saved.
-    """
+    handled until exit: a signal after training is ignored, as the work is saved."""
     keep_hang_records(os.environ)
     STOP_SIGNAL_FLAG.install(PREEMPTION_SIGNALS)
     allow_plain_cuda_availability_checks(os.environ)
@@ -104,14 +102,13 @@ def allow_plain_cuda_availability_checks(env: MutableMapping[str, str]) -> None:
 
     Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1 (for the launcher's forks). Where CUDA never initialises, every check
     then reloads NVML through ctypes and fails, and `Optimizer.step` checks at every step. A rank forks nothing that
-    uses CUDA.
-    """
+    uses CUDA."""
     env.pop(NVML_BASED_CUDA_CHECK, None)
 
 
 def report_user_error(error: Exception) -> int | None:
-    """Print the one line for an error the user can act on and return the exit code; None for a bug
-    (the caller re-raises it, traceback and all)."""
+    """Print the one line for an error the user can act on and return the exit code; None for a bug (the caller
+    re-raises it, traceback and all)."""
     message = user_message(error)
     if message is None:
         return None
@@ -135,8 +132,7 @@ def main(args: list[str] | None = None) -> None:
 
 def check_before_launch(args: list[str]) -> ParsedRun:
     """The launcher's parse-only pass: the config parsed, planned and checked once, before any rank exists. Bad input:
-    one line on stderr and SystemExit (tests/fault/test_bad_input.py calls this in-process).
-    """
+    one line on stderr and SystemExit (tests/fault/test_bad_input.py calls this in-process)."""
     try:
         parsed = DDPAppCLI(args=args, parse_only=True, parser_kwargs=PARSER_KWARGS).parsed
     except KeyboardInterrupt:

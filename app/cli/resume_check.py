@@ -8,8 +8,7 @@ Runs the config shortened (`--epochs`, `--limit-batches`), once uninterrupted an
 
 Exit code 0 only if every moment is EXACT; otherwise one line names the likely cause, from run-independent checks (a
 dataset with its own generator, a sampler of its own, an IterableDataset that restarts). Stops are made inside the rank
-by `StopAt`. The same runner drives tests/fault/test_resume_matrix.py.
-"""
+by `StopAt`. The same runner drives tests/fault/test_resume_matrix.py."""
 
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ class StopAt(L.Callback):
             does), `ctrl-c` (SIGINT to the launcher, as a terminal does) or `none`.
         moment: one of MOMENTS.
         epoch: the epoch in which to stop (0-based).
-        batch: for `mid-epoch`, the batch index within the epoch after which to stop.
-    """
+        batch: for `mid-epoch`, the batch index within the epoch after which to stop."""
 
     HOLD_WRITE_S = 60.0  # the longest a `background-write` stop holds a write in flight
 
@@ -124,20 +122,20 @@ class StopAt(L.Callback):
                 writer.before_write = lambda: self._hold_write(trainer)
 
     def _hold_write(self, trainer: L.Trainer) -> None:
-        # On the writer thread: from `epoch` on, a write waits here until `_act_if_writing` stops
-        # the run, so the stop lands while it is in flight however fast the disk is. Bounded: where no
-        # batch starts after the save, the write goes on and the run ends without its stop (reported).
+        # On the writer thread: from `epoch` on, a write waits here until `_act_if_writing` stops the run, so the stop
+        # lands while it is in flight however fast the disk is. Bounded: where no batch starts after the save, the write
+        # goes on and the run ends without its stop (reported).
         if trainer.current_epoch >= self.epoch and not self._done:
             self._stopped.wait(timeout=self.HOLD_WRITE_S)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        # From `epoch` on, the first batch that starts while this rank's background write is in flight
-        # (right after a save, as a rank's training goes on while its copy is written).
+        # From `epoch` on, the first batch that starts while this rank's background write is in flight (right after a
+        # save, as a rank's training goes on while its copy is written).
         self._act_if_writing(trainer)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
-        # With `last_checkpoint.overlap_copy` the step after a save waits here for the save's copy,
-        # which the held write has not made: stop here, or the hold would run out first.
+        # With `last_checkpoint.overlap_copy` the step after a save waits here for the save's copy, which the held write
+        # has not made: stop here, or the hold would run out first.
         self._act_if_writing(trainer)
 
     def _act_if_writing(self, trainer: L.Trainer) -> None:
@@ -153,8 +151,8 @@ class StopAt(L.Callback):
             self._act(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        # `last-batch` of a stream without a length: the first hook that knows the batches are over
-        # (after validation, before the coordinator's epoch-end save, which runs after every callback).
+        # `last-batch` of a stream without a length: the first hook that knows the batches are over (after validation,
+        # before the coordinator's epoch-end save, which runs after every callback).
         unsized = trainer.num_training_batches == float("inf")
         if self.moment == "last-batch" and unsized and trainer.current_epoch == self.epoch:
             self._act(trainer)
@@ -178,8 +176,8 @@ class Case:
     continues: str = "same"
     variant: str = "default"
     epoch: int = 1
-    # 2: the resumed run is stopped the same way one epoch later and resumed again (a second resume
-    # in a row must continue the first one's position, not its starting point). StopAt stops only.
+    # 2: the resumed run is stopped the same way one epoch later and resumed again (a second resume in a row must
+    # continue the first one's position, not its starting point). StopAt stops only.
     stops: int = 1
 
     @property
@@ -258,8 +256,8 @@ def joined_metrics(root: Path) -> dict[int, dict[str, float]]:
 def compare_metrics(
     expected: dict[int, dict[str, float]], actual: dict[int, dict[str, float]], extra_steps: set[int]
 ) -> str:
-    """'' if every logged value of `expected` is in `actual` at the same step and `actual` has no other
-    step (except `extra_steps`: where a budget stop ended an epoch early and Lightning logged it)."""
+    """'' if every logged value of `expected` is in `actual` at the same step and `actual` has no other step (except
+    `extra_steps`: where a budget stop ended an epoch early and Lightning logged it)."""
     for step, values in expected.items():
         found = actual.get(step, {})
         for name, value in values.items():
@@ -295,9 +293,8 @@ def compare(expected_root: Path, actual_root: Path, case: Case, extra_steps: set
 
 
 def repeated_values(root: Path) -> str:
-    """'' if no metrics.csv of the run holds a value twice at one step (what a user plotting it,
-    or a tracker fed from it, would see as two points); `epoch` repeats by design (Lightning adds
-    it to every call)."""
+    """'' if no metrics.csv of the run holds a value twice at one step (what a user plotting it, or a tracker fed from
+    it, would see as two points); `epoch` repeats by design (Lightning adds it to every call)."""
     for path in metrics_files(root):
         seen: set[tuple[str, str]] = set()
         with path.open(newline="") as file:
@@ -320,12 +317,12 @@ class Runner:
     timeout: float = 300.0
     variants: dict[str, list[str]] = field(default_factory=lambda: {"default": []})
     progress_bar: bool = False  # the runs' progress display (a line per epoch in a log)
-    # Arguments of the stopped and resumed runs only, not of the uninterrupted one: what only they are
-    # checked for (the tests' matrix logs them to W&B, a slow logger, to compare it with metrics.csv).
+    # Arguments of the stopped and resumed runs only, not of the uninterrupted one: what only they are checked for (the
+    # tests' matrix logs them to W&B, a slow logger, to compare it with metrics.csv).
     case_args: list[str] = field(default_factory=list)
-    # Variants that train exactly as another does (they change how checkpoints are written, not what is
-    # trained: `last_checkpoint.overlap_copy`): their stopped runs are compared with that one's
-    # uninterrupted run, which runs once for both.
+    # Variants that train exactly as another does (they change how checkpoints are written, not what is trained:
+    # `last_checkpoint.overlap_copy`): their stopped runs are compared with that one's uninterrupted run, which runs
+    # once for both.
     trains_as: dict[str, str] = field(default_factory=dict)
     # How each fit runs: `ddp-app ARGS >> log`, its exit code (the tests fork theirs from a warm process).
     run_command: Callable[[list[str], Path, float], int] = run_ddp_app

@@ -2,8 +2,7 @@
 
 At one rank it changes nothing but still costs a flatten, a collective and a copy-back per forward (docs/performance.md,
 the profile). Both trainers use this rule; on more ranks the user's setting stands. The switch is `forward_sync_buffers`
-from torch 2.14 (`broadcast_buffers` before). No Lightning here: the reference trainer imports it.
-"""
+from torch 2.14 (`broadcast_buffers` before). No Lightning here: the reference trainer imports it."""
 
 from __future__ import annotations
 

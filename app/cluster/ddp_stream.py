@@ -5,8 +5,7 @@ every gradient crosses streams at every backward (torch 2.11 warns). Fixed upstr
 `build_ddp_on_the_current_stream` builds the wrapper as Lightning does, minus the side stream (and, at one rank, the
 buffer broadcast: app/cluster/ddp_buffers.py).
 
-Private (docs/private_apis.md); tests/test_private_apis.py says when Lightning no longer needs it.
-"""
+Private (docs/private_apis.md); tests/test_private_apis.py says when Lightning no longer needs it."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ LIGHTNING_DDP_KWARGS = "_ddp_kwargs"
 
 def build_ddp_on_the_current_stream(strategy: object, kind: StrategyKind) -> None:
     """Make a DDPStrategy (as Lightning ships it) wrap its model on the current stream; `kind`: the plan's strategy
-    kind. Other strategies, and subclasses with their own `_setup_model`, are left alone.
-    """
+    kind. Other strategies, and subclasses with their own `_setup_model`, are left alone."""
     if kind is not StrategyKind.DDP:
         return
     needed_for = "building DistributedDataParallel on the training stream (app/cluster/ddp_stream.py)"

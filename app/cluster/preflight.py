@@ -6,8 +6,7 @@
     plain     anything else: Lightning starts ranks 1..devices-1 itself by running the command again
 
 Lightning decides "srun was used" from SLURM_NTASKS, which a batch script or salloc shell also has (the run then waits
-until the time limit). Only srun sets SLURM_STEP_ID.
-"""
+until the time limit). Only srun sets SLURM_STEP_ID."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ from typing import Any
 from app.cluster.slurm_env import master_address_and_port
 from app.errors import InvalidConfigError
 
-# Job names for which Lightning ignores Slurm and starts the ranks itself (its "interactive mode");
-# salloc names its jobs "interactive" and `srun --pty bash` names them "bash".
+# Job names for which Lightning ignores Slurm and starts the ranks itself (its "interactive mode"); salloc names its
+# jobs "interactive" and `srun --pty bash` names them "bash".
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 
 TORCHRUN_VARIABLES = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -45,8 +44,8 @@ class Launch:
 
 
 def visible_gpus() -> int:
-    """CUDA devices this process sees, counted through NVML where it can be, without initialising
-    CUDA: `ddp-app` forks its ranks after this check, and CUDA does not survive a fork."""
+    """CUDA devices this process sees, counted through NVML where it can be, without initialising CUDA: `ddp-app` forks
+    its ranks after this check, and CUDA does not survive a fork."""
     import torch
 
     return torch.cuda.device_count()
@@ -75,8 +74,7 @@ def resolve_devices(devices: Any, accelerator: Any = "auto") -> int | None:
     here.
 
     On GPUs: a count, a list or "0,1", and "auto" or -1 for every visible GPU. On CPU a list means that many processes,
-    "auto" one, -1 one per core.
-    """
+    "auto" one, -1 one per core."""
     if isinstance(devices, (list, tuple)):
         return len(devices)
     text = str(devices).strip()
@@ -111,16 +109,16 @@ def is_torchrun(env: Mapping[str, str]) -> bool:
 
 
 def already_launched(env: Mapping[str, str]) -> bool:
-    """This process is one rank of a job that torchrun, srun (a batch job step) or a launcher
-    started: it runs as it is. Not so in an interactive `srun --pty bash` or salloc shell, where
-    Lightning ignores Slurm and ddp-app starts the ranks."""
+    """This process is one rank of a job that torchrun, srun (a batch job step) or a launcher started: it runs as it is.
+    Not so in an interactive `srun --pty bash` or salloc shell, where Lightning ignores Slurm and ddp-app starts the
+    ranks."""
     in_slurm_step = "SLURM_STEP_ID" in env and env.get("SLURM_JOB_NAME") not in INTERACTIVE_JOB_NAMES
     return "LOCAL_RANK" in env or is_torchrun(env) or in_slurm_step
 
 
 def lightning_uses_slurm(env: Mapping[str, str]) -> bool:
-    """Lightning will pick its SLURMEnvironment (and read MASTER_PORT): SLURM_NTASKS set, no torchrun,
-    not a job name of its interactive mode. Mirrors lightning.fabric's `_is_srun_used`."""
+    """Lightning will pick its SLURMEnvironment (and read MASTER_PORT): SLURM_NTASKS set, no torchrun, not a job name of
+    its interactive mode. Mirrors lightning.fabric's `_is_srun_used`."""
     return not is_torchrun(env) and "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in INTERACTIVE_JOB_NAMES
 
 
@@ -145,10 +143,9 @@ def _torchrun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> La
             f"torchrun started {per_node} processes per node (--nproc-per-node={per_node}) but trainer.devices="
             f"{devices}. HINT: torchrun --nproc-per-node={devices} ..., or --trainer.devices {per_node}."
         )
-    # The nodes of this round are torchrun's to decide: with --nnodes=MIN:MAX (elastic) a restart round
-    # may have more or fewer than trainer.num_nodes says. Nothing can hang on it (every rank reads
-    # WORLD_SIZE from torchrun), so the Trainer follows torchrun (app.cli says so in one line) and the
-    # run continues elastically (docs/resume.md).
+    # The nodes of this round are torchrun's to decide: with --nnodes=MIN:MAX (elastic) a restart round may have more or
+    # fewer than trainer.num_nodes says. Nothing can hang on it (every rank reads WORLD_SIZE from torchrun), so the
+    # Trainer follows torchrun (app.cli says so in one line) and the run continues elastically (docs/resume.md).
     nodes = world_size // max(per_node, 1)
     return Launch(
         "torchrun",
@@ -183,9 +180,9 @@ def _srun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch
         )
     nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1")
     if nodes != num_nodes and int(env.get("SLURM_RESTART_COUNT") or 0) > 0:
-        # A requeued job that the scheduler started on another number of nodes: the config was
-        # accepted on the first start, so the allocation decides now and the run continues elastically
-        # (app.cli says so in one line; docs/resume.md). A first start still has to match.
+        # A requeued job that the scheduler started on another number of nodes: the config was accepted on the first
+        # start, so the allocation decides now and the run continues elastically (app.cli says so in one line;
+        # docs/resume.md). A first start still has to match.
         num_nodes = nodes
     if nodes != num_nodes:
         raise PreflightError(
@@ -263,8 +260,7 @@ def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) 
     torchrun's agent keeps its TCPStore across restarts and gloo files its keys under "default_pg", so restarted ranks
     would read the dead round's addresses. Global rank 0 publishes a free port under a fresh random tag in the agent's
     store, and every rank waits for a tag it has not met under yet (TORCHELASTIC_RESTART_COUNT differs between nodes, so
-    it cannot name the round). MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE change for this process only.
-    """
+    it cannot name the round). MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE change for this process only."""
     if not is_torchrun(env) or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
     import datetime
@@ -307,8 +303,7 @@ def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) 
 
 def export_master_address(env: MutableMapping[str, str]) -> None:
     """Give Lightning's SLURMEnvironment our per-job MASTER_ADDR and MASTER_PORT (`job_master_port`) before it reads
-    them; a MASTER_PORT already set wins.
-    """
+    them; a MASTER_PORT already set wins."""
     if lightning_uses_slurm(env) and (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")):
         address, port = master_address_and_port(dict(env))
         env["MASTER_ADDR"], env["MASTER_PORT"] = address, str(port)
@@ -317,8 +312,8 @@ def export_master_address(env: MutableMapping[str, str]) -> None:
 def describe_launch(
     launch: Launch, cluster_environment: object, env: Mapping[str, str] | None = None, mesh: str | None = None
 ) -> str:
-    """One line for the log: who started the ranks, which environment Lightning chose, and where they meet
-    (and, under strategy fsdp, `mesh`: how the ranks shard the model, "2 replicas x 2 shards")."""
+    """One line for the log: who started the ranks, which environment Lightning chose, and where they meet (and, under
+    strategy fsdp, `mesh`: how the ranks shard the model, "2 replicas x 2 shards")."""
     env = os.environ if env is None else env
     meeting = f", rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_PORT" in env else ""
     how = "as a plain command" if launch.launcher == "plain" else f"by {launch.launcher}"
@@ -331,8 +326,7 @@ def describe_launch(
 
 def preflight(trainer_config: Mapping[str, Any], env: MutableMapping[str, str] | None = None) -> Launch | None:
     """Check the launch against the Trainer's devices/num_nodes and export the rendezvous address; None (nothing
-    checked) when `devices` cannot be resolved before the Trainer exists.
-    """
+    checked) when `devices` cannot be resolved before the Trainer exists."""
     env = os.environ if env is None else env
     devices = resolve_devices(trainer_config.get("devices", "auto"), trainer_config.get("accelerator", "auto"))
     num_nodes = int(trainer_config.get("num_nodes") or 1)

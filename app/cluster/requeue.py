@@ -6,8 +6,7 @@
   `DDP_APP_MAX_REQUEUES` times (default 3, counted by `SLURM_RESTART_COUNT`, preemptions included), and resumes with
   `--ckpt_path last`.
 - A deterministic failure (exit 2) is never requeued: the failing rank turns the job's requeue flag off (`scontrol
-  update JobId=N Requeue=0`), since srun's exit code cannot tell it apart (Slurm 22.05).
-"""
+  update JobId=N Requeue=0`), since srun's exit code cannot tell it apart (Slurm 22.05)."""
 
 from __future__ import annotations
 
@@ -27,8 +26,8 @@ SCONTROL_TIMEOUT_S = 60
 
 
 def slurm_batch_job_id(env: Mapping[str, str]) -> str | None:
-    """The id `scontrol requeue` takes for this batch job (array task included); None outside a
-    Slurm job or in an interactive allocation, which has nothing to requeue."""
+    """The id `scontrol requeue` takes for this batch job (array task included); None outside a Slurm job or in an
+    interactive allocation, which has nothing to requeue."""
     job_id = env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
     if not job_id or env.get("SLURM_JOB_NAME") in INTERACTIVE_JOB_NAMES:
         return None
@@ -60,16 +59,16 @@ def requeue_slurm_job(env: Mapping[str, str] | None = None) -> str:
 def forbid_requeue(env: Mapping[str, str] | None = None) -> None:
     """Bad input: running the job again would fail the same way, so no one may requeue it.
 
-    Called by every rank that exits 2; errors are ignored (a missing scontrol leaves the batch
-    script's budget as the only bound)."""
+    Called by every rank that exits 2; errors are ignored (a missing scontrol leaves the batch script's budget as the
+    only bound)."""
     job_id = slurm_batch_job_id(os.environ if env is None else env)
     if job_id is not None:
         _scontrol("update", f"JobId={job_id}", "Requeue=0")
 
 
 def describe_step_exit(code: int) -> str:
-    """'exit code 143 (128 + SIGTERM)' for srun's exit code. srun ends the other tasks with SIGTERM
-    when one fails, so its code rarely names the first failure: its `srun: error:` lines do."""
+    """'exit code 143 (128 + SIGTERM)' for srun's exit code. srun ends the other tasks with SIGTERM when one fails, so
+    its code rarely names the first failure: its `srun: error:` lines do."""
     if code > 128:
         try:
             return f"exit code {code} (128 + {signal.Signals(code - 128).name})"
@@ -110,8 +109,8 @@ def max_requeues(env: Mapping[str, str]) -> int:
 
 
 def requeue_after_failed_step(exit_code: int, env: Mapping[str, str] | None = None) -> str:
-    """In a batch script, after its srun step ended with `exit_code`: requeue the job if the failure
-    is worth running again and the budget allows; returns the one line for the job's log."""
+    """In a batch script, after its srun step ended with `exit_code`: requeue the job if the failure is worth running
+    again and the budget allows; returns the one line for the job's log."""
     env = os.environ if env is None else env
     if exit_code == 0:
         return ""

@@ -22,8 +22,7 @@ __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 
 class ResumableDataLoader(DataLoader):
     """A DataLoader that tells Lightning it can resume mid-epoch (`state_dict` / `load_state_dict`); the position lives
-    in the run's `TrainingPositioner` (app/data/positioning.py), not here.
-    """
+    in the run's `TrainingPositioner` (app/data/positioning.py), not here."""
 
     def state_dict(self) -> dict[str, int]:
         return {}
@@ -42,8 +41,7 @@ class ShardedDataModule(L.LightningDataModule):
     `batch_size` is per process: the global batch is batch_size x devices x num_nodes. `num_workers: null` (the default)
     sizes the loader workers to the machine (`default_num_workers`). `on_device: true` keeps the splits whole on the
     training device and batches there (app/data/on_device.py): for data that fits in GPU memory, without random
-    augmentation; same samples, order and resume position.
-    """
+    augmentation; same samples, order and resume position."""
 
     def __init__(
         self,
@@ -92,8 +90,8 @@ class ShardedDataModule(L.LightningDataModule):
         return torch.cuda.is_available()
 
     def _use_pin_memory(self) -> bool:
-        # Pinned host memory only helps host-to-GPU copies; on CPU it is pure overhead. Unpinned, a
-        # copy marked non_blocking (as Lightning's are) still makes the CPU wait for it.
+        # Pinned host memory only helps host-to-GPU copies; on CPU it is pure overhead. Unpinned, a copy marked
+        # non_blocking (as Lightning's are) still makes the CPU wait for it.
         return self.pin_memory if self.pin_memory is not None else self._on_gpu()
 
     def _num_workers(self, dataset: Dataset) -> int:

@@ -1,7 +1,6 @@
 """The datasets behind every DataModule, without Lightning: splits, downloads and loader settings. `DATASETS` maps a
 DataModule's class name to its split function (same arguments and defaults as its `__init__`,
-tests/data/test_datasets.py checks), which the reference trainer calls too.
-"""
+tests/data/test_datasets.py checks), which the reference trainer calls too."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ def default_num_workers(dataset: Dataset | None, on_gpu: bool, local_ranks: int)
     """The loader worker processes `num_workers: null` means, per rank.
 
     None on a CPU (the ranks use the cores) or for tensors in memory (a worker only adds a pickled copy). On a GPU, for
-    per-sample decoding: the cores this process may use, shared by the node's ranks, less one, at most 8.
-    """
+    per-sample decoding: the cores this process may use, shared by the node's ranks, less one, at most 8."""
     if not on_gpu or dataset is None:
         return 0
     while isinstance(dataset, Subset):
@@ -82,8 +80,8 @@ def digits_splits(val_fraction: float = 0.15, test_fraction: float = 0.15, split
             f"data.val_fraction ({val_fraction}) and data.test_fraction ({test_fraction}) must each "
             "lie in (0, 1) and sum to less than 1."
         )
-    # Imported here, not at the top: scikit-learn is slow to import, and `ddp-app` imports every
-    # DataModule to parse a config (the launcher's check of bad input, every rank), digits or not.
+    # Imported here, not at the top: scikit-learn is slow to import, and `ddp-app` imports every DataModule to parse a
+    # config (the launcher's check of bad input, every rank), digits or not.
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -112,8 +110,7 @@ def random_regression_splits(
     """Inputs ~ N(0, 1); targets = a fixed random linear map of the inputs plus noise.
 
     All from one generator seeded with `data_seed`, so every rank and run builds the same tensors. `num_samples`
-    training pairs, a quarter as many for validation and test.
-    """
+    training pairs, a quarter as many for validation and test."""
     check_num_samples(num_samples)
     generator = torch.Generator().manual_seed(data_seed)
     total = num_samples * 3 // 2
@@ -208,8 +205,7 @@ def mnist_splits(data_dir: str = "data", download: bool = False, val_size: int =
 
 class _CIFAR10(datasets.CIFAR10):
     """torchvision's CIFAR10 with the MD5 check optional (for generated test data); keep `verify_checksums` on for real
-    data: it guards what is unpickled.
-    """
+    data: it guards what is unpickled."""
 
     def __init__(self, *args, verify_checksums: bool = True, **kwargs) -> None:
         self.verify_checksums = verify_checksums
@@ -258,8 +254,7 @@ def cifar10_splits(
     verify_checksums: bool = True,
 ) -> Splits:
     """torchvision CIFAR-10 from `<data_dir>/cifar-10-batches-py/`; never downloads. With `augment`, training images get
-    a padded random crop and a horizontal flip.
-    """
+    a padded random crop and a horizontal flip."""
     eval_transform = transforms.Compose([transforms.ToTensor(), CIFAR10_NORMALIZE])
     augmentation = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
     train_transform = transforms.Compose((augmentation if augment else []) + [transforms.ToTensor(), CIFAR10_NORMALIZE])
@@ -309,8 +304,8 @@ DOWNLOADS: dict[str, Callable[..., None]] = {"MNISTDataModule": download_mnist, 
 def markov_token_splits(
     num_sequences: int = 512, context: int = 32, vocab_size: int = 64, data_seed: int = 0
 ) -> tuple[Dataset, Dataset, Dataset]:
-    """(train, val, test): `num_sequences` training sequences and an eighth as many for each of the
-    others, each an (inputs, targets) pair of `context` tokens, targets shifted by one position."""
+    """(train, val, test): `num_sequences` training sequences and an eighth as many for each of the others, each an
+    (inputs, targets) pair of `context` tokens, targets shifted by one position."""
     if num_sequences < 8:
         raise InvalidConfigError(f"data.num_sequences must be >= 8, got {num_sequences}.")
     if context < 2 or vocab_size < 2:

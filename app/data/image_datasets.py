@@ -5,8 +5,7 @@ the loader workers, seeded per sample (`PerSampleSeeded`), so augmentation does 
 
 Bad files (docs/usage.md): found when decoded (`UnreadableImageError`, or with `skip_bad_files` the next file in its
 place: `ImageFiles`); `check_files: true` reads every file's first bytes up front, in `SCAN_THREADS` threads, on rank 0
-only.
-"""
+only."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ WORKER_PREFIX = "Caught "
 
 class UnreadableImageError(UserFacingError):
     """An image file that cannot be decoded; the message names it (the user reads our line after the worker's
-    traceback).
-    """
+    traceback)."""
 
     def __init__(self, message: str) -> None:
         lines = message.rstrip().splitlines()
@@ -53,8 +51,7 @@ class UnreadableImageError(UserFacingError):
 
 def image_format_problem(path: Path) -> str | None:
     """Why `path` cannot be an image decode_image reads (None: it starts like one); reads 12 bytes only, so a damaged
-    body fails at decode.
-    """
+    body fails at decode."""
     try:
         with path.open("rb") as file:
             head = file.read(12)
@@ -96,8 +93,8 @@ def list_images(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
 
 
 def unreadable_files(paths: list[Path]) -> dict[str, str]:
-    """{file: why} for the files of `paths` that do not start like an image (`image_format_problem`),
-    read in `SCAN_THREADS` threads, in chunks (a future per file would cost a GB for ImageNet)."""
+    """{file: why} for the files of `paths` that do not start like an image (`image_format_problem`), read in
+    `SCAN_THREADS` threads, in chunks (a future per file would cost a GB for ImageNet)."""
     chunk_size = max(1, min(1024, len(paths) // SCAN_THREADS + 1))
     chunks = [paths[start : start + chunk_size] for start in range(0, len(paths), chunk_size)]
 
@@ -108,16 +105,16 @@ def unreadable_files(paths: list[Path]) -> dict[str, str]:
         return {path: problem for found in pool.map(scan, chunks) for path, problem in found}
 
 
-# How `read_layout` has the files checked: `unreadable_files` here, rank 0's result on every rank
-# under a Trainer (app/data/imagefolder.py).
+# How `read_layout` has the files checked: `unreadable_files` here, rank 0's result on every rank under a Trainer
+# (app/data/imagefolder.py).
 Scan = Callable[[list[Path]], dict[str, str]]
 
 
 def drop_unreadable(
     samples: list[tuple[Path, int]], problems: dict[str, str], skip_bad_files: bool
 ) -> tuple[list[tuple[Path, int]], int]:
-    """The samples whose files are not in `problems`, and how many were left out (only if `skip_bad_files`;
-    otherwise the first bad one is an error that names it)."""
+    """The samples whose files are not in `problems`, and how many were left out (only if `skip_bad_files`; otherwise
+    the first bad one is an error that names it)."""
     kept = []
     for path, target in samples:
         problem = problems.get(str(path))
@@ -133,8 +130,7 @@ class ImageFiles(Dataset):
 
     A file that fails to decode is an error naming it, or, with `skip_bad_files`, the next file that decodes takes its
     place: every rank keeps its step count (DDP would wait) and the substitute depends on the index alone (exact
-    resume). Replaced files are flagged in `replaced`, a shared-memory tensor (`replaced_files()`).
-    """
+    resume). Replaced files are flagged in `replaced`, a shared-memory tensor (`replaced_files()`)."""
 
     def __init__(self, samples: list[tuple[Path, int]], transform: v2.Transform, skip_bad_files: bool = False) -> None:
         self.samples = samples
@@ -225,8 +221,8 @@ class ImageFolderLayout:
 
 
 def find_classes(data_dir: str) -> list[str]:
-    """The class names of an ImageFolder, its train/ folder's sub-folders, sorted: one directory listing,
-    no file read, so the launcher can afford it before any rank starts (app/run/config_checks.py)."""
+    """The class names of an ImageFolder, its train/ folder's sub-folders, sorted: one directory listing, no file read,
+    so the launcher can afford it before any rank starts (app/run/config_checks.py)."""
     root = Path(data_dir)
     if not (root / "train").is_dir():
         where = f"{root.resolve()} does not exist" if not root.exists() else f"{root.resolve()} has no train/ folder"
@@ -243,9 +239,9 @@ def find_classes(data_dir: str) -> list[str]:
 
 
 def check_class_count(num_classes: int, classes: list[str], where: str) -> str | None:
-    """Refuse a classifier with fewer outputs than the data has classes (the loss would fail at the first
-    batch with a target out of range, inside every rank); return a warning line for more outputs than
-    classes (it trains: the extra outputs are never a target), None when they agree."""
+    """Refuse a classifier with fewer outputs than the data has classes (the loss would fail at the first batch with a
+    target out of range, inside every rank); return a warning line for more outputs than classes (it trains: the extra
+    outputs are never a target), None when they agree."""
     found = len(classes)
     if num_classes == found:
         return None
@@ -264,8 +260,7 @@ def check_class_count(num_classes: int, classes: list[str], where: str) -> str |
 
 def cpu_first_run_advice(precision: str, processes: int | None, cores: int) -> str | None:
     """One line for an image config written for GPUs and run without one: what to change (bf16 is emulated on such CPUs;
-    `devices: auto` uses one core). None when it does neither.
-    """
+    `devices: auto` uses one core). None when it does neither."""
     changes = []
     if precision.startswith("bf16"):
         changes.append(f"precision {precision} -> --trainer.precision 32-true (autocast is slower on most CPUs)")
@@ -284,8 +279,8 @@ def cpu_first_run_advice(precision: str, processes: int | None, cores: int) -> s
 def read_layout(
     data_dir: str, skip_bad_files: bool = False, check_files: bool = False, scan: Scan = unreadable_files
 ) -> ImageFolderLayout:
-    """The classes and files under `data_dir`; with `check_files`, `scan` reads every file's first
-    bytes and a bad one is an error (or left out and counted, with `skip_bad_files`)."""
+    """The classes and files under `data_dir`; with `check_files`, `scan` reads every file's first bytes and a bad one
+    is an error (or left out and counted, with `skip_bad_files`)."""
     root = Path(data_dir)
     classes = find_classes(data_dir)
     splits: dict[str, list[tuple[Path, int]] | None] = {}
@@ -335,8 +330,8 @@ def imagefolder_splits(
     skip_bad_files: bool = False,
     check_files: bool = False,
 ) -> Splits:
-    """(train, val, test) from `data_dir`: train/ augmented; val/ (or `val_fraction` of train/ when there is
-    no val/) and test/ (or the val split) resized and center-cropped."""
+    """(train, val, test) from `data_dir`: train/ augmented; val/ (or `val_fraction` of train/ when there is no val/)
+    and test/ (or the val split) resized and center-cropped."""
     check_split_settings(val_fraction, crop_scale)
     layout = read_layout(data_dir, skip_bad_files, check_files)
     augmented = train_transform(image_size, crop_scale, horizontal_flip, mean, std)

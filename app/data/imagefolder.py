@@ -1,8 +1,7 @@
 """Your own images in the ImageFolder layout (ImageNet's on disk): `data_dir/train/<class>/<file>`.
 
-The files are listed in `setup` (every rank, the same way, nothing written) and decoded and
-augmented in the DataLoader workers; the datasets are built in `app.data.image_datasets`.
-"""
+The files are listed in `setup` (every rank, the same way, nothing written) and decoded and augmented in the DataLoader
+workers; the datasets are built in `app.data.image_datasets`."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ class ImageFolderDataModule(ShardedDataModule):
 
     Bad files: a file that fails to decode stops the run with one line naming it, or with `skip_bad_files` the next
     image takes its place (counted per rank at the end). `check_files: true` reads every file's first bytes in `setup`
-    on rank 0: a bad one is an error, or with `skip_bad_files` left out.
-    """
+    on rank 0: a bad one is an error, or with `skip_bad_files` left out."""
 
     def __init__(
         self,
@@ -72,15 +70,15 @@ class ImageFolderDataModule(ShardedDataModule):
 
     @staticmethod
     def classes_on_disk(data_dir: str) -> list[str]:
-        """The classes a run on `data_dir` finds (its train/ folder's sub-folders), read without opening
-        a file: the launcher checks them against the model's `num_classes` before any rank starts
-        (app/run/config_checks.py). A `data_dir` without train/ is an error that says so."""
+        """The classes a run on `data_dir` finds (its train/ folder's sub-folders), read without opening a file: the
+        launcher checks them against the model's `num_classes` before any rank starts (app/run/config_checks.py). A
+        `data_dir` without train/ is an error that says so."""
         return find_classes(data_dir)
 
     def _scan_on_rank_zero(self, paths: list[Path]) -> dict[str, str]:
-        """`unreadable_files` on rank 0, its result on every rank: one pass over a shared filesystem per
-        run, not one per rank. Every rank calls this at the same point of `setup` (the broadcast is a
-        collective): the listing before it is the same everywhere."""
+        """`unreadable_files` on rank 0, its result on every rank: one pass over a shared filesystem per run, not one
+        per rank. Every rank calls this at the same point of `setup` (the broadcast is a collective): the listing before
+        it is the same everywhere."""
         trainer = self.trainer
         if trainer is None or trainer.world_size == 1:
             return unreadable_files(paths)
@@ -102,8 +100,8 @@ class ImageFolderDataModule(ShardedDataModule):
         return layout_splits(layout, self.val_fraction, self.split_seed, augmented, plain, self.skip_bad_files)
 
     def teardown(self, stage: str) -> None:
-        """At the end of a fit (validate, test, predict) with `skip_bad_files`: the files this rank
-        replaced, in one line (each rank decodes only its own share of the samples)."""
+        """At the end of a fit (validate, test, predict) with `skip_bad_files`: the files this rank replaced, in one
+        line (each rank decodes only its own share of the samples)."""
         if not self.skip_bad_files:
             return
         splits = (self.train_dataset, self.val_dataset, self.test_dataset)

@@ -5,8 +5,7 @@ not `StreamingDataLoader`'s (which depends on ranks and workers and saves state 
 `ResumableDistributedSampler` with `chunked_shard` keeps LitData's chunk-wise reading while the order stays a function
 of (seed, epoch, world size): exact resume with any `num_workers`, elastic on another world size.
 
-Encoded images get `ImageFolderDataModule`'s transforms, seeded per sample; other samples are returned as written.
-"""
+Encoded images get `ImageFolderDataModule`'s transforms, seeded per sample; other samples are returned as written."""
 
 from __future__ import annotations
 
@@ -58,21 +57,19 @@ def is_store(data_dir: str) -> bool:
 
 class ShardSamples(Dataset):
     """One split's shards as a map-style data set (`StreamingDataset[i]`, decoded); `chunk_sizes` tells the sampler how
-    samples lie in chunks. Chunks open lazily in each reading process.
-    """
+    samples lie in chunks. Chunks open lazily in each reading process."""
 
     def __init__(self, input_dir: str, transform: Any, cache_dir: str | None, shuffle_chunks: int) -> None:
         self.input_dir = input_dir
         self.stream = open_shards(input_dir, cache_dir)
-        # From a store (a URL), LitData reads an item by index with a ranged request of its own bytes
-        # unless told to fetch its whole chunk into the cache: one request per sample, and its
-        # `local:` store answered those with nothing (litdata 0.2.76). Whole chunks suit the chunked
-        # order, which reads every sample of a chunk close together. `_on_demand_bytes` is private
-        # (docs/private_apis.md); its public setter needs the per-process cache that the first read
-        # creates, after the first ranged request.
+        # From a store (a URL), LitData reads an item by index with a ranged request of its own bytes unless told to
+        # fetch its whole chunk into the cache: one request per sample, and its `local:` store answered those with
+        # nothing (litdata 0.2.76). Whole chunks suit the chunked order, which reads every sample of a chunk close
+        # together. `_on_demand_bytes` is private (docs/private_apis.md); its public setter needs the per-process cache
+        # that the first read creates, after the first ranged request.
         self.stream._on_demand_bytes = False
-        # LitData's (start, end) of each chunk's samples (`StreamingDataset.region_of_interest`,
-        # listed in docs/private_apis.md): the whole chunk unless LitData subsamples.
+        # LitData's (start, end) of each chunk's samples (`StreamingDataset.region_of_interest`, listed in
+        # docs/private_apis.md): the whole chunk unless LitData subsamples.
         self.chunk_sizes = [end - start for start, end in self.stream.region_of_interest]
         self.shuffle_chunks = shuffle_chunks
         self.transform = transform
@@ -87,8 +84,8 @@ class ShardSamples(Dataset):
         try:
             sample = self.stream[int(index)]
         except (struct.error, EOFError, UnicodeDecodeError, ValueError, ChunkWaitTimeoutError) as error:
-            # A chunk cut short or damaged after writing (an interrupted copy to object storage: LitData
-            # then waits for the rest of it), or a download from the store that does not arrive.
+            # A chunk cut short or damaged after writing (an interrupted copy to object storage: LitData then waits for
+            # the rest of it), or a download from the store that does not arrive.
             raise self._unreadable(index, "cannot be read from its chunk", error) from None
         if isinstance(sample, dict) and "image" in sample:
             return self._decode(sample, index), int(sample["label"])
@@ -118,8 +115,7 @@ class StreamingDataModule(ShardedDataModule):
     `data_dir` is a local folder or a URL (s3://bucket/shards; chunks cached in `cache_dir`, LitData's default when
     null). `shuffle_chunks`: the training order shuffles chunks, then samples within windows of this many chunks (more
     mixes more, more chunks open). Encoded images get `ImageFolderDataModule`'s transforms (same keys). `batch_size`,
-    `num_workers`, ...: see `ShardedDataModule`.
-    """
+    `num_workers`, ...: see `ShardedDataModule`."""
 
     def __init__(
         self,
@@ -154,9 +150,8 @@ class StreamingDataModule(ShardedDataModule):
     @staticmethod
     def classes_on_disk(data_dir: str) -> list[str] | None:
         """The class names the shard writer recorded (`ddp_app_shards.json`), for the launcher's `num_classes` check;
-        None where none is recorded (a URL, unlabelled or older shards). A local `data_dir` without train/ shards is
-        an error.
-        """
+        None where none is recorded (a URL, unlabelled or older shards). A local `data_dir` without train/ shards is an
+        error."""
         data_dir = str(data_dir).rstrip("/")
         if is_store(data_dir):
             return None

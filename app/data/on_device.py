@@ -3,8 +3,7 @@
 
 A DataLoader's per-sample work is the slowest part of a GPU step for data that fits in memory. Here each batch is one
 `index_select`, by the same sampler: same samples, order, weights bit for bit, resume position and evaluation shards.
-Per-sample randomness is refused (`materialize`). No Lightning here.
-"""
+Per-sample randomness is refused (`materialize`). No Lightning here."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class TensorRows:
 
 def in_memory_tensors(dataset: Dataset | None) -> TensorRows | None:
     """A split held in memory as tensors (exactly a TensorDataset or Subsets of one) as `TensorRows`, else None; a
-    subclass may override `__getitem__`. A Subset costs an index, not a copy.
-    """
+    subclass may override `__getitem__`. A Subset costs an index, not a copy."""
     if type(dataset) is TensorDataset:
         return TensorRows(tuple(dataset.tensors))
     if type(dataset) is Subset:
@@ -62,8 +60,7 @@ def _same(first: Any, second: Any) -> bool:
 
 def materialize(dataset: Dataset, split: str) -> tuple[torch.Tensor, ...]:
     """The whole split as tensors, one row per sample, in host memory; a non-tensor dataset is read once, after checking
-    that a sample read under two seeds is the same (no random augmentation).
-    """
+    that a sample read under two seeds is the same (no random augmentation)."""
     split = in_memory_tensors(dataset)
     if split is not None:
         return split.gathered()
@@ -91,8 +88,7 @@ class TensorBatchLoader:
     DataLoader's.
 
     With `pin_memory`, host batches are gathered into pinned memory. `sampler` is public (Lightning calls `set_epoch`);
-    `state_dict`/`load_state_dict` mark it resumable. It draws no random number.
-    """
+    `state_dict`/`load_state_dict` mark it resumable. It draws no random number."""
 
     def __init__(
         self,

@@ -45,8 +45,7 @@ class _Positioned(IterableDataset):
         seed: the run's seed for per-sample seeding, or None to leave the generators alone.
         rank, world_size: this rank, for the sample seeds (a stream shards itself).
         keep: how many batch boundaries to remember (the trained batch lags the fetched one by the
-            prefetched batch and the accumulated micro-batches).
-    """
+            prefetched batch and the accumulated micro-batches)."""
 
     def __init__(
         self,
@@ -180,8 +179,7 @@ class WorkerPositionedStream(_Positioned):
     worker's sample count, rank).
 
     Not with `persistent_workers` nor `in_order=False`: `app.data.rank_loaders` leaves those as they are, with a line at
-    fit start. A checkpoint of another `num_workers` is refused in one line.
-    """
+    fit start. A checkpoint of another `num_workers` is refused in one line."""
 
     def __init__(
         self,
@@ -222,8 +220,8 @@ class WorkerPositionedStream(_Positioned):
     def begin(self) -> None:
         """Called as the loader starts its workers: what each of them loads, from the resume's state."""
         epoch, batch, state, trained = self._start()
-        # A state saved in an earlier epoch (its last batch trained, its end not reached: Lightning may
-        # build no iterator for what is left of it) does not reach into this one.
+        # A state saved in an earlier epoch (its last batch trained, its end not reached: Lightning may build no
+        # iterator for what is left of it) does not reach into this one.
         if state is None or state.get("fresh") or state["epoch"] != epoch:
             # A new epoch: every worker starts from this process's copy, as in the uninterrupted run.
             self._reset(epoch, 0, [Boundary(None, 0)] * self.num_workers, set(), batch, trained)
@@ -270,8 +268,8 @@ class WorkerPositionedStream(_Positioned):
         return {"epoch": self._epoch, "num_workers": self.num_workers, "rotation": rotation, "workers": workers}
 
     def _worker_of(self, index: int) -> int:
-        """The worker whose turn gives batch `index` (if it has finished, its turn is dropped, as it
-        would have been)."""
+        """The worker whose turn gives batch `index` (if it has finished, its turn is dropped, as it would have
+        been)."""
         if index in self._batches:
             return self._batches[index].worker
         if index - 1 in self._batches:
@@ -298,8 +296,8 @@ class WorkerPositionedStream(_Positioned):
             self.dataset.load_state_dict(start.state)
         iterator = iter(self.dataset)
         state, count = copy.deepcopy(self.dataset.state_dict()), start.count
-        # One sample is read ahead, after the state of the batch's end is taken: a batch then says
-        # whether it was its worker's last (a stream may start a new pass when iterated at its end).
+        # One sample is read ahead, after the state of the batch's end is taken: a batch then says whether it was its
+        # worker's last (a stream may start a new pass when iterated at its end).
         upcoming = self._next(iterator, worker, count)
         while upcoming is not RAN_OUT:
             before, samples = Boundary(state, count), [upcoming]
@@ -324,8 +322,8 @@ class WorkerPositionedStream(_Positioned):
 
 
 class WorkerStreamLoader(DataLoader):
-    """The loader of a `WorkerPositionedStream`: starts it, passes its batches on, keeps what the
-    workers say about their streams. `batch_size` is the stream's (the workers build the batches)."""
+    """The loader of a `WorkerPositionedStream`: starts it, passes its batches on, keeps what the workers say about
+    their streams. `batch_size` is the stream's (the workers build the batches)."""
 
     def __init__(self, stream: WorkerPositionedStream, **options: Any) -> None:
         self._stream_batch_size = stream.batch_size

@@ -3,8 +3,7 @@
 The loaders ddp-app builds ask a `TrainingPositioner` among the Trainer's callbacks for the epoch and batches to skip,
 per-sample seeding, an elastic layout, and where to register stateful streams. ddp-app's `ExactResume`
 (app/resume/exact.py) implements it; without one each epoch starts at its first batch. Resume depends on data through
-this protocol, not the other way round.
-"""
+this protocol, not the other way round."""
 
 from __future__ import annotations
 
@@ -32,9 +31,9 @@ class TrainingPositioner(abc.ABC):
 
     @abc.abstractmethod
     def training_loader_built(self, configured_batch_size: int | None, dataset_length: int) -> ElasticLayout | None:
-        """A training loader was built on ddp-app's sampler: the per-rank batch size the user asked for
-        and the training set's length (an elastic resume counts samples by them). Returns the layout
-        its batches are split by (None: the run's own)."""
+        """A training loader was built on ddp-app's sampler: the per-rank batch size the user asked for and the training
+        set's length (an elastic resume counts samples by them). Returns the layout its batches are split by (None: the
+        run's own)."""
 
     @abc.abstractmethod
     def next_stream_start(self) -> Callable[[], StreamStart]:
@@ -75,7 +74,7 @@ def training_loader_built(
 
 
 def sampler_position(trainer: L.Trainer) -> tuple[int, int]:
-    """(epoch, batches to skip) for a training iterator of this Trainer; without a positioner each
-    epoch starts from its first batch at Lightning's epoch."""
+    """(epoch, batches to skip) for a training iterator of this Trainer; without a positioner each epoch starts from its
+    first batch at Lightning's epoch."""
     positioner = positioner_of(trainer)
     return positioner.sampler_position() if positioner else (trainer.current_epoch, 0)

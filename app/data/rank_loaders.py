@@ -13,8 +13,7 @@ datasets and non-DataLoaders (a training loader without `state_dict` gets a line
 
 Why wrap methods: Lightning has no public hook to replace a loader (only the private
 `_DataConnector._prepare_dataloader`) and a Callback costs dispatch every step. `functools.wraps` keeps `is_overridden`
-right; `tests/data/test_user_loaders.py` fails if Lightning stops fetching loaders through the instance.
-"""
+right; `tests/data/test_user_loaders.py` fails if Lightning stops fetching loaders through the instance."""
 
 from __future__ import annotations
 
@@ -50,8 +49,8 @@ LOADER_METHODS = {
     "test_dataloader": False,
     "predict_dataloader": False,
 }
-# The attribute of a wrapped method that holds the Trainer of the current run: a later run on the
-# same objects updates it instead of wrapping the method twice.
+# The attribute of a wrapped method that holds the Trainer of the current run: a later run on the same objects updates
+# it instead of wrapping the method twice.
 WRAPPED = "_ddp_app_shards_loaders_for"
 
 
@@ -114,8 +113,8 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         batch_size = loader.batch_size
         sampler = UnpaddedDistributedSampler(loader.dataset, world_size, rank)
         loader_class = DataLoader
-        # Evaluation draws nothing from the training run's stream: not its samples' randomness, and
-        # not the seed its iterator's start draws (`evaluation_loader_generator`).
+        # Evaluation draws nothing from the training run's stream: not its samples' randomness, and not the seed its
+        # iterator's start draws (`evaluation_loader_generator`).
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         generator = generator or evaluation_loader_generator(seed)
         if per_sample_seeding(trainer) and not reads_without_randomness(dataset):
@@ -134,8 +133,8 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
     dataset = getattr(loader, "dataset", None)
     name = type(dataset).__name__
     if type(loader) is DataLoader and is_stateful_stream(dataset):
-        # Starting an iterator draws a seed: from the loader's own generator, not the global one that
-        # the checkpoint restores (see training_loader_generator).
+        # Starting an iterator draws a seed: from the loader's own generator, not the global one that the checkpoint
+        # restores (see training_loader_generator).
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         generator = loader.generator or training_loader_generator(seed)
         positioning: dict[str, Any] = {
@@ -187,9 +186,8 @@ def _has_length(dataset: Any) -> bool:
 
 def stream_in_workers_notice(name: str, loader: DataLoader, sized: bool) -> str:
     """What a mid-epoch resume does to a stateful stream in loader workers ddp-app does not position
-    (`persistent_workers`, `in_order=False`, a DataLoader subclass), and what to do instead: the workers' copies
-    restart the stream (tests/fault/test_resume_streams.py).
-    """
+    (`persistent_workers`, `in_order=False`, a DataLoader subclass), and what to do instead: the workers' copies restart
+    the stream (tests/fault/test_resume_streams.py)."""
     why = (
         "persistent_workers: true"
         if loader.persistent_workers

@@ -2,8 +2,7 @@
 
 Training: PyTorch's padded `DistributedSampler` (shuffled per `set_epoch`), chunk-wise for chunked data
 (`chunked_shard`, each rank its own chunks). Evaluation: `UnpaddedDistributedSampler`, since padding's duplicates would
-count twice in metrics.
-"""
+count twice in metrics."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ class ElasticLayout:
     Each epoch's padded permutation from (seed, epoch) is cut into global micro-batches (the starting run's per-rank
     batch x world size, or `exact_resume.global_batch_size`), each split over the current ranks with stride
     `world_size`. `weight` scales each rank's loss so that the all-reduced gradient is the global micro-batch's mean; a
-    rank left without a sample reads one with weight 0. No Lightning here.
-    """
+    rank left without a sample reads one with weight 0. No Lightning here."""
 
     order_world_size: int
     micro_batch: int
@@ -80,8 +78,7 @@ class UnpaddedDistributedSampler(DistributedSampler):
     """Rank r reads samples r, r + world_size, ...: nothing repeated, nothing dropped.
 
     Shards may differ by one sample: safe for evaluation (metrics reduce sums), given every rank has one. A
-    `DistributedSampler` subclass, so Lightning does not replace it with a padded one.
-    """
+    `DistributedSampler` subclass, so Lightning does not replace it with a padded one."""
 
     def __init__(self, dataset: Sized, num_replicas: int, rank: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
@@ -107,8 +104,8 @@ DEFAULT_SHUFFLE_CHUNKS = 4
 
 @functools.lru_cache(maxsize=4)
 def _chunked_order(chunk_sizes: tuple[int, ...], shuffle: bool, seed: int, epoch: int, window: int) -> list[int]:
-    """One epoch's order of a chunked data set: chunks in a permuted order, the samples of each window
-    of `window` consecutive chunks permuted together (LitData's way, a function of (seed, epoch) only)."""
+    """One epoch's order of a chunked data set: chunks in a permuted order, the samples of each window of `window`
+    consecutive chunks permuted together (LitData's way, a function of (seed, epoch) only)."""
     starts = [0]
     for size in chunk_sizes[:-1]:
         starts.append(starts[-1] + size)
@@ -132,8 +129,7 @@ def chunked_shard(
     chunk_sizes: Sequence[int], rank: int, num_replicas: int, shuffle: bool, seed: int, epoch: int, window: int
 ) -> list[int]:
     """Rank `rank`'s padded shard of chunked data: a contiguous run of `_chunked_order`, so each rank reads its own
-    chunks (as LitData shards), padded as DistributedSampler pads.
-    """
+    chunks (as LitData shards), padded as DistributedSampler pads."""
     order = _chunked_order(tuple(int(size) for size in chunk_sizes), shuffle, seed, epoch, max(1, window))
     per_rank = math.ceil(len(order) / num_replicas)
     padded = list(order)
@@ -178,8 +174,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def _shard(self, rank: int, num_replicas: int) -> list[int]:
         """Rank `rank`'s whole padded shard of this epoch at `num_replicas`: DistributedSampler's, or `chunked_shard`'s
-        for chunked data.
-        """
+        for chunked data."""
         chunk_sizes = getattr(self.dataset, "chunk_sizes", None)
         if chunk_sizes is not None:
             window = getattr(self.dataset, "shuffle_chunks", DEFAULT_SHUFFLE_CHUNKS)

@@ -1,6 +1,5 @@
 """Per-sample randomness: a sample's loading sees random generators seeded from (seed, epoch, index), so its
-augmentation does not depend on worker, rank or resume. No Lightning here.
-"""
+augmentation does not depend on worker, rank or resume. No Lightning here."""
 
 from __future__ import annotations
 
@@ -42,8 +41,8 @@ def seed_generators(seed: int, epoch: int, index: int) -> None:
 
 @contextmanager
 def generators_kept() -> Iterator[None]:
-    """Put the generators `seed_generators` seeds back afterwards: the training step's own random
-    stream (dropout) in this process stays untouched."""
+    """Put the generators `seed_generators` seeds back afterwards: the training step's own random stream (dropout) in
+    this process stays untouched."""
     saved = (torch.default_generator.get_state(), np.random.get_state(), random.getstate())
     try:
         yield
@@ -55,8 +54,7 @@ def generators_kept() -> Iterator[None]:
 
 def reads_without_randomness(dataset: Dataset) -> bool:
     """Whether reading a sample cannot draw a random number (exactly a TensorDataset or plain Subsets of one); seeding
-    those is skipped (docs/performance.md).
-    """
+    those is skipped (docs/performance.md)."""
     while type(dataset) is Subset:
         dataset = dataset.dataset
     return type(dataset) is TensorDataset
@@ -66,15 +64,13 @@ def training_loader_generator(seed: int) -> torch.Generator:
     """The generator a training DataLoader is given, seeded with its sampler's seed.
 
     Each epoch's iterator draws from it, not from the global generator, whose draw would fall on different sides of the
-    RNG restore in a resumed and an uninterrupted run (dropout masks would differ).
-    """
+    RNG restore in a resumed and an uninterrupted run (dropout masks would differ)."""
     return torch.Generator().manual_seed(seed)
 
 
 def evaluation_loader_generator(seed: int) -> torch.Generator:
     """The generator an evaluation (or prediction) DataLoader is given, for the same reason: with `persistent_workers`
-    its iterator starts at a different validation in a resumed run, and a global draw would shift later dropout
-    masks.
+    its iterator starts at a different validation in a resumed run, and a global draw would shift later dropout masks.
     """
     return torch.Generator().manual_seed(seed)
 
@@ -93,8 +89,7 @@ class PerSampleSeeded(Dataset):
     torch's CPU generator, NumPy's and Python's `random` are seeded before each sample, so augmentation no longer
     depends on worker, rank, `num_workers` or resume; in the main process they are restored once per batch (dropout
     untouched). A dataset's private generator is not reached (`ddp-app resume-check` names it). Other attributes are the
-    wrapped dataset's.
-    """
+    wrapped dataset's."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset

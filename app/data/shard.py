@@ -10,8 +10,7 @@ set that draws no random number when read, `dataset[index]` as returned. A data 
 (its shards would freeze one draw).
 
 The training split is written in a seeded random order (`--seed`), so no chunk is one class; other splits keep their
-order. An `--out` with files is refused, and a write that ends short is an error.
-"""
+order. An `--out` with files is refused, and a write that ends short is an error."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def image_files_of(dataset: Dataset) -> tuple[list[tuple[Path, int]], list[int]]
 
 def image_record(samples: list[tuple[Path, int]], index: int) -> dict[str, Any]:
     """One image file's sample: its encoded bytes and class index, decoded once here so shards never hold an image
-    training cannot decode.
-    """
+    training cannot decode."""
     from torchvision.io import ImageReadMode, decode_image
 
     from app.data.image_datasets import UnreadableImageError
@@ -84,8 +82,7 @@ class NotedRecord:
 
     It never raises: LitData's `optimize` waits forever for a writer whose function raised (0.2.76); `write_split`
     reports the notes. `made` counts samples per writer slot (the watch's heartbeat). The first call in a forked writer
-    sets torch to one thread: an OpenMP pool used before the fork hangs the child's first parallel op.
-    """
+    sets torch to one thread: an OpenMP pool used before the fork hangs the child's first parallel op."""
 
     def __init__(self, make: Any, notes: Path, made: Any) -> None:
         self.make, self.notes, self.made = make, notes, made
@@ -111,8 +108,8 @@ class NotedRecord:
 
 
 def dataset_record(dataset: Dataset, index: int) -> Any:
-    """One sample as the data set returns it; tensors are made contiguous and owning (a view of a
-    whole split's tensor would otherwise be written with the split)."""
+    """One sample as the data set returns it; tensors are made contiguous and owning (a view of a whole split's tensor
+    would otherwise be written with the split)."""
     sample = dataset[index]
     if isinstance(sample, torch.Tensor):
         return sample.clone()
@@ -154,8 +151,7 @@ def optimize_kept_to_itself(scratch: Path) -> Iterator[None]:
 
     - its cache folders (shared /tmp/chunks, /tmp/data, deleted at start): each write gets its own under `scratch`;
     - its SIGINT handler (Ctrl-C would `os._exit(0)`), the multiprocessing start method and the global seeds it sets to
-      42 are put back.
-    """
+      42 are put back."""
     import multiprocessing
     import random
 
@@ -199,8 +195,7 @@ def write_split(
     """Write one split with LitData's `optimize`; the record of what was written.
 
     `optimize` returns without error when its writers died silently, so the index is counted here; and it waits forever
-    for a stuck writer, so a `WriterWatch` ends the write. No process LitData forked outlives the call.
-    """
+    for a stuck writer, so a `WriterWatch` ends the write. No process LitData forked outlives the call."""
     from multiprocessing.sharedctypes import RawArray
 
     from litdata import optimize
@@ -270,9 +265,9 @@ def write_split(
 
 
 def module_splits(module: Any) -> dict[str, Dataset]:
-    """The data module's train, val and test data sets: ddp-app's modules keep them as `train_dataset`,
-    ...; any other module's are its loaders' `dataset` (a test split that is the val split is left out:
-    StreamingDataModule reads val/ when there is no test/)."""
+    """The data module's train, val and test data sets: ddp-app's modules keep them as `train_dataset`, ...; any other
+    module's are its loaders' `dataset` (a test split that is the val split is left out: StreamingDataModule reads val/
+    when there is no test/)."""
     splits: dict[str, Dataset] = {}
     for name in SPLITS:
         dataset = getattr(module, f"{name}_dataset", None)
@@ -353,8 +348,8 @@ def write_shards(
         "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "source": source,
         "data_module": f"{type(module).__module__}.{type(module).__name__}",
-        # StreamingDataModule.classes_on_disk reads these back: the launcher checks the model's num_classes
-        # against them before any rank starts.
+        # StreamingDataModule.classes_on_disk reads these back: the launcher checks the model's num_classes against them
+        # before any rank starts.
         "classes": list(getattr(module, "classes", []) or []),
         "num_classes": len(getattr(module, "classes", []) or []) or None,
         "splits": {},

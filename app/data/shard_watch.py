@@ -3,8 +3,7 @@ and none outlives it.
 
 LitData 0.2.76 has no deadline: a writer that never reports (stuck, or blocked on a queue lock a killed sibling held)
 keeps it waiting forever. `WriterWatch` ends the write when a writer ends by a signal or error status, or no sample was
-made for `stall_seconds`.
-"""
+made for `stall_seconds`."""
 
 from __future__ import annotations
 
@@ -38,8 +37,8 @@ def _holds(pid: int, link: str) -> bool:
 
 
 def kill_holders(link: str, reap: bool) -> None:
-    """SIGKILL every process holding `link`, until none is left (10 s at most); `reap`: wait for those that
-    are this process's children (not while LitData's own `Process` objects may still wait for them)."""
+    """SIGKILL every process holding `link`, until none is left (10 s at most); `reap`: wait for those that are this
+    process's children (not while LitData's own `Process` objects may still wait for them)."""
     deadline = time.monotonic() + 10
     while (left := holders_of(link)) and time.monotonic() < deadline:
         for pid in left:
@@ -58,8 +57,7 @@ def no_process_outlives() -> Iterator[str | None]:
 
     LitData forks a remover per writer that outlives a dead writer, holding the caller's stdout open. Every process
     forked in the block inherits a pipe made for it, which finds it whatever its parent; run LitData from the main
-    thread.
-    """
+    thread."""
     if not Path("/proc/self/fd").is_dir():
         yield None
         return
@@ -84,8 +82,8 @@ def _children() -> list[int]:
 
 
 def _ended_badly(pid: int) -> str | None:
-    """How child `pid` ended, if it ended by a signal or with a non-zero status; None while it runs or after
-    a clean exit. WNOWAIT leaves it waitable: LitData's `Process.is_alive` still reaps it."""
+    """How child `pid` ended, if it ended by a signal or with a non-zero status; None while it runs or after a clean
+    exit. WNOWAIT leaves it waitable: LitData's `Process.is_alive` still reaps it."""
     try:
         status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:  # reaped already (by LitData), or not a child
@@ -100,8 +98,7 @@ def _ended_badly(pid: int) -> str | None:
 class WriterWatch:
     """A thread that kills every process holding `marker` when a writer ends by a signal or error status, or when `made`
     has not grown for `stall_seconds`; `optimize` then returns within its 1 s poll, and `cause` says why. It holds no
-    lock the forked writers need.
-    """
+    lock the forked writers need."""
 
     def __init__(self, marker: str, made: Any, stall_seconds: float) -> None:
         self.marker, self.made, self.stall_seconds = marker, made, stall_seconds

@@ -1,8 +1,7 @@
 """Synthetic token sequences for the language model (app/models/gpt.py): nothing to download.
 
 Walks of a fixed random Markov chain over `vocab_size` tokens (learnable within an epoch), from one generator seeded
-with `data_seed`; TensorDatasets, read in whole batches (`TensorBatchLoader`).
-"""
+with `data_seed`; TensorDatasets, read in whole batches (`TensorBatchLoader`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Downloads happen only in `prepare_data` (once per node). Offline compute nodes: stage the files under `data_dir` and
 keep `download: false`; a missing dataset fails with one message saying where we looked. Datasets are built in
-`app.data.datasets`.
-"""
+`app.data.datasets`."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ class MNISTDataModule(_TorchvisionDataModule):
 class CIFAR10DataModule(_TorchvisionDataModule):
     """torchvision CIFAR-10 (32x32 colour images); files under `<data_dir>/cifar-10-batches-py/`.
 
-    Training images get the standard augmentation (random crop with 4-pixel padding, horizontal
-    flip) when `augment` is on; validation and test images never do.
-    """
+    Training images get the standard augmentation (random crop with 4-pixel padding, horizontal flip) when `augment` is
+    on; validation and test images never do."""
 
     def __init__(
         self,
@@ -77,8 +75,7 @@ class FakeImageDataModule(ShardedDataModule):
     """Random images of a given shape (values in [0, 1)), for benchmarks only; a config has to name it.
 
     Drawn once in `setup` from a generator seeded by the split: torchvision's FakeData re-seeds the global RNG per
-    sample, at a cost (docs/performance.md).
-    """
+    sample, at a cost (docs/performance.md)."""
 
     def __init__(
         self,

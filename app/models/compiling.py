@@ -3,8 +3,7 @@
 Lightning compiles only `forward`, which a `training_step` calling `self.net(x)` never runs. Here every direct child
 holding parameters is compiled in place (`nn.Module.compile`): `state_dict` keys stay (checkpoints load either way) and
 DDP wraps as before; parameterless losses and metrics stay eager. Compiled sums differ by float rounding
-(tests/models/test_compiling.py checks the tolerance); each shape's first step compiles.
-"""
+(tests/models/test_compiling.py checks the tolerance); each shape's first step compiles."""
 
 from __future__ import annotations
 

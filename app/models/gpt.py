@@ -4,8 +4,7 @@
 
 `GPT` (app/models/transformer.py, shared with the reference) is the bare network; `GPTLanguageModel` adds the next-token
 loss and logging. Its blocks sit in an `nn.ModuleList`, which `app.parallel.fsdp` shards one unit per element by
-default. Nothing here knows about FSDP.
-"""
+default. Nothing here knows about FSDP."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ __all__ = ["GPT", "Block", "CausalSelfAttention", "GPTLanguageModel"]
 class GPTLanguageModel(QuickHookBookkeeping):
     """Next-token prediction on (input tokens, target tokens) batches, as `app.data.tokens` makes them.
 
-    The loss is the mean cross-entropy over every position of the batch (a mean, as elastic resume
-    needs: docs/resume.md). The logged `val_loss` is exact over the whole validation split.
-    """
+    The loss is the mean cross-entropy over every position of the batch (a mean, as elastic resume needs:
+    docs/resume.md). The logged `val_loss` is exact over the whole validation split."""
 
     def __init__(
         self,

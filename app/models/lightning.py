@@ -1,7 +1,6 @@
 """LightningModules: thin wrappers that give a bare network (`self.net`) and loss (`self.criterion`), both built in
 `app.models.nets`, metrics and logging. Optimizers and schedulers come from LightningCLI's `optimizer:` /
-`lr_scheduler:` keys.
-"""
+`lr_scheduler:` keys."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ from app.models.nets import (
 
 def logs_this_step(module: L.LightningModule) -> bool:
     """Whether the loggers write this training step (every `trainer.log_every_n_steps`, mirroring Lightning's
-    `should_update_logs`): `self.log` is costly, so per-step values are logged only then (docs/performance.md).
-    """
+    `should_update_logs`): `self.log` is costly, so per-step values are logged only then (docs/performance.md)."""
     trainer = module.trainer
     if trainer.log_every_n_steps == 0:  # logging off: the progress bar still shows the loss
         return True
@@ -32,15 +30,13 @@ def logs_this_step(module: L.LightningModule) -> bool:
 
 def log_step_loss(module: L.LightningModule, loss: torch.Tensor) -> None:
     """Log a training step's loss for the loggers and progress bar as a host copy: Lightning reads every progress-bar
-    value as a float after every batch, which would wait for the GPU each step.
-    """
+    value as a float after every batch, which would wait for the GPU each step."""
     module.log("train_loss", loss.detach().to("cpu", copy=True), prog_bar=True)
 
 
 class QuickHookBookkeeping(L.LightningModule):
     """A LightningModule whose per-hook `_current_fx_name` bookkeeping skips `nn.Module.__setattr__`'s checks (a str or
-    None needs none; cost: docs/bench_per_call.json, "hook name").
-    """
+    None needs none; cost: docs/bench_per_call.json, "hook name")."""
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "_current_fx_name":
@@ -54,8 +50,7 @@ class ClassifierModule(QuickHookBookkeeping):
 
     Accuracy and evaluation loss are counts and weighted sums summed across ranks once per epoch: the number a single
     process would compute, at any world size. Training keeps its two counts in plain tensors (a torchmetrics `update`
-    costs several times more per step; docs/performance.md); metrics are logged in the epoch-end hooks.
-    """
+    costs several times more per step; docs/performance.md); metrics are logged in the epoch-end hooks."""
 
     def __init__(self, parts: TrainingParts, num_classes: int) -> None:
         super().__init__()
@@ -79,8 +74,8 @@ class ClassifierModule(QuickHookBookkeeping):
         loss = self.criterion(logits, targets)
         self._train_correct += (logits.detach().argmax(dim=1) == targets).sum()
         self._train_seen += targets.numel()
-        # The step loss is this rank's own (no all-reduce per step: that would cost a collective
-        # every step just for the progress bar); accuracy is reduced across ranks at epoch end.
+        # The step loss is this rank's own (no all-reduce per step: that would cost a collective every step just for the
+        # progress bar); accuracy is reduced across ranks at epoch end.
         if logs_this_step(self):
             log_step_loss(self, loss)
         return loss
@@ -90,8 +85,8 @@ class ClassifierModule(QuickHookBookkeeping):
         self._train_seen = torch.zeros((), dtype=torch.long, device=self.device)
 
     def per_rank_state(self) -> dict[str, torch.Tensor]:
-        """This rank's training counts of the running epoch: `ExactResume` keeps them in checkpoints
-        (per rank), so an epoch resumed in its middle reports the accuracy of all its batches."""
+        """This rank's training counts of the running epoch: `ExactResume` keeps them in checkpoints (per rank), so an
+        epoch resumed in its middle reports the accuracy of all its batches."""
         return {"train_correct": self._train_correct.cpu(), "train_seen": self._train_seen.cpu()}
 
     def load_per_rank_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -99,8 +94,8 @@ class ClassifierModule(QuickHookBookkeeping):
         self._train_seen = state["train_seen"].to(self.device)
 
     def on_train_epoch_end(self) -> None:
-        # Every rank trains on the same number of samples (the DistributedSampler pads the training
-        # set), so the mean over ranks of each rank's accuracy is the accuracy over all samples.
+        # Every rank trains on the same number of samples (the DistributedSampler pads the training set), so the mean
+        # over ranks of each rank's accuracy is the accuracy over all samples.
         self.log("train_acc", self._train_correct / self._train_seen.clamp(min=1), sync_dist=True)
 
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
@@ -151,16 +146,15 @@ class ResNetClassifier(ClassifierModule):
 
     `channels_last` stores activations NHWC (tensor cores prefer it under bf16/fp16). `stem: imagenet` gives
     torchvision's ImageNet stem (7x7 stride-2 convolution, max-pool) for 224-pixel images; the default `cifar` keeps the
-    3x3 stem without max-pool.
-    """
+    3x3 stem without max-pool."""
 
     def __init__(self, num_classes: int = 10, channels_last: bool = False, stem: Stem = "cifar") -> None:
         super().__init__(resnet_classifier_parts(num_classes, channels_last, stem), num_classes)
         self.save_hyperparameters()
 
     def on_after_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int):
-        # After the copy to the device: reordering on the CPU first costs the main thread a strided
-        # copy of every batch (and an unpinned tensor, so the copy to the GPU waits).
+        # After the copy to the device: reordering on the CPU first costs the main thread a strided copy of every batch
+        # (and an unpinned tensor, so the copy to the GPU waits).
         if self.channels_last:
             inputs, targets = batch
             batch = (inputs.contiguous(memory_format=torch.channels_last), targets)

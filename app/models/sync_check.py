@@ -2,8 +2,7 @@
 
 `self.log("val_loss", loss, sync_dist=True)` averages per-rank means, but ranks hold different sample counts;
 torchmetrics objects or summed states are exact. Lightning keeps what was logged only privately (`trainer._results`), so
-`ddp-app` wraps the module instance's `log` before the run.
-"""
+`ddp-app` wraps the module instance's `log` before the run."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A small decoder-only transformer (GPT-style), bare PyTorch: the network of `app.models.gpt.GPTLanguageModel` and of
-the FSDP2 reference (app/reference/fsdp.py). Blocks in an `nn.ModuleList` (one fsdp unit each by default). No
-Lightning.
+the FSDP2 reference (app/reference/fsdp.py). Blocks in an `nn.ModuleList` (one fsdp unit each by default). No Lightning.
 """
 
 from __future__ import annotations

@@ -95,8 +95,8 @@ def shard(net: GPT, mesh: Any, reshard_after_forward: bool) -> None:
 
 
 def device_mesh(device: torch.device, world_size: int, init_args: dict[str, Any]) -> DeviceMesh:
-    """Every rank in one dimension, or, with a `shard_group_size`, replicas x shards (consecutive ranks
-    share a group; `node`: the ranks torchrun started on this node)."""
+    """Every rank in one dimension, or, with a `shard_group_size`, replicas x shards (consecutive ranks share a group;
+    `node`: the ranks torchrun started on this node)."""
     size = init_args.get("shard_group_size") or world_size
     if size == "node":
         size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -207,8 +207,7 @@ def end_rank() -> NoReturn:
 
     The device mesh keeps the gloo group alive until teardown, where releasing it can SIGABRT a finished rank
     ("terminate called without an active exception"), failing mp.spawn and torchrun; ddp-app's ranks end the same way
-    (docs/fsdp.md, "Clean exit").
-    """
+    (docs/fsdp.md, "Clean exit")."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

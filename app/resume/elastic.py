@@ -5,8 +5,7 @@
   `DataPosition` becomes, the one-line refusals, and the line saying what was kept;
 - `weigh_losses`: each rank's loss weighted by its share of an unevenly split micro-batch.
 
-No Lightning and no torch here: the sampler, `app.resume.exact.ExactResume` and the reference trainer use it.
-"""
+No Lightning and no torch here: the sampler, `app.resume.exact.ExactResume` and the reference trainer use it."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ from app.resume.position import DataPosition
 
 
 def rebatched_position(saved: DataPosition, global_batch_size: int, world_size: int) -> DataPosition:
-    """The position in units of the global batch a resume accepts (exact_resume.global_batch_size):
-    the same samples consumed, rounded down to a whole new micro-batch."""
+    """The position in units of the global batch a resume accepts (exact_resume.global_batch_size): the same samples
+    consumed, rounded down to a whole new micro-batch."""
     new, steps = global_batch_size, saved.accumulate_grad_batches
     fix = "Fix: unset exact_resume.global_batch_size to keep the checkpoint's global batch"
     if saved.micro_batch is None or saved.dataset_length is None:
@@ -99,8 +98,8 @@ def elastic_summary(
 def check_elastic_loader(
     saved: DataPosition, layout: ElasticLayout, world_size: int, sampler_layout: Any, streams: bool, automatic: bool
 ) -> None:
-    """A resume on another number of ranks: every piece that splits the global batch must be ours
-    (the training sampler follows `layout`, no stream), and the loss weighting needs automatic optimization."""
+    """A resume on another number of ranks: every piece that splits the global batch must be ours (the training sampler
+    follows `layout`, no stream), and the loss weighting needs automatic optimization."""
     if streams or sampler_layout != layout:
         raise ResumeError(
             f"this checkpoint was written by a {saved.world_size}-rank run and this run has {world_size} "
@@ -121,8 +120,7 @@ def weigh_losses(module: Any, layout: ElasticLayout, dataset_length: int, rank: 
     it did (`unweigh_losses` undoes it).
 
     DDP averages per-rank means, so each rank's mean loss is weighted by ranks x its samples / global samples. Lightning
-    has no hook to replace the loss, so the instance's `training_step` is wrapped (docs/private_apis.md).
-    """
+    has no hook to replace the loss, so the instance's `training_step` is wrapped (docs/private_apis.md)."""
     weights = [layout.weight(dataset_length, block, rank) for block in range(layout.blocks(dataset_length))]
     if all(weight == 1.0 for weight in weights):
         return False

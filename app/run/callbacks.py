@@ -1,5 +1,5 @@
-"""Callbacks every `ddp-app` run gets: a guard against NaN/Inf, the writer of `ddp-app predict`'s
-output, and the progress display (a bar on a terminal, lines in a log). Exact resume: `app.resume.exact`."""
+"""Callbacks every `ddp-app` run gets: a guard against NaN/Inf, the writer of `ddp-app predict`'s output, and the
+progress display (a bar on a terminal, lines in a log). Exact resume: `app.resume.exact`."""
 
 from __future__ import annotations
 
@@ -29,23 +29,22 @@ class NonFiniteGuard(L.Callback):
     on the device and the host reads them, stacked, only every `trainer.log_every_n_steps` steps, before any checkpoint
     is written (`on_save_checkpoint`), and at the end of training; then it raises `NonFiniteLossError` naming the first
     bad step and the last good checkpoint. Under a gradient scaler it checks nothing (the scaler skips such steps). The
-    check runs after DDP's all-reduce, so every rank reaches the same verdict without a collective.
-    """
+    check runs after DDP's all-reduce, so every rank reaches the same verdict without a collective."""
 
     DEFAULT_READ_INTERVAL = 50  # optimizer steps between reads when logging is off
 
     def __init__(self) -> None:
         self._parameters: list[torch.nn.Parameter] = []
-        # On the training device: each checked step's total gradient norm since the last read. A
-        # norm is finite exactly when every gradient is (short of an overflow past 1e19 in the sum
-        # of squares, itself a diverged run); the read stacks them and finds the first bad one.
+        # On the training device: each checked step's total gradient norm since the last read. A norm is finite exactly
+        # when every gradient is (short of an overflow past 1e19 in the sum of squares, itself a diverged run); the read
+        # stacks them and finds the first bad one.
         self._norms: list[torch.Tensor] = []
         self._first_step = 0  # trainer.global_step at train start: checked step i is global step _first_step + i
         self._steps_read = 0  # checked steps before those in `_norms`
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Collected once: walking `pl_module.parameters()` every step (through every submodule,
-        # metrics included) costs 14x the cached list (`python -m app.bench.per_call`).
+        # Collected once: walking `pl_module.parameters()` every step (through every submodule, metrics included) costs
+        # 14x the cached list (`python -m app.bench.per_call`).
         self._parameters = [parameter for parameter in pl_module.parameters() if parameter.requires_grad]
         if getattr(trainer.precision_plugin, "scaler", None) is not None:  # MixedPrecision's public attribute
             self._parameters = []
@@ -94,8 +93,7 @@ class NonFiniteGuard(L.Callback):
 
 class PredictionWriter(BasePredictionWriter):
     """`ddp-app predict` writes `<default_root_dir>/predictions.pt` ({"indices", "predictions"}): each rank predicts its
-    unpadded shard, rank 0 merges them in dataset order.
-    """
+    unpadded shard, rank 0 merges them in dataset order."""
 
     def __init__(self) -> None:
         super().__init__(write_interval="epoch")
@@ -103,8 +101,8 @@ class PredictionWriter(BasePredictionWriter):
     def write_on_epoch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any
     ) -> None:
-        # With one dataloader Lightning passes the predictions as a flat list of batches but the
-        # indices still nested per dataloader.
+        # With one dataloader Lightning passes the predictions as a flat list of batches but the indices still nested
+        # per dataloader.
         if predictions and isinstance(predictions[0], list):
             predictions = predictions[0]
         if batch_indices and batch_indices[0] and isinstance(batch_indices[0][0], list):
@@ -134,8 +132,7 @@ class PredictionWriter(BasePredictionWriter):
 
 class ThrottledProgressBar(TQDMProgressBar):
     """Lightning's TQDM bar, redrawn during training at most every `min_interval_s` (the stock bar redraws every step, a
-    real cost on a CPU); the epoch's last step is always drawn. A bar configured in `trainer.callbacks` is left
-    alone.
+    real cost on a CPU); the epoch's last step is always drawn. A bar configured in `trainer.callbacks` is left alone.
     """
 
     def __init__(self, min_interval_s: float = 0.2, **kwargs: Any) -> None:
@@ -167,20 +164,19 @@ class LogLineProgressBar(ProgressBar):
     tqdm's redraws make one unreadable line in an sbatch log or CI. Values are the progress-bar metrics; samples/s is
     app/tracking/throughput.py's (the epoch's on its line, passed by `RunCoordinator`; since the last line within an
     epoch). Rank 0 prints; per step it costs two clock reads, no collective. The epoch line is printed after every rank
-    reduced the epoch's values (`print_epoch_line`).
-    """
+    reduced the epoch's values (`print_epoch_line`)."""
 
     def __init__(self, interval_s: float = 30.0) -> None:
         super().__init__()
         self.interval_s = interval_s
         self._enabled = True
         self._next_line_at = math.inf
-        # This rank's training since the epoch's start (or this attempt's, for an epoch resumed in its
-        # middle), and its (samples, seconds) at the previous line within the epoch.
+        # This rank's training since the epoch's start (or this attempt's, for an epoch resumed in its middle), and its
+        # (samples, seconds) at the previous line within the epoch.
         self._clock = TrainingClock()
         self._at_previous_line = (0.0, 0.0)
-        # Who prints the epoch's line: `app.run.coordinator.RunCoordinator` sets itself here in a ddp-app fit
-        # (after every rank has reduced the epoch's values); None: this bar, in its on_train_epoch_end.
+        # Who prints the epoch's line: `app.run.coordinator.RunCoordinator` sets itself here in a ddp-app fit (after
+        # every rank has reduced the epoch's values); None: this bar, in its on_train_epoch_end.
         self.epoch_lines_by: Any = None
 
     def disable(self) -> None:
@@ -227,9 +223,8 @@ class LogLineProgressBar(ProgressBar):
         self, trainer: L.Trainer, pl_module: L.LightningModule, epoch_samples_per_s: float | None = None
     ) -> None:
         """The epoch's line, called by `RunCoordinator` at the epoch's end after every rank reduced the logged values,
-        so reading them here reduces nothing. `epoch_samples_per_s`: the epoch's logged samples/s; None: this rank's
-        own measure.
-        """
+        so reading them here reduces nothing. `epoch_samples_per_s`: the epoch's logged samples/s; None: this rank's own
+        measure."""
         if self._enabled:
             if epoch_samples_per_s is None:
                 epoch_samples_per_s = samples_per_s(*self._clock.totals())
@@ -237,8 +232,8 @@ class LogLineProgressBar(ProgressBar):
 
     def _print_line(self, trainer: L.Trainer, pl_module: L.LightningModule, rate: float | None) -> None:
         batches = batches_done_this_epoch(trainer)
-        # The epoch's batches; not `total_train_batches`, which with max_epochs=-1 is the steps left to
-        # max_steps as of the moment it is read (`batch=20/5` at an epoch's end).
+        # The epoch's batches; not `total_train_batches`, which with max_epochs=-1 is the steps left to max_steps as of
+        # the moment it is read (`batch=20/5` at an epoch's end).
         total = trainer.num_training_batches
         fields = [f"epoch={trainer.current_epoch}", f"step={trainer.global_step}"]
         fields.append(f"batch={batches}/{total if math.isfinite(total) else '?'}")
@@ -259,9 +254,8 @@ TOTAL_FLOPS_LINE = "Total Flops"
 
 class PlainModelSummary(ModelSummary):
     """Every run's model summary (max_depth=1): Lightning's plain table whatever is installed, without the all-zero
-    FLOPs column and "Total Flops" line (no `example_input_array`) unless `DDP_APP_VERBOSE=1`. `summarize` is the
-    hook for how the table is shown.
-    """
+    FLOPs column and "Total Flops" line (no `example_input_array`) unless `DDP_APP_VERBOSE=1`. `summarize` is the hook
+    for how the table is shown."""
 
     @staticmethod
     def summarize(

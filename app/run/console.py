@@ -15,8 +15,7 @@ anything new still shows:
 - PyTorch's C++ log lines below ERROR: TORCH_CPP_LOG_LEVEL=ERROR, read once at load, so `app.__main__` sets it before
   torch is imported (a user's value wins).
 
-This module imports neither torch nor Lightning: `quiet_native_logs` runs before they load.
-"""
+This module imports neither torch nor Lightning: `quiet_native_logs` runs before they load."""
 
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ LIGHTNING_NOTICES = ("💡 Tip:", "GPU available:", "TPU available:")
 # The banner is one message: a rule of 100 dashes, "distributed_backend=...", this line, a rule.
 RENDEZVOUS_BANNER = "-" * 100 + "\ndistributed_backend="
 RENDEZVOUS_LINE = "All distributed processes registered."
-# Lightning's rank-zero logger: lightning_utilities' one `rank_zero_info`, whose logger is the rank_zero
-# module imported last (Lightning's, after Fabric's); both get the filter.
+# Lightning's rank-zero logger: lightning_utilities' one `rank_zero_info`, whose logger is the rank_zero module imported
+# last (Lightning's, after Fabric's); both get the filter.
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 # Loggers whose INFO lines every rank repeats.
 PER_RANK_LOGGERS = (
@@ -80,8 +79,8 @@ def quiet_console(env: Mapping[str, str]) -> None:
         message="The `srun` command is available on your system but is not used",
         module=r"lightning\.fabric\.plugins\.environments\.slurm",
     )
-    # A fit that writes into a checkpoint directory with files in it continues that run: any other is
-    # refused before it starts (app/run/directory.py), so Lightning's warning would only greet every resume.
+    # A fit that writes into a checkpoint directory with files in it continues that run: any other is refused before it
+    # starts (app/run/directory.py), so Lightning's warning would only greet every resume.
     warnings.filterwarnings(
         "ignore",
         message=r"Checkpoint directory .* exists and is not empty",

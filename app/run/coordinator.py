@@ -16,8 +16,7 @@ the epoch-end exchange every rank reads them here in the same order (`settle_log
 
 Why the epoch end is here: Lightning keeps `Checkpoint` callbacks after all others (`_reorder_callbacks`), so as a
 `Checkpoint` this runs last in every hook: last.ckpt holds the best-k state and the exchange follows every user log. The
-order of everything ddp-app installs: `app/run/build.py` `build_trainer`.
-"""
+order of everything ddp-app installs: `app/run/build.py` `build_trainer`."""
 
 from __future__ import annotations
 
@@ -65,8 +64,8 @@ NOT_TIMED = (-1.0,) * 5  # `Record.step_times` of a rank without timed steps
 
 @dataclass(frozen=True)
 class Record:
-    """What one rank sends at a fixed point. `samples_per_s` < 0: not measured; `step_times`: the
-    epoch's mean step, data, compute, communication and other (s), negative: not measured."""
+    """What one rank sends at a fixed point. `samples_per_s` < 0: not measured; `step_times`: the epoch's mean step,
+    data, compute, communication and other (s), negative: not measured."""
 
     signal: int = 0
     save_due: bool = False
@@ -104,8 +103,7 @@ def agree(rows: list[list[float]]) -> Agreement:
 
 def settle_logged_values(trainer: L.Trainer) -> None:
     """Reduce, on this rank, every `sync_dist=True` value no one has reduced yet (called at the same point on every
-    rank; values a rank-0 reader reduced are cached).
-    """
+    rank; values a rank-0 reader reduced are cached)."""
     trainer.callback_metrics  # noqa: B018 (the read is the point)
 
 
@@ -120,15 +118,13 @@ def exchange(record: Record, group: Any, world_size: int) -> Agreement:
 
 
 class RunCoordinator(Checkpoint):
-    """Owns every exchange between ddp-app's ranks during `fit` (see the module docstring): stop
-    signals, last.ckpt's time-interval saves and the epoch's samples/s. Installed by `ddp-app` in
-    every fit; with checkpointing off (`trainer.enable_checkpointing: false`) it saves nothing and
-    leaves stop signals to their default action.
+    """Owns every exchange between ddp-app's ranks during `fit` (see the module docstring): stop signals, last.ckpt's
+    time-interval saves and the epoch's samples/s. Installed by `ddp-app` in every fit; with checkpointing off
+    (`trainer.enable_checkpointing: false`) it saves nothing and leaves stop signals to their default action.
 
     Args:
         last_checkpoint: the writer of last.ckpt and its settings; None: no last.ckpt.
-        tracking, step_timing: where the epoch's per-rank samples/s and step times come from; None: not measured.
-    """
+        tracking, step_timing: where the epoch's per-rank samples/s and step times come from; None: not measured."""
 
     def __init__(
         self,
@@ -199,10 +195,9 @@ class RunCoordinator(Checkpoint):
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         epoch_loop = trainer.fit_loop.epoch_loop
-        # Private (docs/private_apis.md): Lightning broadcasts rank 0's SIGTERM flag before every
-        # step, a collective per step outside this protocol; ddp-app's own handlers own SIGTERM
-        # (`keep_lightning_off_stop_signals`), so that flag is never set. A Lightning without it
-        # stops here in one line rather than train with a collective per step.
+        # Private (docs/private_apis.md): Lightning broadcasts rank 0's SIGTERM flag before every step, a collective per
+        # step outside this protocol; ddp-app's own handlers own SIGTERM (`keep_lightning_off_stop_signals`), so that
+        # flag is never set. A Lightning without it stops here in one line rather than train with a collective per step.
         require(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, "lightning", "ddp-app's stop signals")
         setattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, lambda: None)
         self._steps_until_check, self._steps_since_check, self._last_check = 1, 0, time.monotonic()
@@ -211,8 +206,8 @@ class RunCoordinator(Checkpoint):
         self._stop_due = 0
         self._save_due = False
         self._stop_at = None
-        # A signal during setup (data, rendezvous, sanity check) stops every rank here, together,
-        # with nothing new to save: last.ckpt, if any, is the state training would start from.
+        # A signal during setup (data, rendezvous, sanity check) stops every rank here, together, with nothing new to
+        # save: last.ckpt, if any, is the state training would start from.
         agreement = self._check()
         if agreement.signal:
             self._stop(trainer, agreement.signal, saved=False)
@@ -236,8 +231,8 @@ class RunCoordinator(Checkpoint):
         if signum or due or saves.step_due(trainer.global_step):
             self._pending = (0, False)
             # Saved at the next hook, after Lightning has logged this step's metrics (it does so after
-            # on_train_batch_end) and nothing else has run: the checkpoint never holds a step whose log
-            # row a kill during the save could lose. A stop signal stops right after that save.
+            # on_train_batch_end) and nothing else has run: the checkpoint never holds a step whose log row a kill
+            # during the save could lose. A stop signal stops right after that save.
             self._save_due = True
         if signum:
             self._stop_due = signum
@@ -255,9 +250,9 @@ class RunCoordinator(Checkpoint):
         self._save_and_stop_if_due(trainer)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        # Lightning runs the forward and backward inside `optimizer.step` (its closure) and calls this
-        # hook after them, just before the update: where a save's overlapped copy must be complete
-        # (`last_checkpoint.overlap_copy`; the optimizer's own step pre-hook fires before the closure).
+        # Lightning runs the forward and backward inside `optimizer.step` (its closure) and calls this hook after them,
+        # just before the update: where a save's overlapped copy must be complete (`last_checkpoint.overlap_copy`; the
+        # optimizer's own step pre-hook fires before the closure).
         wait_for_staging(trainer)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -277,16 +272,16 @@ class RunCoordinator(Checkpoint):
         signum = max(agreement.signal, self._pending[0], self._stop_due)
         self._pending = (0, False)
         if self.last_checkpoint is not None:
-            # Always, even right after an interval save at the last batch: validation and the epoch's end
-            # have changed the state since (best-k, epoch counters), and a resume starts the next epoch.
+            # Always, even right after an interval save at the last batch: validation and the epoch's end have changed
+            # the state since (best-k, epoch counters), and a resume starts the next epoch.
             self.last_checkpoint.save(trainer)
         bar = trainer.progress_bar_callback
         if isinstance(bar, LogLineProgressBar):  # enabled on global rank 0 only
             bar.print_epoch_line(trainer, pl_module, agreement.samples_per_s)  # the value logged above
         if signum:
-            # Stopped at the next hook (the next epoch's start, or the end of training), not here:
-            # Lightning logs the epoch's `on_epoch=True` values (train_acc, ...) after this hook, and
-            # a resume from this checkpoint starts the next epoch, which never logs them again.
+            # Stopped at the next hook (the next epoch's start, or the end of training), not here: Lightning logs the
+            # epoch's `on_epoch=True` values (train_acc, ...) after this hook, and a resume from this checkpoint starts
+            # the next epoch, which never logs them again.
             self._stop_due = signum
             self._stop_at = (trainer.global_step, trainer.current_epoch)
 
@@ -305,8 +300,8 @@ class RunCoordinator(Checkpoint):
         finish_writes(trainer)  # what the tracker and the summary name next is on disk (or its failure said)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # Keep the flag-only handlers while a stopped job exits: after a requeue SLURM sends SIGTERM to
-        # every task, which must not end a rank midway (under `app.cli.entry.run` they stay until the exit).
+        # Keep the flag-only handlers while a stopped job exits: after a requeue SLURM sends SIGTERM to every task,
+        # which must not end a rank midway (under `app.cli.entry.run` they stay until the exit).
         if not isinstance(exception, Stopped):
             self._signals.restore(self._taken_signals)
 

@@ -12,8 +12,7 @@ The rule (docs/usage.md, "One run per directory"):
 
 The holder: the launcher for its forked ranks (they see `LOCK_VARIABLE`), global rank 0 under torchrun or srun, an
 in-process `DDPAppCLI` fit for its length. O_EXCL makes simultaneous starts agree (NFS v3+); two takeovers of one stale
-lock in the same millisecond is a race left open. No torch or Lightning here.
-"""
+lock in the same millisecond is a race left open. No torch or Lightning here."""
 
 from __future__ import annotations
 
@@ -36,9 +35,9 @@ from app.errors import UserFacingError
 LOCK_NAME = "fit.lock"
 # Set by the launcher for the ranks it forks: the lock is held by their launcher, not to be taken again.
 LOCK_VARIABLE = "DDP_APP_FIT_LOCK"
-# A live holder touches its lock this often; one silent for STALE_AFTER_S is taken for gone. The
-# margin covers a holder's host clock being off from ours by a minute (mtimes on shared storage come
-# from the writer's host or the file server).
+# A live holder touches its lock this often; one silent for STALE_AFTER_S is taken for gone. The margin covers a
+# holder's host clock being off from ours by a minute (mtimes on shared storage come from the writer's host or the file
+# server).
 HEARTBEAT_S = 15.0
 STALE_AFTER_S = 120.0
 
@@ -93,9 +92,8 @@ def process_runs(pid: int) -> bool:
 
 
 def job_of(env: Mapping[str, str]) -> tuple[str | None, str | None]:
-    """(job, attempt) of this process: a Slurm job id, else a torchrun run id, and the restart counts
-    of both (torchrun inside Slurm restarts within one job attempt). A requeued job keeps its id;
-    torchrun restarts keep their run id."""
+    """(job, attempt) of this process: a Slurm job id, else a torchrun run id, and the restart counts of both (torchrun
+    inside Slurm restarts within one job attempt). A requeued job keeps its id; torchrun restarts keep their run id."""
     attempt = f"{env.get('SLURM_RESTART_COUNT', '0')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if env.get("SLURM_JOB_ID"):
         return f"slurm:{env['SLURM_JOB_ID']}", attempt
@@ -137,8 +135,8 @@ def why_gone(holder: Holder, silent_s: float, env: Mapping[str, str]) -> str | N
 def read_holder(path: Path) -> tuple[Holder, float] | None:
     """The lock's holder and how long since it last touched the file; None if there is no lock.
 
-    A lock that cannot be read (a holder killed while writing it, a file from another version) has
-    an unknown holder: it counts as held until its heartbeat is stale."""
+    A lock that cannot be read (a holder killed while writing it, a file from another version) has an unknown holder: it
+    counts as held until its heartbeat is stale."""
     try:
         silent_s = time.time() - path.stat().st_mtime
         text = path.read_text()
@@ -182,8 +180,8 @@ class RunLock:
         self._thread.start()
 
     def _heartbeat(self) -> None:
-        # Only a utime per beat: the launcher forks its ranks while this thread runs, and a thread
-        # that held a Python-level lock (a print, logging) at the fork would leave it held in the child.
+        # Only a utime per beat: the launcher forks its ranks while this thread runs, and a thread that held a
+        # Python-level lock (a print, logging) at the fork would leave it held in the child.
         while not self._stop.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError):  # removed by hand, or the storage hiccuped: the next beat tries
                 os.utime(self.path)
@@ -258,10 +256,10 @@ def refuse_overwrite(root: Path, checkpoint_dirs: Iterable[Path], ckpt_path: str
 
 
 def claim_run_directory(config: Any, rank_zero: bool, lock: bool) -> RunLock | None:
-    """One run per directory: a fit that another one is training into, or that would write over another
-    run's checkpoints, stops here in one line, before anything is written; with `lock` (global rank 0
-    of a rank launched by torchrun or srun, or an in-process fit) it then holds the directory's lock.
-    The launcher takes it for the ranks it forks (app/cli/entry.py)."""
+    """One run per directory: a fit that another one is training into, or that would write over another run's
+    checkpoints, stops here in one line, before anything is written; with `lock` (global rank 0 of a rank launched by
+    torchrun or srun, or an in-process fit) it then holds the directory's lock. The launcher takes it for the ranks it
+    forks (app/cli/entry.py)."""
     root = Path(config["trainer"]["default_root_dir"] or os.getcwd())
     if rank_zero:
         refuse_if_busy(root, os.environ)
@@ -270,8 +268,8 @@ def claim_run_directory(config: Any, rank_zero: bool, lock: bool) -> RunLock | N
 
 
 def configured_checkpoint_dirs(root: Path, trainer_config: Any) -> list[Path]:
-    """Where a fit with this trainer config writes checkpoints: `<root>/checkpoints` (ddp-app's last.ckpt
-    and every ModelCheckpoint without a dirpath) and the dirpath of any configured callback that has one."""
+    """Where a fit with this trainer config writes checkpoints: `<root>/checkpoints` (ddp-app's last.ckpt and every
+    ModelCheckpoint without a dirpath) and the dirpath of any configured callback that has one."""
     dirs = [root / "checkpoints"]
     callbacks = trainer_config.get("callbacks") or []
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:

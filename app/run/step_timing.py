@@ -15,8 +15,7 @@ median; app/run/summary.py prints them.
 
 `ablation` and `record_dir` are for `ddp-app diagnose`: `batch_in_memory` repeats the first batch (set up in
 app/run/build.py `prepare_run`), `no_communication` registers PyTorch's `noop_hook` (no all-reduce; buffer broadcast
-still runs); `record_dir` gets every step of every rank (`rank<N>.json`).
-"""
+still runs); `record_dir` gets every step of every rank (`rank<N>.json`)."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class StepTiming(L.Callback):
     Args:
         enabled: time every training step (its cost: docs/performance.md).
         ablation: none, or one of `ddp-app diagnose`'s variants (batch_in_memory, no_communication).
-        record_dir: write every step's times of every rank there (`ddp-app diagnose` sets it).
-    """
+        record_dir: write every step's times of every rank there (`ddp-app diagnose` sets it)."""
 
     def __init__(self, enabled: bool = True, ablation: str = "none", record_dir: str | None = None) -> None:
         if ablation not in ABLATIONS:
@@ -106,8 +104,8 @@ class StepTiming(L.Callback):
         checkpoint_state.put(checkpoint, "step_timing", {"sums": self._sums, "steps": self._steps})
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        # An epoch resumed in its middle or at its end (no on_train_epoch_start) continues rank 0's sums
-        # (the checkpoint's): an attempt that trains none of its steps still logs the epoch's figures.
+        # An epoch resumed in its middle or at its end (no on_train_epoch_start) continues rank 0's sums (the
+        # checkpoint's): an attempt that trains none of its steps still logs the epoch's figures.
         saved = checkpoint_state.get(checkpoint, "step_timing") or {}
         self._sums, self._steps = list(saved.get("sums", [0.0] * 5)), int(saved.get("steps", 0))
 
@@ -212,7 +210,7 @@ class FirstBatchAgain:
 
 
 def serve_first_batch_again(source: L.LightningDataModule | L.LightningModule) -> None:
-    """`batch_in_memory`: the source's `train_dataloader` returns `FirstBatchAgain` of its loader
-    (`functools.wraps` keeps Lightning's `is_overridden` answering as for the method it wraps)."""
+    """`batch_in_memory`: the source's `train_dataloader` returns `FirstBatchAgain` of its loader (`functools.wraps`
+    keeps Lightning's `is_overridden` answering as for the method it wraps)."""
     method = source.train_dataloader
     source.train_dataloader = functools.wraps(method)(lambda: FirstBatchAgain(method()))

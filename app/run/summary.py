@@ -2,8 +2,7 @@
 checkpoints, logs and predictions are, where the tracker shows it, and how long it took.
 
 `scalar_metrics` reads `trainer.callback_metrics`, which reduces unread `sync_dist=True` values, so it is called on
-every rank and only rank 0 prints.
-"""
+every rank and only rank 0 prints."""
 
 from __future__ import annotations
 
@@ -96,8 +95,8 @@ def fit_summary(trainer: L.Trainer, metrics: dict[str, float], elapsed_s: float,
 
 
 class EvaluationThroughput(L.Callback):
-    """Samples per second of validate, test and predict: rank 0's batches times the world size (the
-    sampler gives every rank as many), from the first batch's start to the last one's end."""
+    """Samples per second of validate, test and predict: rank 0's batches times the world size (the sampler gives every
+    rank as many), from the first batch's start to the last one's end."""
 
     def __init__(self) -> None:
         self.samples = 0

@@ -200,9 +200,9 @@ def sweep_directory(command: str, positional: Path | None, out: Path | None) -> 
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The arguments, and the rest (`run` passes them to every point's ddp-app fit), with the sweep's
-    directory in `args.out`. `run` takes DIR only as its first argument: after it, a bare word is an
-    option's value (`--config configs/digits.yaml`), for argparse as much as for ddp-app."""
+    """The arguments, and the rest (`run` passes them to every point's ddp-app fit), with the sweep's directory in
+    `args.out`. `run` takes DIR only as its first argument: after it, a bare word is an option's value (`--config
+    configs/digits.yaml`), for argparse as much as for ddp-app."""
     positional = None
     if argv[:1] == ["run"] and len(argv) > 1 and not argv[1].startswith("-"):
         positional, argv = Path(argv[1]), [argv[0], *argv[2:]]

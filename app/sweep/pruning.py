@@ -1,7 +1,6 @@
 """Optuna's pruner at epoch ends, in every rank of a search trial's run: rank 0 reports the metric and asks the pruner,
 the verdict reaches every rank through `reduce_boolean_decision`, and a pruned trial stops like an early stop
-(last.ckpt, exit 0, `pruned.json` for the worker).
-"""
+(last.ckpt, exit 0, `pruned.json` for the worker)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ class OptunaPruning(L.Callback):
 
     Args:
         sweep_dir: the sweep's directory (its sweep.json and study.journal).
-        trial: the Optuna trial number this run is.
-    """
+        trial: the Optuna trial number this run is."""
 
     def __init__(self, sweep_dir: str, trial: int) -> None:
         self.sweep_dir = Path(sweep_dir)

@@ -1,6 +1,5 @@
 """A sweep's results: DIR/results.csv, results.md and results.png, rewritten as points finish, each point's figures
-(best metric and its epoch, mean samples/s, wall time) from its own run's metrics.csv.
-"""
+(best metric and its epoch, mean samples/s, wall time) from its own run's metrics.csv."""
 
 from __future__ import annotations
 

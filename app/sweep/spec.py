@@ -12,8 +12,7 @@ or the same in a `sweep:` section of the config (ddp-app itself ignores it):
       metric: val_acc
       direction: maximize
 
-A bad spec is one line, and nothing runs or is submitted.
-"""
+A bad spec is one line, and nothing runs or is submitted."""
 
 from __future__ import annotations
 
@@ -195,8 +194,8 @@ def build_spec(
 
 
 def check_keys(spec: SweepSpec) -> None:
-    """Parse the ddp-app config with every swept value (the first of a search's range): an unknown
-    key or a value of the wrong type is ddp-app's own one-line parser error, before anything runs."""
+    """Parse the ddp-app config with every swept value (the first of a search's range): an unknown key or a value of the
+    wrong type is ddp-app's own one-line parser error, before anything runs."""
     from app.cli import parse_config
 
     trial_values = [{key: value} for key, values in spec.grid.items() for value in values]

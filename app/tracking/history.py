@@ -12,8 +12,7 @@ be redone (a save past its step, or the run's end). Values no resume logs again 
 save) are kept.
 
 Trackers get settled calls only, once each (app/tracking/sinks.py); `metrics.csv` shows every call as it stands.
-Replaying the journal rebuilds the state. No Lightning or tracker library here.
-"""
+Replaying the journal rebuilds the state. No Lightning or tracker library here."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ class RunHistory:
 
     def resumed(self, seq: int, step: int) -> list[Call]:
         """An attempt continues from the checkpoint saved after call `seq` (at logged step `step`): calls before it are
-        final.
-        """
+        final."""
         settled = self.saved(seq, step)
         for call in self.calls.values():
             if call.state == PENDING:  # logged after the checkpoint by an attempt that died
@@ -125,8 +123,7 @@ class RunHistory:
 
 class Journal:
     """`journal.jsonl`: one JSON object per line, appended and flushed (not fsynced: a kill loses nothing, a power loss
-    the last lines, which are skipped when cut short).
-    """
+    the last lines, which are skipped when cut short)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

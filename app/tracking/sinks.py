@@ -1,7 +1,6 @@
 """Where a run's metrics go: metrics.csv (every value as it stands) and the trackers (settled values only,
 app/tracking/history.py, each once via `sent-<tracker>.txt`, from the tracker thread). Tracker libraries are imported
-only when configured.
-"""
+only when configured."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ MLFLOW_PARAMS_PER_BATCH = 100
 
 class CsvView:
     """`metrics.csv` in CSVLogger's layout: a new call is appended (a new column rewrites the file); replacing a
-    provisional value rewrites the file atomically from the history.
-    """
+    provisional value rewrites the file atomically from the history."""
 
     def __init__(self, log_dir: Path) -> None:
         self.path = log_dir / METRICS_FILE
@@ -192,8 +190,7 @@ class MlflowSink:
             )
 
     def viewing_line(self) -> str:
-        """The run id and where to see it: the server's page of the run, or the command that serves
-        a local store."""
+        """The run id and where to see it: the server's page of the run, or the command that serves a local store."""
         run = f"mlflow: run {self.run_id} (experiment {self.experiment})"
         scheme = urllib.parse.urlparse(self.tracking_uri).scheme
         if scheme in ("http", "https"):
@@ -209,8 +206,7 @@ class WandbSink:
     Offline (the default), each attempt writes its own `wandb/offline-run-*-<id>` under the log directory, uploaded into
     one run by `wandb sync`. Values count as sent only once `finish()` returned (a kill -9 leaves little on disk); the
     next attempt resends. W&B takes nothing at a written step, so steps are sent complete
-    (`TrackedRun._complete_below`).
-    """
+    (`TrackedRun._complete_below`)."""
 
     name = "wandb"
     durable_on_send = False

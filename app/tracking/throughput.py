@@ -3,8 +3,7 @@
 Training samples over all ranks per second of training: from a training batch's start to the last batch's end, less any
 validation in between. Outside: the loader's start, epoch-end validation and last.ckpt's epoch-end save; inside: batch
 loading, callbacks and in-epoch saves. `Tracking` measures it per rank, `RunCoordinator` averages and logs
-`samples_per_s`, shown by the progress line, summary, plot and trackers (one definition since issue 42).
-"""
+`samples_per_s`, shown by the progress line, summary, plot and trackers (one definition since issue 42)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def batch_size_of(batch: Any) -> int:
 
 class TrainingClock:
     """Samples and seconds of training, as the module docstring defines them, since `reset`: `batch_start`/`batch_end`
-    around every batch, `pause` at validation; a clock read per call, nothing else.
-    """
+    around every batch, `pause` at validation; a clock read per call, nothing else."""
 
     def __init__(self) -> None:
         self.reset()
