@@ -1,25 +1,21 @@
 """`python -m app.bench --config configs/digits.yaml [--world-sizes 1,2] [--repeats 5] [--json F] [--plot F]`
 
-Trains one config with the plain-PyTorch reference DDP trainer and with Lightning DDP, on the same
-batches, alternating the two (reference, Lightning, Lightning, reference, ...: the order within a
-pair flips every repeat, so a machine that slows down under sustained load does not always
-penalise the side that runs second), and reports:
+Trains one config with the plain-PyTorch reference DDP trainer and with Lightning DDP on the same batches, in pairs
+whose order flips every repeat (so a machine slowing down does not always penalise the second), and reports:
 
-  per-step time  the median over epochs of the epoch's mean step time, after warm-up steps; a step
-                 runs from one step's start to the next's, so it includes data loading and every
-                 framework hook (the plain median over steps is shown too, but hides costs paid
-                 every N steps, such as logging);
+  per-step time  the median over epochs of the epoch's mean step time after warm-up, from one step's
+                 start to the next's (data loading and every hook included; the plain median over
+                 steps is shown too, but hides costs paid every N steps);
   samples/s      world size x per-rank batch / per-step time;
   first step     from launching the command to the last rank starting its first training step;
   teardown       from the last training step to the exit of every process;
   peak memory    per rank: RSS on CPU, CUDA max allocated on GPUs;
   scaling        efficiency = throughput(N) / (N x throughput(1));
-  framework-free at world size 1, each side's throughput as a fraction of a plain loop over the
-                 same network and batch with the data already on the device (app/bench/bare.py),
-                 run beside every pair; and the first step's time (where `compile: true` compiles).
+  framework-free at world size 1, each side's throughput as a fraction of a plain loop with the data
+                 already on the device (app/bench/bare.py), run beside every pair, and its first step.
 
-Every Lightning-vs-reference figure is the median [min, max] of ratios (or differences) of the
-runs of one pair, which ran back to back: the machine's slow phases hit both sides of a pair.
+Every Lightning-vs-reference figure is the median [min, max] of the ratios (or differences) within pairs run back to
+back.
 """
 
 from __future__ import annotations

@@ -1,27 +1,22 @@
 """`python -m app.bench.data [--config configs/imagefolder_resnet18.yaml] [--data-dir D] [--json F]`: is data the limit?
 
-The samples per second a training DataLoader delivers on this machine (batches iterated, no
-model), at each of `--workers` (0, 1, 2 and 4 loader workers), from two sources:
+The samples per second a training DataLoader delivers here (batches iterated, no model), at each of `--workers` (0, 1, 2
+and 4 loader workers), from:
 
-  imagefolder   image files on disk in the ImageFolder layout, read by `ImageFolderDataModule`'s
-                training split (app/data/image_datasets.py): decoded and given the config's training
-                transforms (random resized crop, flip, normalize) in the workers, each sample seeded
-                per (seed, epoch, index) as in training. `--images` small JPEGs in `--classes`
-                classes are generated into a temporary folder, or `--data-dir` names your own
-                folder (its train/ split is read).
-  litdata       the same images written as LitData shards (`python -m app.data.shard`'s writer, chunks
-                of `--chunk-bytes`) and read by `StreamingDataModule`'s training split: chunk-aware
-                order, decoded from the stored JPEG bytes, the same transforms and seeding
+  imagefolder   image files in the ImageFolder layout, read by `ImageFolderDataModule`'s training split:
+                decoded and transformed (random resized crop, flip, normalize) in the workers, seeded
+                per sample. `--images` small JPEGs in `--classes` classes are generated into a
+                temporary folder, or `--data-dir` names your own folder (its train/ split is read).
+  litdata       the same images written as LitData shards (chunks of `--chunk-bytes`) and read by
+                `StreamingDataModule`'s training split: chunk-aware order, same transforms and seeding
   in memory     the same samples, decoded and transformed once beforehand, as a TensorDataset: the
                 ceiling any loader reaches with this batch size and worker count
 
-against the training step of the config's model (forward, loss, backward and optimizer step on one
-batch of the same size, on `--device`, one thread per rank as in training), measured in the same
-run. Each round times the model and then every (source, workers) cell once, in an order rotated
-from round to round; a cell is one untimed epoch (worker start-up, the page cache) and one timed
-epoch of the same loader (persistent workers). "÷ model" is the loader's samples/s over the
-model's, paired within a round: below 1, the model waits for data. The loader is timed alone, so in
-training, where workers share the cores with the step, it delivers less than this on a CPU.
+against the training step of the config's model (one batch of the same size on `--device`, one thread per rank),
+measured in the same run. Each round times the model and every (source, workers) cell once, in rotated order; a cell is
+one untimed and one timed epoch of a persistent-worker loader. "÷ model" is the loader's samples/s over the model's
+within a round: below 1, the model waits for data. The loader is timed alone, so in CPU training, where workers share
+the cores, it delivers less.
 """
 
 from __future__ import annotations

@@ -1,30 +1,21 @@
 """`python -m app.bench.floor [--config configs/digits.yaml] [--repeats 5] [--json F]`: Lightning's own cost per step.
 
-What a training step costs in Lightning's training loop itself, on this machine, measured without
-anything `ddp-app` adds: one process, one thread, no DDP, no data loading (the same batches, built
-once, in a list), the config's network, loss and optimizer. Each repeat runs, in turn:
+The cost of Lightning's training loop itself on this machine: one process, one thread, no DDP, the same prebuilt
+batches, the config's network, loss and optimizer. Each repeat runs, in turn:
 
   plain              the tutorials' loop: zero_grad, forward, loss, backward, optimizer step
   lightning          a bare `Trainer` (no logger, checkpointing, progress bar, model summary or
-                     sanity check) fitting a LightningModule that has only `training_step` and
-                     `configure_optimizers`, as Lightning ships it
-  + NoProfiler       the same with ddp-app's `NoProfiler` (app/cli/parser.py) instead of Lightning's
-                     default "no profiler"
-  + N callbacks      the same plus N callbacks that override no hook: Lightning calls every hook
-                     of every callback at every step
-  ddp-app            the Trainer and LightningModule `ddp-app fit --config ...` builds (its callbacks,
-                     profiler, loggers, progress line and the config's module), on the same batches;
-                     validation and the sanity check off, and the config's other choices (strategy
-                     at one device, determinism, scheduler, callbacks, logging cadence) as on the
-                     bare side: `SAME_CHOICES_AS_BARE`
+                     sanity check) fitting a module with only `training_step` and `configure_optimizers`
+  + NoProfiler       the same with ddp-app's `NoProfiler` instead of Lightning's default "no profiler"
+  + N callbacks      the same plus N callbacks that override no hook (every hook is called anyway)
+  ddp-app            the Trainer and module `ddp-app fit --config ...` builds, on the same batches, with
+                     the bare side's choices (`SAME_CHOICES_AS_BARE`; validation off)
   ddp-app as configured   the same with the config's own choices
 
-and reports each side's time per step (the median over epochs of the epoch's mean, from one
-step's start to the next, the first epoch left out), and each Lightning side minus plain, paired
-within a repeat: median [min, max] over repeats. "lightning" is the floor under `python -m
-app.bench`'s "lightning added": no per-step work ddp-app could drop makes Lightning's step cheaper
-than this; "ddp-app's own cost" (ddp-app minus + NoProfiler, paired) is what ddp-app itself adds
-per step. The epoch-end work (last.ckpt's save) is outside the clock.
+and reports each side's time per step (median over epochs of the epoch's mean, first epoch left out) and each Lightning
+side minus plain, paired within a repeat: median [min, max] over repeats. "lightning" is the floor under `python -m
+app.bench`'s "lightning added"; "ddp-app's own cost" (ddp-app minus + NoProfiler) is what ddp-app adds per step.
+last.ckpt's epoch-end save is outside the clock.
 """
 
 from __future__ import annotations

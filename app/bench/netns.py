@@ -1,16 +1,13 @@
 """Two "nodes" on one machine: two network namespaces joined by one veth pair, rate-limited with tc.
 
-`python -m app.bench.network` runs one rank in each namespace, so every byte DDP exchanges crosses
-the veth link, where `tc qdisc ... tbf` caps the rate (netem, which would also add latency, is not
-available on these machines). Why this shape and not the Slurm test cluster's (tests/slurm/):
+`python -m app.bench.network` runs one rank in each namespace, so every byte DDP exchanges crosses the veth link, capped
+with `tc qdisc ... tbf` (netem is not available here). Unlike tests/slurm/:
 
-* No bridge and no address in the root namespace: the pair connects the two namespaces directly,
-  so nothing the bench does is visible to, or routable from, the machine's own interfaces.
-* Fixed names (`nbn-rank0`, `nbn-rank1`; `nbv-rank0`, `nbv-rank1`) and a lock file: one bench per
-  machine (two would also spoil each other's timings), and a crashed run's leftovers are found by
-  their exact names and removed at the next start, which holds the lock, so they are not in use.
-* Everything is removed by exact name: processes still inside our namespaces are killed by PID
-  (found through /proc/PID/ns/net), then the namespaces are deleted, which destroys the veth pair.
+- No bridge and no address in the root namespace: nothing is visible to or routable from the machine's interfaces.
+- Fixed names (`nbn-rank0`, `nbn-rank1`; `nbv-rank0`, `nbv-rank1`) and a lock file: one bench per machine; a crashed
+  run's leftovers are removed by name at the next start.
+- Everything is removed by exact name: processes in our namespaces are killed by PID (via /proc/PID/ns/net), then the
+  namespaces are deleted, which destroys the veth pair.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Per-rank timings for `python -m app.bench`, recorded from outside the training code.
 
-The bench sets `APP_BENCH_DIR` (where each rank writes `<side>-rank<r>.json`) and
-`APP_BENCH_LAUNCH_TIME` (the `time.time()` at which it started the command). Without them nothing
-is recorded: `StepRecorder.from_env()` returns None and the Lightning callback does nothing.
-The reference trainer gets one passed in by `app.bench.reference`; Lightning gets `app.bench.callback.BenchTimer`.
-This module imports no Lightning, so that timing the reference does not slow its start.
+The bench sets `APP_BENCH_DIR` (each rank writes `<side>-rank<r>.json`) and `APP_BENCH_LAUNCH_TIME`; without them
+nothing is recorded (`StepRecorder.from_env()` returns None). The reference gets a recorder from `app.bench.reference`,
+Lightning from `app.bench.callback.BenchTimer`. No Lightning here, so timing the reference does not slow its start.
 """
 
 from __future__ import annotations

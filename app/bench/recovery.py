@@ -15,11 +15,9 @@ What a rank killed with kill -9 mid-run costs on each way of restarting without 
              is an os.kill by PID); for the tests' cluster: `python tests/slurm/localcluster.py --
              python -m app.bench.recovery --paths slurm,slurm-torchrun`.
 
-For each: the recovery time, from the kill to the end of the first training step of the restarted
-ranks, and the lost work, the steps trained before the kill that are trained again (the kill's step
-minus the step last.ckpt held), against the checkpoint interval (one epoch here: last.ckpt is
-written at every epoch end). The times come from `StepClock`, a callback the runs get through
-`--trainer.callbacks+=`: rank 0 appends the wall-clock time of every training step to a file.
+For each: the recovery time (kill to the end of the restarted ranks' first step) and the lost work (steps trained again:
+the kill's step minus last.ckpt's), against the checkpoint interval (one epoch). Times come from `StepClock`, a callback
+added with `--trainer.callbacks+=` that appends every step's wall-clock time on rank 0.
 """
 
 from __future__ import annotations

@@ -1,33 +1,24 @@
-"""`python -m app.bench.save_fits [--strategies ddp,fsdp] [--ranks 2,1] [--d-model 1024] [--layers 7]
-[--saves 3] [--every 3] [--out D] [--json F] [--plot F]`: what a checkpoint save costs a real
-`ddp-app fit`, synchronous, background, and background with the copy overlapped, under DDP and under
-FSDP2, on 2 ranks and on 1 (issue 44), side by side in one run.
+"""`python -m app.bench.save_fits [--strategies ddp,fsdp] [--ranks 2,1] [--d-model 1024] [--layers 7] [--saves 3]
+[--every 3] [--out D] [--json F] [--plot F]`: what a checkpoint save costs a real `ddp-app fit`, synchronous,
+background, and background with the copy overlapped, under DDP and under FSDP2, on 2 ranks and on 1 (issue 44), side
+by side in one run.
 
-Each (ranks, strategy, mode) is one `ddp-app fit` of configs/gpt_fsdp.yaml scaled up by the
-overrides (`--d-model 1024 --layers 7`: 88 M parameters, a 1 GB training state with AdamW's two
-moments), saving last.ckpt every `--every` steps with `last_checkpoint.async_save` false ("sync"),
-true ("async"), or true with `last_checkpoint.overlap_copy` ("overlap": the parameters and optimizer
-state are copied while the next step runs, whose optimizer waits for the copy). Each rank trains on
-one CPU thread (`OMP_NUM_THREADS=1`, the app's default), so on a 2-core machine 2 ranks keep every
-core training and the background writer's CPU time can only come from training's, while 1 rank
-leaves a core to the writer, as a GPU node does (it has several cores per GPU, and training keeps
-few of them busy).
+Each (ranks, strategy, mode) is one `ddp-app fit` of configs/gpt_fsdp.yaml scaled up (`--d-model 1024 --layers 7`: 88 M
+parameters, a 1 GB training state), saving last.ckpt every `--every` steps with `last_checkpoint.async_save` false
+("sync"), true ("async"), or with `overlap_copy` ("overlap"). One CPU thread per rank: on a 2-core machine 2 ranks leave
+the writer no idle core, 1 rank leaves one, as a GPU node does.
+
 `SaveTimer`, a callback in the fit, measures on every rank:
 
-- **blocked per save**: the save call itself (`trainer.save_checkpoint`, through which the
-  coordinator saves at a batch's start) plus the next step's wait for an overlapped copy
-  (`BackgroundWriter.staging_wait_s`, before its optimizer step); medians over the saves, the
-  largest over the ranks (a save is a collective: every rank waits for the slowest);
-- **the step during a write**: the steps a background write runs beside (the rest of the save's
-  own step, and each later step that starts while the write is in flight, less any wait for the
-  copy), against the same fit's quiet ones. On a CPU that training keeps busy, this is where the
-  write's own CPU time shows;
-- for comparison with the earlier figures, the save step and the whole step after it beyond two
-  quiet steps (`blocked_with_next_step_ms`): the blocked time plus what the write took from the
-  steps around it.
+- **blocked per save**: the save call plus the next step's wait for an overlapped copy
+  (`BackgroundWriter.staging_wait_s`); medians over saves, the largest over ranks;
+- **the step during a write**: the steps a background write runs beside (less any wait for the copy), against the same
+  fit's quiet ones;
+- the save step and the step after it beyond two quiet steps (`blocked_with_next_step_ms`), for comparison with earlier
+  figures.
 
-Under DDP rank 0 writes the whole checkpoint while the others wait at the save's barrier; under
-FSDP2 every rank writes its shards (DCP). Progress: one line per fit.
+Under DDP rank 0 writes the whole checkpoint while the others wait at the save's barrier; under FSDP2 every rank writes
+its shards (DCP). Progress: one line per fit.
 """
 
 from __future__ import annotations
