@@ -1,15 +1,10 @@
 """`python -m app.plot RUN_DIR [--out curves.png] [--source csv|mlflow]`: a run's learning curves, one PNG.
 
-Every logged metric against the step, the epochs named on the top axis as the console names them,
-one panel per kind of quantity (`kind_of`: losses, metrics in [0, 1], throughput, the learning rate,
-then anything else; docs/tracking.md). Within a kind, a series joins the first panel on which it and
-the series already there stay readable (app/figures.py `readable`), else it gets a panel of its own.
-Losses and learning rates spanning a factor of `LOG_RATIO` or more get a log y axis.
-
-RUN_DIR is a run's `trainer.default_root_dir`; the run started last is plotted, or `--version`.
-`--source mlflow` reads the same run's history from MLflow (the URI and run id its `run.json`
-records). Directories written before run identities existed hold a new version per restart: those
-are joined into one curve (`join_versions`).
+Every logged metric against the step, epochs named on the top axis, one panel per kind of quantity (`kind_of`,
+docs/tracking.md); a series joins the first panel of its kind where all stay readable (app/figures.py `readable`).
+Losses and learning rates spanning `LOG_RATIO` or more get a log axis. RUN_DIR is a run's `trainer.default_root_dir`
+(the last run, or `--version`); `--source mlflow` reads the history from MLflow (as `run.json` records). Older
+directories' per-restart versions are joined (`join_versions`).
 """
 
 from __future__ import annotations

@@ -6,14 +6,10 @@
     python -m app.slurm endpoint          # inside a job: "first-node:port", the rendezvous for torchrun
     python -m app.slurm requeue-on-failure EXIT_CODE   # in a batch script, after its srun step
 
-`render` pins the config's sizes on both the #SBATCH lines and the ddp-app command line, so the
-script and the Trainer cannot disagree; `check` lists every disagreement, one per line (exit 1);
-`submit` checks, creates the log directory (Slurm does not) and submits from any directory
-(docs/slurm.md). Light imports only, so that it runs quickly on a login node.
-
-A tool beside app/cluster/ rather than in it: the Slurm logic it uses lives there (requeue.py,
-slurm_env.py, preflight.py), but `render`, `check` and `submit` read the config through app.cli's
-parser, which itself imports app.cluster (tests/test_import_graph.py forbids the cycle).
+`render` pins the config's sizes on the #SBATCH lines and the command line alike; `check` lists every disagreement (exit
+1); `submit` checks, creates the log directory and submits from any directory (docs/slurm.md). Light imports only, for
+login nodes. A tool beside app/cluster/ (whose Slurm logic it uses) because it reads configs through app.cli, which
+imports app.cluster (tests/test_import_graph.py forbids the cycle).
 """
 
 from __future__ import annotations
