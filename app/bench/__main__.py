@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from app.bench.profiles import parse_profile_steps, profile_table
-from app.bench.report import build_report, format_table, plot
+from app.bench.report import bench_parser, build_report, format_table, plot
 from app.bench.runs import BARE, SIDES, RunResult, command, launch, run_env, summarize_run, variant_config
 from app.reference.config import load_config
 
@@ -128,10 +128,7 @@ def print_profiles(out: Path, steps: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", required=True, type=Path, help="the YAML that ddp-app takes")
+    parser = bench_parser("python -m app.bench", __doc__, None, "the YAML that ddp-app takes")
     parser.add_argument("--world-sizes", type=world_size_list, default=[1, 2], help="comma-separated (default: 1,2)")
     parser.add_argument("--repeats", type=int, default=5, help="(reference, Lightning) pairs per world size")
     parser.add_argument("--epochs", type=int, default=None, help="default: the config's trainer.max_epochs")

@@ -22,7 +22,6 @@ the cores, it delivers less.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ import yaml
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchvision.io import encode_jpeg
 
-from app.bench.report import counts, spread
+from app.bench.report import bench_parser, counts, shown_and_saved, spread
 from app.cluster.threads import configure_cpu_threads
 from app.data.imagefolder import ImageFolderDataModule
 from app.data.litdata_shards import StreamingDataModule
@@ -223,10 +222,7 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.bench.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", type=Path, default=Path("configs/imagefolder_resnet18.yaml"))
+    parser = bench_parser("python -m app.bench.data", __doc__, "configs/imagefolder_resnet18.yaml")
     parser.add_argument("--data-dir", type=Path, default=None, help="your own ImageFolder (else generated)")
     parser.add_argument("--images", type=int, default=512, help="generated training images")
     parser.add_argument("--classes", type=int, default=4, help="generated classes")
@@ -260,10 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rounds": args.rounds,
         **results,
     }
-    print_table(results)
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return results
+    return shown_and_saved(results, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ last.ckpt's epoch-end save is outside the clock.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
+import dataclasses
 import io
 import json
 import logging
@@ -40,7 +40,7 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
-from app.bench.report import spread
+from app.bench.report import bench_parser, spread
 from app.cli import DDPAppCLI, NoProfiler
 from app.cli.entry import allow_plain_cuda_availability_checks
 from app.cluster.threads import configure_cpu_threads
@@ -65,11 +65,11 @@ def config_parts(config: dict[str, Any], batches: int) -> tuple[torch.nn.Module,
     return model.net, model.criterion, config["optimizer"], batches_list
 
 
+@dataclasses.dataclass
 class Batches:
     """The batches as one iterable with a length (Lightning reads a plain list as a list of loaders)."""
 
-    def __init__(self, batches: list) -> None:
-        self.batches = batches
+    batches: list
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -199,11 +199,8 @@ def run_side(side: str, parts: tuple, epochs: int, config: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.bench.floor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--config", type=Path, default=Path("configs/digits.yaml"), help="model from app.models, data from app.data"
+    parser = bench_parser(
+        "python -m app.bench.floor", __doc__, "configs/digits.yaml", "model from app.models, data from app.data"
     )
     parser.add_argument("--batches", type=int, default=37, help="training batches per epoch")
     parser.add_argument("--epochs", type=int, default=8, help="epochs per side and repeat (the first is left out)")

@@ -16,7 +16,6 @@ thread per rank; more ranks than cores make the step times relative, not what a 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,7 +30,7 @@ import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from app.bench.report import counts
+from app.bench.report import bench_parser, counts, shown_and_saved
 
 STRATEGIES = ("ddp", "fsdp")
 DDP = {"class_path": "lightning.pytorch.strategies.DDPStrategy"}
@@ -174,10 +173,7 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.bench.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", type=Path, default=Path("configs/gpt_fsdp.yaml"))
+    parser = bench_parser("python -m app.bench.memory", __doc__, "configs/gpt_fsdp.yaml")
     parser.add_argument("--ranks", type=lambda text: counts(text, 1, "--ranks"), default=[1, 2, 4], help="e.g. 1,2,4")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -211,10 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": summary,
         "per_rank": runs,
     }
-    print_table(results)
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return results
+    return shown_and_saved(results, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from app.cli.resume_check import run_ddp_app
+from app.cli.resume_check import parse_with_config, run_ddp_app
 from app.errors import UserFacingError
 
 # The variants and the overrides that make them (besides the shortened run's).
@@ -371,18 +371,18 @@ def read_records(directory: Path, timeout_s: float) -> list[dict[str, Any]]:
         time.sleep(0.5)
 
 
+HELP = (
+    "Run your config shortened, as configured and with the data, the communication and the waiting for other ranks "
+    "taken out in turn; say where each rank's step time goes and what to change."
+)
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="ddp-app diagnose",
-        description="Run your config shortened, as configured and with the data, the communication and the "
-        "waiting for other ranks taken out in turn; say where each rank's step time goes and what to change.",
-    )
+    parser = argparse.ArgumentParser(prog="ddp-app diagnose", description=HELP)
     parser.add_argument("--steps", type=int, default=60, help="training steps of each run (default 60)")
     parser.add_argument("--out", type=Path, help="write the report and the runs here (default: beside the run)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take (default 600)")
-    known, config_args = parser.parse_known_args(argv)
-    if "--config" not in " ".join(config_args):
-        parser.error("give the run's --config (and any overrides), as for ddp-app fit")
+    known, config_args = parse_with_config(parser, argv)
     if known.steps <= WARMUP_STEPS + 3:
         parser.error(f"--steps must be more than {WARMUP_STEPS + 3}, got {known.steps}")
     index = one_of_several(os.environ)

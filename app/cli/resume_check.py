@@ -510,6 +510,14 @@ def check_runner(
     return Runner(base, workdir, epochs=epochs, run_command=run_command)
 
 
+def parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """A subcommand's own options, and the rest: the run's --config and overrides, as for ddp-app fit."""
+    known, config_args = parser.parse_known_args(argv)
+    if "--config" not in " ".join(config_args):
+        parser.error("give the run's --config (and any overrides), as for ddp-app fit")
+    return known, config_args
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ddp-app resume-check",
@@ -523,9 +531,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--fail-fast", action="store_true", help="stop at the first moment that differs (a quicker answer)"
     )
-    known, config_args = parser.parse_known_args(argv)
-    if "--config" not in " ".join(config_args):
-        parser.error("give the run's --config (and any overrides), as for ddp-app fit")
+    known, config_args = parse_with_config(parser, argv)
     with tempfile.TemporaryDirectory(prefix="resume-check-") as temporary:
         workdir = known.workdir or Path(temporary)
         workdir.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,11 @@ class Launch:
     num_nodes: int
 
 
+def ranks(env: Mapping[str, str], *names: str) -> list[int]:
+    """The launcher's rank variables `names`, each 0 where it is not set."""
+    return [int(env.get(name, "0")) for name in names]
+
+
 def visible_gpus() -> int:
     """CUDA devices this process sees, counted through NVML where it can be, without initialising CUDA: `ddp-app` forks
     its ranks after this check, and CUDA does not survive a fork."""
@@ -147,15 +152,7 @@ def _torchrun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> La
     # fewer than trainer.num_nodes says. Nothing can hang on it (every rank reads WORLD_SIZE from torchrun), so the
     # Trainer follows torchrun (app.cli says so in one line) and the run continues elastically (docs/resume.md).
     nodes = world_size // max(per_node, 1)
-    return Launch(
-        "torchrun",
-        world_size,
-        int(env.get("RANK", "0")),
-        int(env.get("LOCAL_RANK", "0")),
-        int(env.get("GROUP_RANK", "0")),
-        devices,
-        nodes,
-    )
+    return Launch("torchrun", world_size, *ranks(env, "RANK", "LOCAL_RANK", "GROUP_RANK"), devices, nodes)
 
 
 def _srun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
@@ -189,15 +186,7 @@ def _srun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch
             f"the job step runs on {nodes} node(s) (--nodes={nodes}) but trainer.num_nodes={num_nodes}."
             f" HINT: --nodes={num_nodes}, or --trainer.num_nodes {nodes}."
         )
-    return Launch(
-        "srun",
-        ntasks,
-        int(env.get("SLURM_PROCID", "0")),
-        int(env.get("SLURM_LOCALID", "0")),
-        int(env.get("SLURM_NODEID", "0")),
-        devices,
-        num_nodes,
-    )
+    return Launch("srun", ntasks, *ranks(env, "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"), devices, num_nodes)
 
 
 def _interactive_step_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
@@ -248,7 +237,7 @@ def _plain_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
             f" or torchrun --nnodes={num_nodes}, or set NODE_RANK, MASTER_ADDR and MASTER_PORT on every node."
         )
     # Ranks >= 1 that Lightning started itself carry LOCAL_RANK and NODE_RANK.
-    local_rank, node_rank = int(env.get("LOCAL_RANK", "0")), int(env.get("NODE_RANK", "0"))
+    local_rank, node_rank = ranks(env, "LOCAL_RANK", "NODE_RANK")
     return Launch(
         "plain", devices * num_nodes, node_rank * devices + local_rank, local_rank, node_rank, devices, num_nodes
     )
