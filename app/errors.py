@@ -33,8 +33,9 @@ class TrainerArgumentError(UserFacingError):
 
 
 class NonFiniteLossError(UserFacingError):
-    """The gradients became NaN/Inf; no checkpoint holds weights updated with them
-    (app.run.callbacks.NonFiniteGuard)."""
+    """The gradients became NaN/Inf.
+
+    No checkpoint holds weights updated with them (app.run.callbacks.NonFiniteGuard)."""
 
 
 def summarize_parser_error(message: str) -> str:

@@ -45,8 +45,9 @@ def local_bytes(tensor: torch.Tensor) -> int:
 
 
 class MemoryProbe(Callback):
-    """Counts this rank's parameter, gradient and optimizer-state bytes and times each step; writes `out/rank<r>.json`
-    at the end of the fit (`python -m app.bench.memory` adds it to each run)."""
+    """Counts this rank's parameter, gradient and optimizer-state bytes and times each step.
+
+    Writes `out/rank<r>.json` at the end of the fit (`python -m app.bench.memory` adds it to each run)."""
 
     def __init__(self, out: str) -> None:
         self.out = Path(out)

@@ -55,19 +55,23 @@ class LastCheckpoint:
 
     When to save is decided by `app.run.coordinator.RunCoordinator` (every save is a collective), which calls `save`.
 
-        Args:
-            every_n_seconds: save within an epoch when this much training time passed since the last
-                save (0 turns the time interval off). A crash loses at most this much work.
-            every_n_steps: also save every this many optimizer steps (None: no step interval).
-            check_interval_s: how often the ranks compare stop signals and the time interval.
-            async_save: write every checkpoint the Trainer saves during training in the background: a
-                save blocks training only for a copy to host memory (buffers kept for the next save).
-                False: wait for the disk at every save.
-            overlap_copy: with async_save, copy the parameters and the optimizer state to host memory
-                while the next step's forward and backward run; that step's update waits for the copy
-                (docs/performance.md, "Checkpoint saves"). Off by default: only for a module whose
-                weights change in optimizer steps alone; an in-place change in between fails that save
-                in one line, one through `.data` goes unnoticed (docs/resume.md, "Background saves")."""
+    Args:
+        every_n_seconds: save within an epoch when this much training time passed since the last
+            save (0 turns the time interval off). A crash loses at most this much work.
+        every_n_steps: also save every this many optimizer steps (None: no step interval).
+        check_interval_s: how often the ranks compare stop signals and the time interval.
+        async_save: write every checkpoint the Trainer saves during training (last.ckpt and
+            ModelCheckpoints' files) in the background: a save blocks training only for a copy to host
+            memory (app/checkpoints/plugin.py `BackgroundWriter`; under fsdp every rank's shards, written
+            with `dcp.save` on the writer thread), whose buffers stay allocated for the next save (one host
+            copy of the checkpoint: app/checkpoints/staging.py). False: wait for the disk at every save.
+        overlap_copy: with async_save, copy the parameters and the optimizer state to host memory
+            while the next step's forward and backward run; that step's update waits for the copy (a save
+            then blocks training for the rest of the state only: docs/performance.md, "Checkpoint saves").
+            Off by default, because it is only for a module whose weights change in optimizer steps alone:
+            an in-place change of a parameter in between (an EMA swap, a clamp) fails that save in one
+            line, but one through `.data` goes unnoticed (docs/resume.md, "Background saves").
+    """
 
     def __init__(
         self,

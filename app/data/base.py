@@ -21,8 +21,9 @@ __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader that tells Lightning it can resume mid-epoch (`state_dict` / `load_state_dict`); the position lives
-    in the run's `TrainingPositioner` (app/data/positioning.py), not here."""
+    """A DataLoader that tells Lightning it can resume mid-epoch (`state_dict` / `load_state_dict`).
+
+    The position lives in the run's `TrainingPositioner` (app/data/positioning.py), not here."""
 
     def state_dict(self) -> dict[str, int]:
         return {}

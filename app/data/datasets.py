@@ -204,8 +204,9 @@ def mnist_splits(data_dir: str = "data", download: bool = False, val_size: int =
 
 
 class _CIFAR10(datasets.CIFAR10):
-    """torchvision's CIFAR10 with the MD5 check optional (for generated test data); keep `verify_checksums` on for real
-    data: it guards what is unpickled."""
+    """torchvision's CIFAR10 with the MD5 check optional (for generated test data).
+
+    Keep `verify_checksums` on for real data: it guards what is unpickled."""
 
     def __init__(self, *args, verify_checksums: bool = True, **kwargs) -> None:
         self.verify_checksums = verify_checksums

@@ -38,8 +38,9 @@ WORKER_PREFIX = "Caught "
 
 
 class UnreadableImageError(UserFacingError):
-    """An image file that cannot be decoded; the message names it (the user reads our line after the worker's
-    traceback)."""
+    """An image file that cannot be decoded.
+
+    The message names it (the user reads our line after the worker's traceback)."""
 
     def __init__(self, message: str) -> None:
         lines = message.rstrip().splitlines()

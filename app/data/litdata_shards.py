@@ -56,8 +56,9 @@ def is_store(data_dir: str) -> bool:
 
 
 class ShardSamples(Dataset):
-    """One split's shards as a map-style data set (`StreamingDataset[i]`, decoded); `chunk_sizes` tells the sampler how
-    samples lie in chunks. Chunks open lazily in each reading process."""
+    """One split's shards as a map-style data set (`StreamingDataset[i]`, decoded).
+
+    `chunk_sizes` tells the sampler how samples lie in chunks. Chunks open lazily in each reading process."""
 
     def __init__(self, input_dir: str, transform: Any, cache_dir: str | None, shuffle_chunks: int) -> None:
         self.input_dir = input_dir
@@ -109,8 +110,9 @@ class ShardSamples(Dataset):
 
 
 class StreamingDataModule(ShardedDataModule):
-    """LitData shards written by `python -m app.data.shard`: `data_dir/train`, `data_dir/val` and, if written,
-    `data_dir/test` (else val).
+    """LitData shards written by `python -m app.data.shard`: `data_dir/train`, `data_dir/val` (and `data_dir/test`).
+
+    Without test shards the val split is the test split.
 
     `data_dir` is a local folder or a URL (s3://bucket/shards; chunks cached in `cache_dir`, LitData's default when
     null). `shuffle_chunks`: the training order shuffles chunks, then samples within windows of this many chunks (more

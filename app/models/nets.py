@@ -26,8 +26,9 @@ class ToyNet(nn.Module):
 
 
 class ToyMpNet(nn.Module):
-    """The tutorial's ToyMpModel: ToyNet's two halves on two devices (model parallelism); DDP wraps it without
-    `device_ids`. On CPU both halves are on "cpu"."""
+    """The tutorial's ToyMpModel: ToyNet's two halves on two devices (model parallelism).
+
+    DDP wraps it without `device_ids`. On CPU both halves are on "cpu"."""
 
     def __init__(self, dev0: str | torch.device, dev1: str | torch.device) -> None:
         super().__init__()

@@ -359,9 +359,10 @@ def communication_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 
 class GradientCompression(L.Callback):
-    """The `gradient_compression:` config key: registers `CommunicationHook` on Lightning's DDP model (on any device,
-    where Lightning 2.6 registers `ddp_comm_hook` on CUDA only) and keeps its state, every rank's, in the checkpoint.
-    Its settings are `CommunicationHook`'s (the parser reads them there)."""
+    """The `gradient_compression:` config key: registers `CommunicationHook` on Lightning's DDP model.
+
+    On any device (Lightning 2.6 registers `ddp_comm_hook` on CUDA only), with its state, every rank's, in the
+    checkpoint. Its settings are `CommunicationHook`'s (the parser reads them there)."""
 
     def __init__(self, **settings: Any) -> None:
         # The hook checks the values; it is registered at train start, once there is a DDP model.

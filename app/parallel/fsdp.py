@@ -45,8 +45,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy with the sharding done for the user; its checkpoints (safe, atomic, resharding)
-    are its checkpoint I/O's (`ShardedCheckpointIO`).
+    """Lightning's ModelParallelStrategy with the sharding done for the user.
+
+    Its checkpoints (safe, atomic, resharding) are its checkpoint I/O's (`ShardedCheckpointIO`).
 
     Args:
         shard_modules: class names of the submodules that become their own shard units (gathered

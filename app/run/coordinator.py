@@ -64,8 +64,9 @@ NOT_TIMED = (-1.0,) * 5  # `Record.step_times` of a rank without timed steps
 
 @dataclass(frozen=True)
 class Record:
-    """What one rank sends at a fixed point. `samples_per_s` < 0: not measured; `step_times`: the epoch's mean step,
-    data, compute, communication and other (s), negative: not measured."""
+    """What one rank sends at a fixed point. `samples_per_s` < 0: not measured.
+
+    `step_times`: the epoch's mean step, data, compute, communication and other (s), negative: not measured."""
 
     signal: int = 0
     save_due: bool = False

@@ -28,8 +28,9 @@ MLFLOW_PARAMS_PER_BATCH = 100
 
 
 class CsvView:
-    """`metrics.csv` in CSVLogger's layout: a new call is appended (a new column rewrites the file); replacing a
-    provisional value rewrites the file atomically from the history."""
+    """`metrics.csv` in CSVLogger's layout: a new call is appended (a new column rewrites the file).
+
+    Replacing a provisional value rewrites the file atomically from the history."""
 
     def __init__(self, log_dir: Path) -> None:
         self.path = log_dir / METRICS_FILE
