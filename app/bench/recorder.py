@@ -41,10 +41,8 @@ class StepRecorder:
         # This thread's CPU time at each step start: the work a step does, without the waiting (for a peer rank, for a
         # core), which wall-clock step times mix in.
         self.cpu_starts: list[float] = []
-        # On a GPU, a timing event queued at each step start: when the GPU reached it. A loop that never waits for the
-        # GPU queues steps ahead of it (up to the driver's queue depth, a few resnet18 steps), so its host-side step
-        # starts come faster than the GPU runs them, until the epoch end waits; the events time what the GPU did.
-        # Whether the process uses CUDA is decided at its first step (None until then).
+        # On a GPU, a timing event queued at each step start times what the GPU did (host-side starts run ahead of it
+        # by the driver's queue depth). Whether the process uses CUDA is decided at its first step (None until then).
         self.uses_cuda: bool | None = None
         self.gpu_events: list[torch.cuda.Event] = []
         profile = os.environ.get(PROFILE_VARIABLE) if rank == 0 else None

@@ -271,9 +271,8 @@ def check_workers(
             break
         ranks = [rank_times(record) for record in records[variant]]
         step = statistics.fmean(rank.step for rank in ranks)
-        # The share of the step spent waiting for the next batch, as measured in that run (StepTiming's data part): not
-        # the step against the in-memory one, which also counts what the workers' processes take from training's cores
-        # where they share them (a slower compute, not waiting).
+        # The measured wait for the next batch (StepTiming's data part), not the step against the in-memory one, which
+        # also counts the workers' use of training's cores.
         share = statistics.fmean(rank.data for rank in ranks) / step
         tried.append({"num_workers": workers, "step_ms": 1000 * step, "data_share": share})
         if share < DATA_FIXED:

@@ -320,9 +320,7 @@ class Runner:
     # Arguments of the stopped and resumed runs only, not of the uninterrupted one: what only they are checked for (the
     # tests' matrix logs them to W&B, a slow logger, to compare it with metrics.csv).
     case_args: list[str] = field(default_factory=list)
-    # Variants that train exactly as another does (they change how checkpoints are written, not what is trained:
-    # `last_checkpoint.overlap_copy`): their stopped runs are compared with that one's uninterrupted run, which runs
-    # once for both.
+    # Variants that train exactly as another (`last_checkpoint.overlap_copy`): compared with its uninterrupted run.
     trains_as: dict[str, str] = field(default_factory=dict)
     # How each fit runs: `ddp-app ARGS >> log`, its exit code (the tests fork theirs from a warm process).
     run_command: Callable[[list[str], Path, float], int] = run_ddp_app

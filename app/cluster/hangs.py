@@ -44,12 +44,10 @@ from app.private_apis import require
 FLIGHT_RECORDER_ENTRIES = 2000
 # How long a waiting rank waits for each other rank's answer: a stopped rank never answers.
 ASK_TIMEOUT_S = 10.0
-# How often each rank reads, in process, which collective it entered last on each group (a few microseconds: its flight
-# recorder's status, without the entries) to look for a certain deadlock (`HangReport._watch_for_mismatch`).
+# How often each rank reads which collective it entered last per group (microseconds), for `_watch_for_mismatch`.
 MISMATCH_CHECK_S = 1.0
-# A rank that has entered no new collective for this long compares its newest one with what the other ranks entered at
-# that sequence number. Only the cost depends on it (one full read of its own flight recorder per such pause): the
-# decision rests on the collectives, never on the time.
+# A rank stalled this long compares its newest collective with the others' at that sequence number; only the cost
+# depends on it, never the decision.
 STALLED_S = 2.0
 # How long such a comparison waits for each other rank's recent collectives (a stopped rank never answers; it is named
 # by the collective timeout's report).
@@ -60,9 +58,8 @@ SILENT_RETRY_S = 4.0
 SILENT_RETRY_MAX_S = 60.0
 # How many of its newest collectives per process group a rank shows the others for that comparison.
 RECENT_ENTRIES = 16
-# A rank reads its whole flight recorder for those at most this often: a rank that keeps entering collectives (on a
-# group without the asking rank) while another asks it every second is not slowed by more than one read per interval. A
-# rank paused for `STALLED_S` is always read as it is.
+# A rank reads its whole flight recorder for those at most this often (one read per interval however often it is
+# asked); a rank paused for `STALLED_S` is always read as it is.
 FULL_READ_EVERY_S = STALLED_S
 # PyTorch's debug endpoint handlers (torch/csrc/distributed/c10d/control_plane/Handlers.cpp).
 STACKS_HANDLER = "dump_traceback"
@@ -84,9 +81,8 @@ ENTRY_FIELDS = (
 )  # fmt: skip
 # Code a main thread is in while it waits in a collective (besides a backward: DDP's all-reduce).
 COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/")
-# When every rank's record shows it in the collective the reporter waits in, the records are read again this much later
-# before the network is blamed: a rank read a moment before it entered its next collective (a busy machine, records read
-# at different moments) has moved on by then.
+# When every rank seems to wait where the reporter does, read again this much later before blaming the network: a rank
+# read just before its next collective has moved on by then.
 RECHECK_S = 2.0
 # {"frames": [[filename, line, function], ...]} of this process's timed-out wait, innermost last.
 _waited: dict[str, list[list[Any]]] = {"frames": []}

@@ -63,11 +63,9 @@ class ShardSamples(Dataset):
     def __init__(self, input_dir: str, transform: Any, cache_dir: str | None, shuffle_chunks: int) -> None:
         self.input_dir = input_dir
         self.stream = open_shards(input_dir, cache_dir)
-        # From a store (a URL), LitData reads an item by index with a ranged request of its own bytes unless told to
-        # fetch its whole chunk into the cache: one request per sample, and its `local:` store answered those with
-        # nothing (litdata 0.2.76). Whole chunks suit the chunked order, which reads every sample of a chunk close
-        # together. `_on_demand_bytes` is private (docs/private_apis.md); its public setter needs the per-process cache
-        # that the first read creates, after the first ranged request.
+        # Fetch whole chunks, not one ranged request per sample (which LitData's `local:` store answered with nothing,
+        # litdata 0.2.76); the chunked order reads a chunk's samples together. `_on_demand_bytes` is private
+        # (docs/private_apis.md): its public setter needs the cache that the first ranged request creates.
         self.stream._on_demand_bytes = False
         # LitData's (start, end) of each chunk's samples (`StreamingDataset.region_of_interest`, listed in
         # docs/private_apis.md): the whole chunk unless LitData subsamples.

@@ -218,11 +218,9 @@ class CommunicationHook:
         """Register on `model` (before its first backward). `names`: {id(parameter): name} for the checkpointed state
         (default: the wrapped module's own parameter names)."""
         self._group = model.process_group
-        # gloo runs a future's callbacks on its worker threads (2), and powerSGD_hook's callbacks block there waiting
-        # for the next all-reduce: with two buckets in flight every worker waits and training hangs at the first
-        # compressed step (torch 2.14, any model with several buckets). On gloo each bucket's PowerSGD therefore
-        # completes before backward goes on (same numbers, no overlap of that bucket's communication with the rest of
-        # the backward pass).
+        # gloo runs future callbacks on its 2 worker threads, where powerSGD_hook's block on the next all-reduce: two
+        # buckets in flight hang the first compressed step (torch 2.14). So on gloo each bucket's PowerSGD completes
+        # before backward goes on (same numbers, less overlap).
         self._on_gloo = dist.get_backend(self._group) == "gloo"
         own_names = {id(parameter): name for name, parameter in model.module.named_parameters()}
         self._memory.names = dict(names) if names is not None else own_names
