@@ -10,8 +10,8 @@ def main() -> None:
 
     from app.run.console import STARTED_VARIABLE, quiet_native_logs
 
-    # The run's wall time, which its summary reports (app/run/summary.py), counts from here: the imports
-    # below take seconds.
+    # The run's wall time, which its summary reports (app/run/summary.py), counts from here: the imports below take
+    # seconds.
     os.environ.setdefault(STARTED_VARIABLE, str(time.time()))
     quiet_native_logs(os.environ)  # before anything below imports torch, which reads it once
 

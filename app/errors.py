@@ -1,14 +1,9 @@
 """One place that turns an exception into the one line a user reads, or decides it is a bug.
 
-Every entry point (`ddp-app`, and every rank it starts) prints `ddp-app: error: <line>` and exits 2
-for the problems below, which are the user's to fix: errors we raise for bad input
-(`UserFacingError` and its subclasses) and errors we recognise (parser errors, Lightning's
-configuration errors, a full disk, a lost peer rank, a failed rendezvous, a checkpoint for another
-model). Anything else, a `ValueError` in a user's `training_step` included, keeps its traceback.
-`DDP_APP_TRACEBACK=1` prints the traceback before the one line too.
-
-This module imports no Lightning: the datasets the reference trainer shares raise these errors.
-"""
+Every entry point prints `ddp-app: error: <line>` and exits 2 for the user's problems: our `UserFacingError` family and
+errors we recognise (parser and Lightning configuration errors, a full disk, a lost peer, a failed rendezvous, a
+checkpoint of another model). Anything else keeps its traceback; `DDP_APP_TRACEBACK=1` prints it before the line too. No
+Lightning here."""
 
 from __future__ import annotations
 
@@ -38,8 +33,9 @@ class TrainerArgumentError(UserFacingError):
 
 
 class NonFiniteLossError(UserFacingError):
-    """The gradients became NaN/Inf; no checkpoint holds weights updated with them
-    (app.run.callbacks.NonFiniteGuard)."""
+    """The gradients became NaN/Inf.
+
+    No checkpoint holds weights updated with them (app.run.callbacks.NonFiniteGuard)."""
 
 
 def summarize_parser_error(message: str) -> str:
@@ -111,11 +107,8 @@ def _yaml_syntax_error(message: str, config_file: str | None) -> str:
 
 
 def _config_file_being_read() -> str | None:
-    """The config file jsonargparse was reading when it reported a YAML error (the error names only
-    "<unicode string>"): the innermost file of jsonargparse's stack of config files being loaded,
-    still set while its parser reports the error. `jsonargparse._util.config_load_stack` is private
-    (docs/private_apis.md); if a release drops it, the line names no file and
-    tests/test_errors.py fails."""
+    """The config file jsonargparse was reading when it reported a YAML error (innermost of its private
+    `config_load_stack`, docs/private_apis.md); tests/test_errors.py fails if a release drops it."""
     util = sys.modules.get("jsonargparse._util")
     stack_variable = getattr(util, "config_load_stack", None)
     stack = stack_variable.get() if stack_variable is not None else ()
@@ -172,8 +165,8 @@ def _is_lightning_misconfiguration(error: BaseException) -> bool:
     return exceptions is not None and isinstance(error, exceptions.MisconfigurationException)
 
 
-# Lightning's modules that validate the Trainer's arguments and raise a plain ValueError for a bad
-# one (`accelerator="quantum"`, an unknown strategy or precision name).
+# Lightning's modules that validate the Trainer's arguments and raise a plain ValueError for a bad one
+# (`accelerator="quantum"`, an unknown strategy or precision name).
 LIGHTNING_INPUT_CHECKS = ("lightning/pytorch/trainer/connectors/", "lightning/fabric/connector.py")
 
 
@@ -183,11 +176,8 @@ def _raised_in(error: BaseException, places: tuple[str, ...]) -> bool:
 
 
 def user_message(error: BaseException) -> str | None:
-    """The one-line message for an error the user can fix, or None for a bug (keep the traceback).
-
-    With `DDP_APP_TRACEBACK=1`, the traceback of an error that gets a one-line message is printed
-    to stderr first (a bug's traceback is printed anyway).
-    """
+    """The one-line message for an error the user can fix, or None for a bug (keep the traceback); with
+    `DDP_APP_TRACEBACK=1` the traceback is printed first."""
     message = one_line_message(error)
     if message is not None and os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
         traceback.print_exception(error, file=sys.stderr)
@@ -228,8 +218,8 @@ def one_line_message(error: BaseException) -> str | None:
             "Fix: check that rank 0 runs, the address is reachable from this node and the port is open."
         )
     if _raised_in(error, PARSER):
-        # jsonargparse wraps what a constructor raised while it checks the config. Our own input
-        # error keeps its line, a parser complaint gets one, and a bug in a user's class its traceback.
+        # jsonargparse wraps what a constructor raised while it checks the config. Our own input error keeps its line, a
+        # parser complaint gets one, and a bug in a user's class its traceback.
         root = _root_cause(error)
         if isinstance(root, UserFacingError):
             return _one_line(str(root))
@@ -242,8 +232,8 @@ PARSER = ("jsonargparse/", "argparse.py")
 
 
 def failed_because_a_peer_died(error: BaseException) -> bool:
-    """Whether this rank stops only because another one died: one line, but not bad input, so it
-    exits with its own code and a restart or requeue is worth it."""
+    """Whether this rank stops only because another one died: one line, but not bad input, so it exits with its own code
+    and a restart or requeue is worth it."""
     message = one_line_message(error)
     return message is not None and LOST_ANOTHER_RANK in message
 

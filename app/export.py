@@ -61,8 +61,7 @@ def config_from_hyperparameters(hyper_parameters: dict[str, Any]) -> dict[str, A
 def logged_run_config(ckpt_path: Path) -> Path | None:
     """The newest `config.yaml` LightningCLI saved beside the run whose checkpoint is `ckpt_path`.
 
-    ddp-app writes checkpoints to `<root>/checkpoints/` and logs to `<root>/<name>/<version>/`.
-    """
+    ddp-app writes checkpoints to `<root>/checkpoints/` and logs to `<root>/<name>/<version>/`."""
     directory = ckpt_path.resolve().parent
     if directory.name != "checkpoints":  # not a run's checkpoint directory: its parent is no run
         return None
@@ -198,8 +197,8 @@ def export_exported_program(ckpt_path: Path, out_path: Path, config_path: Path |
 
 
 def export_sharded_state_dict(ckpt_path: Path, out_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """`--format state-dict` of a sharded checkpoint (app/checkpoints/sharded.py): every weight joined
-    whole in this process, no process group; the same file a single-file checkpoint exports to."""
+    """`--format state-dict` of a sharded checkpoint (app/checkpoints/sharded.py): every weight joined whole in this
+    process, no process group; the same file a single-file checkpoint exports to."""
     state = exportable_state_dict({"state_dict": load_full_tensors(ckpt_path)}, str(ckpt_path))
     atomic_write(out_path, lambda file: torch.save(state, file))
     return state, safe_load(ckpt_path / META_NAME).get("hyper_parameters", {})

@@ -1,22 +1,13 @@
 """What every PNG ddp-app writes records about itself, and when two series may share a y axis.
 
-ddp-app's plots (`python -m app.plot`'s learning curves, a sweep's results.png, `app.bench --plot`
-and `app.bench.network --plot`) are written by `save`. It stores, as PNG text metadata under
-PANELS_KEY, a JSON list with one entry per panel (subplot): its title, labels, x and y limits and
-scales, the ticks of a secondary (top) x axis, and per series its name, how it is drawn and its data
-min and max. A series is an artist with a legend label (a line, a scatter, error bars, bars);
-unlabelled artists (reference lines such as a resume marker) are decoration. Read it back with
+`save` stores, as PNG text under PANELS_KEY, one JSON entry per panel: title, labels, limits and scales, secondary x
+ticks, and per series (an artist with a legend label) its name, style and data min and max. Read it with
 `read_panels(path)`, or PIL: `json.loads(Image.open(path).text["ddp-app:panels"])`.
 
-Readability rule (`readable`): a series may share a y axis only where the axis shows it. Either its
-values span at least MIN_SHARE (a tenth) of the axis's range, so its changes are visible; or it is
-flat in fact (constant, or moving by at most FLAT_CHANGE, a quarter, of its own level: a throughput
-that does not scale, a loss on its plateau) and the axis shows its level: on a log axis always, on
-a linear one when its level is at least a tenth of the axis's range. On a log axis spans are
-measured in decades. Series whose scales differ by more than about 10x therefore never share an
-axis; `fits_one_axis` applies the rule to series about to share one, with matplotlib's default
-margins included.
-"""
+Readability rule (`readable`): a series may share a y axis only where the axis shows it: its values span at least
+MIN_SHARE of the axis's range, or it is flat (changes by at most FLAT_CHANGE of its level) and the axis shows its level
+(log axes always; linear when the level is a tenth of the range). Log spans are in decades. `fits_one_axis` applies it
+with matplotlib's default margins."""
 
 from __future__ import annotations
 
@@ -33,8 +24,8 @@ Y_MARGIN = 0.05  # matplotlib's default axes.ymargin: autoscaled limits add this
 
 
 def readable(low: float, high: float, axis_low: float, axis_high: float, log: bool = False) -> bool:
-    """Whether a series with values in [low, high] is readable on a y axis from axis_low to axis_high
-    (the module's docstring states the rule)."""
+    """Whether a series with values in [low, high] is readable on a y axis from axis_low to axis_high (the module's
+    docstring states the rule)."""
     level = max(abs(low), abs(high))
     if log:
         changes_visible = math.log10(high / low) >= MIN_SHARE * math.log10(axis_high / axis_low)

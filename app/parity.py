@@ -175,18 +175,9 @@ def reference_to_lightning_checkpoint(
 ) -> dict[str, Any]:
     """A Lightning checkpoint that continues the reference's run: its weights, optimizer and scheduler.
 
-    `snapshot` is the reference's `snapshot.pt` (MODEL_STATE, OPTIMIZER_STATE, SCHEDULER_STATE,
-    EPOCHS_RUN); `module` is the LightningModule (with the network as `module.net`) that will load
-    it, and whose `configure_optimizers` builds the optimizer and scheduler the reference built.
-
-    The reference keeps no loop counters, and Lightning's (which epoch comes next, the global step,
-    what set_epoch the sampler gets) are Lightning's private format. They and ddp-app's data position
-    (the position in its `exact_resume` part), and nothing else, come from `lightning_checkpoint`: a checkpoint
-    Lightning wrote for the same config at the end of the same epoch (P1's last.ckpt).
-    Its weights, optimizer, scheduler, callback and RNG states are left
-    out, so whatever the continued run starts from is the reference's. Neither side restores RNG
-    state (the reference saves none): bit-for-bit continuation needs a model without dropout.
-    """
+    `snapshot` is the reference's `snapshot.pt`; `module` the LightningModule that loads it. Only the loop counters and
+    ddp-app's data position come from `lightning_checkpoint` (Lightning's own checkpoint of the same epoch, P1's
+    last.ckpt). Neither side restores RNG state: bit-for-bit continuation needs a model without dropout."""
     epochs_run = int(snapshot["EPOCHS_RUN"])
     if int(lightning_checkpoint["epoch"]) + 1 != epochs_run:
         raise ValueError(
@@ -198,8 +189,8 @@ def reference_to_lightning_checkpoint(
         missing = sorted(set(state_dict) ^ set(module.state_dict()))
         raise ValueError(f"the reference's weights do not fit {type(module).__name__}: first mismatch {missing[0]}")
     scheduler_state = snapshot.get("SCHEDULER_STATE") or {}
-    # Optimizer state is keyed by parameter index. The module holds nothing but `net` (checked above),
-    # so its parameters are the network's in the same order: the indices carry over.
+    # Optimizer state is keyed by parameter index. The module holds nothing but `net` (checked above), so its parameters
+    # are the network's in the same order: the indices carry over.
     return checkpoint_state.lightning_checkpoint(
         state_dict,
         [snapshot["OPTIMIZER_STATE"]],
@@ -211,9 +202,8 @@ def reference_to_lightning_checkpoint(
 def single_process_fit(config: dict[str, Any], world_size: int, mode: str) -> dict[str, torch.Tensor]:
     """One process that sees, per step, exactly the micro-batches the N ranks would see.
 
-    mode "accumulate": backward on each rank's micro-batch with loss / N, then one step.
-    mode "global-batch": one forward/backward over the N micro-batches concatenated.
-    """
+    mode "accumulate": backward on each rank's micro-batch with loss / N, then one step. mode "global-batch": one
+    forward/backward over the N micro-batches concatenated."""
     configure_cpu_threads()
     job = build_job(config)
     net, criterion = job.net, job.criterion
@@ -327,8 +317,8 @@ def variant_config(base: dict[str, Any], optimizer: str, epochs: int, world_size
     config["optimizer"] = current if current.get("class_path") == wanted["class_path"] else wanted
     trainer = config.setdefault("trainer", {})
     trainer.update(max_epochs=epochs, devices=world_size, enable_progress_bar=False, accelerator="cpu")
-    # P1-P5 step after every batch (P2's single process does); P6 adds accumulation on its own,
-    # P7 compression (P2's single process has no all-reduce to compress).
+    # P1-P5 step after every batch (P2's single process does); P6 adds accumulation on its own, P7 compression (P2's
+    # single process has no all-reduce to compress).
     trainer.pop("accumulate_grad_batches", None)
     config.pop("gradient_compression", None)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -347,14 +337,14 @@ STEPS = [
     "P6 accumulation",
     "P7 compression",
 ]
-# Processes started per optimizer, each a launch of ddp-app or the reference (or app.export):
-# Lightning and reference (P1), two evaluations (P3), the export (P4), both under torchrun (P5) and
-# both accumulating (P6). For the interop optimizer also: P4's continuation and P8's elastic resume
-# and continuation (two each), and P7's Lightning and reference per compression method.
+# Processes started per optimizer, each a launch of ddp-app or the reference (or app.export): Lightning and reference
+# (P1), two evaluations (P3), the export (P4), both under torchrun (P5) and both accumulating (P6). For the interop
+# optimizer also: P4's continuation and P8's elastic resume and continuation (two each), and P7's Lightning and
+# reference per compression method.
 LAUNCHES_PER_OPTIMIZER = 9
-# The measured figure (docs/parity.md): the command's 30 launches on configs/digits.yaml, 2 ranks,
-# 3 epochs, took 267 s on an idle 2-core VM, about 9 s each (mostly starting Python, torch and the
-# ranks); tests/parity/test_parity.py has seen up to 560 s on a busy one.
+# The measured figure (docs/parity.md): the command's 30 launches on configs/digits.yaml, 2 ranks, 3 epochs, took 267 s
+# on an idle 2-core VM, about 9 s each (mostly starting Python, torch and the ranks); tests/parity/test_parity.py has
+# seen up to 560 s on a busy one.
 SECONDS_PER_LAUNCH = 9
 
 
@@ -364,14 +354,14 @@ def launches(optimizers: list[str]) -> int:
 
 
 def interop_optimizer_of(optimizers: list[str]) -> str:
-    """The optimizer P4's continuation, P7 and P8 run for: Adam's (the conversion moves every optimizer's
-    state the same way, and Adam has the most of it), or the first without it."""
+    """The optimizer P4's continuation, P7 and P8 run for: Adam's (the conversion moves every optimizer's state the same
+    way, and Adam has the most of it), or the first without it."""
     return "adam" if "adam" in optimizers else optimizers[0]
 
 
 def stage_plan(optimizers: list[str]) -> list[str]:
-    """Every stage `run_parity` announces, in order: made before the run, so that each line can say
-    how many there are ([3/19]); `Progress` refuses a stage out of this order."""
+    """Every stage `run_parity` announces, in order: made before the run, so that each line can say how many there are
+    ([3/19]); `Progress` refuses a stage out of this order."""
     interop_optimizer = interop_optimizer_of(optimizers)
     stages = []
     for optimizer in optimizers:
@@ -414,10 +404,10 @@ def start_line(config_path: Path, world_size: int, epochs: int, optimizers: list
 
 
 class Progress:
-    """One line per stage as it starts, numbered 1 to N over the planned stages (`stage_plan`), so a
-    log shows where a run of several minutes is; and the seconds per step of STEPS (summed over the
-    optimizers: where the time goes). A step is a unit of accounting, not a stage: some steps
-    announce no stage ("config"), others several (P7's compression methods)."""
+    """One line per stage as it starts, numbered 1 to N over the planned stages (`stage_plan`), so a log shows where a
+    run of several minutes is; and the seconds per step of STEPS (summed over the optimizers: where the time goes). A
+    step is a unit of accounting, not a stage: some steps announce no stage ("config"), others several (P7's compression
+    methods)."""
 
     def __init__(self, stages: list[str]) -> None:
         self.stages = stages
@@ -596,8 +586,8 @@ def run_parity(
     return checks, {step: round(value, 1) for step, value in progress.seconds.items()}
 
 
-# P7's settings: PowerSGD compresses from step 5 on at rank 2 (digits' 256x64 and 10x256 matrices
-# are both compressed), so most of a short run's steps go through it.
+# P7's settings: PowerSGD compresses from step 5 on at rank 2 (digits' 256x64 and 10x256 matrices are both compressed),
+# so most of a short run's steps go through it.
 COMPRESSION_CHECKED = {
     "fp16": {"method": "fp16"},
     "bf16": {"method": "bf16"},
@@ -631,8 +621,8 @@ def reference_continued_by_lightning(
     last: Path,
     on_ranks: int | None = None,
 ) -> Check:
-    """P4: the reference's last snapshot, one more epoch by Lightning and by the reference itself.
-    P8 (`on_ranks`): the same on another number of ranks, where both continue the run elastically."""
+    """P4: the reference's last snapshot, one more epoch by Lightning and by the reference itself. P8 (`on_ranks`): the
+    same on another number of ranks, where both continue the run elastically."""
     ranks = on_ranks or world_size
     name = "" if on_ranks is None else f"_on_{ranks}"
     snapshot_path = work / "reference" / "snapshot.pt"
@@ -645,8 +635,8 @@ def reference_continued_by_lightning(
     shutil.copy(snapshot_path, continued / "snapshot.pt")
     more_epochs = [f"--trainer.max_epochs={epochs + 1}", "--ckpt_path", str(converted), f"--trainer.devices={ranks}"]
     lightning = lightning_fit(config_path, work / f"lightning_continued{name}", "ddp-app", ranks, more_epochs)
-    # torchrun, not mp.spawn: it starts the reference in about half the time here, and P5 shows the
-    # launcher does not change a bit. On other ranks than the config's devices, mp.spawn --world-size.
+    # torchrun, not mp.spawn: it starts the reference in about half the time here, and P5 shows the launcher does not
+    # change a bit. On other ranks than the config's devices, mp.spawn --world-size.
     launcher = "torchrun" if on_ranks is None else "mp.spawn"
     reference = reference_fit(config_path, continued, launcher, ranks, ["--epochs", str(epochs + 1)])
     where = f" on {ranks} ranks" if on_ranks is not None else ""
@@ -663,14 +653,14 @@ def reference_continued_by_lightning(
     return check
 
 
-# P8's tolerance: relative to the largest weight. Per-rank batches of different sizes sum the
-# gradient in another order than the uninterrupted run, so equality holds up to fp32 rounding.
+# P8's tolerance: relative to the largest weight. Per-rank batches of different sizes sum the gradient in another order
+# than the uninterrupted run, so equality holds up to fp32 rounding.
 ELASTIC_TOLERANCE = 1e-5
 
 
 def elastic_check(config_path: Path, work: Path, optimizer: str, world_size: int, job: Job, reference: dict) -> Check:
-    """P8: Lightning stopped mid-epoch at `world_size` ranks and resumed on `world_size + 1` vs the
-    reference's uninterrupted `world_size`-rank run (same global batch, same sample order)."""
+    """P8: Lightning stopped mid-epoch at `world_size` ranks and resumed on `world_size + 1` vs the reference's
+    uninterrupted `world_size`-rank run (same global batch, same sample order)."""
     config = load_config(config_path)
     total = batches_per_epoch(job, world_size) * int(config["trainer"]["max_epochs"])
     root = work / "lightning_elastic"
@@ -710,8 +700,8 @@ def last_weights(last: Path) -> dict[str, torch.Tensor]:
 
 
 def relative_difference(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """(the largest |difference| over the model's largest |weight|, as P8 measures; the first tensor beyond
-    the tolerance, or "")."""
+    """(the largest |difference| over the model's largest |weight|, as P8 measures; the first tensor beyond the
+    tolerance, or "")."""
     if expected.keys() != actual.keys():
         return float("inf"), f"different tensor names, first: {sorted(set(expected) ^ set(actual))[0]}"
     scale = max(float(tensor.abs().max()) for tensor in expected.values()) or 1.0
@@ -759,9 +749,9 @@ def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) 
     compared = f"FSDP2 vs DDP, {world_size} ranks"
     checks.append(Check("P9b", optimizer, compared, difference, RELATIVE_TOLERANCE, not detail, detail))
 
-    # P9c trains with SGD: Adam divides each update by the root of the gradient's running square, so
-    # the rounding of another summation order grows where gradients are tiny (on this config, 2 ranks
-    # resumed on 3: 1.2e-5 of the largest weight under FSDP2, 9.8e-6 under DDP; docs/fsdp.md).
+    # P9c trains with SGD: Adam divides each update by the root of the gradient's running square, so the rounding of
+    # another summation order grows where gradients are tiny (on this config, 2 ranks resumed on 3: 1.2e-5 of the
+    # largest weight under FSDP2, 9.8e-6 under DDP; docs/fsdp.md).
     progress.stage(f"fsdp: SGD, stopped on {world_size} ranks, resumed on {world_size + 1}")
     sgd_config = write_variant({**config, "optimizer": ELASTIC_OPTIMIZER}, out_dir / "fsdp-sgd.yaml")
     uninterrupted = lightning_fit(sgd_config, out_dir / "sgd", "ddp-app", world_size)
@@ -820,12 +810,8 @@ def fresh_out_suggestion(out: Path) -> Path:
 
 
 def check_fresh_out(out: Path) -> None:
-    """Refuse, before the first launch, an `--out` that already holds files (a previous parity run's).
-
-    Every launch trains a fresh run in its own directory under `out`, and ddp-app refuses to fit into
-    a directory that holds a run (app/run/directory.py), as it would write over its checkpoints: a
-    second run into the same `out` stopped minutes in, at its first fit, with a traceback. The previous
-    run's files (its table in parity.json, the logs a failed check points at) are the user's to keep."""
+    """Refuse, before the first launch, an `--out` that already holds files: ddp-app refuses to fit over a run (it would
+    stop at the first fit), and the previous run's files are the user's."""
     if not out.exists():
         return
     if not out.is_dir():

@@ -1,15 +1,10 @@
 """`python -m app.plot RUN_DIR [--out curves.png] [--source csv|mlflow]`: a run's learning curves, one PNG.
 
-Every logged metric against the step, the epochs named on the top axis as the console names them,
-one panel per kind of quantity (`kind_of`: losses, metrics in [0, 1], throughput, the learning rate,
-then anything else; docs/tracking.md). Within a kind, a series joins the first panel on which it and
-the series already there stay readable (app/figures.py `readable`), else it gets a panel of its own.
-Losses and learning rates spanning a factor of `LOG_RATIO` or more get a log y axis.
-
-RUN_DIR is a run's `trainer.default_root_dir`; the run started last is plotted, or `--version`.
-`--source mlflow` reads the same run's history from MLflow (the URI and run id its `run.json`
-records). Directories written before run identities existed hold a new version per restart: those
-are joined into one curve (`join_versions`).
+Every logged metric against the step, epochs named on the top axis, one panel per kind of quantity (`kind_of`,
+docs/tracking.md); a series joins the first panel of its kind where all stay readable (app/figures.py `readable`).
+Losses and learning rates spanning `LOG_RATIO` or more get a log axis. RUN_DIR is a run's `trainer.default_root_dir`
+(the last run, or `--version`); `--source mlflow` reads the history from MLflow (as `run.json` records). Older
+directories' per-restart versions are joined (`join_versions`).
 """
 
 from __future__ import annotations
@@ -82,12 +77,8 @@ def is_resumed(metrics_path: Path) -> bool:
 def join_versions(versions: list[Series], resumed: list[bool] | None = None) -> Series:
     """One series from the versions of a run, in step order, later versions winning overlaps.
 
-    `versions` are in version order (the order ties on the first step are broken in). A resumed
-    version (`resumed`, from the marker ddp-app writes) continues the series: its values replace the
-    earlier ones name by name at the steps it logged, and values it did not log again stay (a step
-    whose training row was logged before the checkpoint and whose validation row after the resume).
-    Any other version replaces everything from its first step on (a new run into the same directory).
-    """
+    A resumed version (`resumed`) replaces earlier values name by name at the steps it logged, keeping values it did not
+    log again; any other version replaces everything from its first step on."""
     flags = resumed or [False] * len(versions)
     joined: Series = {}
     ordered = sorted(((v, r) for v, r in zip(versions, flags, strict=True) if v), key=lambda item: min(item[0]))
@@ -101,8 +92,8 @@ def join_versions(versions: list[Series], resumed: list[bool] | None = None) -> 
 
 
 def epoch_spans(series: Series) -> dict[int, tuple[int, int]]:
-    """{epoch: (its first step, one past its last)}: an epoch starts one past the last step logged in
-    the previous one (the first at step 0) and ends one past its own last logged step."""
+    """{epoch: (its first step, one past its last)}: an epoch starts one past the last step logged in the previous one
+    (the first at step 0) and ends one past its own last logged step."""
     last_step: dict[int, int] = {}
     for step, values in series.items():
         if "epoch" in values:
@@ -152,14 +143,14 @@ class Panel:
 
 
 def log_axis(kind: str, values: list[float]) -> bool:
-    """Losses and learning rates fall by orders of magnitude: a log axis keeps the late epochs readable.
-    Other kinds stay linear, so that series of different scales are split, not stacked by decade."""
+    """Losses and learning rates fall by orders of magnitude: a log axis keeps the late epochs readable. Other kinds
+    stay linear, so that series of different scales are split, not stacked by decade."""
     return kind in ("loss", "lr") and min(values) > 0 and max(values) / min(values) >= LOG_RATIO
 
 
 def panels_of(curves: dict[str, list[float]]) -> list[Panel]:
-    """The panels, in kind order: each series on the first panel of its kind that stays readable
-    with it (`fits_one_axis`), else on a new one."""
+    """The panels, in kind order: each series on the first panel of its kind that stays readable with it
+    (`fits_one_axis`), else on a new one."""
     kinds = {name: kind_of(name, values) for name, values in curves.items()}
     panels: list[Panel] = []
     for name in sorted(curves, key=lambda name: (list(KIND_TITLES).index(kinds[name]), name)):
@@ -175,9 +166,9 @@ def panels_of(curves: dict[str, list[float]]) -> list[Panel]:
 
 
 def mark_epochs(axes: list[Any], spans: dict[int, tuple[int, int]], logged_steps: list[int]) -> None:
-    """Epoch boundaries as faint vertical lines on every panel; the top panel names each epoch, as
-    the console does, over the middle of its steps (at most about 15 names). The x range holds every
-    epoch from its first step (epoch 0 from step 0, before the first logged value) and every step."""
+    """Epoch boundaries as faint vertical lines on every panel; the top panel names each epoch, as the console does,
+    over the middle of its steps (at most about 15 names). The x range holds every epoch from its first step (epoch 0
+    from step 0, before the first logged value) and every step."""
     first = min(min(start for start, _ in spans.values()), *logged_steps)
     last = max(max(end for _, end in spans.values()), *logged_steps)
     boundaries = sorted({start for start, _ in spans.values()} | {last})
@@ -201,8 +192,8 @@ def plot(series: Series, out: Path, title: str, version_starts: list[int]) -> No
     matplotlib.use("Agg")  # files only: no display needed, also on a cluster node
     import matplotlib.pyplot as plt
 
-    # The per-step time breakdown is a diagnosis, not a training curve: it is in the fit's summary, the
-    # trackers, and `ddp-app diagnose`'s chart (docs/performance.md).
+    # The per-step time breakdown is a diagnosis, not a training curve: it is in the fit's summary, the trackers, and
+    # `ddp-app diagnose`'s chart (docs/performance.md).
     names = sorted({name for values in series.values() for name in values} - {"epoch", *STEP_TIME_METRICS})
     curves = {name: values for name in names if (values := curve(series, name)[1])}
     if not curves:
@@ -231,8 +222,8 @@ def plot(series: Series, out: Path, title: str, version_starts: list[int]) -> No
 
 
 def run_version(run_dir: Path, version: str | None) -> Path | None:
-    """The log directory of the run to plot: `--version`, else the latest run's; None for a
-    directory written before run identities (`run.json`) existed."""
+    """The log directory of the run to plot: `--version`, else the latest run's; None for a directory written before run
+    identities (`run.json`) existed."""
     logs = run_dir / "lightning_logs"
     if version is not None:
         if not (logs / version).is_dir():

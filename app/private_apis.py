@@ -1,13 +1,9 @@
 """The private Lightning, PyTorch and CPython APIs ddp-app uses, checked at runtime where they are used.
 
-docs/private_apis.md lists each one and why there is no public route; tests/test_private_apis.py
-checks at test time that each still behaves as we rely on. This is the runtime half: each use asks
-`require` for what it needs once, before it relies on it, so that a version outside the range
-ddp-app supports stops the run with one line naming the API, the installed version, the supported
-range and the fix, instead of a bare AttributeError deep in a rank or a silent change of behaviour.
-
-This module imports no Lightning or torch: `app.cluster.launch` uses it before the ranks start.
-"""
+docs/private_apis.md lists each and why; tests/test_private_apis.py checks them at test time. At runtime each use asks
+`require` once, so an unsupported version stops the run with one line (API, installed version, supported range, fix)
+instead of an AttributeError deep in a rank. No Lightning or torch here: `app.cluster.launch` uses it before the ranks
+start."""
 
 from __future__ import annotations
 
@@ -88,9 +84,9 @@ def _name_of(owner: object) -> str:
 
 
 def require(owner: object, name: str, package: str, needed_for: str, owner_name: str | None = None) -> Any:
-    """`owner.name` (or `owner[name]` for a mapping, such as a state dict Lightning wrote), or
-    `PrivateApiChanged` naming it, the installed `package` version and the supported range.
-    `owner_name` names the owner in the message where its type's name would not say what it is."""
+    """`owner.name` (or `owner[name]` for a mapping, such as a state dict Lightning wrote), or `PrivateApiChanged`
+    naming it, the installed `package` version and the supported range. `owner_name` names the owner in the message
+    where its type's name would not say what it is."""
     if isinstance(owner, Mapping):
         if name in owner:
             return owner[name]

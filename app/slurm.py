@@ -6,14 +6,10 @@
     python -m app.slurm endpoint          # inside a job: "first-node:port", the rendezvous for torchrun
     python -m app.slurm requeue-on-failure EXIT_CODE   # in a batch script, after its srun step
 
-`render` pins the config's sizes on both the #SBATCH lines and the ddp-app command line, so the
-script and the Trainer cannot disagree; `check` lists every disagreement, one per line (exit 1);
-`submit` checks, creates the log directory (Slurm does not) and submits from any directory
-(docs/slurm.md). Light imports only, so that it runs quickly on a login node.
-
-A tool beside app/cluster/ rather than in it: the Slurm logic it uses lives there (requeue.py,
-slurm_env.py, preflight.py), but `render`, `check` and `submit` read the config through app.cli's
-parser, which itself imports app.cluster (tests/test_import_graph.py forbids the cycle).
+`render` pins the config's sizes on the #SBATCH lines and the command line alike; `check` lists every disagreement (exit
+1); `submit` checks, creates the log directory and submits from any directory (docs/slurm.md). Light imports only, for
+login nodes. A tool beside app/cluster/ (whose Slurm logic it uses) because it reads configs through app.cli, which
+imports app.cluster (tests/test_import_graph.py forbids the cycle).
 """
 
 from __future__ import annotations
@@ -73,8 +69,8 @@ class TrainerShape:
 
 
 def read_trainer_shape(config_path: str | Path, overrides: list[str] | None = None) -> TrainerShape:
-    """trainer.devices / num_nodes / accelerator as `ddp-app fit --config CONFIG OVERRIDES` resolves
-    them: the CLI's own parser (files, `--trainer.X` overrides, precedence), not a second one."""
+    """trainer.devices / num_nodes / accelerator as `ddp-app fit --config CONFIG OVERRIDES` resolves them: the CLI's own
+    parser (files, `--trainer.X` overrides, precedence), not a second one."""
     from app.cli import parse_config  # imports Lightning: only when a config is read
 
     seed_log = logging.getLogger("lightning.fabric.utilities.seed")
@@ -111,8 +107,7 @@ def render(
 ) -> str:
     """An sbatch script for `ddp-app fit --config CONFIG` whose shape comes from the config.
 
-    gpus_per_node=0 renders a CPU-only job (no GPU request); otherwise one task per GPU.
-    """
+    gpus_per_node=0 renders a CPU-only job (no GPU request); otherwise one task per GPU."""
     shape = read_trainer_shape(config, overrides)
     num_nodes = nodes if nodes is not None else shape.num_nodes
     if devices is None and gpus_per_node:
@@ -241,8 +236,8 @@ def check(
     overrides: list[str] | None = None,
     sbatch_options: list[str] | None = None,
 ) -> list[str]:
-    """Every disagreement between an sbatch script (with the sbatch command line's options, which
-    win over its #SBATCH lines) and a config, one sentence each."""
+    """Every disagreement between an sbatch script (with the sbatch command line's options, which win over its #SBATCH
+    lines) and a config, one sentence each."""
     text = Path(script).read_text()
     options = {**parse_directives(text), **parse_options(sbatch_options or [])}
     body = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
@@ -300,8 +295,8 @@ def check(
 
 
 def expand_filename_pattern(pattern: str, values: dict[str, str]) -> str:
-    """`pattern` with the %-codes that `values` knows replaced ("x": job name, "j": job id, ...)
-    and zero-padded as %4j asks; any other code is left as it is."""
+    """`pattern` with the %-codes that `values` knows replaced ("x": job name, "j": job id, ...) and zero-padded as %4j
+    asks; any other code is left as it is."""
 
     def replace(match: re.Match[str]) -> str:
         width, code = match.groups()
@@ -315,9 +310,9 @@ def expand_filename_pattern(pattern: str, values: dict[str, str]) -> str:
 
 
 def log_paths(options: dict[str, str], script: str | Path, cwd: Path, job_id: str | None = None) -> list[Path]:
-    """The job's --output file (and --error, when it has one of its own) as absolute paths, as sbatch
-    resolves them: relative to --chdir, itself relative to cwd. %x and %u are known before the job
-    is submitted, %j and %A only with job_id; other codes are left for Slurm."""
+    """The job's --output file (and --error, when it has one of its own) as absolute paths, as sbatch resolves them:
+    relative to --chdir, itself relative to cwd. %x and %u are known before the job is submitted, %j and %A only with
+    job_id; other codes are left for Slurm."""
     workdir = cwd / options.get("chdir", ".")
     values = {"x": options.get("job-name") or Path(script).name, "u": getpass.getuser()}
     if job_id is not None:
@@ -344,8 +339,8 @@ def log_directories(options: dict[str, str], script: str | Path, cwd: Path) -> l
 
 
 def absolute_config_paths(arguments: list[str], cwd: Path) -> list[str]:
-    """`arguments` with every YAML file they name (`--config x.yaml`, `--data=data.yaml`) made
-    absolute, so the job finds them whatever its working directory."""
+    """`arguments` with every YAML file they name (`--config x.yaml`, `--data=data.yaml`) made absolute, so the job
+    finds them whatever its working directory."""
 
     def absolute(value: str) -> str:
         path = cwd / value
@@ -359,8 +354,8 @@ def absolute_config_paths(arguments: list[str], cwd: Path) -> list[str]:
 
 
 def split_submit_arguments(words: list[str]) -> tuple[list[str], str, str, list[str]]:
-    """`[SBATCH OPTIONS] SCRIPT CONFIG [OVERRIDES]` into its four parts: the script is the first word
-    that is not an option, so sbatch options must carry their value after `=`."""
+    """`[SBATCH OPTIONS] SCRIPT CONFIG [OVERRIDES]` into its four parts: the script is the first word that is not an
+    option, so sbatch options must carry their value after `=`."""
     first = next((index for index, word in enumerate(words) if not word.startswith("-")), len(words))
     sbatch_options, rest = words[:first], [word for word in words[first:] if word != "--"]
     if len(rest) < 2:
@@ -375,8 +370,8 @@ def split_submit_arguments(words: list[str]) -> tuple[list[str], str, str, list[
 def submit(
     script: str, config: str, overrides: list[str] | None = None, sbatch_options: list[str] | None = None
 ) -> tuple[str, Path]:
-    """`sbatch --chdir=$PWD [SBATCH OPTIONS] SCRIPT CONFIG [OVERRIDES]` once `check` agrees, with the
-    config paths made absolute and the log directory created; returns the job id and its log file."""
+    """`sbatch --chdir=$PWD [SBATCH OPTIONS] SCRIPT CONFIG [OVERRIDES]` once `check` agrees, with the config paths made
+    absolute and the log directory created; returns the job id and its log file."""
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         raise UserFacingError("sbatch not found: run this on a Slurm login node (or put Slurm's commands on PATH).")
@@ -394,8 +389,8 @@ def submit(
     options = {**parse_directives(Path(script).read_text()), **parse_options(sbatch_options)}
     for directory in log_directories(options, script, cwd):
         directory.mkdir(parents=True, exist_ok=True)
-    # The scripts run `ddp-app` from PATH: the job (sbatch exports this environment) uses the
-    # environment of this command even when it was not activated.
+    # The scripts run `ddp-app` from PATH: the job (sbatch exports this environment) uses the environment of this
+    # command even when it was not activated.
     environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     command = [sbatch, "--parsable", f"--chdir={cwd}", *sbatch_options, script, config, *overrides]
     result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=120)

@@ -1,17 +1,8 @@
 """Where a user's own `class_path` (say `mymodels.MyNet`) is imported from, and what to say when it is not.
 
-The rule, the same on every rank (each rank is a process that parses the same command line):
-
-1. the current directory comes first on `sys.path`, as `python -m` and `python script.py` put it
-   there, so `class_path: mymodels.MyNet` finds `./mymodels.py` without PYTHONPATH;
-2. then the directory of every `--config` file, in command-line order, so a config that sits beside
-   its module also works from elsewhere (`ddp-app fit --config examples/custom/config.yaml` from the
-   repository root);
-3. then everything that was there already (PYTHONPATH, installed packages).
-
-Modules imported before the CLI starts (torch, lightning, app) are already in `sys.modules`, so a
-file in the current directory cannot replace them.
-"""
+The same on every rank: the current directory first on `sys.path` (as `python -m` does), then the directory of every
+`--config` file in order, then what was there (PYTHONPATH, installed packages). Modules already imported (torch,
+lightning, app) cannot be replaced by a local file."""
 
 from __future__ import annotations
 
@@ -66,8 +57,8 @@ def _classes_in(module_name: str) -> dict[str, type]:
 
 
 def suggest_class(class_path: str) -> str | None:
-    """The closest existing `module.Class` to a mistyped class path: in its own module, then in
-    `app.models` and `app.data`; None if nothing is close."""
+    """The closest existing `module.Class` to a mistyped class path: in its own module, then in `app.models` and
+    `app.data`; None if nothing is close."""
     module_name, _, class_name = class_path.rpartition(".")
     for candidate_module in dict.fromkeys([module_name, "app.models", "app.data"]):
         if not candidate_module:

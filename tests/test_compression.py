@@ -28,26 +28,24 @@ def test_compressed_matrix_is_the_rule_of_powersgd_hook() -> None:
     assert compressed_matrix(torch.Size([32, 1, 5, 5]), 4, 2) == (32, 25, 4)  # a conv kernel: rows x rest
 
 
+# (override, the line's words, id): the more_cases tier.
+MORE_BAD_SETTINGS = [
+    (
+        "--gradient_compression.method=zip",
+        "gradient_compression.method must be one of none, fp16, bf16",
+        "unknown-method",
+    ),
+    ("--gradient_compression.start_iter=1", "gradient_compression.start_iter must be >= 2, got 1", "start-iter-1"),
+    ("--gradient_compression.powersgd_rank=0", "gradient_compression.powersgd_rank must be >= 1, got 0", "rank-0"),
+]
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        pytest.param(
-            "--gradient_compression.method=zip",
-            "gradient_compression.method must be one of none, fp16, bf16",
-            id="unknown-method",
-            marks=pytest.mark.more_cases,
-        ),
-        pytest.param(
-            "--gradient_compression.start_iter=1",
-            "gradient_compression.start_iter must be >= 2, got 1",
-            id="start-iter-1",
-            marks=pytest.mark.more_cases,
-        ),
-        pytest.param(
-            "--gradient_compression.powersgd_rank=0",
-            "gradient_compression.powersgd_rank must be >= 1, got 0",
-            id="rank-0",
-            marks=pytest.mark.more_cases,
+        *(
+            pytest.param(override, expected, id=id_, marks=pytest.mark.more_cases)
+            for override, expected, id_ in MORE_BAD_SETTINGS
         ),
         pytest.param(
             "--trainer.strategy.init_args.ddp_comm_hook=torch.distributed.algorithms.ddp_comm_hooks."

@@ -1,25 +1,21 @@
 """`python -m app.bench --config configs/digits.yaml [--world-sizes 1,2] [--repeats 5] [--json F] [--plot F]`
 
-Trains one config with the plain-PyTorch reference DDP trainer and with Lightning DDP, on the same
-batches, alternating the two (reference, Lightning, Lightning, reference, ...: the order within a
-pair flips every repeat, so a machine that slows down under sustained load does not always
-penalise the side that runs second), and reports:
+Trains one config with the plain-PyTorch reference DDP trainer and with Lightning DDP on the same batches, in pairs
+whose order flips every repeat (so a machine slowing down does not always penalise the second), and reports:
 
-  per-step time  the median over epochs of the epoch's mean step time, after warm-up steps; a step
-                 runs from one step's start to the next's, so it includes data loading and every
-                 framework hook (the plain median over steps is shown too, but hides costs paid
-                 every N steps, such as logging);
+  per-step time  the median over epochs of the epoch's mean step time after warm-up, from one step's
+                 start to the next's (data loading and every hook included; the plain median over
+                 steps is shown too, but hides costs paid every N steps);
   samples/s      world size x per-rank batch / per-step time;
   first step     from launching the command to the last rank starting its first training step;
   teardown       from the last training step to the exit of every process;
   peak memory    per rank: RSS on CPU, CUDA max allocated on GPUs;
   scaling        efficiency = throughput(N) / (N x throughput(1));
-  framework-free at world size 1, each side's throughput as a fraction of a plain loop over the
-                 same network and batch with the data already on the device (app/bench/bare.py),
-                 run beside every pair; and the first step's time (where `compile: true` compiles).
+  framework-free at world size 1, each side's throughput as a fraction of a plain loop with the data
+                 already on the device (app/bench/bare.py), run beside every pair, and its first step.
 
-Every Lightning-vs-reference figure is the median [min, max] of ratios (or differences) of the
-runs of one pair, which ran back to back: the machine's slow phases hit both sides of a pair.
+Every Lightning-vs-reference figure is the median [min, max] of the ratios (or differences) within pairs run back to
+back.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from app.bench.profiles import parse_profile_steps, profile_table
-from app.bench.report import build_report, format_table, plot
+from app.bench.report import bench_parser, build_report, format_table, plot
 from app.bench.runs import BARE, SIDES, RunResult, command, launch, run_env, summarize_run, variant_config
 from app.reference.config import load_config
 
@@ -59,11 +55,8 @@ def resolve_accelerator(requested: str) -> str:
 
 
 def pair_order(repeat: int) -> tuple[str, ...]:
-    """(reference, lightning) on even repeats, (lightning, reference) on odd ones.
-
-    With a fixed order the second run of every pair pays for whatever the first one left behind
-    (a VM's CPU budget, heat, other tenants' bursts), and the paired ratios carry that bias.
-    """
+    """(reference, lightning) on even repeats, (lightning, reference) on odd ones: a fixed order would bias the paired
+    ratios against whichever runs second."""
     return SIDES if repeat % 2 == 0 else SIDES[::-1]
 
 
@@ -77,8 +70,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         size: variant_config(base, size, accelerator, args.epochs, args.out / f"config-ws{size}.yaml")
         for size in args.world_sizes
     }
-    # Warm-up launches (not timed) fill the page cache and compile bytecode, which would
-    # otherwise make the first pair slower than the rest.
+    # Warm-up launches (not timed) fill the page cache and compile bytecode, which would otherwise make the first pair
+    # slower than the rest.
     schedule = [(-1, min(args.world_sizes), side) for side in SIDES] if args.warmup else []
     # At world size 1 each pair is preceded by the framework-free loop of the same repeat.
     schedule += [
@@ -135,10 +128,7 @@ def print_profiles(out: Path, steps: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", required=True, type=Path, help="the YAML that ddp-app takes")
+    parser = bench_parser("python -m app.bench", __doc__, None, "the YAML that ddp-app takes")
     parser.add_argument("--world-sizes", type=world_size_list, default=[1, 2], help="comma-separated (default: 1,2)")
     parser.add_argument("--repeats", type=int, default=5, help="(reference, Lightning) pairs per world size")
     parser.add_argument("--epochs", type=int, default=None, help="default: the config's trainer.max_epochs")

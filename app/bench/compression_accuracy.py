@@ -1,13 +1,11 @@
 """`python -m app.bench.compression_accuracy [--json docs/compression_accuracy.json]`
 
-What gradient compression costs in accuracy: the final validation accuracy after the same epochs
-with each `gradient_compression` setting, on two real workloads (2 ranks, `ddp-app fit`):
+What gradient compression costs in accuracy: the final validation accuracy after the same epochs with each
+`gradient_compression` setting, on two real workloads (2 ranks, `ddp-app fit`, the same seeds):
 
 - digits: `configs/digits.yaml` as shipped (MLP 64-256-10, 15 epochs, Adam);
-- CNN: `configs/bench_cnn.yaml`'s two-convolution network on the same scikit-learn digits, upscaled
-  to 28x28 and written as MNIST files (real images; MNIST itself cannot be downloaded here).
-
-Every run uses the same seeds, so the settings differ only in what the all-reduce sends.
+- CNN: `configs/bench_cnn.yaml`'s two-convolution network on the scikit-learn digits upscaled to 28x28 and written as
+  MNIST files (MNIST itself cannot be downloaded here).
 """
 
 from __future__ import annotations

@@ -1,33 +1,27 @@
 """`python -m app.bench.data [--config configs/imagefolder_resnet18.yaml] [--data-dir D] [--json F]`: is data the limit?
 
-The samples per second a training DataLoader delivers on this machine (batches iterated, no
-model), at each of `--workers` (0, 1, 2 and 4 loader workers), from two sources:
+The samples per second a training DataLoader delivers here (batches iterated, no model), at each of `--workers` (0, 1, 2
+and 4 loader workers), from:
 
-  imagefolder   image files on disk in the ImageFolder layout, read by `ImageFolderDataModule`'s
-                training split (app/data/image_datasets.py): decoded and given the config's training
-                transforms (random resized crop, flip, normalize) in the workers, each sample seeded
-                per (seed, epoch, index) as in training. `--images` small JPEGs in `--classes`
-                classes are generated into a temporary folder, or `--data-dir` names your own
-                folder (its train/ split is read).
-  litdata       the same images written as LitData shards (`python -m app.data.shard`'s writer, chunks
-                of `--chunk-bytes`) and read by `StreamingDataModule`'s training split: chunk-aware
-                order, decoded from the stored JPEG bytes, the same transforms and seeding
+  imagefolder   image files in the ImageFolder layout, read by `ImageFolderDataModule`'s training split:
+                decoded and transformed (random resized crop, flip, normalize) in the workers, seeded
+                per sample. `--images` small JPEGs in `--classes` classes are generated into a
+                temporary folder, or `--data-dir` names your own folder (its train/ split is read).
+  litdata       the same images written as LitData shards (chunks of `--chunk-bytes`) and read by
+                `StreamingDataModule`'s training split: chunk-aware order, same transforms and seeding
   in memory     the same samples, decoded and transformed once beforehand, as a TensorDataset: the
                 ceiling any loader reaches with this batch size and worker count
 
-against the training step of the config's model (forward, loss, backward and optimizer step on one
-batch of the same size, on `--device`, one thread per rank as in training), measured in the same
-run. Each round times the model and then every (source, workers) cell once, in an order rotated
-from round to round; a cell is one untimed epoch (worker start-up, the page cache) and one timed
-epoch of the same loader (persistent workers). "÷ model" is the loader's samples/s over the
-model's, paired within a round: below 1, the model waits for data. The loader is timed alone, so in
-training, where workers share the cores with the step, it delivers less than this on a CPU.
+against the training step of the config's model (one batch of the same size on `--device`, one thread per rank),
+measured in the same run. Each round times the model and every (source, workers) cell once, in rotated order; a cell is
+one untimed and one timed epoch of a persistent-worker loader. "÷ model" is the loader's samples/s over the model's
+within a round: below 1, the model waits for data. The loader is timed alone, so in CPU training, where workers share
+the cores, it delivers less.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,7 +36,7 @@ import yaml
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchvision.io import encode_jpeg
 
-from app.bench.report import counts, spread
+from app.bench.report import bench_parser, counts, shown_and_saved, spread
 from app.cluster.threads import configure_cpu_threads
 from app.data.imagefolder import ImageFolderDataModule
 from app.data.litdata_shards import StreamingDataModule
@@ -77,8 +71,8 @@ def image_folder_module(data_dir: Path, data_options: dict[str, Any], batch_size
 def shards_module(
     module: ImageFolderDataModule, data_options: dict[str, Any], out: Path, chunk_bytes: str
 ) -> StreamingDataModule:
-    """`module`'s splits written as LitData shards under `out`, read back by a StreamingDataModule with
-    the same transforms and batch size."""
+    """`module`'s splits written as LitData shards under `out`, read back by a StreamingDataModule with the same
+    transforms and batch size."""
     write_shards(module, out, chunk_bytes, None, workers=1, seed=0, source="python -m app.bench.data")
     keys = ("image_size", "crop_scale", "horizontal_flip", "resize_size", "mean", "std", "seed")
     options = {key: value for key, value in data_options.items() if key in keys}
@@ -88,8 +82,8 @@ def shards_module(
 
 
 def training_loader(module: ImageFolderDataModule | StreamingDataModule, workers: int) -> DataLoader:
-    """The training loader the module gives a one-rank Trainer: per-sample seeded, shuffled (for shards,
-    in the chunk-aware order)."""
+    """The training loader the module gives a one-rank Trainer: per-sample seeded, shuffled (for shards, in the
+    chunk-aware order)."""
     dataset = module.train_dataset
     sampler = ResumableDistributedSampler(dataset, 1, 0, True, module.seed, module.batch_size, keyed=True)
     return DataLoader(
@@ -228,10 +222,7 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.bench.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", type=Path, default=Path("configs/imagefolder_resnet18.yaml"))
+    parser = bench_parser("python -m app.bench.data", __doc__, "configs/imagefolder_resnet18.yaml")
     parser.add_argument("--data-dir", type=Path, default=None, help="your own ImageFolder (else generated)")
     parser.add_argument("--images", type=int, default=512, help="generated training images")
     parser.add_argument("--classes", type=int, default=4, help="generated classes")
@@ -265,10 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rounds": args.rounds,
         **results,
     }
-    print_table(results)
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return results
+    return shown_and_saved(results, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -1,37 +1,28 @@
 """`python -m app.bench.floor [--config configs/digits.yaml] [--repeats 5] [--json F]`: Lightning's own cost per step.
 
-What a training step costs in Lightning's training loop itself, on this machine, measured without
-anything `ddp-app` adds: one process, one thread, no DDP, no data loading (the same batches, built
-once, in a list), the config's network, loss and optimizer. Each repeat runs, in turn:
+The cost of Lightning's training loop itself on this machine: one process, one thread, no DDP, the same prebuilt
+batches, the config's network, loss and optimizer. Each repeat runs, in turn:
 
   plain              the tutorials' loop: zero_grad, forward, loss, backward, optimizer step
   lightning          a bare `Trainer` (no logger, checkpointing, progress bar, model summary or
-                     sanity check) fitting a LightningModule that has only `training_step` and
-                     `configure_optimizers`, as Lightning ships it
-  + NoProfiler       the same with ddp-app's `NoProfiler` (app/cli/parser.py) instead of Lightning's
-                     default "no profiler"
-  + N callbacks      the same plus N callbacks that override no hook: Lightning calls every hook
-                     of every callback at every step
-  ddp-app            the Trainer and LightningModule `ddp-app fit --config ...` builds (its callbacks,
-                     profiler, loggers, progress line and the config's module), on the same batches;
-                     validation and the sanity check off, and the config's other choices (strategy
-                     at one device, determinism, scheduler, callbacks, logging cadence) as on the
-                     bare side: `SAME_CHOICES_AS_BARE`
+                     sanity check) fitting a module with only `training_step` and `configure_optimizers`
+  + NoProfiler       the same with ddp-app's `NoProfiler` instead of Lightning's default "no profiler"
+  + N callbacks      the same plus N callbacks that override no hook (every hook is called anyway)
+  ddp-app            the Trainer and module `ddp-app fit --config ...` builds, on the same batches, with
+                     the bare side's choices (`SAME_CHOICES_AS_BARE`; validation off)
   ddp-app as configured   the same with the config's own choices
 
-and reports each side's time per step (the median over epochs of the epoch's mean, from one
-step's start to the next, the first epoch left out), and each Lightning side minus plain, paired
-within a repeat: median [min, max] over repeats. "lightning" is the floor under `python -m
-app.bench`'s "lightning added": no per-step work ddp-app could drop makes Lightning's step cheaper
-than this; "ddp-app's own cost" (ddp-app minus + NoProfiler, paired) is what ddp-app itself adds
-per step. The epoch-end work (last.ckpt's save) is outside the clock.
+and reports each side's time per step (median over epochs of the epoch's mean, first epoch left out) and each Lightning
+side minus plain, paired within a repeat: median [min, max] over repeats. "lightning" is the floor under `python -m
+app.bench`'s "lightning added"; "ddp-app's own cost" (ddp-app minus + NoProfiler) is what ddp-app adds per step.
+last.ckpt's epoch-end save is outside the clock.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
+import dataclasses
 import io
 import json
 import logging
@@ -49,7 +40,7 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
-from app.bench.report import spread
+from app.bench.report import bench_parser, spread
 from app.cli import DDPAppCLI, NoProfiler
 from app.cli.entry import allow_plain_cuda_availability_checks
 from app.cluster.threads import configure_cpu_threads
@@ -59,9 +50,9 @@ NOOP_CALLBACKS = 10
 
 
 def config_parts(config: dict[str, Any], batches: int) -> tuple[torch.nn.Module, torch.nn.Module, dict, list]:
-    """(network, loss, optimizer entry, training batches) from a ddp-app config whose model is one of
-    app.models (its `net` and `criterion`) and whose data is one of app.data (its `train_dataset` and
-    `batch_size`): the first `batches` batches of the training split, in order."""
+    """(network, loss, optimizer entry, training batches) from a ddp-app config whose model is one of app.models (its
+    `net` and `criterion`) and whose data is one of app.data (its `train_dataset` and `batch_size`): the first `batches`
+    batches of the training split, in order."""
     model = instantiate(config["model"])
     data = instantiate(config["data"])
     data.setup("fit")
@@ -74,11 +65,11 @@ def config_parts(config: dict[str, Any], batches: int) -> tuple[torch.nn.Module,
     return model.net, model.criterion, config["optimizer"], batches_list
 
 
+@dataclasses.dataclass
 class Batches:
     """The batches as one iterable with a length (Lightning reads a plain list as a list of loaders)."""
 
-    def __init__(self, batches: list) -> None:
-        self.batches = batches
+    batches: list
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -156,9 +147,9 @@ def lightning_ms(
     return clock.epoch_ms
 
 
-# What a config chooses beside the model, priced by Lightning and PyTorch the same with or without
-# ddp-app: the `ddp-app` side runs with the bare side's choices, so that its difference is what
-# ddp-app itself adds; `ddp-app as configured` runs with the config's own.
+# What a config chooses beside the model, priced by Lightning and PyTorch the same with or without ddp-app: the
+# `ddp-app` side runs with the bare side's choices, so that its difference is what ddp-app itself adds; `ddp-app as
+# configured` runs with the config's own.
 SAME_CHOICES_AS_BARE = (
     "--trainer.strategy=auto",  # one device, no DDP wrapper (whose cost over one process is not ddp-app's)
     "--trainer.deterministic=false",
@@ -169,9 +160,8 @@ SAME_CHOICES_AS_BARE = (
 
 
 def ddp_app_ms(config: Path, batches: list, epochs: int, overrides: tuple[str, ...] = ()) -> list[float]:
-    """The Trainer and module `ddp-app fit --config config` builds, fitted on `batches` in this process
-    (validation and the sanity check off, as on the bare side; loggers, progress line and every
-    callback of ddp-app's on)."""
+    """The Trainer and module `ddp-app fit --config config` builds, fitted on `batches` in this process (validation and
+    the sanity check off, as on the bare side; loggers, progress line and every callback of ddp-app's on)."""
     clock = StepClock()
     with tempfile.TemporaryDirectory() as root, contextlib.redirect_stdout(io.StringIO()):
         cli = DDPAppCLI(
@@ -209,11 +199,8 @@ def run_side(side: str, parts: tuple, epochs: int, config: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.bench.floor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--config", type=Path, default=Path("configs/digits.yaml"), help="model from app.models, data from app.data"
+    parser = bench_parser(
+        "python -m app.bench.floor", __doc__, "configs/digits.yaml", "model from app.models, data from app.data"
     )
     parser.add_argument("--batches", type=int, default=37, help="training batches per epoch")
     parser.add_argument("--epochs", type=int, default=8, help="epochs per side and repeat (the first is left out)")

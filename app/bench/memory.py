@@ -1,28 +1,21 @@
 """`python -m app.bench.memory [--config configs/gpt_fsdp.yaml] [--ranks 1,2,4] [--json F]`: what FSDP2 saves.
 
-For each number of ranks, the config is trained for `--steps` optimizer steps twice, once with
-`strategy: ddp` and once with its FSDP2 strategy (`app.parallel.fsdp.FSDP2Strategy`), each a real
-`ddp-app fit` on this machine. A callback in every rank (`MemoryProbe`) counts the bytes this rank
-holds of
+For each number of ranks the config trains `--steps` optimizer steps twice, with `strategy: ddp` and with its FSDP2
+strategy, each a real `ddp-app fit`. A callback in every rank (`MemoryProbe`) counts the bytes this rank holds of
 
   parameters   every parameter's local tensor (under FSDP2 its shard, a DTensor's local part),
   gradients    every gradient's local tensor, counted right before the optimizer step,
   optimizer    every tensor of the optimizer's state (Adam's two moments and step), after a step,
 
-and times each step (the median of the steps after the first two). On a GPU it also reports
-`torch.cuda.max_memory_allocated` (activations and temporaries included). DDP keeps everything whole
-on every rank; FSDP2 keeps 1/N of it, plus the padding that makes each parameter's first dimension
-divide by N. "÷ ddp" is FSDP2's bytes over DDP's at the same number of ranks.
+and times each step (the median after the first two); on a GPU also `torch.cuda.max_memory_allocated`. FSDP2 keeps 1/N
+plus padding; "÷ ddp" is FSDP2's bytes over DDP's at the same number of ranks.
 
-The default model is the config's with `--model-args` applied (d_model 256 and 4 blocks: about 3.2 M
-parameters, so that the shards are not dominated by rounding), one thread per rank. On a 2-core
-machine, 4 ranks oversubscribe the cores: the step times there say what FSDP2's extra collectives
-cost relative to DDP's, not what a GPU node would measure.
+The default model is the config's with `--model-args` applied (d_model 256, 4 blocks: about 3.2 M parameters), one
+thread per rank; more ranks than cores make the step times relative, not what a GPU node measures.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -37,7 +30,7 @@ import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from app.bench.report import counts
+from app.bench.report import bench_parser, counts, shown_and_saved
 
 STRATEGIES = ("ddp", "fsdp")
 DDP = {"class_path": "lightning.pytorch.strategies.DDPStrategy"}
@@ -52,8 +45,9 @@ def local_bytes(tensor: torch.Tensor) -> int:
 
 
 class MemoryProbe(Callback):
-    """Counts this rank's parameter, gradient and optimizer-state bytes and times each step; writes
-    `out/rank<r>.json` at the end of the fit (`python -m app.bench.memory` adds it to each run)."""
+    """Counts this rank's parameter, gradient and optimizer-state bytes and times each step.
+
+    Writes `out/rank<r>.json` at the end of the fit (`python -m app.bench.memory` adds it to each run)."""
 
     def __init__(self, out: str) -> None:
         self.out = Path(out)
@@ -180,10 +174,7 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.bench.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", type=Path, default=Path("configs/gpt_fsdp.yaml"))
+    parser = bench_parser("python -m app.bench.memory", __doc__, "configs/gpt_fsdp.yaml")
     parser.add_argument("--ranks", type=lambda text: counts(text, 1, "--ranks"), default=[1, 2, 4], help="e.g. 1,2,4")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -217,10 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": summary,
         "per_rank": runs,
     }
-    print_table(results)
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return results
+    return shown_and_saved(results, args.json, print_table)
 
 
 if __name__ == "__main__":

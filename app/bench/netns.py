@@ -1,16 +1,13 @@
 """Two "nodes" on one machine: two network namespaces joined by one veth pair, rate-limited with tc.
 
-`python -m app.bench.network` runs one rank in each namespace, so every byte DDP exchanges crosses
-the veth link, where `tc qdisc ... tbf` caps the rate (netem, which would also add latency, is not
-available on these machines). Why this shape and not the Slurm test cluster's (tests/slurm/):
+`python -m app.bench.network` runs one rank in each namespace, so every byte DDP exchanges crosses the veth link, capped
+with `tc qdisc ... tbf` (netem is not available here). Unlike tests/slurm/:
 
-* No bridge and no address in the root namespace: the pair connects the two namespaces directly,
-  so nothing the bench does is visible to, or routable from, the machine's own interfaces.
-* Fixed names (`nbn-rank0`, `nbn-rank1`; `nbv-rank0`, `nbv-rank1`) and a lock file: one bench per
-  machine (two would also spoil each other's timings), and a crashed run's leftovers are found by
-  their exact names and removed at the next start, which holds the lock, so they are not in use.
-* Everything is removed by exact name: processes still inside our namespaces are killed by PID
-  (found through /proc/PID/ns/net), then the namespaces are deleted, which destroys the veth pair.
+- No bridge and no address in the root namespace: nothing is visible to or routable from the machine's interfaces.
+- Fixed names (`nbn-rank0`, `nbn-rank1`; `nbv-rank0`, `nbv-rank1`) and a lock file: one bench per machine; a crashed
+  run's leftovers are removed by name at the next start.
+- Everything is removed by exact name: processes in our namespaces are killed by PID (via /proc/PID/ns/net), then the
+  namespaces are deleted, which destroys the veth pair.
 """
 
 from __future__ import annotations
@@ -31,13 +28,13 @@ from typing import Any
 
 NAMESPACES = ("nbn-rank0", "nbn-rank1")
 INTERFACES = ("nbv-rank0", "nbv-rank1")  # interface r lives in namespace r; they are each other's peer
-# Addresses exist only inside the two namespaces (a /30 on the pair), so they cannot clash with a route
-# of the machine's.
+# Addresses exist only inside the two namespaces (a /30 on the pair), so they cannot clash with a route of the
+# machine's.
 ADDRESSES = ("10.79.0.1", "10.79.0.2")
 PREFIX_LEN = 30
 LOCK_FILE = Path("/run/ddp-app-bench-network.lock")
-# A queue of 50 ms at the configured rate, as a switch port's buffer; with a much shorter one TCP
-# loses packets at every burst and retransmits, which the byte counters would count as traffic.
+# A queue of 50 ms at the configured rate, as a switch port's buffer; with a much shorter one TCP loses packets at every
+# burst and retransmits, which the byte counters would count as traffic.
 TBF_LATENCY = "50ms"
 
 
@@ -101,8 +98,8 @@ def acquire_lock() -> int:
 
 @contextlib.contextmanager
 def namespace_pair() -> Iterator[None]:
-    """Holds the lock while the pair exists: a crashed run's leftovers are removed first (we hold the
-    lock, so nothing uses them), and the pair is removed on the way out, whatever happened."""
+    """Holds the lock while the pair exists: a crashed run's leftovers are removed first (we hold the lock, so nothing
+    uses them), and the pair is removed on the way out, whatever happened."""
     lock = acquire_lock()
     try:
         remove_pair()
@@ -138,8 +135,8 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def stopped_cleanly(prog: str) -> Iterator[None]:
-    """SIGTERM stops a bench as Ctrl-C does, so that `namespace_pair`'s `finally` removes the namespaces;
-    a setup failure is one line (exit 2), an interruption exit 130."""
+    """SIGTERM stops a bench as Ctrl-C does, so that `namespace_pair`'s `finally` removes the namespaces; a setup
+    failure is one line (exit 2), an interruption exit 130."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         yield
@@ -220,8 +217,8 @@ def remove_pair() -> None:
             errors.append(f"processes {survivors} in {name} survived SIGKILL")
         if (deleted := run_tool(["ip", "netns", "delete", name], check=False)).returncode != 0:
             errors.append(deleted.stderr.strip())
-    # The pair is created inside the namespaces; an interface of ours in the root namespace can only be
-    # a leftover of an interrupted `ip link add`.
+    # The pair is created inside the namespaces; an interface of ours in the root namespace can only be a leftover of an
+    # interrupted `ip link add`.
     for name in INTERFACES:
         if Path(f"/sys/class/net/{name}").exists():
             run_tool(["ip", "link", "delete", name], check=False)
@@ -248,11 +245,8 @@ def tbf_burst_bytes(rate_mbit: float) -> int:
 
 
 def set_rate(interface: str, link: Link, limited: bool) -> bool:
-    """Cap `interface`'s egress at the link's rate (from inside its namespace); returns whether a tbf is on.
-
-    Each rank caps its own side, so both directions of the link run at the rate. `limited` says
-    whether a tbf is installed now: unlimited removes it, which restores the veth's default qdisc.
-    """
+    """Cap `interface`'s egress at the link's rate (inside its namespace; each rank caps its own side); returns whether
+    a tbf is on."""
     if link.rate_mbit is None:
         if limited:
             run_tool(["tc", "qdisc", "del", "dev", interface, "root"])
@@ -265,8 +259,8 @@ def set_rate(interface: str, link: Link, limited: bool) -> bool:
 
 
 def limit_pair(link: Link) -> None:
-    """Cap both sides of the pair at the link's rate, from outside (for runs that do not cap it
-    themselves: tests/test_diagnose.py's two "nodes")."""
+    """Cap both sides of the pair at the link's rate, from outside (for runs that do not cap it themselves:
+    tests/test_diagnose.py's two "nodes")."""
     burst = tbf_burst_bytes(link.rate_mbit or 0.0)
     tbf = ["tbf", "rate", f"{(link.rate_mbit or 0.0) * 1000:.0f}kbit", "burst", str(burst), "latency", TBF_LATENCY]
     for namespace, interface in zip(NAMESPACES, INTERFACES, strict=True):
@@ -290,10 +284,10 @@ def run_ranks(
     timeout_s: float,
     rank_envs: Sequence[Mapping[str, str]] = (),
 ) -> None:
-    """Start each rank `(node, python -m arguments)` inside namespace `node` with gloo bound to that node's
-    link (GLOO_SOCKET_IFNAME) and `rank_envs[rank]` (if given) added to `env`, and wait for all. Rank 0
-    prints to our stdout; every rank's errors go to out/rank<N>.log. A failed rank takes the others
-    down at once; all are killed by PID in a `finally`."""
+    """Run each rank `(node, python -m arguments)` in namespace `node`, gloo bound to its link, and wait for all.
+
+    Rank 0 prints to our stdout, every rank's errors go to out/rank<N>.log; a failed rank takes the others down (by
+    PID)."""
     processes: list[subprocess.Popen[bytes]] = []
     logs = [out / f"rank{rank}.log" for rank in range(len(ranks))]
     try:

@@ -1,24 +1,22 @@
 """`python -m app.bench.network --config configs/bench_cnn.yaml [--json F] [--plot F]` (as root)
 
-DDP on a slow network: two ranks, each in its own network namespace (a "node"), joined by one
-veth link that tc's token bucket filter caps at 100 Mbit/s, 1 Gbit/s or leaves unlimited. For
-each link and each gradient-compression setting (no hook, fp16, bf16, PowerSGD, auto), and at one
-link (1 Gbit/s) for each DDP bucket size (1, 25, 100 MB), it reports:
+DDP on a slow network: two ranks, each in its own network namespace (a "node"), joined by one veth link that tc caps at
+100 Mbit/s, 1 Gbit/s or leaves unlimited. For each link and gradient-compression setting (no hook, fp16, bf16, PowerSGD,
+auto), and at 1 Gbit/s for each DDP bucket size (1, 25, 100 MB), it reports:
 
-  step time        a training step on the config's network and batches (forward, backward with the
-                   gradient exchange, optimizer step), the slower rank's mean over the timed steps,
-                   after auto's probe steps and warm-up steps; median [min, max] over repeats;
+  step time        a training step (forward, backward with the gradient exchange, optimizer step),
+                   the slower rank's mean over the timed steps after auto's probe and warm-up steps;
+                   median [min, max] over repeats;
   samples/s        2 x per-rank batch / step time;
-  scaling eff.     2-rank samples/s / (2 x 1-rank samples/s), i.e. 1-rank step / 2-rank step, each
-                   repeat paired with the 1-rank baseline measured right before or after it;
-  bytes per step   what each rank's interface sent during the timed steps (its kernel counters),
-                   per step: gradients plus TCP/IP headers and retransmissions;
+  scaling eff.     2-rank samples/s / (2 x 1-rank samples/s), each repeat paired with the 1-rank
+                   baseline measured beside it;
+  bytes per step   what each rank's interface sent during the timed steps (kernel counters), per
+                   step: gradients plus TCP/IP headers and retransmissions;
   auto             the method it chose per repeat, and its step time over the best setting's.
 
-Settings alternate within a repeat, in the opposite order every other repeat, so a machine that
-slows down over minutes does not always penalise the same setting. The ranks start once and run
-the whole schedule (see app/bench/network_worker.py); the namespaces are created, and removed in
-a `finally` (also after Ctrl-C or SIGTERM), by exact name (app/bench/netns.py).
+Settings alternate within a repeat, reversed every other repeat. The ranks start once and run the whole schedule
+(app/bench/network_worker.py); the namespaces are removed in a `finally` (also after Ctrl-C or SIGTERM), by exact name
+(app/bench/netns.py).
 """
 
 from __future__ import annotations
@@ -109,12 +107,8 @@ def build_schedule(
     default_bucket: float,
     repeats: int,
 ) -> list[dict[str, Any]]:
-    """Every measurement in the order the ranks run them.
-
-    Within a repeat each link gets the 1-rank baseline and every (method, bucket) setting in turn;
-    odd repeats run the links and the settings in reverse order. Buckets other than the default are
-    swept at `bucket_link` only.
-    """
+    """Every measurement in run order: per repeat and link, the 1-rank baseline and each (method, bucket); odd repeats
+    reversed; non-default buckets at `bucket_link` only."""
     schedule = []
     for repeat in range(repeats):
         for link in links if repeat % 2 == 0 else links[::-1]:

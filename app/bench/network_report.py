@@ -168,8 +168,8 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Left: step time against link speed, a line per compression method (default bucket size), the
-    1-rank step as the floor; right: step time against bucket size at the bucket-sweep link."""
+    """Left: step time against link speed, a line per compression method (default bucket size), the 1-rank step as the
+    floor; right: step time against bucket size at the bucket-sweep link."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,8 +221,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def markdown_tables(report: dict[str, Any]) -> str:
-    """The tables docs/performance.md quotes (tests/test_docs_numbers.py pins them to the JSON):
-    every setting at the default bucket size per link, then the bucket sweep."""
+    """The tables docs/performance.md quotes (tests/test_docs_numbers.py pins them to the JSON): every setting at the
+    default bucket size per link, then the bucket sweep."""
     default_bucket = report["default_bucket_cap_mb"]
     lines = [
         "| link | setting | step ms, median (min-max) | samples/s | scaling efficiency | MB sent per step and rank "

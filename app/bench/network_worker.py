@@ -36,11 +36,8 @@ WORLD_SIZE = 2
 
 
 def shard_batches(job: Job, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's training batches, as the reference trainer's sampler deals them, stacked once.
-
-    Stacking up front keeps data loading out of the step: the bench measures what the link changes
-    (the gradient exchange), and the 1-rank baseline runs the same batches on rank 0.
-    """
+    """This rank's training batches as the reference sampler deals them, stacked once to keep data loading out of the
+    step."""
     sampler = DistributedSampler(
         job.train_dataset, num_replicas=WORLD_SIZE, rank=rank, shuffle=job.shuffle, seed=job.sampler_seed
     )
@@ -70,8 +67,8 @@ def measure(
     rank: int,
     group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
-    """Time one schedule item on this rank (None: in the default group): step time, bytes sent per
-    step, auto's choice."""
+    """Time one schedule item on this rank (None: in the default group): step time, bytes sent per step, auto's
+    choice."""
     ddp_kwargs = {**job.ddp_kwargs, "bucket_cap_mb": item["bucket_cap_mb"]}
     model = DistributedDataParallel(copy.deepcopy(job.net), process_group=group, **ddp_kwargs)
     hook = CommunicationHook(method=item["method"], **plan["compression"])
@@ -134,11 +131,8 @@ def progress_line(record: dict[str, Any], total: int, repeats: int) -> str:
 
 
 def combine(item: dict[str, Any], results: list[dict[str, Any] | None], batch_size: int) -> dict[str, Any]:
-    """One record per schedule item, from the ranks' results (the 1-rank baseline: rank 0's only).
-
-    A step ends when the slower rank ends it, so the step time is the slower rank's; bytes per step
-    is the mean of what each rank's interface sent (each node's traffic on the link).
-    """
+    """One record per schedule item: the slower rank's step time, the mean of the ranks' bytes sent (baseline: rank 0's
+    only)."""
     measured = [result for result in results if result is not None]
     step_ms = max(result["step_ms"] for result in measured)
     return {

@@ -1,11 +1,9 @@
 """`python -m app.bench --profile FIRST:COUNT`: where rank 0's main thread spends a step, per side.
 
-Each side's rank 0 runs cProfile over COUNT steady-state steps (`StepRecorder`, from the start of
-step FIRST to the start of step FIRST + COUNT, so the batch's fetch and every hook are in) and the
-bench prints the functions that take most of that time by their own time (not their callees'),
-per step. On a GPU a call that waits for the GPU (a full launch queue, a host read) shows as its
-own time in that call. cProfile slows Python-heavy code more than the kernels: read where the time
-goes from a profiled run, and how much there is from a plain one.
+Each side's rank 0 runs cProfile over COUNT steady-state steps from step FIRST (the batch's fetch and every hook
+included) and the bench prints the functions with the most own time per step. On a GPU a call that waits for the GPU
+shows as its own time. cProfile slows Python more than kernels: read where the time goes from a profiled run, how much
+from a plain one.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Per-rank timings for `python -m app.bench`, recorded from outside the training code.
 
-The bench sets `APP_BENCH_DIR` (where each rank writes `<side>-rank<r>.json`) and
-`APP_BENCH_LAUNCH_TIME` (the `time.time()` at which it started the command). Without them nothing
-is recorded: `StepRecorder.from_env()` returns None and the Lightning callback does nothing.
-The reference trainer gets one passed in by `app.bench.reference`; Lightning gets `app.bench.callback.BenchTimer`.
-This module imports no Lightning, so that timing the reference does not slow its start.
+The bench sets `APP_BENCH_DIR` (each rank writes `<side>-rank<r>.json`) and `APP_BENCH_LAUNCH_TIME`; without them
+nothing is recorded (`StepRecorder.from_env()` returns None). The reference gets a recorder from `app.bench.reference`,
+Lightning from `app.bench.callback.BenchTimer`. No Lightning here, so timing the reference does not slow its start.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ from app.bench.profiles import parse_profile_steps
 
 DIR_VARIABLE = "APP_BENCH_DIR"
 LAUNCH_TIME_VARIABLE = "APP_BENCH_LAUNCH_TIME"
-# "FIRST:COUNT" (`python -m app.bench --profile`): rank 0 runs cProfile, started in its main thread,
-# from the start of step FIRST to the start of step FIRST + COUNT, and writes `<side>-rank0.prof`.
+# "FIRST:COUNT" (`python -m app.bench --profile`): rank 0 runs cProfile, started in its main thread, from the start of
+# step FIRST to the start of step FIRST + COUNT, and writes `<side>-rank0.prof`.
 PROFILE_VARIABLE = "APP_BENCH_PROFILE"
 
 
@@ -34,20 +32,17 @@ class StepRecorder:
     def __init__(self, out_dir: Path, side: str, rank: int, world_size: int) -> None:
         self.path = out_dir / f"{side}-rank{rank}.json"
         self.side, self.rank, self.world_size = side, rank, world_size
-        # One (wall clock, perf_counter) anchor converts step times into wall-clock times, which
-        # the bench can compare with its own launch time and exit time (other processes).
+        # One (wall clock, perf_counter) anchor converts step times into wall-clock times, which the bench can compare
+        # with its own launch time and exit time (other processes).
         self.wall_anchor, self.perf_anchor = time.time(), time.perf_counter()
         self.epochs: list[int] = []
         self.starts: list[float] = []
         self.ends: list[float] = []
-        # This thread's CPU time at each step start: the work a step does, without the waiting
-        # (for a peer rank, for a core), which wall-clock step times mix in.
+        # This thread's CPU time at each step start: the work a step does, without the waiting (for a peer rank, for a
+        # core), which wall-clock step times mix in.
         self.cpu_starts: list[float] = []
-        # On a GPU, a timing event queued at each step start: when the GPU reached it. A loop that
-        # never waits for the GPU queues steps ahead of it (up to the driver's queue depth, a few
-        # resnet18 steps), so its host-side step starts come faster than the GPU runs them, until
-        # the epoch end waits; the events time what the GPU did. Whether the process uses CUDA is
-        # decided at its first step (None until then).
+        # On a GPU, a timing event queued at each step start times what the GPU did (host-side starts run ahead of it
+        # by the driver's queue depth). Whether the process uses CUDA is decided at its first step (None until then).
         self.uses_cuda: bool | None = None
         self.gpu_events: list[torch.cuda.Event] = []
         profile = os.environ.get(PROFILE_VARIABLE) if rank == 0 else None

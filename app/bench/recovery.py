@@ -15,11 +15,9 @@ What a rank killed with kill -9 mid-run costs on each way of restarting without 
              is an os.kill by PID); for the tests' cluster: `python tests/slurm/localcluster.py --
              python -m app.bench.recovery --paths slurm,slurm-torchrun`.
 
-For each: the recovery time, from the kill to the end of the first training step of the restarted
-ranks, and the lost work, the steps trained before the kill that are trained again (the kill's step
-minus the step last.ckpt held), against the checkpoint interval (one epoch here: last.ckpt is
-written at every epoch end). The times come from `StepClock`, a callback the runs get through
-`--trainer.callbacks+=`: rank 0 appends the wall-clock time of every training step to a file.
+For each: the recovery time (kill to the end of the restarted ranks' first step) and the lost work (steps trained again:
+the kill's step minus last.ckpt's), against the checkpoint interval (one epoch). Times come from `StepClock`, a callback
+added with `--trainer.callbacks+=` that appends every step's wall-clock time on rank 0.
 """
 
 from __future__ import annotations
@@ -50,8 +48,8 @@ RUN = ("--trainer.max_epochs=8", "--trainer.enable_progress_bar=false")
 CPU_ONLY_SBATCH = ("--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10")
 SLURM_FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
 GOAL_S = 30
-# Slurm paths: (script, environment, requeues expected). torchrun.sbatch's agents restart the ranks
-# inside the job (--max-restarts); multinode.sbatch requeues the job.
+# Slurm paths: (script, environment, requeues expected). torchrun.sbatch's agents restart the ranks inside the job
+# (--max-restarts); multinode.sbatch requeues the job.
 SLURM_PATHS = {
     "slurm": ("multinode.sbatch", {}, 1),
     "slurm-torchrun": ("torchrun.sbatch", {"NPROC_PER_NODE": "1"}, 0),
@@ -59,9 +57,9 @@ SLURM_PATHS = {
 
 
 class StepClock(L.Callback):
-    """Rank 0 appends `<unix time> <global step>` to `path` after every training step, and
-    `start <unix time> <global step> <steps per epoch>` when training starts (again); every rank
-    writes `<path>.rank<global rank>` = `<pid> <host>`, so that a benchmark can kill it."""
+    """Rank 0 appends `<unix time> <global step>` to `path` after every training step, and `start <unix time> <global
+    step> <steps per epoch>` when training starts (again); every rank writes `<path>.rank<global rank>` = `<pid>
+    <host>`, so that a benchmark can kill it."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 from collections.abc import Callable
@@ -19,6 +20,25 @@ def spread(values: list[float]) -> dict[str, float]:
     if not values:
         return {"median": math.nan, "min": math.nan, "max": math.nan, "n": 0}
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def bench_parser(
+    prog: str, doc: str | None, config: str | None, config_help: str | None = None
+) -> argparse.ArgumentParser:
+    """A bench's command line (its module docstring, with its tables, as the description) and its `--config` (None:
+    required)."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = {"required": True} if config is None else {"default": Path(config)}
+    parser.add_argument("--config", type=Path, help=config_help, **default)
+    return parser
+
+
+def shown_and_saved(results: dict[str, Any], json_path: Path | None, show: Callable[[dict[str, Any]], None]) -> dict:
+    """`results`, printed by `show` and, with `json_path`, written there as JSON."""
+    show(results)
+    if json_path is not None:
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+    return results
 
 
 def counts(text: str, minimum: int, flag: str) -> list[int]:
@@ -48,8 +68,8 @@ Pairing = Callable[[RunResult, RunResult], float]
 def over_repeats(
     runs: list[RunResult], first: tuple[str, int], second: tuple[str, int], figure: Pairing
 ) -> dict[str, float]:
-    """figure(run of `first`, run of `second`) per repeat, each a (side, world size): the runs of a
-    repeat ran one right after the other, so slow phases of a noisy machine hit both."""
+    """figure(run of `first`, run of `second`) per repeat, each a (side, world size): the runs of a repeat ran one right
+    after the other, so slow phases of a noisy machine hit both."""
     values = []
     for repeat in sorted({run.repeat for run in runs}):
         one, other = find(runs, *first, repeat), find(runs, *second, repeat)

@@ -95,8 +95,8 @@ def run_env(accelerator: str, timings: Path, profile: str | None = None) -> dict
         env[PROFILE_VARIABLE] = profile
     env.setdefault("OMP_NUM_THREADS", "1")
     if accelerator == "cpu" and gpus_present():
-        # The reference picks CUDA whenever it sees a GPU. Only then: on a machine without GPUs the
-        # variable would also hide a cost users pay there (`app.cli.entry.allow_plain_cuda_availability_checks`).
+        # The reference picks CUDA whenever it sees a GPU. Only then: on a machine without GPUs the variable would also
+        # hide a cost users pay there (`app.cli.entry.allow_plain_cuda_availability_checks`).
         env["CUDA_VISIBLE_DEVICES"] = ""
     env[DIR_VARIABLE] = str(timings)
     return env
@@ -123,14 +123,11 @@ def launch(args: list[str], env: dict[str, str], log: Path, timeout_s: float) ->
 def epoch_step_times(
     record: dict[str, Any], warmup_steps: int, clock: str = "starts"
 ) -> tuple[list[float], list[list[float]]]:
-    """(every steady-state step interval, the same grouped by epoch), in seconds of `clock`
-    ("starts": wall clock; "cpu_starts": the main thread's CPU time; "gpu_starts": when the GPU reached
-    each step's start, on a GPU).
+    """(every steady-state step interval, the same grouped by epoch), in seconds of `clock` ("starts", "cpu_starts",
+    "gpu_starts").
 
-    A step's time is from its start to the next step's start, so it includes fetching the batch
-    and everything the framework does around the step. Intervals that span an epoch boundary
-    (validation, checkpoints) are left out, as are the first `warmup_steps` steps.
-    """
+    A step runs from its start to the next's (batch fetch and hooks included); intervals across an epoch boundary and
+    the first `warmup_steps` are left out."""
     epochs, starts = record["epochs"], record[clock]
     by_epoch: dict[int, list[float]] = {}
     for index in range(max(warmup_steps, 0), len(starts) - 1):

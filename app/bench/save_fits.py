@@ -1,33 +1,24 @@
-"""`python -m app.bench.save_fits [--strategies ddp,fsdp] [--ranks 2,1] [--d-model 1024] [--layers 7]
-[--saves 3] [--every 3] [--out D] [--json F] [--plot F]`: what a checkpoint save costs a real
-`ddp-app fit`, synchronous, background, and background with the copy overlapped, under DDP and under
-FSDP2, on 2 ranks and on 1 (issue 44), side by side in one run.
+"""`python -m app.bench.save_fits [--strategies ddp,fsdp] [--ranks 2,1] [--d-model 1024] [--layers 7] [--saves 3]
+[--every 3] [--out D] [--json F] [--plot F]`: what a checkpoint save costs a real `ddp-app fit`, synchronous,
+background, and background with the copy overlapped, under DDP and under FSDP2, on 2 ranks and on 1 (issue 44), side
+by side in one run.
 
-Each (ranks, strategy, mode) is one `ddp-app fit` of configs/gpt_fsdp.yaml scaled up by the
-overrides (`--d-model 1024 --layers 7`: 88 M parameters, a 1 GB training state with AdamW's two
-moments), saving last.ckpt every `--every` steps with `last_checkpoint.async_save` false ("sync"),
-true ("async"), or true with `last_checkpoint.overlap_copy` ("overlap": the parameters and optimizer
-state are copied while the next step runs, whose optimizer waits for the copy). Each rank trains on
-one CPU thread (`OMP_NUM_THREADS=1`, the app's default), so on a 2-core machine 2 ranks keep every
-core training and the background writer's CPU time can only come from training's, while 1 rank
-leaves a core to the writer, as a GPU node does (it has several cores per GPU, and training keeps
-few of them busy).
+Each (ranks, strategy, mode) is one `ddp-app fit` of configs/gpt_fsdp.yaml scaled up (`--d-model 1024 --layers 7`: 88 M
+parameters, a 1 GB training state), saving last.ckpt every `--every` steps with `last_checkpoint.async_save` false
+("sync"), true ("async"), or with `overlap_copy` ("overlap"). One CPU thread per rank: on a 2-core machine 2 ranks leave
+the writer no idle core, 1 rank leaves one, as a GPU node does.
+
 `SaveTimer`, a callback in the fit, measures on every rank:
 
-- **blocked per save**: the save call itself (`trainer.save_checkpoint`, through which the
-  coordinator saves at a batch's start) plus the next step's wait for an overlapped copy
-  (`BackgroundWriter.staging_wait_s`, before its optimizer step); medians over the saves, the
-  largest over the ranks (a save is a collective: every rank waits for the slowest);
-- **the step during a write**: the steps a background write runs beside (the rest of the save's
-  own step, and each later step that starts while the write is in flight, less any wait for the
-  copy), against the same fit's quiet ones. On a CPU that training keeps busy, this is where the
-  write's own CPU time shows;
-- for comparison with the earlier figures, the save step and the whole step after it beyond two
-  quiet steps (`blocked_with_next_step_ms`): the blocked time plus what the write took from the
-  steps around it.
+- **blocked per save**: the save call plus the next step's wait for an overlapped copy
+  (`BackgroundWriter.staging_wait_s`); medians over saves, the largest over ranks;
+- **the step during a write**: the steps a background write runs beside (less any wait for the copy), against the same
+  fit's quiet ones;
+- the save step and the step after it beyond two quiet steps (`blocked_with_next_step_ms`), for comparison with earlier
+  figures.
 
-Under DDP rank 0 writes the whole checkpoint while the others wait at the save's barrier; under
-FSDP2 every rank writes its shards (DCP). Progress: one line per fit.
+Under DDP rank 0 writes the whole checkpoint while the others wait at the save's barrier; under FSDP2 every rank writes
+its shards (DCP). Progress: one line per fit.
 """
 
 from __future__ import annotations
@@ -58,15 +49,11 @@ STRATEGIES = {"ddp": ["--trainer.strategy=ddp"], "fsdp": []}  # the config's own
 
 
 class SaveTimer(L.Callback):
-    """Per rank, during training, written to `<default_root_dir>/save-times-rank<r>.json` at its end:
+    """Per rank, written to `<default_root_dir>/save-times-rank<r>.json` at the end.
 
-    - `save_call`: each save's own time, `trainer.save_checkpoint` (the coordinator saves last.ckpt
-      through it at a batch's start; under DDP it ends with Lightning's barrier, so every rank waits
-      for rank 0's copy), and `staging_wait`: the next step's wait for an overlapped copy;
-    - `writing`: the steps a background write ran beside: the rest of the save's own step, and each
-      later step that starts while the write is in flight (less any wait for the copy);
-    - `quiet`: the other steps, the steps right after a save left out;
-    - `save`, `after_save`: the whole save step and the step after it (the earlier figures' basis)."""
+    - `save_call`: each `trainer.save_checkpoint`; `staging_wait`: the next step's wait for an overlapped copy;
+    - `writing`: the steps a background write ran beside (less any wait for the copy); `quiet`: the others;
+    - `save`, `after_save`: the whole save step and the step after it."""
 
     def __init__(self) -> None:
         kinds = ("save_call", "staging_wait", "writing", "quiet", "save", "after_save")
@@ -200,9 +187,8 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One strategy's three fits side by side. A step during a write is set against the quiet steps
-    of the same fit: two fits of one command differ in their quiet step, which a ratio across fits
-    would count as the write's."""
+    """One strategy's three fits side by side. A step during a write is set against the quiet steps of the same fit: two
+    fits of one command differ in their quiet step, which a ratio across fits would count as the write's."""
     sync, background, overlapped = runs["sync"], runs["async"], runs["overlap"]
     blocked_sync = sync["blocked_ms_per_save"]
     blocked: dict[str, float | None] = {"sync": blocked_sync}
@@ -233,8 +219,8 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Two panels, one group of bars per (ranks, strategy): the training blocked per save (the issue's
-    15%-of-synchronous target marked on each group), and the step during a background write against
-    a quiet step (its 1.10x target)."""
+    15%-of-synchronous target marked on each group), and the step during a background write against a quiet step (its
+    1.10x target)."""
     import matplotlib
 
     matplotlib.use("Agg")

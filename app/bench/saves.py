@@ -1,18 +1,12 @@
-"""`python -m app.bench.saves [--hidden 1536] [--layers 8] [--saves 3] [--dir D] [--json F]`: what a
-checkpoint save costs the training loop, synchronous against background (issue 44).
+"""`python -m app.bench.saves [--hidden 1536] [--layers 8] [--saves 3] [--dir D] [--json F]`: what a checkpoint save
+costs the training loop, synchronous against background (issue 44).
 
-One CPU process trains `layers` Linear(hidden, hidden) layers with AdamW; at each save, the dict a
-Lightning checkpoint holds (`state_dict`, `optimizer_states`: 3x the parameters) goes through
-ddp-app's own plugins: `SafeCheckpointIO` (the write on the training thread) or
-`BackgroundCheckpointIO` (a host-memory snapshot on it, the write in the writer thread; "async", into
-the buffers the previous save used, and "async_fresh", into fresh memory at every save, as before
-those buffers were kept: app/checkpoints/staging.py), or the same with `overlap_copy` (the
-parameters and AdamW's state copied on the writer thread while the next step's forward and backward
-run; its optimizer step waits for the copy). Under DDP rank 0 makes
-exactly this call while the other ranks wait at the save's barrier. Per mode: the milliseconds the
-training thread is blocked per save (with overlap, the save call and the next step's wait), and the
-median step time with no write in flight against steps that ran while a background write did (all
-in the same run).
+One CPU process trains `layers` Linear(hidden, hidden) layers with AdamW; at each save the dict a Lightning checkpoint
+holds goes through `SafeCheckpointIO` (written on the training thread) or `BackgroundCheckpointIO` (a host snapshot,
+written on the writer thread: "async" into the previous save's buffers, "async_fresh" into fresh memory;
+app/checkpoints/staging.py), or with `overlap_copy` (parameters and AdamW's state copied during the next step, whose
+optimizer step waits). Under DDP rank 0 makes exactly this call. Per mode: the milliseconds the training thread is
+blocked per save, and the median step time with and without a background write in flight (one run).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """`python -m app.bench.seeding [--json FILE]`: what per-sample seeding costs per batch.
 
-Loads the digits and CNN (FakeData 1x28x28) training sets batch by batch in this process, with the
-samples seeded one by one (`app.data.seeding.PerSampleSeeded`, as every ddp-app training loader)
-and without, alternating the two, and prints the added microseconds per sample and per batch. In the
-main process (`num_workers: 0`) this is the worst case: the generators are also saved and restored
-once per batch. With `num_workers: 2` the seeding runs in the workers, beside the training step.
+Loads the digits and CNN (FakeData 1x28x28) training sets in this process with and without `PerSampleSeeded`,
+alternating, and prints the added microseconds per sample and per batch. With `num_workers: 0` this is the worst case
+(generators also saved and restored per batch); with workers the seeding runs beside the training step.
 """
 
 from __future__ import annotations

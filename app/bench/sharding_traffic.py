@@ -1,11 +1,9 @@
-"""`python -m app.bench.sharding_traffic [--config configs/gpt_fsdp.yaml] [--link 100mbit] [--json F] [--plot F]`
-(as root): what crosses the node boundary per step under DDP, full sharding and hybrid sharding.
+"""`python -m app.bench.sharding_traffic [--config configs/gpt_fsdp.yaml] [--link 100mbit] [--json F] [--plot F]` (as
+root): what crosses the node boundary per step under DDP, full sharding and hybrid sharding.
 
-Two "nodes" on one machine, as `python -m app.bench.network` builds them (app/bench/netns.py): two
-network namespaces joined by one veth link that tc's token bucket filter caps at `--link`. Here each
-namespace holds 2 ranks (4 in all, one gloo process group): ranks 0-1 on node 0, 2-3 on node 1, so
-traffic between ranks of one node stays on that namespace's loopback and only what crosses nodes
-passes the link. For each strategy, on the config's transformer (`--model-args` applied):
+Two "nodes" as `python -m app.bench.network` builds them (app/bench/netns.py), each namespace holding 2 ranks (4 in all,
+one gloo group: ranks 0-1 on node 0, 2-3 on node 1), so only cross-node traffic passes the link capped at `--link`. For
+each strategy, on the config's transformer (`--model-args` applied):
 
   ddp      DistributedDataParallel: every rank holds everything, gradients all-reduced over all 4;
   full     FSDP2 over a 1-D mesh of the 4 ranks (`shard_group_size: null`): every unit's all-gather
@@ -19,9 +17,8 @@ it reports
   step ms      the slowest rank's mean step (forward, backward with the exchange, AdamW step);
   state MB     the largest rank's parameter, gradient and optimizer-state bytes (a DTensor's local part).
 
-Strategies alternate within a repeat, in the opposite order every other repeat; figures are medians
-over repeats. The ranks start once (one launch: 10-15 s of imports each), build a fresh model per
-measurement, and are removed with the namespaces in a `finally` (app/bench/netns.py).
+Strategies alternate within a repeat, reversed every other repeat; figures are medians over repeats. The ranks start
+once, build a fresh model per measurement, and are removed with the namespaces in a `finally`.
 """
 
 from __future__ import annotations
@@ -56,8 +53,8 @@ RANKS_PER_NODE = 2
 WORLD_SIZE = RANKS_PER_NODE * len(NAMESPACES)
 MASTER_PORT = 29500  # inside node 0's namespace, where nothing else listens
 DEFAULT_MODEL_ARGS = {"d_model": 128, "n_layers": 2}
-# The issue's targets at 2 nodes x 2 ranks (issue 45): hybrid's inter-node bytes at most half of full
-# sharding's; its per-rank state 1/(ranks per node) of DDP's.
+# The issue's targets at 2 nodes x 2 ranks (issue 45): hybrid's inter-node bytes at most half of full sharding's; its
+# per-rank state 1/(ranks per node) of DDP's.
 HYBRID_OVER_FULL_BYTES_TARGET = 0.5
 
 
@@ -175,8 +172,8 @@ def rank_main(plan: dict[str, Any], rank: int) -> None:
 
 
 def summarize(records: list[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """Per strategy: the median over repeats of the bytes crossing the link per step (both nodes'
-    interfaces), of the slowest rank's step, and the largest rank's state; ratios to full and to DDP."""
+    """Per strategy: the median over repeats of the bytes crossing the link per step (both nodes' interfaces), of the
+    slowest rank's step, and the largest rank's state; ratios to full and to DDP."""
     by_strategy: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for record in records:
         by_strategy.setdefault(record["strategy"], {}).setdefault(record["repeat"], []).append(record)

@@ -52,8 +52,8 @@ ADDED_STEPS = 300
 
 
 def added_work() -> dict[str, float]:
-    """Microseconds StepTiming adds to one digits step in this process: its three hooks' bodies, and
-    its gradient hooks' share of the backward (with them against without, alternating)."""
+    """Microseconds StepTiming adds to one digits step in this process: its three hooks' bodies, and its gradient hooks'
+    share of the backward (with them against without, alternating)."""
     from app.models import MLPClassifier
     from app.run.step_timing import StepTiming
 

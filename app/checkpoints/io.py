@@ -1,16 +1,11 @@
 """Saving and loading checkpoints: atomic writes, never-executing loads, clear errors.
 
-- Writes go to a temporary file in the destination directory, are flushed and fsynced, and then
-  `os.replace`d over the target: a crash leaves the old file or the new one, never half of one.
-  (Lightning serialises into memory and then writes through fsspec, without fsync.)
-- Every load uses `torch.load(..., weights_only=True)`, also for http(s) URLs (Lightning defaults
-  to `weights_only=False` for those): a checkpoint whose unpickling would run code is refused.
-- Every load first checks the CRC32 torch.save wrote beside each record (`refuse_bad_checksums`),
-  which torch.load itself never reads: a checkpoint changed on disk is refused, not loaded wrong.
+- Writes go to a temporary file in the destination directory, fsynced, then `os.replace`d: a crash leaves the old file
+  or the new one (Lightning writes through fsspec, without fsync).
+- Every load uses `torch.load(..., weights_only=True)`, http(s) URLs included (Lightning defaults to False there).
+- Every load first checks torch.save's per-record CRC32s (`refuse_bad_checksums`), which torch.load never reads.
 
-No Lightning here: the datasets the reference trainer shares load tensor files with `safe_load`.
-Lightning's side, `SafeCheckpointIO`, is in `app.cli`; exporting a model, in `app.export`.
-"""
+No Lightning here; `SafeCheckpointIO` is in `app.cli`, exporting in `app.export`."""
 
 from __future__ import annotations
 
@@ -54,8 +49,8 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
         Path(temporary).unlink(missing_ok=True)
         refused = disk_error_in(error, path.parent)
         if refused is not None and not (isinstance(error, OSError) and error.filename):
-            # torch.save's zip writer reports a full disk as "unexpected pos" while closing, with the
-            # OSError only in the context (or nowhere): raise the cause the user can act on, with the path.
+            # torch.save's zip writer reports a full disk as "unexpected pos" while closing, with the OSError only in
+            # the context (or nowhere): raise the cause the user can act on, with the path.
             raise OSError(refused.errno, refused.strerror, str(path)) from error
         raise
     directory = os.open(path.parent, os.O_RDONLY)
@@ -65,18 +60,17 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
         os.close(directory)
 
 
-# What torch's zip writer (caffe2 inline_container.cc) raises when a write of the file under it failed
-# or came back short: its own RuntimeError, the OSError (if any) only in the exception's context.
+# What torch's zip writer (caffe2 inline_container.cc) raises when a write of the file under it failed or came back
+# short: its own RuntimeError, the OSError (if any) only in the exception's context.
 ZIP_WRITER_FAILURES = ("unexpected pos", "PytorchStreamWriter failed writing")
 LOW_SPACE_BYTES = 1 << 20  # a filesystem with less free than this after a failed write is called full
 
 
 def disk_error_in(error: BaseException, directory: str | Path) -> OSError | None:
-    """The disk's refusal behind a failed write into `directory`, or None for any other failure (a
-    bug keeps its traceback): the first OSError in `error`'s cause/context chain (ENOSPC, EDQUOT,
-    EIO, EROFS, ...), else, for torch's zip writer failing on its own ("unexpected pos": a short
-    write, or a chain lost on the way, as DCP's pickled per-rank failures lose it), an OSError
-    ENOSPC where the filesystem is (nearly) full and EIO where it is not."""
+    """The disk's refusal behind a failed write into `directory`, or None (a bug keeps its traceback).
+
+    The first OSError in `error`'s cause/context chain; for torch's zip writer's bare "unexpected pos" (a short write,
+    or a chain DCP's pickling lost), ENOSPC where the filesystem is (nearly) full, else EIO."""
     seen: set[int] = set()
     current: BaseException | None = error
     zip_writer = False
@@ -97,11 +91,9 @@ def disk_error_in(error: BaseException, directory: str | Path) -> OSError | None
 
 
 def gather_per_rank(state: Any) -> list[Any]:
-    """Every rank's `state`, in rank order, on global rank 0 (the rank that writes checkpoints); [] elsewhere.
+    """Every rank's `state`, in rank order, on global rank 0 (the writer); [] elsewhere. A collective.
 
-    A collective: call it where every rank builds the checkpoint (Lightning's save hooks). Gathering
-    to rank 0 only, not to all, keeps each other rank's memory at its own state: an all-gather of
-    PowerSGD's error feedback would hold world size x parameters on every rank at each save.
+    Gathered to rank 0 only, not all-gathered, so that other ranks do not hold world size x PowerSGD's error feedback.
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [state]
@@ -119,10 +111,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 
 
 def remove_stale_temporaries(path: Path) -> None:
-    """Delete temporaries of `path` left by a writer that was killed mid-save.
-
-    Only global rank 0 writes checkpoints, so no temporary of this name can be in use right now.
-    """
+    """Delete temporaries of `path` left by a writer killed mid-save (only rank 0 writes, so none is in use)."""
     for stale in path.parent.glob(f".{path.name}.*.tmp"):
         stale.unlink(missing_ok=True)
 
@@ -139,11 +128,8 @@ DOWNLOADABLE = ("http://", "https://")
 def refuse_url(path: Any, key: str, to_read: bool = False) -> None:
     """One line if `path` (the value of `key`) is a URL ddp-app cannot use.
 
-    Checkpoints are written with a rename over the previous one after an fsync (`atomic_write`), and
-    `--ckpt_path last` is found by listing a directory: both need a filesystem path. Object stores
-    (s3://, gs://, ...) offer neither an atomic rename nor a coherent listing, and a `Path` made
-    from their URL is a local directory named "s3:". A checkpoint to read may be an http(s) URL.
-    """
+    Saves need an atomic rename and `last` a directory listing: object stores (s3://, gs://) have neither. A checkpoint
+    to read may be an http(s) URL."""
     text = str(path)
     if "://" not in text or (to_read and text.startswith(DOWNLOADABLE)):
         return
@@ -164,12 +150,8 @@ def refuse_url(path: Any, key: str, to_read: bool = False) -> None:
 def safe_load(path: str | Path, map_location: Any = "cpu", name: str | None = None) -> Any:
     """`torch.load` with `weights_only=True` for files and http(s) URLs, and one-line errors.
 
-    A file that torch.save did not write (text, YAML, an empty file, a zip of something else) is
-    refused from its first bytes, before torch.load reads it: torch's unpickler would fail on it with
-    a KeyError or, worse, a warning advising weights_only=False. `name`: how the one line names a
-    checkpoint (`--ckpt_path x.ckpt`); without it, the file is named by its path, as one torch.save
-    wrote (a data set's tensor file, too).
-    """
+    A file torch.save did not write is refused from its first bytes (torch's unpickler would fail with a KeyError or
+    advise weights_only=False). `name`: how the line names the checkpoint; default, its path."""
     source: str | Path | io.BytesIO = path
     if str(path).startswith(("http://", "https://")):
         try:
@@ -193,8 +175,8 @@ def safe_load(path: str | Path, map_location: Any = "cpu", name: str | None = No
         raise as_checkpoint_error(path, error) from error
 
 
-# torch.save writes a zip archive (since torch 1.6) or, with `_use_new_zipfile_serialization=False`, a
-# pickle stream that starts with this magic number (torch/serialization.py MAGIC_NUMBER, a LONG1 opcode).
+# torch.save writes a zip archive (since torch 1.6) or, with `_use_new_zipfile_serialization=False`, a pickle stream
+# that starts with this magic number (torch/serialization.py MAGIC_NUMBER, a LONG1 opcode).
 ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_PROTOCOL_OPCODE = b"\x80"
 TORCH_LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
@@ -211,8 +193,8 @@ def not_a_checkpoint(name: str, what: str, fix: str | None = None) -> Checkpoint
 
 
 def describe_other_format(file: BinaryIO, suffix: str = "") -> str | None:
-    """What a file is when torch.save did not write it ("a text file", ...), from its first bytes;
-    None when it has torch.save's format (a truncated or corrupt one is torch.load's to report)."""
+    """What a file is when torch.save did not write it ("a text file", ...), from its first bytes; None when it has
+    torch.save's format (a truncated or corrupt one is torch.load's to report)."""
     start = file.read(SNIFFED_BYTES)
     if not start:
         return "an empty file"
@@ -243,8 +225,8 @@ def describe_other_format(file: BinaryIO, suffix: str = "") -> str | None:
 
 
 def _zip_names(file: BinaryIO, start: bytes) -> list[str]:
-    """The names in a zip archive; for one whose end is cut off (a truncated save), its first name,
-    from the first local file header (its name length at offset 26, the name at 30)."""
+    """The names in a zip archive; for one whose end is cut off (a truncated save), its first name, from the first local
+    file header (its name length at offset 26, the name at 30)."""
     try:
         file.seek(0)
         return zipfile.ZipFile(file).namelist()
@@ -263,8 +245,8 @@ def refuse_other_formats(file: BinaryIO, path: str | Path, name: str | None) -> 
         raise not_torch_save(path, name, what)
 
 
-# Files whose checksums matched in this process, by `_file_identity`: a file rewritten in place or
-# replaced (a new save is renamed over the old one: another inode) is checked again.
+# Files whose checksums matched in this process, by `_file_identity`: a file rewritten in place or replaced (a new save
+# is renamed over the old one: another inode) is checked again.
 _CHECKSUMS_MATCHED: set[tuple[int, int, int, int]] = set()
 
 
@@ -278,14 +260,10 @@ def _file_identity(file: BinaryIO) -> tuple[int, int, int, int] | None:
 
 
 def refuse_bad_checksums(file: BinaryIO, path: str | Path) -> None:
-    """Raise the one-line CheckpointError for a torch.save zip whose data does not match the CRC32
-    torch.save wrote beside it; rewinds `file`.
+    """Raise the one-line CheckpointError where a torch.save zip's data does not match its CRC32s; rewinds `file`.
 
-    `torch.load` never checks those checksums: a byte flipped on disk after the save (a failing
-    disk, a bad copy) loads silently as a wrong weight. Checking reads the file once more (zlib's
-    CRC32, about as fast as the read). A file written without checksums
-    (`torch.serialization.set_crc32_options(False)`: every record's CRC is 0) and torch's legacy
-    non-zip format have none to check."""
+    `torch.load` never checks them, so a flipped byte would load as a wrong weight. Files saved without checksums (all
+    CRCs 0) and the legacy non-zip format have none to check."""
     start = file.read(len(ZIP_MAGIC))
     file.seek(0)
     if start != ZIP_MAGIC:
@@ -372,9 +350,9 @@ def check_compatible(net: nn.Module, state: dict[str, torch.Tensor], source: str
     check_shapes(shapes(net.state_dict()), shapes(state), source)
 
 
-# Where LightningCLI keeps the model's (or DataModule's) class path in a checkpoint's hyperparameters, and
-# its own instantiator: private names of lightning.pytorch.cli, read here, in sharded.py and in export.py
-# (docs/private_apis.md; guarded in tests/test_private_apis.py).
+# Where LightningCLI keeps the model's (or DataModule's) class path in a checkpoint's hyperparameters, and its own
+# instantiator: private names of lightning.pytorch.cli, read here, in sharded.py and in export.py (docs/private_apis.md;
+# guarded in tests/test_private_apis.py).
 CLI_CLASS_PATH_KEY = "_class_path"
 CLI_INSTANTIATOR_KEY = "_instantiator"
 
@@ -420,11 +398,8 @@ def forget_read_checkpoint() -> None:
 
 
 def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
-    """Load a Lightning checkpoint (weights_only) and keep its model class, hyperparameters and shapes.
-
-    A file that is not a Lightning checkpoint is refused here: Lightning itself fails on it deep
-    inside every rank (`KeyError: 'pytorch-lightning_version'`).
-    """
+    """Load a Lightning checkpoint (weights_only), keeping its model class, hyperparameters and shapes; refuse a file
+    that is not one (Lightning would fail deep in every rank)."""
     checkpoint = safe_load(path, name=f"--ckpt_path {path}")
     if not isinstance(checkpoint, dict):
         raise CheckpointError(
@@ -479,11 +454,7 @@ def _resolve_class(class_path: str) -> object:
 
 
 def check_model_class(checkpoint: CheckpointSummary, configured_class_path: str) -> None:
-    """Refuse a checkpoint made with another LightningModule class than the configured one.
-
-    LightningCLI would otherwise build the checkpoint's class in place of the configured one,
-    silently, and fail later on shapes or data.
-    """
+    """Refuse a checkpoint of another LightningModule class (LightningCLI would silently build the checkpoint's)."""
     if checkpoint.class_path is None or checkpoint.class_path == configured_class_path:
         return  # no class saved (not made through LightningCLI): the shapes check decides
     if _resolve_class(checkpoint.class_path) != _resolve_class(configured_class_path):
@@ -495,11 +466,7 @@ def check_model_class(checkpoint: CheckpointSummary, configured_class_path: str)
 
 
 def check_overrides(checkpoint: CheckpointSummary, overrides: dict[str, Any]) -> None:
-    """Refuse a command-line model argument that contradicts the checkpoint's hyperparameter.
-
-    LightningCLI replaces the config's model arguments with the checkpoint's, so the value typed on
-    the command line would be dropped without a word.
-    """
+    """Refuse a command-line model argument that contradicts the checkpoint's (LightningCLI would drop it silently)."""
     for key, value in overrides.items():
         if key in checkpoint.hyper_parameters and checkpoint.hyper_parameters[key] != value:
             stored = checkpoint.hyper_parameters[key]
@@ -522,8 +489,8 @@ def load_net_weights(net: nn.Module, state: dict[str, torch.Tensor], source: str
 
 
 def exportable_state_dict(checkpoint: dict[str, Any], source: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """What `python -m app.export` writes: the bare network (`net.*` keys without the prefix) when the
-    LightningModule has a `net`, else the module's own weights, exactly as in the checkpoint."""
+    """What `python -m app.export` writes: the bare network (`net.*` keys without the prefix) when the LightningModule
+    has a `net`, else the module's own weights, exactly as in the checkpoint."""
     state = net_state_dict(checkpoint) or checkpoint["state_dict"]
     if not state:
         raise CheckpointError(

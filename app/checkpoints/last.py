@@ -1,23 +1,9 @@
 """`last.ckpt` is always fresh, and every stop (preemption, Ctrl-C) saves it first.
 
-Lightning 2.6's `ModelCheckpoint(save_last=True)` rewrites last.ckpt only in a step where it saved a
-top-k checkpoint ("Only save last checkpoint if a checkpoint was actually saved",
-`ModelCheckpoint.on_validation_end`): with a monitored metric that stops improving, last.ckpt goes
-stale and `--ckpt_path last` after a crash silently redoes every epoch since the best one. So
-`ddp-app` writes last.ckpt itself, beside whatever ModelCheckpoints the config has (their best-k
-selection is untouched), into the directory of the first one that keeps a last checkpoint:
-
-- at the end of every training epoch (after validation, so the best-k state is current);
-- every `every_n_seconds` of training (and every `every_n_steps` steps, if set) within an epoch;
-- at the step where a preemption signal or Ctrl-C arrived, and then training stops (a preemption
-  during setup, recorded since the rank started, stops training before its first step: nothing new
-  to save).
-
-A crash can therefore lose at most the work since the later of the last epoch end and the last
-interval. Saves happen only at optimizer-step boundaries (never between accumulated micro-batches,
-whose summed gradients a checkpoint does not hold), and all ranks save at the same step: when is
-decided by `app.run.coordinator.RunCoordinator`, the one owner of ddp-app's exchanges between ranks.
-"""
+Lightning 2.6's `save_last=True` rewrites last.ckpt only when it saved a top-k checkpoint, so with a metric that stops
+improving it goes stale. ddp-app writes it itself, beside the config's ModelCheckpoints, at every epoch end, every
+`every_n_seconds` (and `every_n_steps`) and at a stop signal, always at optimizer-step boundaries and on all ranks at
+the same step (decided by `app.run.coordinator.RunCoordinator`)."""
 
 from __future__ import annotations
 
@@ -34,8 +20,8 @@ LAST_NAME = "last.ckpt"
 
 
 def checkpoint_directory(trainer: L.Trainer) -> Path:
-    """Where last.ckpt lives: the directory of the first ModelCheckpoint that keeps a last
-    checkpoint, else of the first ModelCheckpoint, else `<default_root_dir>/checkpoints`."""
+    """Where last.ckpt lives: the directory of the first ModelCheckpoint that keeps a last checkpoint, else of the first
+    ModelCheckpoint, else `<default_root_dir>/checkpoints`."""
     model_checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
     keeping_last = [cb for cb in model_checkpoints if cb.save_last]
     for callback in keeping_last or model_checkpoints:
@@ -44,14 +30,8 @@ def checkpoint_directory(trainer: L.Trainer) -> Path:
 
 
 def find_last_checkpoint(trainer: L.Trainer) -> str | None:
-    """What `--ckpt_path last` means: the newest `last*.ckpt` of any checkpoint directory, or None.
-
-    A file, or a complete sharded checkpoint (strategy fsdp: a link to a directory of shards,
-    app/checkpoints/sharded.py); a link whose save never finished is not one.
-
-    Lightning resolves "last" only among ModelCheckpoints' directories, and warns when there is
-    none yet; None here means a first run, which starts fresh.
-    """
+    """What `--ckpt_path last` means: the newest `last*.ckpt` (a file or a complete sharded checkpoint) of any
+    checkpoint directory, or None (a first run)."""
     directories = {checkpoint_directory(trainer)}
     directories |= {Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
     candidates = [path for directory in directories for path in directory.glob("last*.ckpt") if is_checkpoint(path)]
@@ -59,14 +39,10 @@ def find_last_checkpoint(trainer: L.Trainer) -> str | None:
 
 
 def agreed_last_checkpoint(trainer: L.Trainer) -> str | None:
-    """`--ckpt_path last` for every rank: what global rank 0 finds (`find_last_checkpoint`).
+    """`--ckpt_path last` for every rank: what global rank 0 finds, broadcast.
 
-    Ranks that looked for themselves could disagree: on a network filesystem each node may see other
-    modification times (attribute caching) or a last.ckpt being replaced, and ranks that resume from
-    different checkpoints train apart without an error. So rank 0's answer is broadcast over the
-    strategy's process group, which starts here rather than inside `fit`: Lightning's
-    `setup_environment` keeps a process group that exists (docs/private_apis.md).
-    """
+    Ranks looking for themselves could disagree on a network filesystem and train apart. The process group starts here,
+    before `fit`: Lightning's `setup_environment` keeps one that exists (docs/private_apis.md)."""
     if trainer.world_size == 1:
         return find_last_checkpoint(trainer)
     trainer.strategy.setup_environment()
@@ -77,9 +53,7 @@ def agreed_last_checkpoint(trainer: L.Trainer) -> str | None:
 class LastCheckpoint:
     """The `last_checkpoint:` settings of a `ddp-app` config, and the writer of last.ckpt.
 
-    When to write it is not decided here: every save is a collective (each rank builds the
-    checkpoint, rank 0 writes it), so `app.run.coordinator.RunCoordinator`, which owns every exchange
-    between ranks, decides at points that all ranks reach together and calls `save`.
+    When to save is decided by `app.run.coordinator.RunCoordinator` (every save is a collective), which calls `save`.
 
     Args:
         every_n_seconds: save within an epoch when this much training time passed since the last
@@ -88,17 +62,15 @@ class LastCheckpoint:
         check_interval_s: how often the ranks compare stop signals and the time interval.
         async_save: write every checkpoint the Trainer saves during training (last.ckpt and
             ModelCheckpoints' files) in the background: a save blocks training only for a copy to host
-            memory (app/checkpoints/plugin.py `BackgroundWriter`; under fsdp every rank's shards,
-            written with `dcp.save` on the writer thread), whose buffers stay allocated for the next
-            save (one host copy of the checkpoint: app/checkpoints/staging.py). False: wait for the disk at every save.
+            memory (app/checkpoints/plugin.py `BackgroundWriter`; under fsdp every rank's shards, written
+            with `dcp.save` on the writer thread), whose buffers stay allocated for the next save (one host
+            copy of the checkpoint: app/checkpoints/staging.py). False: wait for the disk at every save.
         overlap_copy: with async_save, copy the parameters and the optimizer state to host memory
-            while the next step's forward and backward run; that step's update waits for the copy
-            (a save then blocks training for the rest of the state only: under 1% and 2% of a synchronous
-            save on 2 CPU ranks under DDP and FSDP2, against 6% and 7% without; docs/performance.md,
-            "Checkpoint saves"). Off by default, because it is only for a module whose
-            weights change in optimizer steps alone: an in-place change of a parameter in between (an
-            EMA swap, a clamp) fails that save in one line, but one through `.data` goes unnoticed
-            (docs/resume.md, "Background saves").
+            while the next step's forward and backward run; that step's update waits for the copy (a save
+            then blocks training for the rest of the state only: docs/performance.md, "Checkpoint saves").
+            Off by default, because it is only for a module whose weights change in optimizer steps alone:
+            an in-place change of a parameter in between (an EMA swap, a clamp) fails that save in one
+            line, but one through `.data` goes unnoticed (docs/resume.md, "Background saves").
     """
 
     def __init__(
@@ -127,8 +99,8 @@ class LastCheckpoint:
         self.overlap_copy = overlap_copy
         self.dirpath: str | None = None
         self.last_model_path = ""
-        # True while last.ckpt is written: the save `--ckpt_path last` resumes from, unlike a
-        # ModelCheckpoint's step-N or best-k file (app/tracking/run.py settles values on it only).
+        # True while last.ckpt is written: the save `--ckpt_path last` resumes from, unlike a ModelCheckpoint's step-N
+        # or best-k file (app/tracking/run.py settles values on it only).
         self.saving = False
         self.saved_step = -1
         self.last_save = time.monotonic()

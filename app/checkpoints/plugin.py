@@ -1,11 +1,7 @@
-"""The Trainer's checkpoint I/O (`trainer.plugins`): Lightning's own, made atomic and safe to load,
-and written in the background by default.
+"""The Trainer's checkpoint I/O: Lightning's own, made atomic and safe to load, written in the background by default.
 
-Every ddp-app Trainer gets one (app/run/build.py `save_plan`), a config with its own `plugins:` too:
-`SafeCheckpointIO` (a file from rank 0) or, under strategy fsdp, `ShardedCheckpointIO` (every rank's
-shards, app/checkpoints/sharded_io.py), each wrapped in `BackgroundCheckpointIO` where saves are
-written in the background. Both go through the one `BackgroundWriter` below.
-"""
+`SafeCheckpointIO` (a file from rank 0) or, under fsdp, `ShardedCheckpointIO` (app/checkpoints/sharded_io.py), each
+wrapped in `BackgroundCheckpointIO` for background saves; both go through the one `BackgroundWriter`."""
 
 from __future__ import annotations
 
@@ -35,8 +31,8 @@ from app.errors import UserFacingError
 from app.private_apis import require
 
 Stage = Callable[..., tuple[Any, ...]]  # a write's arguments -> the ones it writes, copied (`stage`)
-# What a checkpoint I/O hands the writer for a background save (`prepare_write`): the write, its
-# arguments, and the late copy to make of them first on the writer thread (None: none).
+# What a checkpoint I/O hands the writer for a background save (`prepare_write`): the write, its arguments, and the late
+# copy to make of them first on the writer thread (None: none).
 Write = tuple[Callable[..., None], tuple[Any, ...], Stage | None]
 OVERLAP_CHECK = "last_checkpoint.overlap_copy's check that no parameter changed while a save copied it"
 WRITER_NICENESS = 10  # about a tenth of a core's time against a training thread at 0 (the kernel's weights)
@@ -47,8 +43,8 @@ class CheckpointWriteError(UserFacingError):
 
 
 def write_failed(path: Any, error: OSError, part: str = "") -> CheckpointWriteError:
-    """The one line for a checkpoint the disk refused (full, read-only, missing directory); `part`
-    names what of it failed where several processes write one (`" (rank 1's shards)"`)."""
+    """The one line for a checkpoint the disk refused (full, read-only, missing directory); `part` names what of it
+    failed where several processes write one (`" (rank 1's shards)"`)."""
     reason = error.strerror or str(error)
     return CheckpointWriteError(
         f"could not write the checkpoint {path}{part}: {reason[:1].lower()}{reason[1:]}; the previous checkpoint "
@@ -77,34 +73,33 @@ class SafeCheckpointIO(TorchCheckpointIO):
         checkpoint = take_read_checkpoint(path) if map_location in (None, "cpu") else None
         if checkpoint is None:
             checkpoint = safe_load(path, map_location=map_location if map_location is not None else "cpu")
-        # Lightning calls the callbacks' on_load_checkpoint only if the checkpoint has a "callbacks"
-        # entry (`call._call_callbacks_on_load_checkpoint`); a converted one (app.parity) may not, and
-        # ExactResume must see every checkpoint a run resumes from, or it counts from epoch 0.
+        # Lightning calls the callbacks' on_load_checkpoint only if the checkpoint has a "callbacks" entry
+        # (`call._call_callbacks_on_load_checkpoint`); a converted one (app.parity) may not, and ExactResume must see
+        # every checkpoint a run resumes from, or it counts from epoch 0.
         if isinstance(checkpoint, dict):
             checkpoint.setdefault("callbacks", {})
         return checkpoint
 
     def prepare_write(self, checkpoint: dict[str, Any], path: Any, staging: HostStaging, late: dict[int, str]) -> Write:
-        """A background save's part on the training thread: the whole checkpoint copied to host memory
-        (`snapshot`, less the `late` storages, copied on the writer thread by `stage`)."""
+        """A background save's part on the training thread: the whole checkpoint copied to host memory (`snapshot`, less
+        the `late` storages, copied on the writer thread by `stage`)."""
         copied = snapshot(checkpoint, staging, late)
         return self.save_checkpoint, (copied, path, None), functools.partial(stage, staging) if late else None
 
 
 def version(tensor: torch.Tensor) -> int:
-    """How many in-place changes torch counted on `tensor` and the views that share its counter (a
-    state dict's detached entries). A DTensor counts its own: an in-place op on a DTensor parameter
-    leaves its local shard's counter as it was."""
+    """How many in-place changes torch counted on `tensor` and the views that share its counter (a state dict's detached
+    entries). A DTensor counts its own: an in-place op on a DTensor parameter leaves its local shard's counter as it
+    was."""
     return require(tensor, "_version", "torch", OVERLAP_CHECK, owner_name="torch.Tensor")  # docs/private_apis.md
 
 
 def snapshot(checkpoint: dict[str, Any], staging: HostStaging, late: dict[int, str] | None = None) -> dict[str, Any]:
-    """A copy of `checkpoint` that the next training steps cannot change: every tensor copied to host
-    memory (`staging`'s buffers; from a GPU, a device-to-host copy) and everything else deep-copied (a
-    scheduler's lists, a callback's state), the tensors just copied excepted.
+    """A copy of `checkpoint` the next steps cannot change: tensors copied to host (`staging`'s buffers), the rest
+    deep-copied.
 
-    Tensors in the storages `late` (what an optimizer step changes: `BackgroundWriter.stepped_storages`)
-    are not copied here but held as `LateCopy`, for `stage` to copy on the writer thread."""
+    Tensors in the storages `late` (what an optimizer step changes) are held as `LateCopy`, for `stage` to copy on the
+    writer thread."""
     copies: dict[int, Any] = {}  # deepcopy's memo: these are copies already (or held as they are)
     staging.begin()
 
@@ -135,8 +130,8 @@ class LateCopy:
 
 
 def changed_while_copied(path: Any, name: str) -> CheckpointWriteError:
-    """The one line for a save whose late copy a change outside the optimizer's step may have torn
-    (`name`, as `stepped_storages` names it, or "a parameter or optimizer state on rank N")."""
+    """The one line for a save whose late copy a change outside the optimizer's step may have torn (`name`, as
+    `stepped_storages` names it, or "a parameter or optimizer state on rank N")."""
     return CheckpointWriteError(
         f"could not write the checkpoint {path}: {name} changed "
         "outside an optimizer step while the save copied it (last_checkpoint.overlap_copy: true); the previous "
@@ -146,37 +141,26 @@ def changed_while_copied(path: Any, name: str) -> CheckpointWriteError:
 
 
 def stage(staging: HostStaging, checkpoint: dict[str, Any], path: Any, *rest: Any) -> tuple[Any, ...]:
-    """On the writer thread: the `snapshot`'s late tensors copied into `staging`, the snapshot's own,
-    before the next optimizer step."""
+    """On the writer thread: the `snapshot`'s late tensors copied into `staging`, the snapshot's own, before the next
+    optimizer step."""
     checkpoint = apply_to_collection(checkpoint, LateCopy, lambda late: late.copied(path, staging))
     staging.finish()
     return checkpoint, path, *rest
 
 
 class BackgroundWriter:
-    """Checkpoint writes on one background thread, for both checkpoint I/Os `BackgroundCheckpointIO`
-    wraps: a file from rank 0 (`SafeCheckpointIO`, DDP or one process) and every rank's shards
-    (`ShardedCheckpointIO`, strategy fsdp). What is written is the I/O's; how and when is this class's:
+    """Checkpoint writes on one background thread, for both I/Os `BackgroundCheckpointIO` wraps.
 
-    - at most one write in flight: a save first waits for the previous one (and says so when that
-      took long: saves come faster than the disk takes them), so host memory holds one copy (its
-      buffers kept for the next save: `HostStaging`);
-    - writes and removals run in the order they were asked for, on a thread at a lower priority;
-    - a failed write stops every later write and removal (a ModelCheckpoint's previous best-k file
-      stays), and its one line (`CheckpointWriteError`, naming the path) is raised by the next save,
-      by `wait` or at teardown: the run never claims a checkpoint it does not have;
-    - only training's saves are written in the background (`start_background_writes`, at fit's train
-      start); a stop (preemption, Ctrl-C) and the end of training wait for them (`finish_writes`)
-      before they name a checkpoint, and a save after that, or outside fit (a script's own
-      `trainer.save_checkpoint(path)` followed by a load), is on disk when the call returns;
-    - `saves_started` and `saves_written` count the saves asked for and those on disk (in order, so
-      the first `saves_written` are): app/tracking/run.py calls a save's values final only then;
-    - with `overlap_copy` (`last_checkpoint.overlap_copy`), the parameters and the optimizer state
-      are copied on the writer thread while the next step's forward and backward run, and the next
-      update waits for that copy (Lightning's `on_before_optimizer_step`, after the backward, and
-      each optimizer's step pre-hook where a step runs no closure: `watch`, `wait_for_staging`), as
-      torchtitan waits for its staging before the optimizer step. Everything else is copied at the save.
-    """
+    - at most one write in flight (a save waits for the previous one, and says so when it took long), so host memory
+      holds one copy;
+    - writes and removals run in order, on a lower-priority thread;
+    - a failed write stops every later write and removal, and its one line (`CheckpointWriteError`) is raised by the
+      next save, `wait` or teardown;
+    - only training's saves are in the background (`start_background_writes`); stops and the end of training wait for
+      them (`finish_writes`), later saves are synchronous;
+    - `saves_started` / `saves_written` count saves asked for and on disk (app/tracking/run.py reads them);
+    - with `overlap_copy`, parameters and optimizer state are copied on the writer thread during the next step's forward
+      and backward, and its optimizer step waits for the copy (`watch`, `wait_for_staging`), as torchtitan does."""
 
     SLOW_WAIT_S = 1.0  # a wait for the previous write at least this long is said in the log...
     NOTICE_EVERY_S = 600.0  # ...at most this often
@@ -190,22 +174,20 @@ class BackgroundWriter:
         self.in_background = False
         self.saves_started = 0
         self.saves_written = 0
-        # Called on the writer thread as each background write starts (before its late copy, if any).
-        # resume-check's StopAt holds a write there, so that its kill lands while the write is in
-        # flight however fast the disk is.
+        # Called on the writer thread as each background write starts (before its late copy, if any). resume-check's
+        # StopAt holds a write there, so that its kill lands while the write is in flight however fast the disk is.
         self.before_write: Callable[[], None] | None = None
         # The copy the next optimizer step waits for (`overlap_copy`): a Future done once it is made.
         self._staging: Future | None = None
         self.staging_wait_s = 0.0  # how long optimizer steps waited for it, in all
-        # The writer thread's CPU time in its writes (late copies included), in all: on a CPU that training
-        # keeps busy, about what the steps beside the writes lose (`python -m app.bench.save_fits`).
+        # The writer thread's CPU time in its writes (late copies included), in all: on a CPU that training keeps busy,
+        # about what the steps beside the writes lose (`python -m app.bench.save_fits`).
         self.write_cpu_s = 0.0
         self._watched: list[Any] = []  # (the module and optimizers whose state is copied late, hook handles)
 
     def begin_save(self, name: str) -> bool:
-        """Where every save starts: wait for the previous write. True: write this one with
-        `write_in_background`, from a copy the training steps cannot change; False: write it now,
-        then call `written`."""
+        """Where every save starts: wait for the previous write. True: write this one with `write_in_background`, from a
+        copy the training steps cannot change; False: write it now, then call `written`."""
         started = time.monotonic()
         self.saves_started += 1
         self.wait()
@@ -225,8 +207,8 @@ class BackgroundWriter:
         self.saves_written += 1
 
     def write_in_background(self, write: Callable[..., None], *args: Any, stage: Stage | None = None) -> None:
-        """`write(*args)` on the writer thread; the save counts as written once it returns. With
-        `stage`, `write(*stage(*args))`, and the next optimizer step waits until `stage` returned."""
+        """`write(*args)` on the writer thread; the save counts as written once it returns. With `stage`,
+        `write(*stage(*args))`, and the next optimizer step waits until `stage` returned."""
         staging: Future | None = None
         if stage is not None:
             staging = self._staging = Future()
@@ -249,8 +231,8 @@ class BackgroundWriter:
             self.write_cpu_s += time.thread_time() - started
 
     def watch(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        """From training's start (`start_background_writes`), with `overlap_copy`: every optimizer's
-        `step` first waits for the last save's copy of the state it changes."""
+        """From training's start (`start_background_writes`), with `overlap_copy`: every optimizer's `step` first waits
+        for the last save's copy of the state it changes."""
         self.unwatch()
         hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step) for optimizer in optimizers]
         self._watched = [module, optimizers, hooks]
@@ -263,14 +245,14 @@ class BackgroundWriter:
 
     @property
     def copies_late(self) -> bool:
-        """Whether saves copy the parameters and optimizer state late (`overlap_copy`, during training):
-        the same on every rank, so every rank takes the same save path and its collectives."""
+        """Whether saves copy the parameters and optimizer state late (`overlap_copy`, during training): the same on
+        every rank, so every rank takes the same save path and its collectives."""
         return self.overlap_copy and bool(self._watched)
 
     def stepped_storages(self) -> dict[int, str]:
-        """The storages an optimizer step changes, by their names (`parameter 0.weight`, `optimizer
-        0's exp_avg of 0.weight`), of the watched module: a save copies them late, on the writer
-        thread. Empty without `overlap_copy`."""
+        """The storages an optimizer step changes, by their names (`parameter 0.weight`, `optimizer 0's exp_avg of
+        0.weight`), of the watched module: a save copies them late, on the writer thread. Empty without `overlap_copy`.
+        """
         if not self.copies_late:
             return {}
         module, optimizers, _ = self._watched
@@ -286,10 +268,9 @@ class BackgroundWriter:
         return late
 
     def _before_optimizer_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
-        # Given a closure (Lightning's automatic optimization: the forward and backward run inside
-        # `step`), the update comes after it: Lightning's `on_before_optimizer_step`, inside the
-        # closure, waits there (app/run/coordinator.py), so that the copy overlaps them. `args` are
-        # `step`'s own, the optimizer first.
+        # Given a closure (Lightning's automatic optimization: the forward and backward run inside `step`), the update
+        # comes after it: Lightning's `on_before_optimizer_step`, inside the closure, waits there
+        # (app/run/coordinator.py), so that the copy overlaps them. `args` are `step`'s own, the optimizer first.
         if kwargs.get("closure") is not None or len(args) > 1 and args[1] is not None:
             return
         self.wait_for_staging()
@@ -303,8 +284,8 @@ class BackgroundWriter:
             self.staging_wait_s += time.monotonic() - started
 
     def remove(self, remove: Callable[..., None], *args: Any) -> None:
-        """`remove(*args)` queued behind the write before it: a ModelCheckpoint removes its previous
-        best once the new one is on disk."""
+        """`remove(*args)` queued behind the write before it: a ModelCheckpoint removes its previous best once the new
+        one is on disk."""
         self._submit(remove, *args)
         if not self.in_background:
             self.wait()
@@ -337,8 +318,8 @@ class BackgroundWriter:
             raise failure
 
     def teardown(self) -> None:
-        """At the Trainer's teardown, also after an exception: the writes finish; a failed one is raised,
-        or printed if the run already fails with another error (which keeps its own report)."""
+        """At the Trainer's teardown, also after an exception: the writes finish; a failed one is raised, or printed if
+        the run already fails with another error (which keeps its own report)."""
         handling = sys.exc_info()[1]
         try:
             self.wait()
@@ -354,15 +335,11 @@ class BackgroundWriter:
 
 
 class BackgroundCheckpointIO(AsyncCheckpointIO):
-    """A checkpoint I/O's saves (`SafeCheckpointIO`'s atomic file, `ShardedCheckpointIO`'s shards)
-    written by a `BackgroundWriter`: a save blocks training only for what the I/O's `prepare_write`
-    does on the training thread, a copy to host memory (`last_checkpoint.async_save`, docs/resume.md).
+    """A checkpoint I/O's saves written by a `BackgroundWriter`: a save blocks training only for its `prepare_write` (a
+    copy to host memory).
 
-    Lightning's `AsyncCheckpointIO` is the base (its wrapping of a CheckpointIO, its loads), not its
-    saves: they queue any number of writes, clone tensors on their device, and raise a failed write's
-    error raw at a later save, after queueing that one. `checkpoint_io`: one with a `prepare_write`
-    (`SafeCheckpointIO`, the default, or `ShardedCheckpointIO`).
-    """
+    Lightning's `AsyncCheckpointIO` is the base for its wrapping and loads, not its saves (unbounded queue, on-device
+    clones, a failed write raised raw later). `checkpoint_io`: one with a `prepare_write`."""
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None, overlap_copy: bool = False) -> None:
         super().__init__(checkpoint_io or SafeCheckpointIO())
@@ -393,9 +370,9 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
 
 
 def _yield_to_training() -> None:
-    """The writer thread at a lower priority (Linux: a thread's own nice value): where training keeps
-    every core busy (a CPU run), its steps take the CPU first and the write the rest; a stop waits
-    for the write with training idle. `python -m app.bench.saves` measures it."""
+    """The writer thread at a lower priority (Linux: a thread's own nice value): where training keeps every core busy (a
+    CPU run), its steps take the CPU first and the write the rest; a stop waits for the write with training idle.
+    `python -m app.bench.saves` measures it."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
 
@@ -416,13 +393,10 @@ def start_background_writes(trainer: L.Trainer) -> None:
 
 
 def save_ticket(trainer: L.Trainer) -> int | None:
-    """A number for the save being made now, to ask `is_on_disk` later; call it from a callback's
-    `on_save_checkpoint`, which Lightning calls just before it hands that checkpoint to the strategy
-    (`Trainer.save_checkpoint`). None where saves are written synchronously: the file is on disk once
-    the save returns, before the next hook.
+    """A number for the save being made now, to ask `is_on_disk` later (call from `on_save_checkpoint`); None where
+    saves are synchronous.
 
-    What a save holds is final only once it is on disk: app/tracking/run.py settles the values logged
-    up to last.ckpt then, not at the next hook, while a background write may still be in flight."""
+    A save's values are final only once it is on disk: app/tracking/run.py settles them then."""
     writer = background_writer(trainer)
     return writer.saves_started + 1 if writer is not None else None
 

@@ -1,5 +1,5 @@
-"""How a run writes its checkpoints, decided once from plain values (`save_plan`), and the one place that
-chooses the Trainer's checkpoint I/O from it (`SavePlan.plugins`).
+"""How a run writes its checkpoints, decided once from plain values (`save_plan`), and the one place that chooses the
+Trainer's checkpoint I/O (`SavePlan.plugins`).
 
     SYNC                   a save returns once the checkpoint is on disk (`last_checkpoint.async_save: false`)
     BACKGROUND             a save copies to host memory, the writer thread writes (app/checkpoints/plugin.py)
@@ -7,9 +7,8 @@ chooses the Trainer's checkpoint I/O from it (`SavePlan.plugins`).
     PLUGIN                 the config's own CheckpointIO writes, before training goes on
     STRATEGY               a strategy that writes its own checkpoints (DeepSpeed, a user's)
 
-Under strategy fsdp every rank writes its shards (`ShardedCheckpointIO`); otherwise rank 0 writes a file
-(`SafeCheckpointIO`). No Lightning strategy here: the caller resolves the strategy (app/parallel/strategy.py).
-"""
+Under fsdp every rank writes its shards (`ShardedCheckpointIO`), else rank 0 a file (`SafeCheckpointIO`). The caller
+resolves the strategy."""
 
 from __future__ import annotations
 
@@ -40,8 +39,8 @@ class SaveMode(enum.Enum):
 class SavePlan:
     """This run's way of writing checkpoints: the mode, and what its line at fit's start names.
 
-    `sharded`: every rank writes its shards (strategy fsdp); `strategy`: the strategy as the config
-    wrote it (STRATEGY's line); `plugin`: the class name of the config's own CheckpointIO (PLUGIN's)."""
+    `sharded`: every rank writes its shards (strategy fsdp); `strategy`: the strategy as the config wrote it (STRATEGY's
+    line); `plugin`: the class name of the config's own CheckpointIO (PLUGIN's)."""
 
     mode: SaveMode
     sharded: bool = False
@@ -67,11 +66,10 @@ class SavePlan:
         return f"written in the background{' by every rank' if self.sharded else ''} ({pause})"
 
     def plugins(self, plugins: list[Any], timeout: timedelta | None = None) -> list[Any]:
-        """The Trainer's plugins, the config's own list with this plan's checkpoint I/O, the one place
-        it is chosen: under fsdp `ShardedCheckpointIO` (in place of any other: every rank writes its
-        shards); otherwise the config's own CheckpointIO, else `SafeCheckpointIO`. Wrapped in
-        `BackgroundCheckpointIO` where saves are written in the background. `timeout`: of the
-        sharded checkpoints' process group (`collective_timeout_s`)."""
+        """The Trainer's plugins, the config's own list with this plan's checkpoint I/O, the one place it is chosen:
+        under fsdp `ShardedCheckpointIO` (in place of any other: every rank writes its shards); otherwise the config's
+        own CheckpointIO, else `SafeCheckpointIO`. Wrapped in `BackgroundCheckpointIO` where saves are written in the
+        background. `timeout`: of the sharded checkpoints' process group (`collective_timeout_s`)."""
         overlapped = self.mode == SaveMode.BACKGROUND_OVERLAPPED
         if self.sharded:
             sharded: CheckpointIO = ShardedCheckpointIO(timeout)
@@ -93,9 +91,9 @@ def save_plan(
     sharded: bool = False,
     own_writer: str | None = None,
 ) -> SavePlan:
-    """How checkpoints are written, from the config's values: `last_checkpoint.async_save` and
-    `.overlap_copy`, `trainer.plugins`, whether the strategy shards (fsdp) and, for a strategy that
-    writes its own checkpoints (neither ddp, single-device nor fsdp), its name as written."""
+    """How checkpoints are written, from the config's values: `last_checkpoint.async_save` and `.overlap_copy`,
+    `trainer.plugins`, whether the strategy shards (fsdp) and, for a strategy that writes its own checkpoints (neither
+    ddp, single-device nor fsdp), its name as written."""
     own = [type(p).__name__ for p in plugins if isinstance(p, CheckpointIO) and type(p) is not SafeCheckpointIO]
     if not async_save:
         return SavePlan(SaveMode.SYNC, sharded)

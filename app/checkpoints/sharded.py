@@ -1,24 +1,15 @@
-"""Sharded checkpoints (`strategy: fsdp`, app/parallel/fsdp.py): every rank writes its own shards, and a
-checkpoint is still complete or absent, never half-written; loading one never runs code.
+"""Sharded checkpoints (`strategy: fsdp`): every rank writes its own shards, and a checkpoint is complete or absent,
+never half-written; loading one never runs code.
 
-A sharded checkpoint is a directory in the layout of `torch.distributed.checkpoint` (DCP): one
-`__<rank>_0.distcp` file of tensors per rank, DCP's `.metadata` index (written by rank 0 after
-every rank has written its shards), and `meta.pt` (`META_NAME`), rank 0's `torch.save` of
-everything else in the Lightning checkpoint (loops, callbacks with ddp-app's data position and
-per-rank state, hyperparameters, learning-rate schedulers).
+A checkpoint is a DCP directory: one `__<rank>_0.distcp` per rank, DCP's `.metadata` (rank 0, after every rank's
+shards), and `meta.pt` (`META_NAME`, rank 0's `torch.save` of the rest of the Lightning checkpoint).
 
-What a user names (`checkpoints/last.ckpt`) is a symbolic link to that directory, which is
-written under a fresh name beside it (`.last.ckpt.<token>.shards`) and published by replacing the
-link, one `os.replace` (atomic, as for a file: app/checkpoints/io.py `atomic_write`), once every
-rank's shards, DCP's index and meta.pt are on disk. A rank killed at any moment leaves the
-previous checkpoint in place; the orphaned directory of the unfinished save is removed by the next
-save. Every rank must see the same filesystem (a local disk on one node, else a network one).
+What a user names (`checkpoints/last.ckpt`) is a symlink to that directory, written under a fresh name
+(`.last.ckpt.<token>.shards`) and published by one `os.replace` of the link once everything is on disk. A killed rank
+leaves the previous checkpoint; the next save removes the orphan. All ranks must see one filesystem.
 
-Loads never run code: `meta.pt` goes through `safe_load` (`weights_only=True`), the tensors through
-DCP's reader with `torch.load(weights_only=True)`, and DCP's `.metadata`, which PyTorch reads with
-a plain `pickle.load`, through `SafeFileSystemReader`, whose unpickler builds nothing but DCP's
-own metadata records, torch sizes and dtypes.
-"""
+Loads never run code: `meta.pt` through `safe_load`, tensors through DCP with `weights_only=True`, and `.metadata` (a
+plain pickle in PyTorch) through `SafeFileSystemReader`, which builds only DCP's metadata records, sizes and dtypes."""
 
 from __future__ import annotations
 
@@ -52,8 +43,8 @@ META_NAME = "meta.pt"  # rank 0's non-tensor part of the Lightning checkpoint (L
 DCP_INDEX = ".metadata"  # DCP's index of every shard, written last (torch.distributed.checkpoint.filesystem)
 SHARDS_SUFFIX = ".shards"
 
-# What DCP's `.metadata` pickle may build: its own metadata records (classes of this module only),
-# the per-file storage record, paths, sizes, dtypes and the layout lookup torch pickles layouts with.
+# What DCP's `.metadata` pickle may build: its own metadata records (classes of this module only), the per-file storage
+# record, paths, sizes, dtypes and the layout lookup torch pickles layouts with.
 DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -82,8 +73,8 @@ def new_shards_directory(path: Path) -> Path:
 
 
 def remove_unpublished(path: Path) -> None:
-    """Remove the shard directories of `path` that no link points to: saves a kill interrupted, and
-    the one a published save replaced. Rank 0 only, before a save starts and after it is published."""
+    """Remove the shard directories of `path` that no link points to: saves a kill interrupted, and the one a published
+    save replaced. Rank 0 only, before a save starts and after it is published."""
     published = path.resolve() if path.is_symlink() else None
     for candidate in path.parent.glob(f".{path.name}.*{SHARDS_SUFFIX}"):
         if candidate.resolve() != published:
@@ -93,9 +84,8 @@ def remove_unpublished(path: Path) -> None:
 def publish(shards: Path, path: Path) -> None:
     """Point `path` at the complete `shards` directory in one atomic step (rank 0, after every rank wrote).
 
-    A link made under a temporary name is renamed over `path`, as `atomic_write` renames a file;
-    the link is relative, so a run directory that is moved or copied keeps its checkpoints.
-    """
+    A link made under a temporary name is renamed over `path`, as `atomic_write` renames a file; the link is relative,
+    so a run directory that is moved or copied keeps its checkpoints."""
     _fsync_directory(shards)
     if path.is_dir() and not path.is_symlink():  # a plain directory (a sharded save by another tool)
         shutil.rmtree(path)
@@ -107,8 +97,8 @@ def publish(shards: Path, path: Path) -> None:
 
 
 def remove_sharded(path: Path) -> None:
-    """Delete a published checkpoint: the link, then the directory it pointed to (a ModelCheckpoint's
-    top-k file that fell out of the top k)."""
+    """Delete a published checkpoint: the link, then the directory it pointed to (a ModelCheckpoint's top-k file that
+    fell out of the top k)."""
     target = path.resolve() if path.is_symlink() else None
     if path.is_symlink() or path.is_file():
         path.unlink()
@@ -160,8 +150,8 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, reading non-tensor entries (optimizer hyperparameters) with
-    `weights_only=True` (PyTorch's default planner reads them with `weights_only=False`)."""
+    """DCP's default load planner, reading non-tensor entries (optimizer hyperparameters) with `weights_only=True`
+    (PyTorch's default planner reads them with `weights_only=False`)."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
@@ -169,13 +159,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class _Preloaded(io.BytesIO):
-    """What `SafeLoadPlanner` hands the default planner: an object it already loaded safely.
-
-    `DefaultLoadPlanner.load_bytes` calls `torch.load(value, weights_only=False)`; `torch.load` of a
-    file object whose `read` returns the pickle of `loaded` would unpickle again. So instead the
-    already-loaded value is re-serialised with torch.save, which the default planner then reads back;
-    its content is exactly what `weights_only=True` accepted.
-    """
+    """What `SafeLoadPlanner` hands the default planner: an already safely loaded value, re-serialised with torch.save,
+    since `DefaultLoadPlanner.load_bytes` calls `torch.load(weights_only=False)`."""
 
     def __init__(self, loaded: Any) -> None:
         buffer = io.BytesIO()
@@ -184,9 +169,9 @@ class _Preloaded(io.BytesIO):
 
 
 def load_full_tensors(path: str | Path, prefix: str = "state_dict.") -> dict[str, torch.Tensor]:
-    """Every tensor of a sharded checkpoint whose key starts with `prefix`, whole, in this one process
-    (no process group): `state_dict.` for the weights (keys without the prefix), `optimizer_0.state.`
-    for the first optimizer's state. For comparisons and exports; reads as safely as a resume."""
+    """Every tensor of a sharded checkpoint whose key starts with `prefix`, whole, in this one process (no process
+    group): `state_dict.` for the weights (keys without the prefix), `optimizer_0.state.` for the first optimizer's
+    state. For comparisons and exports; reads as safely as a resume."""
     path = Path(path)
     index = SafeFileSystemReader(path).read_metadata()
     tensors = {
@@ -201,10 +186,10 @@ def load_full_tensors(path: str | Path, prefix: str = "state_dict.") -> dict[str
 
 
 def load_whole(path: str | Path) -> dict[str, Any]:
-    """A checkpoint as one dict, whatever its layout: a file's `safe_load`, or a sharded checkpoint's
-    meta.pt with its weights (`state_dict`) and each optimizer's state (`optimizer_states`, the
-    `state` of each keyed by parameter name) joined whole. For tools that compare checkpoints
-    (`ddp-app resume-check`); a run resumes through `FSDP2Strategy.load_checkpoint`."""
+    """A checkpoint as one dict, whatever its layout: a file's `safe_load`, or a sharded checkpoint's meta.pt with its
+    weights (`state_dict`) and each optimizer's state (`optimizer_states`, the `state` of each keyed by parameter name)
+    joined whole. For tools that compare checkpoints (`ddp-app resume-check`); a run resumes through
+    `FSDP2Strategy.load_checkpoint`."""
     path = Path(path)
     if not is_sharded_checkpoint(path):
         return safe_load(path)
@@ -222,8 +207,8 @@ def summarize_any(path: str | Path) -> CheckpointSummary:
 
 
 def summarize_sharded(path: str | Path) -> CheckpointSummary:
-    """What `app.checkpoints.io.summarize_checkpoint` says of a file, for a sharded checkpoint: its
-    model class, hyperparameters and tracked run from meta.pt, its weights' shapes from DCP's index."""
+    """What `app.checkpoints.io.summarize_checkpoint` says of a file, for a sharded checkpoint: its model class,
+    hyperparameters and tracked run from meta.pt, its weights' shapes from DCP's index."""
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise CheckpointError(

@@ -1,18 +1,10 @@
-"""Strategy fsdp's checkpoint I/O: every rank writes its shards of a checkpoint through DCP into a fresh
-directory, published atomically once complete (the layout: app/checkpoints/sharded.py), and a load
-reshards them onto this run's mesh. The same save, load and remove as `SafeCheckpointIO`
-(app/checkpoints/plugin.py) and the same `prepare_write`, so that `BackgroundCheckpointIO` writes
-either through the one `BackgroundWriter`.
+"""Strategy fsdp's checkpoint I/O: every rank writes its shards through DCP into a fresh directory, published atomically
+(layout: app/checkpoints/sharded.py); a load reshards onto this run's mesh.
 
-It is the strategy's `checkpoint_io` (a Trainer plugin, app/run/build.py). Lightning's `Strategy`
-calls its CheckpointIO's save on rank 0 only and its load without the module; `FSDP2Strategy`
-(app/parallel/fsdp.py) calls this one's save on every rank (a collective) and its load with the
-module and optimizers to load into, and keeps only the sharding.
-
-A disk that refuses a save (full, over quota, read-only, failing) on any rank ends that save on every
-rank in the same one line (`write_failed`), with the previous checkpoint still published and the
-failed save's shards removed.
-"""
+Same save, load, remove and `prepare_write` as `SafeCheckpointIO`, so `BackgroundCheckpointIO` writes either through the
+one `BackgroundWriter`. It is the strategy's `checkpoint_io`; `FSDP2Strategy` calls its save on every rank and its load
+with the module and optimizers. A disk that refuses a save on any rank ends it on every rank in one line
+(`write_failed`), the previous checkpoint still published."""
 
 from __future__ import annotations
 
@@ -65,17 +57,16 @@ class ShardedCheckpointIO(CheckpointIO):
 
     Args:
         timeout: of the checkpoints' own process group (gloo, made at the first save), where the
-            path is agreed and background writes run their collectives; None: torch's default.
-    """
+            path is agreed and background writes run their collectives; None: torch's default."""
 
     def __init__(self, timeout: timedelta | None = None) -> None:
         self.timeout = timeout
         self._group: dist.ProcessGroup | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Every rank writes its shards (DCP, over the default process group); rank 0 writes meta.pt
-        first and publishes the directory under `path` once DCP's index is written after every rank's
-        shards. A collective: every rank calls it."""
+        """Every rank writes its shards (DCP, over the default process group); rank 0 writes meta.pt first and publishes
+        the directory under `path` once DCP's index is written after every rank's shards. A collective: every rank calls
+        it."""
         if storage_options is not None:
             raise TypeError("ShardedCheckpointIO takes no storage_options (checkpoints go to a path).")
         tensors, path, shards = self._begin(checkpoint, path)
@@ -86,12 +77,11 @@ class ShardedCheckpointIO(CheckpointIO):
         self._publish(shards, path)
 
     def prepare_write(self, checkpoint: dict[str, Any], path: Any, staging: HostStaging, late: dict[int, str]) -> Write:
-        """A background save's part on the training thread: the path agreed, meta.pt written and this
-        rank's shards copied to host memory (`snapshot`, into `staging`'s buffers kept from save to
-        save; the `late` storages copied on the writer thread by `stage`, while the next step's forward
-        and backward run). The writes, DCP's index and the publishing run on the writer's thread, whose
-        collectives go over the checkpoints' own group (gloo: DCP's background collectives need a CPU
-        group, and must not interleave with training's on the default group)."""
+        """A background save's training-thread part: path agreed, meta.pt written, this rank's shards copied to host
+        (`late` storages copied by `stage` on the writer thread).
+
+        The writes, DCP's index and publishing run on the writer thread over the checkpoints' own gloo group (DCP's
+        background collectives need a CPU group apart from training's)."""
         tensors, path, shards = self._begin(checkpoint, path)
         staged = snapshot(tensors, staging, late)
         copy_late = functools.partial(self._copy_late, staging) if late else None
@@ -107,10 +97,8 @@ class ShardedCheckpointIO(CheckpointIO):
         optimizers: list[torch.optim.Optimizer] | tuple = (),
         strict: bool = True,
     ) -> dict[str, Any]:
-        """With `module` (a collective, every rank): this rank's part of the weights and of each
-        optimizer's state loaded into them in place (DCP reshards where the mesh changed), and the
-        rest of the checkpoint returned. Without: the whole checkpoint in this one process
-        (`load_whole`). Nothing read here can run code."""
+        """With `module` (a collective): this rank's weights and optimizer states loaded in place (DCP reshards), the
+        rest returned. Without: the whole checkpoint in this process (`load_whole`). Nothing read runs code."""
         path = Path(self._from_rank_zero([str(path)], dist.group.WORLD)[0]) if _distributed() else Path(path)
         if not is_sharded_checkpoint(path):
             raise CheckpointError(
@@ -135,9 +123,9 @@ class ShardedCheckpointIO(CheckpointIO):
         remove_sharded(Path(path))
 
     def _begin(self, checkpoint: dict[str, Any], path: Any) -> tuple[dict[str, Any], Path, Path]:
-        """On the training thread, every rank: the tensors taken out of `checkpoint` (for DCP); rank 0
-        makes the new shards directory and writes the rest into its meta.pt, and every rank learns
-        rank 0's path, directory and outcome (a refused write ends the save on every rank alike)."""
+        """On the training thread, every rank: the tensors taken out of `checkpoint` (for DCP); rank 0 makes the new
+        shards directory and writes the rest into its meta.pt, and every rank learns rank 0's path, directory and
+        outcome (a refused write ends the save on every rank alike)."""
         group = self._checkpoint_group()
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -161,8 +149,8 @@ class ShardedCheckpointIO(CheckpointIO):
         return tensors, Path(path), Path(shards)
 
     def _copy_late(self, staging: HostStaging, staged: dict[str, Any], path: Path, shards: Path, _: Any) -> tuple:
-        """On the writer's thread (`last_checkpoint.overlap_copy`): the late copies made (`stage`); a
-        change seen while they were made is held for `_write_staged` to fail the save on every rank."""
+        """On the writer's thread (`last_checkpoint.overlap_copy`): the late copies made (`stage`); a change seen while
+        they were made is held for `_write_staged` to fail the save on every rank."""
         try:
             staged, *_ = stage(staging, staged, path)
         except CheckpointWriteError as torn:
@@ -172,16 +160,10 @@ class ShardedCheckpointIO(CheckpointIO):
     def _write_staged(
         self, staged: dict[str, Any], path: Path, shards: Path, torn: CheckpointWriteError | None
     ) -> None:
-        """On the writer's thread: DCP writes this rank's staged shards (a blocking `dcp.save` of the
-        host copies, its collectives over the checkpoints' group), then rank 0 moves the link. Rank 0's
-        `dcp.save` returns once every rank's shards and DCP's index are on disk.
+        """On the writer thread: a blocking `dcp.save` of the staged shards, then rank 0 moves the link.
 
-        First every rank learns whether any rank's late copy was `torn` (one all-reduce), so that all
-        of them fail that save alike instead of the others waiting in `dcp.save` for it.
-
-        Not `dcp.async_save` from the training thread: its upload thread, started there, ran at
-        training's priority and took its time from the save step; here, DCP's work runs at the
-        writer's lower priority (docs/performance.md)."""
+        One all-reduce first tells every rank whether any late copy was `torn`, so all fail that save alike. Not
+        `dcp.async_save`: its upload thread ran at training's priority (docs/performance.md)."""
         changed = torch.tensor([dist.get_rank() + 1 if torn is not None else 0], dtype=torch.int32)
         dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self._group)
         if changed.item():
@@ -211,8 +193,8 @@ class ShardedCheckpointIO(CheckpointIO):
 
     @staticmethod
     def _failed(path: Path, shards: Path, error: CheckpointException) -> None:
-        """Every rank, after DCP raised on every rank: the one line of a save the disk refused on some
-        rank, else DCP's own error (a bug's tracebacks); rank 0 removes the unfinished shards."""
+        """Every rank, after DCP raised on every rank: the one line of a save the disk refused on some rank, else DCP's
+        own error (a bug's tracebacks); rank 0 removes the unfinished shards."""
         one_line = sharded_write_error(path, error)
         if _rank_zero():
             shutil.rmtree(shards, ignore_errors=True)  # space a full disk needs back; never published
@@ -234,8 +216,8 @@ class ShardedCheckpointIO(CheckpointIO):
 
 
 def sharded_write_error(path: Path, error: CheckpointException) -> CheckpointWriteError | None:
-    """The one line for a sharded save the disk refused on some rank, as a file's save says it
-    (`write_failed`); None for any other failure, which keeps DCP's per-rank tracebacks."""
+    """The one line for a sharded save the disk refused on some rank, as a file's save says it (`write_failed`); None
+    for any other failure, which keeps DCP's per-rank tracebacks."""
     for rank, (failure, _) in sorted(error.failures.items()):
         refused = disk_error_in(failure, path.parent)  # torch's zip writer's errors too
         if refused is not None:
@@ -244,11 +226,8 @@ def sharded_write_error(path: Path, error: CheckpointException) -> CheckpointWri
 
 
 class SafeFileSystemWriter(FileSystemWriter):
-    """DCP's file writer, whose refused writes are raised as the OSError behind them (errno kept).
-
-    DCP gathers each rank's failure to every rank by pickling it, which drops the exception's
-    context: torch's zip writer's "unexpected pos" would arrive without the ENOSPC under it. Raised
-    here as an OSError, on the rank that failed, the cause crosses (`disk_error_in`)."""
+    """DCP's file writer, raising refused writes as their OSError (errno kept) on the failing rank, since DCP's pickled
+    failures drop the cause (`disk_error_in`)."""
 
     def write_data(self, *args: Any, **kwargs: Any) -> Any:
         try:

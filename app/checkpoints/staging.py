@@ -1,19 +1,11 @@
 """Host buffers for a background save's copy of the checkpoint, kept from one save to the next.
 
-A save written in the background (`last_checkpoint.async_save`) first copies the checkpoint's tensors
-to host memory, and training waits for that copy. Into fresh memory the copy also pays for
-allocating it: the page faults of first touching it, and on a GPU pinning it (`python -m
-app.bench.saves`, docs/bench_saves.json: 211 ms into fresh memory against 79 ms into kept buffers
-for 384 MB in 64 MB tensors). So the buffers are kept, as DCP's stager
-(`StateDictStager`'s cache) and torchtitan keep theirs: one host copy of the checkpoint stays
-allocated between saves, on rank 0 under DDP and on every rank, of its shards, under strategy
-fsdp. On a GPU the buffers are pinned and the copies non-blocking, with one synchronize at the end.
+Copying into fresh memory also pays for page faults (and pinning on a GPU): docs/bench_saves.json. So, as DCP's stager
+and torchtitan do, one host copy stays allocated between saves (rank 0 under DDP, every rank's shards under fsdp); on a
+GPU pinned, copies non-blocking.
 
-A tensor gets the buffer the same tensor used at the previous save: the same memory, offset, shape,
-strides and dtype (an optimizer step changes the values in place, not these). Reusing is safe because
-at most one write is in flight: a save starts only once the previous write is done with its buffers
-(`BackgroundWriter.begin_save`). A buffer the last save did not use is released at the next save.
-"""
+A tensor reuses the buffer of the same tensor at the previous save (same memory, offset, shape, strides, dtype). Safe
+because at most one write is in flight (`BackgroundWriter.begin_save`); unused buffers are released at the next save."""
 
 from __future__ import annotations
 
@@ -28,8 +20,8 @@ Key = tuple[int, int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    """Which memory a tensor lives in (0: none): a state dict's entries are views of the parameters;
-    a DTensor's (FSDP2), its local shard's."""
+    """Which memory a tensor lives in (0: none): a state dict's entries are views of the parameters; a DTensor's
+    (FSDP2), its local shard's."""
     if isinstance(tensor, DTensor):
         tensor = tensor.to_local()
     return tensor.untyped_storage().data_ptr()
@@ -48,8 +40,8 @@ class HostStaging:
         self._previous, self._current = self._current, {}
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` copied to host memory, into the buffer it had at the last save where it fits.
-        The copy is complete only after `finish`."""
+        """`tensor` copied to host memory, into the buffer it had at the last save where it fits. The copy is complete
+        only after `finish`."""
         if isinstance(tensor, DTensor):
             return self._copy_dtensor(tensor)
         tensor = tensor.detach()
@@ -71,13 +63,10 @@ class HostStaging:
         return buffer
 
     def _copy_dtensor(self, tensor: DTensor) -> DTensor:
-        """A DTensor (FSDP2's shards) whose local shard is copied into host memory, with the same
-        mesh, placements and global shape: what DCP's planner and writer read, as from DCP's own
-        stager. Rebuilt through the subclass's flatten protocol, which copies no data and runs no
-        DTensor op: a DTensor op costs about 0.2 ms of dispatch on a CPU, and DCP's stager, which
-        runs two per DTensor (`new_empty` of its whole local shape, then a copy), took 230 ms to
-        stage 500 MB of shards per rank where the copy itself takes 100 ms (a cProfile of a 2-rank
-        save, not kept). `DTensor.from_local` would move a host shard back to the mesh's device."""
+        """A DTensor whose local shard is copied into host memory, with the same mesh, placements and global shape.
+
+        Rebuilt through the flatten protocol (no data copy, no DTensor op): DCP's stager's two DTensor ops per tensor
+        cost more than the copy. `DTensor.from_local` would move the shard back to the device."""
         flatten = require(tensor, "__tensor_flatten__", "torch", DTENSOR_REBUILD)
         names, context = flatten()
         inner = {}

@@ -1,11 +1,8 @@
-"""The `ddp-app` command: `entry.py` checks the command line once and starts and supervises the ranks,
-`parser.py` is the LightningCLI each rank parses with, `resume_check.py` is `ddp-app resume-check`,
-`diagnose.py` `ddp-app diagnose`.
-What a run is made of, in the order it is built, is app/run/build.py.
+"""The `ddp-app` command: `entry.py` checks the command line and supervises the ranks, `parser.py` is each rank's
+LightningCLI, `resume_check.py` and `diagnose.py` the subcommands. How a run is built: app/run/build.py.
 
-The parser's public names are importable from here, so that `class_path: app.cli.SafeCheckpointIO`
-(the Trainer defaults, and every saved config.yaml) keeps naming the same class.
-"""
+The parser's public names are importable from here, so `class_path: app.cli.SafeCheckpointIO` (saved configs) keeps
+working."""
 
 from app.checkpoints.plugin import SafeCheckpointIO
 from app.cli.parser import DDPAppCLI, ParsedRun, parse_config

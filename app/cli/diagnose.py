@@ -1,26 +1,20 @@
 """`ddp-app diagnose --config CONFIG [overrides] [--steps 60] [--out DIR]`: why is my run slow?
 
-Runs the config shortened to `--steps` training steps (no validation) three times, as `resume-check`
-does (each a `ddp-app fit` of its own, built by the same code as any fit), and attributes the step
-time by ablation, on the numbers app/run/step_timing.py records on every rank:
+Runs the config shortened to `--steps` steps (no validation) three times, each a `ddp-app fit`, and attributes the step
+time by ablation from app/run/step_timing.py's numbers:
 
   as configured       the step time T (the mean of the ranks), and each rank's measured parts;
   batch in memory     the first batch again at every step: T - T(batch in memory) is the data share;
-  no communication    a DDP hook that keeps each rank's own gradients, so every rank runs alone:
-                      its step time then is its own work. T - the slowest rank's own work is the
-                      lockstep cost, split into the all-reduce itself (at each step, the smallest
-                      wait over the ranks: the last to arrive waits for the all-reduce alone) and
-                      waiting for whichever rank is late at that step; the slowest rank's own work
+  no communication    a DDP hook that keeps each rank's own gradients: each rank's own work. T - the
+                      slowest rank's own work is the lockstep cost (all-reduce, the smallest wait
+                      over the ranks, plus waiting for a late rank); the slowest rank's own work
                       against the median's is the straggler share; each rank's score is the fastest
-                      rank's own time over its own (1.0 = as fast as the fastest).
+                      rank's own time over its own.
 
-Each rank's figure is the mean of its steps after `WARMUP_STEPS` and one per loader worker (its
-first batch waits for the worker to start), less its slowest tenth (a step
-that met another process's burst on a shared machine). It prints a table per rank and one verdict
-with the fix, and writes `report.json` and `report.png` (stacked bars per rank) in
-`<default_root_dir>-diagnose/<time>/` (or `--out`), beside the run, whose own directory it leaves
-untouched. `verdict` is a function of the recorded numbers alone (tests/test_diagnose.py).
-"""
+Each rank's figure is the mean of its steps after `WARMUP_STEPS` and one per loader worker, less its slowest tenth. It
+prints a table per rank and one verdict with the fix, and writes `report.json` and `report.png` in
+`<default_root_dir>-diagnose/<time>/` (or `--out`), leaving the run's directory untouched. `verdict` depends on the
+recorded numbers alone (tests/test_diagnose.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from app.cli.resume_check import run_ddp_app
+from app.cli.resume_check import parse_with_config, run_ddp_app
 from app.errors import UserFacingError
 
 # The variants and the overrides that make them (besides the shortened run's).
@@ -51,10 +45,9 @@ DATA_BOUND = 0.2
 DATA_FIXED = 0.1  # a data share below this after the suggested num_workers: fixed (issue 43)
 WORKER_TRIES = 3  # the suggested num_workers, then (twice at most) the one the last measured run calls for
 COMMUNICATION_BOUND = 0.3
-# Below this many bytes of gradients per rank per step, compression does not pay: each step's exchange
-# costs its messages' latency and compression's own work more than its bytes. Measured at 100 Mbit/s
-# between two network namespaces (tests/test_diagnose.py); the figures are in docs/performance.md
-# (from docs/diagnose_100mbit*.json).
+# Below this many bytes of gradients per rank per step, compression does not pay: each step's exchange costs its
+# messages' latency and compression's own work more than its bytes. Measured at 100 Mbit/s between two network
+# namespaces (tests/test_diagnose.py); the figures are in docs/performance.md (from docs/diagnose_100mbit*.json).
 SMALL_GRADIENT_BYTES = 1_000_000
 WAITING_NOTED = 0.2
 STRAGGLER_SHARE = 0.1
@@ -76,9 +69,9 @@ class RankTimes:
 
 
 def trimmed(record: dict[str, Any], part: int) -> list[float]:
-    """One part of a rank's steps after its warm-up, in step order: `WARMUP_STEPS`, and one step per
-    loader worker (each worker's first batch waits for that worker to start: a cost of the first
-    steps of an epoch, not of the loader's pace, which is what the share measures)."""
+    """One part of a rank's steps after its warm-up, in step order: `WARMUP_STEPS`, and one step per loader worker (each
+    worker's first batch waits for that worker to start: a cost of the first steps of an epoch, not of the loader's
+    pace, which is what the share measures)."""
     warmup = WARMUP_STEPS + int(record.get("num_workers") or 0)
     steps = record["steps"][warmup:] or record["steps"]
     if not steps:
@@ -94,8 +87,8 @@ def rank_times(record: dict[str, Any]) -> RankTimes:
 
 
 def suggested_workers(workers: int, step_s: float, in_memory_s: float) -> int:
-    """Loader workers that keep up: each takes `max(workers, 1) x step_s` per batch as measured now,
-    and a step without data takes `in_memory_s`; one more as a margin."""
+    """Loader workers that keep up: each takes `max(workers, 1) x step_s` per batch as measured now, and a step without
+    data takes `in_memory_s`; one more as a margin."""
     return max(workers + 1, math.ceil(max(workers, 1) * step_s / max(in_memory_s, 1e-6)) + 1)
 
 
@@ -112,9 +105,9 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     # What a rank's collectives carry per step: DDP all-reduces the gradients; FSDP2's were counted as they ran.
     sharded = facts.get("collectives") == "fsdp"
     moved = facts["communication_bytes"] if sharded else facts["gradient_bytes"]
-    # The lockstep cost (the step less the slowest rank's alone) is the all-reduce itself plus waiting
-    # for whichever rank is late at that step. The rank that arrives last at a step waits for the
-    # all-reduce alone: the steps' smallest wait over the ranks measures it.
+    # The lockstep cost (the step less the slowest rank's alone) is the all-reduce itself plus waiting for whichever
+    # rank is late at that step. The rank that arrives last at a step waits for the all-reduce alone: the steps'
+    # smallest wait over the ranks measures it.
     lockstep = max(step - max(alone), 0.0)
     waits = [min(parts) for parts in zip(*(trimmed(record, 3) for record in variants["as_configured"]), strict=False)]
     all_reduce = min(statistics.fmean(waits), lockstep)
@@ -156,8 +149,8 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         candidates["data-bound"] = shares["data"]
     if shares["communication"] >= COMMUNICATION_BOUND:
         candidates["communication-bound"] = shares["communication"]
-    # One rank's loading, not every rank's: the data share would blame the loaders of all, and a
-    # num_workers that the other ranks do not need. The rank (and its host) is named instead.
+    # One rank's loading, not every rank's: the data share would blame the loaders of all, and a num_workers that the
+    # other ranks do not need. The rank (and its host) is named instead.
     datas = [rank.data for rank in base]
     slow_loader = max(range(len(datas)), key=lambda rank: datas[rank])
     others = [data for rank, data in enumerate(datas) if rank != slow_loader] or [0.0]
@@ -241,9 +234,9 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def data_bound_text(report: dict[str, Any]) -> str:
-    """The data-bound verdict, with the suggested num_workers and what trying it measured (if tried). A
-    num_workers whose try failed (a DataModule without that argument, or whose workers break) is not
-    suggested: the try's failure is named instead, with the fixes that remain."""
+    """The data-bound verdict, with the suggested num_workers and what trying it measured (if tried). A num_workers
+    whose try failed (a DataModule without that argument, or whose workers break) is not suggested: the try's failure is
+    named instead, with the fixes that remain."""
     workers = int(report["num_workers"] or 0)
     tried = report.get("tried_num_workers") or []
     if tried and "failed" in tried[-1]:
@@ -282,10 +275,8 @@ def check_workers(
     records: dict[str, list[dict[str, Any]]],
     run_variant: Callable[..., tuple[int, Path]],
 ) -> None:
-    """Try the suggested `num_workers` before suggesting it: one more shortened fit with it, and, where
-    the data share is still `DATA_FIXED` or more (loader workers slow each other down where they share
-    the cores), more with the number the last measured one calls for (`WORKER_TRIES` in all). The
-    report names the number measured to fix it, or says that none did."""
+    """Try the suggested `num_workers` with one more shortened fit (more where the data share stays `DATA_FIXED` or
+    above, `WORKER_TRIES` in all); the report names the number that fixed it, or says none did."""
     in_memory = report["batch_in_memory_step_ms"] / 1000  # as `verdict` measured it
     workers, tried = report["suggested_num_workers"], []
     for _ in range(WORKER_TRIES):
@@ -296,9 +287,8 @@ def check_workers(
             break
         ranks = [rank_times(record) for record in records[variant]]
         step = statistics.fmean(rank.step for rank in ranks)
-        # The share of the step spent waiting for the next batch, as measured in that run (StepTiming's
-        # data part): not the step against the in-memory one, which also counts what the workers'
-        # processes take from training's cores where they share them (a slower compute, not waiting).
+        # The measured wait for the next batch (StepTiming's data part), not the step against the in-memory one, which
+        # also counts the workers' use of training's cores.
         share = statistics.fmean(rank.data for rank in ranks) / step
         tried.append({"num_workers": workers, "step_ms": 1000 * step, "data_share": share})
         if share < DATA_FIXED:
@@ -312,8 +302,8 @@ def check_workers(
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """Per rank, in ms: the step and its parts, the collectives' time split into the all-reduce itself and
-    the wait for a late rank (the verdict's two shares), the step alone (no communication) and the score."""
+    """Per rank, in ms: the step and its parts, the collectives' time split into the all-reduce itself and the wait for
+    a late rank (the verdict's two shares), the step alone (no communication) and the score."""
     collectives = "collectives" if report.get("collectives") == "fsdp" else "all-reduce"
     rows = [("rank", "host", "step ms", "data", "compute", collectives, "waiting", "other", "alone ms", "score")]
     parts = ("step", "data", "compute", "all_reduce", "waiting", "other")
@@ -332,8 +322,8 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Stacked bars per rank (as configured: data, compute, all-reduce, waiting, other) beside its time alone,
-    titled by the verdict: the same parts as the table and the verdict's shares."""
+    """Stacked bars per rank (as configured: data, compute, all-reduce, waiting, other) beside its time alone, titled by
+    the verdict: the same parts as the table and the verdict's shares."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -369,9 +359,9 @@ RECORDS_WAIT_S = 60.0  # how long a finished run's step times may take to appear
 
 
 def one_of_several(env: Mapping[str, str]) -> int | None:
-    """This diagnose's index where one runs per node or per task, each starting the same fits, which
-    join into one multi-node run (srun of more than one task, torchrun, a plain launch with
-    NODE_RANK): Slurm's task, torchrun's rank or the node; None where it runs alone."""
+    """This diagnose's index where one runs per node or per task, each starting the same fits, which join into one
+    multi-node run (srun of more than one task, torchrun, a plain launch with NODE_RANK): Slurm's task, torchrun's rank
+    or the node; None where it runs alone."""
     if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and env.get("SLURM_PROCID", "").isdigit():
         return int(env["SLURM_PROCID"])
     for key in ("RANK", "NODE_RANK"):
@@ -381,8 +371,8 @@ def one_of_several(env: Mapping[str, str]) -> int | None:
 
 
 def read_records(directory: Path, timeout_s: float) -> list[dict[str, Any]]:
-    """Every rank's step times of a finished run (app/run/step_timing.py `record_dir`), once all are
-    there: on several nodes the other nodes' ranks may finish writing theirs a moment later."""
+    """Every rank's step times of a finished run (app/run/step_timing.py `record_dir`), once all are there: on several
+    nodes the other nodes' ranks may finish writing theirs a moment later."""
     deadline = time.monotonic() + timeout_s
     while True:
         records = [json.loads(path.read_text()) for path in sorted(directory.glob("rank*.json"))]
@@ -397,18 +387,18 @@ def read_records(directory: Path, timeout_s: float) -> list[dict[str, Any]]:
         time.sleep(0.5)
 
 
+HELP = (
+    "Run your config shortened, as configured and with the data, the communication and the waiting for other ranks "
+    "taken out in turn; say where each rank's step time goes and what to change."
+)
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="ddp-app diagnose",
-        description="Run your config shortened, as configured and with the data, the communication and the "
-        "waiting for other ranks taken out in turn; say where each rank's step time goes and what to change.",
-    )
+    parser = argparse.ArgumentParser(prog="ddp-app diagnose", description=HELP)
     parser.add_argument("--steps", type=int, default=60, help="training steps of each run (default 60)")
     parser.add_argument("--out", type=Path, help="write the report and the runs here (default: beside the run)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take (default 600)")
-    known, config_args = parser.parse_known_args(argv)
-    if "--config" not in " ".join(config_args):
-        parser.error("give the run's --config (and any overrides), as for ddp-app fit")
+    known, config_args = parse_with_config(parser, argv)
     if known.steps <= WARMUP_STEPS + 3:
         parser.error(f"--steps must be more than {WARMUP_STEPS + 3}, got {known.steps}")
     index = one_of_several(os.environ)

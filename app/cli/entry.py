@@ -1,14 +1,10 @@
 """`ddp-app`'s entry: parse and check the config once, fork the local ranks, supervise them.
 
     ddp-app fit --config configs/digits.yaml [--trainer.max_epochs 5 ...]
-    python -m app fit --config configs/digits.yaml
 
-`main` runs a rank as it is when torchrun or srun started it; otherwise it parses the config with a
-parse-only `DDPAppCLI` (app/cli/parser.py), so that bad input is reported once before any rank exists,
-then forks the ranks and supervises them (app/cluster/launch.py), restarting them from last.ckpt
-up to `restarts` times. `run` is one rank's (or a single-process run's) life: the CLI, with a
-one-line report and its exit code for an error the user can act on.
-"""
+A rank started by torchrun or srun runs as it is; otherwise a parse-only `DDPAppCLI` reports bad input once, before any
+rank exists, then app/cluster/launch.py forks and supervises the ranks (restarting from last.ckpt up to `restarts`
+times)."""
 
 from __future__ import annotations
 
@@ -44,10 +40,10 @@ from app.run.console import STARTED_VARIABLE, quiet_console
 from app.run.directory import LOCK_VARIABLE, acquire
 from app.run.plan import hand_to_forked_ranks
 
-# `ddp-app --help`'s description: every subcommand, one line each. `resume-check` is not a LightningCLI
-# subcommand (app/__main__.py runs it before the CLI exists), so the parser's own list below it,
-# fit to predict with Lightning's docstrings, cannot name it (issue 42: a newcomer found it only in
-# docs/resume.md). tests/test_subcommands.py checks that this names every subcommand there is.
+# `ddp-app --help`'s description: every subcommand, one line each. `resume-check` is not a LightningCLI subcommand
+# (app/__main__.py runs it before the CLI exists), so the parser's own list below it, fit to predict with Lightning's
+# docstrings, cannot name it (issue 42: a newcomer found it only in docs/resume.md). tests/test_subcommands.py checks
+# that this names every subcommand there is.
 SUBCOMMANDS_HELP = """\
 ddp-app trains and evaluates a LightningModule with DDP, from a YAML config (README.md, docs/usage.md).
 
@@ -72,12 +68,8 @@ PARSER_KWARGS: dict[str, Any] = {"description": SUBCOMMANDS_HELP, "formatter_cla
 def run(args: list[str]) -> int:
     """Run the CLI in this process (a rank, or a run without DDP); returns the exit code.
 
-    A preemption signal (SIGUSR1, SIGTERM) is recorded from the start: during `fit`'s setup it
-    stops every rank together when training starts (`RunCoordinator.on_train_start`), instead of
-    killing one rank while the others wait for it. The handlers stay until the process exits: a
-    signal after training (in the teardown or the exit handlers) is recorded and ignored, as the
-    work is saved; a rank killed then would turn a finished job into a failed one.
-    """
+    Preemption signals are recorded from the start (during setup they stop every rank together at train start) and stay
+    handled until exit: a signal after training is ignored, as the work is saved."""
     keep_hang_records(os.environ)
     STOP_SIGNAL_FLAG.install(PREEMPTION_SIGNALS)
     allow_plain_cuda_availability_checks(os.environ)
@@ -106,23 +98,17 @@ NVML_BASED_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def allow_plain_cuda_availability_checks(env: MutableMapping[str, str]) -> None:
-    """In a rank, let `torch.cuda.is_available()` ask the CUDA runtime again, as it does by default.
+    """In a rank, let `torch.cuda.is_available()` ask the CUDA runtime again, as by default.
 
-    Importing Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1, so that asking whether CUDA is
-    available does not initialise CUDA in a process that forks workers which use it afterwards (the
-    launcher keeps it: `refuse_cuda_before_fork`). A rank forks nothing that uses CUDA. With the
-    variable set, every `torch.cuda.is_available()` in a process where CUDA never initialises
-    (training on the CPU with torch's CUDA build, pip's default on Linux, and no
-    CUDA_VISIBLE_DEVICES="") loads the NVML library through ctypes again and fails: 52 against 3 us
-    on a 2-core VM, and `torch.optim.Optimizer.step` asks at every step. On a GPU, CUDA is
-    initialised by the first step and torch caches the answer either way.
-    """
+    Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK=1 (for the launcher's forks). Where CUDA never initialises, every check
+    then reloads NVML through ctypes and fails, and `Optimizer.step` checks at every step. A rank forks nothing that
+    uses CUDA."""
     env.pop(NVML_BASED_CUDA_CHECK, None)
 
 
 def report_user_error(error: Exception) -> int | None:
-    """Print the one line for an error the user can act on and return the exit code; None for a bug
-    (the caller re-raises it, traceback and all)."""
+    """Print the one line for an error the user can act on and return the exit code; None for a bug (the caller
+    re-raises it, traceback and all)."""
     message = user_message(error)
     if message is None:
         return None
@@ -145,10 +131,8 @@ def main(args: list[str] | None = None) -> None:
 
 
 def check_before_launch(args: list[str]) -> ParsedRun:
-    """The launcher's parse-only pass: the whole config parsed, planned and checked against this
-    machine and launch, once, before any rank exists. Bad input ends here: one line on stderr and
-    SystemExit with its code (tests/fault/test_bad_input.py runs its cases through this function
-    in-process)."""
+    """The launcher's parse-only pass: the config parsed, planned and checked once, before any rank exists. Bad input:
+    one line on stderr and SystemExit (tests/fault/test_bad_input.py calls this in-process)."""
     try:
         parsed = DDPAppCLI(args=args, parse_only=True, parser_kwargs=PARSER_KWARGS).parsed
     except KeyboardInterrupt:

@@ -1,19 +1,14 @@
 """`ddp-app resume-check --config CONFIG [overrides] [--json FILE]`: prove that your own run resumes exactly.
 
-Runs the config, shortened (`--epochs`, `--limit-batches`), once uninterrupted and then stopped and
-resumed with `--ckpt_path last` at a few moments where resumes go wrong, and prints one table:
+Runs the config shortened (`--epochs`, `--limit-batches`), once uninterrupted and then stopped and resumed with
+`--ckpt_path last` at moments where resumes go wrong, and prints one table:
 
     moment                                      steps  weights    optimizer  metrics  result
     kill -9 of rank 1 mid-epoch                 20     0          0          same     EXACT
 
-Exit code 0 only if every moment is EXACT. Where one differs, one line names the most likely cause,
-found by checks that do not depend on the run: a training set that returns different data for the
-same (seed, epoch, index) draws randomness from a generator of its own; a training loader with a
-sampler of its own cannot be positioned; an IterableDataset restarts its stream. The stop itself is
-made inside the rank by `StopAt`, a callback added on the command line for the stopped run only.
-
-The same runner drives the stop matrix in tests/fault/test_resume_matrix.py.
-"""
+Exit code 0 only if every moment is EXACT; otherwise one line names the likely cause, from run-independent checks (a
+dataset with its own generator, a sampler of its own, an IterableDataset that restarts). Stops are made inside the rank
+by `StopAt`. The same runner drives tests/fault/test_resume_matrix.py."""
 
 from __future__ import annotations
 
@@ -74,8 +69,7 @@ class StopAt(L.Callback):
             does), `ctrl-c` (SIGINT to the launcher, as a terminal does) or `none`.
         moment: one of MOMENTS.
         epoch: the epoch in which to stop (0-based).
-        batch: for `mid-epoch`, the batch index within the epoch after which to stop.
-    """
+        batch: for `mid-epoch`, the batch index within the epoch after which to stop."""
 
     HOLD_WRITE_S = 60.0  # the longest a `background-write` stop holds a write in flight
 
@@ -128,20 +122,20 @@ class StopAt(L.Callback):
                 writer.before_write = lambda: self._hold_write(trainer)
 
     def _hold_write(self, trainer: L.Trainer) -> None:
-        # On the writer thread: from `epoch` on, a write waits here until `_act_if_writing` stops
-        # the run, so the stop lands while it is in flight however fast the disk is. Bounded: where no
-        # batch starts after the save, the write goes on and the run ends without its stop (reported).
+        # On the writer thread: from `epoch` on, a write waits here until `_act_if_writing` stops the run, so the stop
+        # lands while it is in flight however fast the disk is. Bounded: where no batch starts after the save, the write
+        # goes on and the run ends without its stop (reported).
         if trainer.current_epoch >= self.epoch and not self._done:
             self._stopped.wait(timeout=self.HOLD_WRITE_S)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        # From `epoch` on, the first batch that starts while this rank's background write is in flight
-        # (right after a save, as a rank's training goes on while its copy is written).
+        # From `epoch` on, the first batch that starts while this rank's background write is in flight (right after a
+        # save, as a rank's training goes on while its copy is written).
         self._act_if_writing(trainer)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
-        # With `last_checkpoint.overlap_copy` the step after a save waits here for the save's copy,
-        # which the held write has not made: stop here, or the hold would run out first.
+        # With `last_checkpoint.overlap_copy` the step after a save waits here for the save's copy, which the held write
+        # has not made: stop here, or the hold would run out first.
         self._act_if_writing(trainer)
 
     def _act_if_writing(self, trainer: L.Trainer) -> None:
@@ -157,8 +151,8 @@ class StopAt(L.Callback):
             self._act(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        # `last-batch` of a stream without a length: the first hook that knows the batches are over
-        # (after validation, before the coordinator's epoch-end save, which runs after every callback).
+        # `last-batch` of a stream without a length: the first hook that knows the batches are over (after validation,
+        # before the coordinator's epoch-end save, which runs after every callback).
         unsized = trainer.num_training_batches == float("inf")
         if self.moment == "last-batch" and unsized and trainer.current_epoch == self.epoch:
             self._act(trainer)
@@ -182,8 +176,8 @@ class Case:
     continues: str = "same"
     variant: str = "default"
     epoch: int = 1
-    # 2: the resumed run is stopped the same way one epoch later and resumed again (a second resume
-    # in a row must continue the first one's position, not its starting point). StopAt stops only.
+    # 2: the resumed run is stopped the same way one epoch later and resumed again (a second resume in a row must
+    # continue the first one's position, not its starting point). StopAt stops only.
     stops: int = 1
 
     @property
@@ -262,8 +256,8 @@ def joined_metrics(root: Path) -> dict[int, dict[str, float]]:
 def compare_metrics(
     expected: dict[int, dict[str, float]], actual: dict[int, dict[str, float]], extra_steps: set[int]
 ) -> str:
-    """'' if every logged value of `expected` is in `actual` at the same step and `actual` has no other
-    step (except `extra_steps`: where a budget stop ended an epoch early and Lightning logged it)."""
+    """'' if every logged value of `expected` is in `actual` at the same step and `actual` has no other step (except
+    `extra_steps`: where a budget stop ended an epoch early and Lightning logged it)."""
     for step, values in expected.items():
         found = actual.get(step, {})
         for name, value in values.items():
@@ -299,9 +293,8 @@ def compare(expected_root: Path, actual_root: Path, case: Case, extra_steps: set
 
 
 def repeated_values(root: Path) -> str:
-    """'' if no metrics.csv of the run holds a value twice at one step (what a user plotting it,
-    or a tracker fed from it, would see as two points); `epoch` repeats by design (Lightning adds
-    it to every call)."""
+    """'' if no metrics.csv of the run holds a value twice at one step (what a user plotting it, or a tracker fed from
+    it, would see as two points); `epoch` repeats by design (Lightning adds it to every call)."""
     for path in metrics_files(root):
         seen: set[tuple[str, str]] = set()
         with path.open(newline="") as file:
@@ -324,12 +317,10 @@ class Runner:
     timeout: float = 300.0
     variants: dict[str, list[str]] = field(default_factory=lambda: {"default": []})
     progress_bar: bool = False  # the runs' progress display (a line per epoch in a log)
-    # Arguments of the stopped and resumed runs only, not of the uninterrupted one: what only they are
-    # checked for (the tests' matrix logs them to W&B, a slow logger, to compare it with metrics.csv).
+    # Arguments of the stopped and resumed runs only, not of the uninterrupted one: what only they are checked for (the
+    # tests' matrix logs them to W&B, a slow logger, to compare it with metrics.csv).
     case_args: list[str] = field(default_factory=list)
-    # Variants that train exactly as another does (they change how checkpoints are written, not what is
-    # trained: `last_checkpoint.overlap_copy`): their stopped runs are compared with that one's
-    # uninterrupted run, which runs once for both.
+    # Variants that train exactly as another (`last_checkpoint.overlap_copy`): compared with its uninterrupted run.
     trains_as: dict[str, str] = field(default_factory=dict)
     # How each fit runs: `ddp-app ARGS >> log`, its exit code (the tests fork theirs from a warm process).
     run_command: Callable[[list[str], Path, float], int] = run_ddp_app
@@ -517,6 +508,14 @@ def check_runner(
     return Runner(base, workdir, epochs=epochs, run_command=run_command)
 
 
+def parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """A subcommand's own options, and the rest: the run's --config and overrides, as for ddp-app fit."""
+    known, config_args = parser.parse_known_args(argv)
+    if "--config" not in " ".join(config_args):
+        parser.error("give the run's --config (and any overrides), as for ddp-app fit")
+    return known, config_args
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ddp-app resume-check",
@@ -530,9 +529,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--fail-fast", action="store_true", help="stop at the first moment that differs (a quicker answer)"
     )
-    known, config_args = parser.parse_known_args(argv)
-    if "--config" not in " ".join(config_args):
-        parser.error("give the run's --config (and any overrides), as for ddp-app fit")
+    known, config_args = parse_with_config(parser, argv)
     with tempfile.TemporaryDirectory(prefix="resume-check-") as temporary:
         workdir = known.workdir or Path(temporary)
         workdir.mkdir(parents=True, exist_ok=True)

@@ -1,19 +1,11 @@
 """Lightning's DistributedDataParallel, built on the CUDA stream the training steps run on.
 
-Lightning 2.6 builds the DDP wrapper under a CUDA stream of its own (`DDPStrategy._setup_model`,
-`torch.cuda.stream(torch.cuda.Stream())`, kept for whole-network CUDA graph capture, which ddp-app
-does not do). DDP's reducer creates and keeps every parameter's `AccumulateGrad` node there, and
-autograd runs a gradient's accumulation on the stream its node was created on: every backward then
-moves every parameter's gradient from the default stream to that side stream and back (an event
-record and a stream wait per gradient, and the DDP hooks on the side stream). torch 2.11 warns
-about it at the first backward ("The AccumulateGrad node's stream does not match ..."). The
-plain-PyTorch reference builds DDP on the default stream. Lightning fixed this upstream (Lightning
-PR #21746, after 2.6); until the pinned version has it, `build_ddp_on_the_current_stream` builds
-the wrapper the way Lightning does, with the same arguments, minus the side stream (and, at one
-rank, minus the buffer broadcast that reaches no one: app/cluster/ddp_buffers.py).
+Lightning 2.6 builds DDP under a side stream (`DDPStrategy._setup_model`), so DDP's AccumulateGrad nodes live there and
+every gradient crosses streams at every backward (torch 2.11 warns). Fixed upstream (Lightning PR #21746); until then
+`build_ddp_on_the_current_stream` builds the wrapper as Lightning does, minus the side stream (and, at one rank, the
+buffer broadcast: app/cluster/ddp_buffers.py).
 
-Private (docs/private_apis.md); tests/test_private_apis.py says when Lightning no longer needs it.
-"""
+Private (docs/private_apis.md); tests/test_private_apis.py says when Lightning no longer needs it."""
 
 from __future__ import annotations
 
@@ -31,11 +23,8 @@ LIGHTNING_DDP_KWARGS = "_ddp_kwargs"
 
 
 def build_ddp_on_the_current_stream(strategy: object, kind: StrategyKind) -> None:
-    """Make a DDPStrategy (as Lightning ships it) wrap its model on the stream current at the time.
-
-    `kind`: the run plan's strategy kind. A strategy that is not a DDPStrategy, or a subclass with its
-    own `_setup_model`, is left alone.
-    """
+    """Make a DDPStrategy (as Lightning ships it) wrap its model on the current stream; `kind`: the plan's strategy
+    kind. Other strategies, and subclasses with their own `_setup_model`, are left alone."""
     if kind is not StrategyKind.DDP:
         return
     needed_for = "building DistributedDataParallel on the training stream (app/cluster/ddp_stream.py)"

@@ -2,9 +2,8 @@
 
 # Bad input: the one-line message says what to fix. Retrying cannot help.
 BAD_INPUT_EXIT_CODE = 2
-# This rank stopped because another rank died or was lost (its one-line report says so): not this
-# rank's input, so a restart or a requeue may succeed. Below 2 would be ambiguous with a crash; above
-# 2 it is its own case in the logs.
+# This rank stopped because another rank died or was lost (its one-line report says so): not this rank's input, so a
+# restart or a requeue may succeed. Below 2 would be ambiguous with a crash; above 2 it is its own case in the logs.
 PEER_LOST_EXIT_CODE = 4
 # Stopped on a preemption signal (SIGUSR1/SIGTERM) after saving last.ckpt; requeued under SLURM.
 PREEMPTED_EXIT_CODE = 3

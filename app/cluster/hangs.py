@@ -1,31 +1,14 @@
 """A hang names its culprit: the rank that did not arrive, its host, and the collective the others wait in.
 
-A rank that stops (SIGSTOP, a dead NFS read in its data loader, a lost link) or that calls
-collectives in another order than its peers leaves the others waiting in a collective until
-`collective_timeout_s`. PyTorch then raises "Timed out waiting ..." on the waiting ranks and says
-nothing about who is missing. Here, every rank:
+PyTorch's timeout says nothing about who is missing. So every rank keeps the flight recorder on
+(`TORCH_FR_BUFFER_SIZE`), runs PyTorch's per-rank debug endpoint (`_WorkerServer`, a C++ thread that answers
+`dump_traceback` and `fr_trace_json` while Python is blocked), and tells every other rank its host, pid and endpoint
+once at setup (`all_gather_object`: rank 0 may be the stopped one).
 
-- keeps PyTorch's flight recorder on (`TORCH_FR_BUFFER_SIZE`): the last collectives of each process
-  group, with sequence numbers, and per group the last one enqueued and the last one completed;
-- runs PyTorch's per-rank debug endpoint (`_WorkerServer`, the worker half of
-  `torch.distributed.debug.start_debug_server`) in a C++ thread, which answers `dump_traceback`
-  (every thread's Python stack, via faulthandler) and `fr_trace_json` (the flight recorder) even
-  while the rank's own Python code is blocked, in a collective or anywhere else;
-- tells every other rank, once at setup, its host, pid and that endpoint's address (one
-  `all_gather_object`: nothing has to be read from rank 0's store later, and rank 0 may be the
-  one that is stopped).
-
-A rank whose collective times out (`HangReport.on_exception`) asks every other rank for its stack
-and its flight recorder (in parallel, `ASK_TIMEOUT_S` each), compares the collectives each entered,
-by sequence number, with its own, writes `<default_root_dir>/hang-<time>-rank<R>/` and ends with
-one line naming the culprit(s): a rank whose sequence runs behind, ahead or apart from its own. A
-rank that does not answer is stopped or holds the GIL; one that cannot even be connected to is on a
-host this one cannot reach. Only when every rank entered the same collectives, is still in a
-collective and has not moved when read again `RECHECK_S` later is the network blamed.
-
-What works where is in docs/hangs.md (the flight recorder has no start/end times on gloo, only
-"retired"; on NCCL the watchdog, not the waiting call, sees a timeout).
-"""
+On a timeout (`HangReport.on_exception`) a rank asks every other for its stack and flight recorder, compares the
+collectives each entered by sequence number, writes `<default_root_dir>/hang-<time>-rank<R>/` and names the culprit(s)
+in one line. The network is blamed only when every rank entered the same collectives and none moved within `RECHECK_S`.
+What works where: docs/hangs.md."""
 
 from __future__ import annotations
 
@@ -61,38 +44,34 @@ from app.private_apis import require
 FLIGHT_RECORDER_ENTRIES = 2000
 # How long a waiting rank waits for each other rank's answer: a stopped rank never answers.
 ASK_TIMEOUT_S = 10.0
-# How often each rank reads, in process, which collective it entered last on each group (a few
-# microseconds: its flight recorder's status, without the entries) to look for a certain deadlock
-# (`HangReport._watch_for_mismatch`).
+# How often each rank reads which collective it entered last per group (microseconds), for `_watch_for_mismatch`.
 MISMATCH_CHECK_S = 1.0
-# A rank that has entered no new collective for this long compares its newest one with what the other
-# ranks entered at that sequence number. Only the cost depends on it (one full read of its own
-# flight recorder per such pause): the decision rests on the collectives, never on the time.
+# A rank stalled this long compares its newest collective with the others' at that sequence number; only the cost
+# depends on it, never the decision.
 STALLED_S = 2.0
-# How long such a comparison waits for each other rank's recent collectives (a stopped rank never
-# answers; it is named by the collective timeout's report).
+# How long such a comparison waits for each other rank's recent collectives (a stopped rank never answers; it is named
+# by the collective timeout's report).
 PEEK_TIMEOUT_S = 2.0
-# A rank that did not answer that ask is asked again after this long, then twice as long each time, up to
-# the maximum (`HangReport._peek` says why).
+# A rank that did not answer that ask is asked again after this long, then twice as long each time, up to the maximum
+# (`HangReport._peek` says why).
 SILENT_RETRY_S = 4.0
 SILENT_RETRY_MAX_S = 60.0
 # How many of its newest collectives per process group a rank shows the others for that comparison.
 RECENT_ENTRIES = 16
-# A rank reads its whole flight recorder for those at most this often: a rank that keeps entering
-# collectives (on a group without the asking rank) while another asks it every second is not slowed
-# by more than one read per interval. A rank paused for `STALLED_S` is always read as it is.
+# A rank reads its whole flight recorder for those at most this often (one read per interval however often it is
+# asked); a rank paused for `STALLED_S` is always read as it is.
 FULL_READ_EVERY_S = STALLED_S
 # PyTorch's debug endpoint handlers (torch/csrc/distributed/c10d/control_plane/Handlers.cpp).
 STACKS_HANDLER = "dump_traceback"
 COLLECTIVES_HANDLER = "fr_trace_json"
-# This project's files that every rank's stack passes through on its way into Lightning: never the place.
-# (The test suite forks its `ddp-app` commands from tests/helpers/zygote.py: plumbing too.)
+# This project's files that every rank's stack passes through on its way into Lightning: never the place. (The test
+# suite forks its `ddp-app` commands from tests/helpers/zygote.py: plumbing too.)
 PLUMBING = (
     "app/cli/parser.py", "app/cli/entry.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app",
     "tests/helpers/zygote.py",
 )  # fmt: skip
-# Ours, on the same endpoint: where this rank's own collective timed out (its main thread has left
-# that place to write its report by the time another rank asks).
+# Ours, on the same endpoint: where this rank's own collective timed out (its main thread has left that place to write
+# its report by the time another rank asks).
 WAITED_HANDLER = "ddp_app_waited"
 # Ours: this rank's newest collectives (`recent_collectives`), a few kB, for another rank's deadlock check.
 RECENT_HANDLER = "ddp_app_recent"
@@ -102,22 +81,21 @@ ENTRY_FIELDS = (
 )  # fmt: skip
 # Code a main thread is in while it waits in a collective (besides a backward: DDP's all-reduce).
 COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/")
-# When every rank's record shows it in the collective the reporter waits in, the records are read
-# again this much later before the network is blamed: a rank read a moment before it entered its
-# next collective (a busy machine, records read at different moments) has moved on by then.
+# When every rank seems to wait where the reporter does, read again this much later before blaming the network: a rank
+# read just before its next collective has moved on by then.
 RECHECK_S = 2.0
 # {"frames": [[filename, line, function], ...]} of this process's timed-out wait, innermost last.
 _waited: dict[str, list[list[Any]]] = {"frames": []}
-# What a collective timeout says: gloo "Timed out waiting 15000ms for recv operation", NCCL's
-# watchdog "Watchdog caught collective operation timeout", the store "Socket Timeout".
+# What a collective timeout says: gloo "Timed out waiting 15000ms for recv operation", NCCL's watchdog "Watchdog caught
+# collective operation timeout", the store "Socket Timeout".
 TIMEOUT_MESSAGE = re.compile(r"timed out|timeout", re.IGNORECASE)
 STDLIB_DIRECTORIES = tuple({str(Path(sysconfig.get_paths()[name]).resolve()) for name in ("stdlib", "platstdlib")})
 
 
 def keep_hang_records(env: MutableMapping[str, str]) -> None:
-    """In a rank, before its process group exists: flight recorder on, and faulthandler, which
-    prints every thread's Python stack to stderr if the process dies of SIGSEGV or SIGABRT (gloo
-    aborts on a collective whose sizes differ between ranks)."""
+    """In a rank, before its process group exists: flight recorder on, and faulthandler, which prints every thread's
+    Python stack to stderr if the process dies of SIGSEGV or SIGABRT (gloo aborts on a collective whose sizes differ
+    between ranks)."""
     env.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     faulthandler.enable(all_threads=True)
 
@@ -204,8 +182,8 @@ def entered_by_group(recorder: dict[str, Any] | None) -> dict[str, int]:
 
 
 def entered_now() -> dict[str, int]:
-    """`entered_by_group` of this process, from its flight recorder's status without the entries:
-    a few microseconds, whatever the recorder holds."""
+    """`entered_by_group` of this process, from its flight recorder's status without the entries: a few microseconds,
+    whatever the recorder holds."""
     # Private (docs/private_apis.md): required with the endpoint's names (`debug_endpoint_api`).
     import torch._C._distributed_c10d as c10d
 
@@ -213,11 +191,11 @@ def entered_now() -> dict[str, int]:
 
 
 def recent_collectives() -> dict[str, Any]:
-    """This process's flight recorder cut to its newest `RECENT_ENTRIES` collectives per process
-    group and the fields the deadlock check reads, in the recorder's own shape (`pg_status`,
-    `entries`). The full recorder (up to 2000 entries: tens of milliseconds, with the GIL held) is
-    read only when a collective was entered since the last read, at most every `FULL_READ_EVERY_S`;
-    what was read is kept (an entry, once made, never changes)."""
+    """This process's flight recorder, cut to the newest `RECENT_ENTRIES` per group and the fields the deadlock check
+    reads.
+
+    The full recorder (slow, GIL held) is read only after a new collective, at most every `FULL_READ_EVERY_S`; entries
+    never change, so what was read is kept."""
     import torch._C._distributed_c10d as c10d
 
     with _recent_lock:
@@ -236,8 +214,8 @@ def recent_collectives() -> dict[str, Any]:
 
 
 def debug_endpoint_api() -> Any:
-    """PyTorch's private endpoint module, with every name and handler the hang report uses; a PyTorch
-    without one stops the run in one line (app/private_apis.py) instead of losing the diagnosis."""
+    """PyTorch's private endpoint module, with every name and handler the hang report uses; a PyTorch without one stops
+    the run in one line (app/private_apis.py) instead of losing the diagnosis."""
     import torch._C._distributed_c10d as c10d
 
     needed_for = "naming the rank a hang waits for (app/cluster/hangs.py)"
@@ -250,8 +228,8 @@ def debug_endpoint_api() -> Any:
 
 
 def start_debug_endpoint(ip: str) -> tuple[Any, int]:
-    """PyTorch's per-rank debug endpoint on `ip` (only that interface), any free port; (None, 0) if it
-    cannot listen there (the report then says this rank's endpoint does not answer)."""
+    """PyTorch's per-rank debug endpoint on `ip` (only that interface), any free port; (None, 0) if it cannot listen
+    there (the report then says this rank's endpoint does not answer)."""
     # Private: docs/private_apis.md, guarded in tests/test_private_apis.py.
     c10d = debug_endpoint_api()
     for name, handler in ((WAITED_HANDLER, _serve_waited), (RECENT_HANDLER, _serve_recent)):
@@ -305,10 +283,9 @@ def ask_rank(address: RankAddress, timeout_s: float) -> Answer:
 
 
 def unreachable_only_off_reachable_hosts(answers: list[Answer], this_host: str) -> list[Answer]:
-    """A rank on this host, or on a host where another rank took the connection, is not unreachable:
-    a connection to it that timed out met a process that accepts none (stopped, and the short queue
-    of connections its endpoint has not accepted is full: each earlier ask of it left one there,
-    docs/hangs.md). Such a rank did not answer ("silent")."""
+    """A rank on this host, or on a host where another rank took the connection, is not unreachable: a connection to it
+    that timed out met a process that accepts none (stopped, and the short queue of connections its endpoint has not
+    accepted is full: each earlier ask of it left one there, docs/hangs.md). Such a rank did not answer ("silent")."""
     reached = {this_host} | {answer.address.host for answer in answers if answer.problem != "unreachable"}
     return [
         Answer(answer.address, problem="silent")
@@ -321,12 +298,8 @@ def unreachable_only_off_reachable_hosts(answers: list[Answer], this_host: str) 
 def waited_collective(recorder: dict[str, Any] | None) -> Collective:
     """The collective a rank waits in (or whose wait failed): the newest one it entered, on any group.
 
-    Not "the oldest one not marked completed": gloo's flight recorder marks a collective completed
-    from its worker thread after the waiting call has returned, a failed one as completed too, and
-    each worker writes its own collective's number, so two in flight at once can leave an older
-    number last. Under load a rank's record can show, for seconds, a collective it has long left
-    as pending (a barrier's predecessor, with the barrier itself entered and waited in). What a
-    rank has entered is written by the calling thread, in order, before the call waits."""
+    Not "the oldest not completed": gloo marks completion from worker threads, late and out of order, so a record can
+    show a long-left collective as pending. Entries are written by the calling thread, in order, before it waits."""
     newest = newest_collectives(recorder)
     return max(newest, key=lambda collective: collective.created_ns, default=Collective("?", -1, "a collective"))
 
@@ -367,8 +340,8 @@ def newest_collectives(recorder: dict[str, Any] | None) -> list[Collective]:
 
 
 def mismatched(mine: Collective, others: dict[int, dict[str, Any] | None]) -> dict[int, Collective]:
-    """The ranks (of `others`: rank -> flight recorder) whose collective at `mine`'s sequence number on
-    `mine`'s group is another operation: a certain deadlock, as neither will ever complete."""
+    """The ranks (of `others`: rank -> flight recorder) whose collective at `mine`'s sequence number on `mine`'s group
+    is another operation: a certain deadlock, as neither will ever complete."""
     found: dict[int, Collective] = {}
     for rank, recorder in others.items():
         theirs = entry_of(recorder or {}, mine.group, mine.seq)
@@ -378,8 +351,8 @@ def mismatched(mine: Collective, others: dict[int, dict[str, Any] | None]) -> di
 
 
 def main_thread_frames(stacks: str) -> list[Frame]:
-    """The main thread's frames, innermost last, from a faulthandler dump (the thread whose
-    outermost frame is a `<module>`: the program's entry point)."""
+    """The main thread's frames, innermost last, from a faulthandler dump (the thread whose outermost frame is a
+    `<module>`: the program's entry point)."""
     threads: list[list[Frame]] = []
     for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks):
         frames = [
@@ -401,8 +374,8 @@ def is_library(filename: str) -> bool:
 
 
 def call_site(frames: list[Frame]) -> str:
-    """Where a stack stands, in words: DDP's gradient all-reduce, else the innermost frame of the
-    user's (or this project's) code, else the innermost frame outside torch (Lightning's, torchmetrics')."""
+    """Where a stack stands, in words: DDP's gradient all-reduce, else the innermost frame of the user's (or this
+    project's) code, else the innermost frame outside torch (Lightning's, torchmetrics')."""
     if is_gradient_all_reduce(frames):
         return "DDP gradient all-reduce in loss.backward()"
     for frame in reversed(frames):
@@ -413,8 +386,8 @@ def call_site(frames: list[Frame]) -> str:
         return "an unknown place"
     frame = outside_torch[-1]
     place = f"{frame.name} at {short_path(frame.filename)}:{frame.lineno}"
-    # Inside a library: the hook it runs in says which callback (Lightning's ModelCheckpoint reading
-    # the metrics at the epoch's end, say).
+    # Inside a library: the hook it runs in says which callback (Lightning's ModelCheckpoint reading the metrics at the
+    # epoch's end, say).
     hook = next((hook for hook in reversed(outside_torch) if hook.name.startswith("on_")), None)
     if hook is not None and hook is not frame:
         place += f", in {hook.name} at {short_path(hook.filename)}:{hook.lineno}"
@@ -432,9 +405,9 @@ def short_path(filename: str) -> str:
 def first_difference(
     mine: dict[str, Any] | None, theirs: dict[str, Any] | None, group: str, waiting: Collective
 ) -> tuple[Collective, Collective] | None:
-    """(mine, theirs): the first collective on `group`, up to `waiting`, that both ranks entered as
-    different operations (a certain deadlock: neither can complete), or `waiting` itself with other
-    sizes. Earlier sizes are not compared: some collectives take per-rank sizes (gather, scatter)."""
+    """(mine, theirs): the first collective on `group`, up to `waiting`, that both ranks entered as different operations
+    (a certain deadlock: neither can complete), or `waiting` itself with other sizes. Earlier sizes are not compared:
+    some collectives take per-rank sizes (gather, scatter)."""
     my_entries, their_entries = entries_by_seq(mine, group), entries_by_seq(theirs, group)
     for seq in sorted(set(my_entries) & set(their_entries)):
         if seq > waiting.seq:
@@ -451,9 +424,9 @@ def is_gradient_all_reduce(frames: list[Frame]) -> bool:
 
 
 def is_in_collective(frames: list[Frame]) -> bool:
-    """Whether a main thread's stack may be waiting in a collective: in torch.distributed, DDP, or a
-    backward (DDP's all-reduce). A stack with none of these (a data loader, a `time.sleep`, the model's
-    forward) certainly is not. Only that side of the answer is used as evidence."""
+    """Whether a main thread's stack may be waiting in a collective: in torch.distributed, DDP, or a backward (DDP's
+    all-reduce). A stack with none of these (a data loader, a `time.sleep`, the model's forward) certainly is not. Only
+    that side of the answer is used as evidence."""
     return is_gradient_all_reduce(frames) or any(part in frame.filename for frame in frames for part in COLLECTIVE_CODE)
 
 
@@ -467,11 +440,8 @@ class Verdict:
 
 
 def where_it_is(answer: Answer, mine: dict[str, Any] | None, this_host: str) -> Verdict | None:
-    """Why `answer`'s rank is not in the collective the reporting rank (flight recorder `mine`) waits
-    in, or None if it is: it entered the same collectives in the same order, no more and no fewer,
-    and its stack (if known) is in a collective too. A rank whose sequence runs behind (it has not
-    entered the reporter's newest collective), ahead (it entered more) or apart (another operation
-    at the same sequence number) is named with where it is."""
+    """Why `answer`'s rank is not in the collective the reporter (flight recorder `mine`) waits in, or None if it is
+    (same collectives, same order, stack in a collective). A rank behind, ahead or apart is named with where it is."""
     waiting = waited_collective(mine)
     if answer.problem == "unreachable":
         return Verdict(waiting, f"its host {answer.address.host} is unreachable from {this_host}")
@@ -523,9 +493,9 @@ def describe_hang(
     note: str = "",
     rechecked_s: float = 0.0,
 ) -> str:
-    """The one line: who did not arrive, where it is, and the collective the others wait in (`mine`:
-    the reporting rank's flight recorder). `rechecked_s`: the records were read a second time this
-    much later (`HangReport.report`), and `answers` are that second reading."""
+    """The one line: who did not arrive, where it is, and the collective the others wait in (`mine`: the reporting
+    rank's flight recorder). `rechecked_s`: the records were read a second time this much later (`HangReport.report`),
+    and `answers` are that second reading."""
     waiting = waited_collective(mine)
     verdicts = {answer.address: where_it_is(answer, mine, reporter.host) for answer in answers}
     culprits = [(address, verdict) for address, verdict in verdicts.items() if verdict and verdict.known]
@@ -582,10 +552,10 @@ def is_collective_timeout(exception: BaseException) -> bool:
 
 
 class HangReport(Callback):
-    """Runs PyTorch's debug endpoint on every rank, turns a collective timeout into the one line
-    that names the rank that did not arrive (see the module docstring), and reports a certain
-    deadlock (two ranks in different collectives at the same sequence number) without waiting for
-    the timeout (`_watch_for_mismatch`). Added by `ddp-app` to every multi-process run."""
+    """Runs PyTorch's debug endpoint on every rank, turns a collective timeout into the one line that names the rank
+    that did not arrive (see the module docstring), and reports a certain deadlock (two ranks in different collectives
+    at the same sequence number) without waiting for the timeout (`_watch_for_mismatch`). Added by `ddp-app` to every
+    multi-process run."""
 
     def __init__(
         self,
@@ -613,8 +583,8 @@ class HangReport(Callback):
         dist.all_gather_object(everyone, mine)
         self.peers = everyone
         if port and self.mismatch_check_s > 0:
-            # The watcher reads the main thread's stack: without this CPython API it would fail in its
-            # thread, and a mismatch would be reported only when collective_timeout_s runs out.
+            # The watcher reads the main thread's stack: without this CPython API it would fail in its thread, and a
+            # mismatch would be reported only when collective_timeout_s runs out.
             require(sys, "_current_frames", "python", "naming a rank's call site in a collective mismatch")
             self._watch_stop.clear()
             self._watch = threading.Thread(
@@ -650,28 +620,21 @@ class HangReport(Callback):
         exception.ddp_app_hang_report = line  # type: ignore[attr-defined]
 
     def _let_reporting_peers_finish(self, rank: int) -> None:
-        """A peer closed its connections: it died, or its own collective timed out and it is asking
-        everyone for their stacks. Stay (for a launcher that kills every rank when one exits) until
-        no peer answers a ping, at most twice the time one report takes."""
+        """A peer closed its connections: it died, or its own collective timed out and it is asking everyone for their
+        stacks. Stay (for a launcher that kills every rank when one exits) until no peer answers a ping, at most twice
+        the time one report takes."""
         others = [peer for peer in self.peers if peer.rank != rank]
         deadline = time.monotonic() + 2 * self.ask_timeout_s
         while time.monotonic() < deadline and any(ask(peer, "ping", 1.0)[0] == "pong" for peer in others):
             time.sleep(0.2)
 
     def _watch_for_mismatch(self, trainer: L.Trainer) -> None:
-        """A thread: every `mismatch_check_s`, read which collective this rank entered last on each
-        group (in process, microseconds). Once it has entered none for `stalled_s`, and at every look
-        while that lasts, compare its newest one on each group with what each other rank entered at
-        the same sequence number (`RECENT_HANDLER`: their newest collectives, a few kB). Another
-        operation there is a certain deadlock (neither collective can ever complete): the lowest of
-        the ranks involved writes the report, and every rank involved ends its process.
+        """A thread: every `mismatch_check_s`, read which collective this rank entered last on each group.
 
-        A rank that has not reached that sequence number yet (slow: rank 0 writing a large checkpoint
-        while the others wait in a barrier, a long step, a slow data load) is no evidence of anything,
-        however long it takes: the others keep waiting, up to `collective_timeout_s`. Nothing here is
-        decided by time; `stalled_s` only keeps the comparison (one full read of this rank's flight
-        recorder per pause, and an ask of each other rank per look) off a rank that is making progress.
-        """
+        Once stalled for `stalled_s`, compare its newest one per group with what each other rank entered at that
+        sequence number (`RECENT_HANDLER`). Another operation there is a certain deadlock: the lowest rank involved
+        writes the report and every rank involved exits. A rank that has not reached that number yet is only slow:
+        nothing here is decided by time (`stalled_s` only keeps the reads off a rank that progresses)."""
         me = self.peers[trainer.global_rank]
         others = [peer for peer in self.peers if peer.rank != me.rank]
         seen: dict[str, int] = {}
@@ -702,11 +665,10 @@ class HangReport(Callback):
     def _peek(
         self, pool: ThreadPoolExecutor, others: list[RankAddress], quiet: dict[int, tuple[float, float]]
     ) -> dict[int, dict[str, Any] | None]:
-        """The other ranks' recent collectives (`RECENT_HANDLER`), asked in parallel. A rank that did
-        not answer is asked again only after `SILENT_RETRY_S`, then twice as long each time, up to
-        `SILENT_RETRY_MAX_S` (until this rank moves on): a stopped process accepts no connection, and
-        each ask would leave one in its endpoint's short queue, which, once full, makes the rank look
-        unreachable to the collective timeout's report."""
+        """The other ranks' recent collectives (`RECENT_HANDLER`), asked in parallel.
+
+        A silent rank is asked again only after `SILENT_RETRY_S`, doubling up to `SILENT_RETRY_MAX_S`: each unanswered
+        ask fills a stopped rank's short accept queue, which would make it look unreachable to the timeout's report."""
         now = time.monotonic()
         asked = [peer for peer in others if now >= quiet.get(peer.rank, (0.0, 0.0))[0]]
         recorders: dict[int, dict[str, Any] | None] = {}
@@ -725,8 +687,8 @@ class HangReport(Callback):
         """End this rank, which waits in a collective that can never complete (main thread blocked)."""
         main = sys._current_frames().get(threading.main_thread().ident or 0)
         frames = [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack(main)] if main else []
-        # (Not `_waited`: its wait has not failed, and its main thread stays in the collective while the
-        # reporter reads its stack.)
+        # (Not `_waited`: its wait has not failed, and its main thread stays in the collective while the reporter reads
+        # its stack.)
         if me.rank == reporter:
             text = "".join(traceback.format_list(traceback.extract_stack(main))) if main else ""
             note = (
@@ -738,8 +700,8 @@ class HangReport(Callback):
             print(line, file=sys.stderr, flush=True)
         else:  # the reporter asks this rank for its stack: stay until it has ended, at most two asks' time
             self._let_reporting_peers_finish(me.rank)
-        # From this thread: the main thread is blocked in native code and cannot be interrupted; the
-        # exit handlers run (as at any exit of a rank), Lightning's teardown does not.
+        # From this thread: the main thread is blocked in native code and cannot be interrupted; the exit handlers run
+        # (as at any exit of a rank), Lightning's teardown does not.
         end_rank(HANG_EXIT_CODE)
 
     def report(self, trainer: L.Trainer, frames: list[Frame], where_text: str, note: str = "") -> str:
@@ -749,8 +711,8 @@ class HangReport(Callback):
         answers, earlier, rechecked_s = self._ask_everyone(), None, 0.0
         others = [answer for answer in answers if answer.address.rank != me.rank]
         if not any(where_it_is(answer, answers[me.rank].collectives, me.host) for answer in others):
-            # Every rank looks as if it waits where this one does: before blaming the network, read
-            # again, so that a rank read just before it entered its next collective is seen to move.
+            # Every rank looks as if it waits where this one does: before blaming the network, read again, so that a
+            # rank read just before it entered its next collective is seen to move.
             time.sleep(RECHECK_S)
             earlier, answers, rechecked_s = answers, self._ask_everyone(), RECHECK_S
             others = [answer for answer in answers if answer.address.rank != me.rank]
@@ -775,8 +737,8 @@ class HangReport(Callback):
 def write_hang_directory(
     directory: Path, line: str, answers: list[Answer], reporter: int, where_text: str, earlier: list[Answer] | None
 ) -> None:
-    """summary.txt, and rank<R>-stacks.txt and rank<R>-collectives.json of every rank that answered
-    (`answers`; `earlier`: a first reading, if the records were read twice)."""
+    """summary.txt, and rank<R>-stacks.txt and rank<R>-collectives.json of every rank that answered (`answers`;
+    `earlier`: a first reading, if the records were read twice)."""
     with contextlib.suppress(OSError):  # the line is printed even where the directory cannot be written
         directory.mkdir(parents=True, exist_ok=True)
         summary = [line, ""]

@@ -1,13 +1,8 @@
 """Stop signals: preemption (SIGUSR1/SIGTERM) and Ctrl-C (SIGINT). The handlers only set a flag.
 
-SLURM sends SIGUSR1 ahead of the time limit (`#SBATCH --signal=SIGUSR1@90`) and SIGTERM before it
-kills a job; a user presses Ctrl-C. Lightning's own SIGUSR1 handler saves the checkpoint inside the
-handler, which can hang intermittently (Lightning #21406), and its Ctrl-C handling saves nothing.
-Here a handler records the signal; `app.run.coordinator.RunCoordinator` acts on it at the next
-step boundary, on every rank at the same step: it saves `last.ckpt` and raises `Stopped`.
-A second Ctrl-C while that is under way ends the process at once: the previous `last.ckpt` stays
-intact because checkpoints are replaced atomically (`app.checkpoints.io.atomic_torch_save`).
-"""
+Lightning's SIGUSR1 handler saves inside the handler, which can hang (Lightning #21406), and its Ctrl-C saves nothing.
+`app.run.coordinator.RunCoordinator` acts on the flag at the next step boundary on every rank: it saves `last.ckpt` and
+raises `Stopped`. A second Ctrl-C exits at once; the previous `last.ckpt` stays intact (atomic writes)."""
 
 from __future__ import annotations
 
@@ -28,8 +23,8 @@ PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 STOP_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)
 
 # Lightning 2.6 broadcasts rank 0's SIGTERM flag before every training step
-# (`_TrainingEpochLoop._broadcast_sigterm_tensor`: a collective and an `.item()` per step, with no
-# switch to turn it off). `RunCoordinator` owns SIGTERM during training, so that flag is never set.
+# (`_TrainingEpochLoop._broadcast_sigterm_tensor`: a collective and an `.item()` per step, with no switch to turn it
+# off). `RunCoordinator` owns SIGTERM during training, so that flag is never set.
 LIGHTNING_PER_STEP_SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 # Lightning 2.6's method that installs its signal handlers; `keep_lightning_off_stop_signals` replaces it.
 LIGHTNING_SIGNAL_HANDLER_INSTALL = "register_signal_handlers"
@@ -61,12 +56,10 @@ def abort_now(signum: int, frame: FrameType | None) -> None:
 
 
 class StopSignalFlag:
-    """Records the first stop signal a process gets; `STOP_SIGNAL_FLAG` is the one of this process.
+    """Records the first stop signal a process gets; `STOP_SIGNAL_FLAG` is this process's.
 
-    `app.cli.entry.run` installs it for SIGUSR1 and SIGTERM as a rank starts, so that a preemption during
-    setup (imports, data, rendezvous, sanity check) is recorded instead of killing the rank, and
-    `RunCoordinator` adds SIGINT when training starts (before that, Ctrl-C raises at once).
-    """
+    `app.cli.entry.run` installs it for SIGUSR1 and SIGTERM as a rank starts (a preemption during setup is recorded, not
+    fatal); `RunCoordinator` adds SIGINT at train start."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -79,8 +72,8 @@ class StopSignalFlag:
             self.received = signum
 
     def install(self, signums: tuple[int, ...] = STOP_SIGNALS) -> tuple[int, ...]:
-        """Handle `signums` with the flag; returns those it was not handling yet (give them back with
-        `restore`). The first install after a full restore starts a fresh record."""
+        """Handle `signums` with the flag; returns those it was not handling yet (give them back with `restore`). The
+        first install after a full restore starts a fresh record."""
         if not self._previous:
             self.received = None
         taken = tuple(signum for signum in signums if signum not in self._previous)
@@ -95,8 +88,8 @@ class StopSignalFlag:
                 signal.signal(signum, self._previous.pop(signum))
 
     def release(self) -> None:
-        """For a run that will never act on the flag (not `fit`, or no last.ckpt to save): restore the
-        handlers, and deliver a signal recorded meanwhile to them, as if the flag had never been there."""
+        """For a run that will never act on the flag (not `fit`, or no last.ckpt to save): restore the handlers, and
+        deliver a signal recorded meanwhile to them, as if the flag had never been there."""
         received = self.received
         self.restore()
         self.received = None
@@ -110,13 +103,9 @@ STOP_SIGNAL_FLAG = StopSignalFlag()  # signal handlers belong to the process: on
 def keep_lightning_off_stop_signals(trainer: Any) -> None:
     """Lightning installs no signal handler for this Trainer; ddp-app's flag-only ones stay in place.
 
-    Lightning 2.6 installs a SIGTERM handler at the start of every Trainer run
-    (`_SignalConnector.register_signal_handlers`) that calls `dist.broadcast` inside the handler: only
-    the rank that got the signal enters that collective, so it hangs until the collective timeout
-    (a SIGTERM to rank 0 during the sanity check hung a 2-rank fit); then Lightning ends the loops
-    with `SIGTERMException`, a `SystemExit` with code 0: a preempted fit exited 0, untrained.
-    Private (docs/private_apis.md); tests/test_private_apis.py fails if a Lightning upgrade changes it.
-    """
+    Lightning 2.6's SIGTERM handler (`_SignalConnector.register_signal_handlers`) calls `dist.broadcast` inside the
+    handler, which hangs on the one rank that got the signal, and then exits 0, untrained. Private
+    (docs/private_apis.md); tests/test_private_apis.py fails if a Lightning upgrade changes it."""
     needed_for = "keeping Lightning's SIGTERM handler off a fit"
     connector = require(trainer, "_signal_connector", "lightning", needed_for)
     require(connector, LIGHTNING_SIGNAL_HANDLER_INSTALL, "lightning", needed_for)
@@ -124,8 +113,8 @@ def keep_lightning_off_stop_signals(trainer: Any) -> None:
 
 
 def stop_message(signum: int, step: int, epoch: int, path: str | None, is_global_zero: bool) -> tuple[str, int]:
-    """The one line printed after stopping on `signum`, and the exit code; rank 0 requeues under SLURM.
-    `path` is where last.ckpt was saved; None when training had not started (nothing new to save)."""
+    """The one line printed after stopping on `signum`, and the exit code; rank 0 requeues under SLURM. `path` is where
+    last.ckpt was saved; None when training had not started (nothing new to save)."""
     resume = resume_command(sys.argv)
     if path is None:
         when, details, saved = "before training started", [], "nothing new to save"

@@ -1,16 +1,12 @@
-"""Which launcher started this process, and whether it agrees with the Trainer: checked before any
-process group exists, so that a mismatch ends in one line instead of a hang or a stack trace.
+"""Which launcher started this process, and whether it agrees with the Trainer, checked before any process group exists
+(one line instead of a hang).
 
     srun      a Slurm job step (SLURM_STEP_ID is set): one task per rank, Lightning's SLURMEnvironment
     torchrun  TorchElastic's variables are set: torchrun started the ranks (Lightning checks it first)
     plain     anything else: Lightning starts ranks 1..devices-1 itself by running the command again
 
-Lightning decides "srun was used" from SLURM_NTASKS alone, which a batch script or an salloc shell
-also carries. A job with N tasks started without srun then runs one process that waits at
-"Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/N" until the time limit. SLURM_STEP_ID is set
-by srun only (measured on Slurm 22.05: absent in the batch script and in salloc's shell), so it
-tells the two apart.
-"""
+Lightning decides "srun was used" from SLURM_NTASKS, which a batch script or salloc shell also has (the run then waits
+until the time limit). Only srun sets SLURM_STEP_ID."""
 
 from __future__ import annotations
 
@@ -23,8 +19,8 @@ from typing import Any
 from app.cluster.slurm_env import master_address_and_port
 from app.errors import InvalidConfigError
 
-# Job names for which Lightning ignores Slurm and starts the ranks itself (its "interactive mode");
-# salloc names its jobs "interactive" and `srun --pty bash` names them "bash".
+# Job names for which Lightning ignores Slurm and starts the ranks itself (its "interactive mode"); salloc names its
+# jobs "interactive" and `srun --pty bash` names them "bash".
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 
 TORCHRUN_VARIABLES = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -47,9 +43,14 @@ class Launch:
     num_nodes: int
 
 
+def ranks(env: Mapping[str, str], *names: str) -> list[int]:
+    """The launcher's rank variables `names`, each 0 where it is not set."""
+    return [int(env.get(name, "0")) for name in names]
+
+
 def visible_gpus() -> int:
-    """CUDA devices this process sees, counted through NVML where it can be, without initialising
-    CUDA: `ddp-app` forks its ranks after this check, and CUDA does not survive a fork."""
+    """CUDA devices this process sees, counted through NVML where it can be, without initialising CUDA: `ddp-app` forks
+    its ranks after this check, and CUDA does not survive a fork."""
     import torch
 
     return torch.cuda.device_count()
@@ -74,12 +75,11 @@ def devices_as_written_count(devices: Any) -> int | None:
 
 
 def resolve_devices(devices: Any, accelerator: Any = "auto") -> int | None:
-    """The number of processes per node that Trainer(devices=...) means; None if it cannot be told here.
+    """The processes per node that Trainer(devices=...) means (the one place that decides it); None if it cannot be told
+    here.
 
-    The one place that turns `trainer.devices` into a process count. On GPUs: a count, a list or
-    "0,1" of indices, and "auto" or -1 for every visible GPU. On CPU, where Lightning takes only a
-    count, a GPU config's list means that many processes, "auto" one, and -1 one per core.
-    """
+    On GPUs: a count, a list or "0,1", and "auto" or -1 for every visible GPU. On CPU a list means that many processes,
+    "auto" one, -1 one per core."""
     if isinstance(devices, (list, tuple)):
         return len(devices)
     text = str(devices).strip()
@@ -114,16 +114,16 @@ def is_torchrun(env: Mapping[str, str]) -> bool:
 
 
 def already_launched(env: Mapping[str, str]) -> bool:
-    """This process is one rank of a job that torchrun, srun (a batch job step) or a launcher
-    started: it runs as it is. Not so in an interactive `srun --pty bash` or salloc shell, where
-    Lightning ignores Slurm and ddp-app starts the ranks."""
+    """This process is one rank of a job that torchrun, srun (a batch job step) or a launcher started: it runs as it is.
+    Not so in an interactive `srun --pty bash` or salloc shell, where Lightning ignores Slurm and ddp-app starts the
+    ranks."""
     in_slurm_step = "SLURM_STEP_ID" in env and env.get("SLURM_JOB_NAME") not in INTERACTIVE_JOB_NAMES
     return "LOCAL_RANK" in env or is_torchrun(env) or in_slurm_step
 
 
 def lightning_uses_slurm(env: Mapping[str, str]) -> bool:
-    """Lightning will pick its SLURMEnvironment (and read MASTER_PORT): SLURM_NTASKS set, no torchrun,
-    not a job name of its interactive mode. Mirrors lightning.fabric's `_is_srun_used`."""
+    """Lightning will pick its SLURMEnvironment (and read MASTER_PORT): SLURM_NTASKS set, no torchrun, not a job name of
+    its interactive mode. Mirrors lightning.fabric's `_is_srun_used`."""
     return not is_torchrun(env) and "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in INTERACTIVE_JOB_NAMES
 
 
@@ -148,20 +148,11 @@ def _torchrun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> La
             f"torchrun started {per_node} processes per node (--nproc-per-node={per_node}) but trainer.devices="
             f"{devices}. HINT: torchrun --nproc-per-node={devices} ..., or --trainer.devices {per_node}."
         )
-    # The nodes of this round are torchrun's to decide: with --nnodes=MIN:MAX (elastic) a restart round
-    # may have more or fewer than trainer.num_nodes says. Nothing can hang on it (every rank reads
-    # WORLD_SIZE from torchrun), so the Trainer follows torchrun (app.cli says so in one line) and the
-    # run continues elastically (docs/resume.md).
+    # The nodes of this round are torchrun's to decide: with --nnodes=MIN:MAX (elastic) a restart round may have more or
+    # fewer than trainer.num_nodes says. Nothing can hang on it (every rank reads WORLD_SIZE from torchrun), so the
+    # Trainer follows torchrun (app.cli says so in one line) and the run continues elastically (docs/resume.md).
     nodes = world_size // max(per_node, 1)
-    return Launch(
-        "torchrun",
-        world_size,
-        int(env.get("RANK", "0")),
-        int(env.get("LOCAL_RANK", "0")),
-        int(env.get("GROUP_RANK", "0")),
-        devices,
-        nodes,
-    )
+    return Launch("torchrun", world_size, *ranks(env, "RANK", "LOCAL_RANK", "GROUP_RANK"), devices, nodes)
 
 
 def _srun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
@@ -186,24 +177,16 @@ def _srun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch
         )
     nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1")
     if nodes != num_nodes and int(env.get("SLURM_RESTART_COUNT") or 0) > 0:
-        # A requeued job that the scheduler started on another number of nodes: the config was
-        # accepted on the first start, so the allocation decides now and the run continues elastically
-        # (app.cli says so in one line; docs/resume.md). A first start still has to match.
+        # A requeued job that the scheduler started on another number of nodes: the config was accepted on the first
+        # start, so the allocation decides now and the run continues elastically (app.cli says so in one line;
+        # docs/resume.md). A first start still has to match.
         num_nodes = nodes
     if nodes != num_nodes:
         raise PreflightError(
             f"the job step runs on {nodes} node(s) (--nodes={nodes}) but trainer.num_nodes={num_nodes}."
             f" HINT: --nodes={num_nodes}, or --trainer.num_nodes {nodes}."
         )
-    return Launch(
-        "srun",
-        ntasks,
-        int(env.get("SLURM_PROCID", "0")),
-        int(env.get("SLURM_LOCALID", "0")),
-        int(env.get("SLURM_NODEID", "0")),
-        devices,
-        num_nodes,
-    )
+    return Launch("srun", ntasks, *ranks(env, "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"), devices, num_nodes)
 
 
 def _interactive_step_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
@@ -254,7 +237,7 @@ def _plain_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
             f" or torchrun --nnodes={num_nodes}, or set NODE_RANK, MASTER_ADDR and MASTER_PORT on every node."
         )
     # Ranks >= 1 that Lightning started itself carry LOCAL_RANK and NODE_RANK.
-    local_rank, node_rank = int(env.get("LOCAL_RANK", "0")), int(env.get("NODE_RANK", "0"))
+    local_rank, node_rank = ranks(env, "LOCAL_RANK", "NODE_RANK")
     return Launch(
         "plain", devices * num_nodes, node_rank * devices + local_rank, local_rank, node_rank, devices, num_nodes
     )
@@ -263,19 +246,10 @@ def _plain_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
 def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) -> None:
     """Under torchrun, give every round of the worker group a rendezvous store of its own.
 
-    torchrun's agent shares its rendezvous TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE)
-    and keeps it across restarts, while `init_process_group` files gloo's keys under the fixed
-    prefix "default_pg": after `--max-restarts` restarted the group, its ranks read the dead
-    round's addresses and fail in connectFullMesh ("Connection refused") or wait. So global rank 0
-    takes a free port and publishes it in the agent's store with a fresh random tag, and every rank
-    meets there; MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE are changed for this process only.
-
-    The round cannot be named by TORCHELASTIC_RESTART_COUNT: with several agents (nodes) it counts
-    each agent's own failures, so after one node's rank died it is 1 there and 0 on the others
-    (measured with torch 2.14 on the two-node Slurm cluster: the ranks waited on different keys
-    until the timeout). Every rank instead remembers, in the store, the tag it met under, and waits
-    for a tag it has not met under yet: rank 0 of the new round has written it.
-    """
+    torchrun's agent keeps its TCPStore across restarts and gloo files its keys under "default_pg", so restarted ranks
+    would read the dead round's addresses. Global rank 0 publishes a free port under a fresh random tag in the agent's
+    store, and every rank waits for a tag it has not met under yet (TORCHELASTIC_RESTART_COUNT differs between nodes, so
+    it cannot name the round). MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE change for this process only."""
     if not is_torchrun(env) or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
     import datetime
@@ -317,11 +291,8 @@ def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) 
 
 
 def export_master_address(env: MutableMapping[str, str]) -> None:
-    """Give Lightning's SLURMEnvironment our per-job MASTER_ADDR and MASTER_PORT before it reads them.
-
-    Its own port, 15000 + job id % 10000, is the same for two jobs on one node whose ids share the
-    last four digits; `job_master_port` hashes the whole id. A MASTER_PORT already set still wins.
-    """
+    """Give Lightning's SLURMEnvironment our per-job MASTER_ADDR and MASTER_PORT (`job_master_port`) before it reads
+    them; a MASTER_PORT already set wins."""
     if lightning_uses_slurm(env) and (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")):
         address, port = master_address_and_port(dict(env))
         env["MASTER_ADDR"], env["MASTER_PORT"] = address, str(port)
@@ -330,8 +301,8 @@ def export_master_address(env: MutableMapping[str, str]) -> None:
 def describe_launch(
     launch: Launch, cluster_environment: object, env: Mapping[str, str] | None = None, mesh: str | None = None
 ) -> str:
-    """One line for the log: who started the ranks, which environment Lightning chose, and where they meet
-    (and, under strategy fsdp, `mesh`: how the ranks shard the model, "2 replicas x 2 shards")."""
+    """One line for the log: who started the ranks, which environment Lightning chose, and where they meet (and, under
+    strategy fsdp, `mesh`: how the ranks shard the model, "2 replicas x 2 shards")."""
     env = os.environ if env is None else env
     meeting = f", rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_PORT" in env else ""
     how = "as a plain command" if launch.launcher == "plain" else f"by {launch.launcher}"
@@ -343,11 +314,8 @@ def describe_launch(
 
 
 def preflight(trainer_config: Mapping[str, Any], env: MutableMapping[str, str] | None = None) -> Launch | None:
-    """Check the launch against the Trainer's devices/num_nodes and export the rendezvous address.
-
-    Returns None (and checks nothing) when `devices` cannot be resolved before the Trainer exists,
-    e.g. a custom accelerator object with devices="auto".
-    """
+    """Check the launch against the Trainer's devices/num_nodes and export the rendezvous address; None (nothing
+    checked) when `devices` cannot be resolved before the Trainer exists."""
     env = os.environ if env is None else env
     devices = resolve_devices(trainer_config.get("devices", "auto"), trainer_config.get("accelerator", "auto"))
     num_nodes = int(trainer_config.get("num_nodes") or 1)

@@ -1,22 +1,12 @@
-"""Requeueing a Slurm batch job: after a preemption, after a failure worth running again, never
-after bad input. Stdlib only: the batch script calls it through `python -m app.slurm`.
+"""Requeueing a Slurm batch job: after a preemption or a failure worth retrying, never after bad input. Stdlib only
+(`python -m app.slurm`).
 
-- A preempted job is requeued by its rank 0 once every rank has saved `last.ckpt`
-  (`app.cluster.preemption`, exit code 3).
-- A job step that fails (srun returns non-zero: a rank killed, a node lost, a crash) is requeued by
-  the batch script (`python -m app.slurm requeue-on-failure "$status"`), at most
-  `DDP_APP_MAX_REQUEUES` times (default 3), counted by Slurm's `SLURM_RESTART_COUNT`, which
-  counts every requeue of the job, preemptions included. The job starts again with
+- A preempted job is requeued by its rank 0 once every rank saved `last.ckpt` (exit code 3).
+- A failed job step is requeued by the batch script (`python -m app.slurm requeue-on-failure "$status"`), at most
+  `DDP_APP_MAX_REQUEUES` times (default 3, counted by `SLURM_RESTART_COUNT`, preemptions included), and resumes with
   `--ckpt_path last`.
-- A deterministic failure (exit 2: bad input, a non-finite loss, a checkpoint that does not load)
-  is never requeued: the rank that stops on it turns the job's requeue flag off
-  (`scontrol update JobId=N Requeue=0`) before it exits. The batch script cannot tell it from
-  srun's exit code: with `--kill-on-bad-exit` srun reports 128 + the signal it ended the other
-  tasks with (143) whatever the first task's exit code was, and without accounting Slurm keeps
-  no per-step exit code (DerivedExitCode is a maximum over every attempt of the job, never reset
-  by a requeue). Measured on Slurm 22.05; the flag also keeps Slurm itself from requeueing the
-  job after a node failure.
-"""
+- A deterministic failure (exit 2) is never requeued: the failing rank turns the job's requeue flag off (`scontrol
+  update JobId=N Requeue=0`), since srun's exit code cannot tell it apart (Slurm 22.05)."""
 
 from __future__ import annotations
 
@@ -36,8 +26,8 @@ SCONTROL_TIMEOUT_S = 60
 
 
 def slurm_batch_job_id(env: Mapping[str, str]) -> str | None:
-    """The id `scontrol requeue` takes for this batch job (array task included); None outside a
-    Slurm job or in an interactive allocation, which has nothing to requeue."""
+    """The id `scontrol requeue` takes for this batch job (array task included); None outside a Slurm job or in an
+    interactive allocation, which has nothing to requeue."""
     job_id = env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
     if not job_id or env.get("SLURM_JOB_NAME") in INTERACTIVE_JOB_NAMES:
         return None
@@ -69,16 +59,16 @@ def requeue_slurm_job(env: Mapping[str, str] | None = None) -> str:
 def forbid_requeue(env: Mapping[str, str] | None = None) -> None:
     """Bad input: running the job again would fail the same way, so no one may requeue it.
 
-    Called by every rank that exits 2; errors are ignored (a missing scontrol leaves the batch
-    script's budget as the only bound)."""
+    Called by every rank that exits 2; errors are ignored (a missing scontrol leaves the batch script's budget as the
+    only bound)."""
     job_id = slurm_batch_job_id(os.environ if env is None else env)
     if job_id is not None:
         _scontrol("update", f"JobId={job_id}", "Requeue=0")
 
 
 def describe_step_exit(code: int) -> str:
-    """'exit code 143 (128 + SIGTERM)' for srun's exit code. srun ends the other tasks with SIGTERM
-    when one fails, so its code rarely names the first failure: its `srun: error:` lines do."""
+    """'exit code 143 (128 + SIGTERM)' for srun's exit code. srun ends the other tasks with SIGTERM when one fails, so
+    its code rarely names the first failure: its `srun: error:` lines do."""
     if code > 128:
         try:
             return f"exit code {code} (128 + {signal.Signals(code - 128).name})"
@@ -119,8 +109,8 @@ def max_requeues(env: Mapping[str, str]) -> int:
 
 
 def requeue_after_failed_step(exit_code: int, env: Mapping[str, str] | None = None) -> str:
-    """In a batch script, after its srun step ended with `exit_code`: requeue the job if the failure
-    is worth running again and the budget allows; returns the one line for the job's log."""
+    """In a batch script, after its srun step ended with `exit_code`: requeue the job if the failure is worth running
+    again and the budget allows; returns the one line for the job's log."""
     env = os.environ if env is None else env
     if exit_code == 0:
         return ""

@@ -12,8 +12,7 @@ from app.errors import InvalidConfigError
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand Slurm's compressed host list: "gpu[01-03,07],login1" -> gpu01, gpu02, gpu03, gpu07, login1.
 
-    The same result as `scontrol show hostnames`, without needing the Slurm binaries on the node.
-    """
+    The same result as `scontrol show hostnames`, without needing the Slurm binaries on the node."""
     hosts: list[str] = []
     for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", hostlist):
         if plain:
@@ -35,12 +34,10 @@ def first_host(hostlist: str) -> str:
 
 
 def job_master_port(job_id: str, low: int = 10000, high: int = 32767) -> int:
-    """A rendezvous port derived from the whole job id, below Linux's ephemeral range (32768+).
+    """A rendezvous port hashed from the whole job id, below Linux's ephemeral range (32768+); MASTER_PORT in the
+    environment wins.
 
-    Lightning uses 15000 + job_id % 10000, so two jobs on one node whose ids share their last four
-    digits (e.g. 1234567 and 1244567) always collide. Hashing the full id makes a clash a
-    1-in-22768 accident instead of a rule. MASTER_PORT in the environment still wins.
-    """
+    Lightning's 15000 + job_id % 10000 always collides for two jobs on one node whose ids share the last four digits."""
     digest = hashlib.blake2b(job_id.encode(), digest_size=4).digest()
     return low + int.from_bytes(digest, "big") % (high - low + 1)
 

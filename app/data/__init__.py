@@ -1,8 +1,7 @@
 """LightningDataModules (`batch_size` is always per process) and, in `datasets`, their datasets.
 
-The DataModules are imported on first use (`app.data.DigitsDataModule`), so that importing
-`app.data.datasets`, as the reference trainer does, does not import Lightning.
-"""
+The DataModules are imported on first use (`app.data.DigitsDataModule`), so that importing `app.data.datasets`, as the
+reference trainer does, does not import Lightning."""
 
 from __future__ import annotations
 

@@ -21,13 +21,9 @@ __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader that tells Lightning it can resume mid-epoch.
+    """A DataLoader that tells Lightning it can resume mid-epoch (`state_dict` / `load_state_dict`).
 
-    Its position needs no state of its own: `ResumableDistributedSampler` asks the run's
-    `TrainingPositioner` (app/data/positioning.py), which keeps it in every checkpoint. Implementing `state_dict` /
-    `load_state_dict` is how Lightning recognises a resumable loader (otherwise it warns that a
-    mid-epoch resume is unreliable).
-    """
+    The position lives in the run's `TrainingPositioner` (app/data/positioning.py), not here."""
 
     def state_dict(self) -> dict[str, int]:
         return {}
@@ -39,18 +35,14 @@ class ResumableDataLoader(DataLoader):
 class ShardedDataModule(L.LightningDataModule):
     """Builds the train/val/test datasets in `setup` and shards them over the ranks.
 
-    Subclasses implement `make_splits()`, by calling their function in `app.data.datasets` (which
-    the reference trainer calls too); it must be deterministic (same split on every rank and
-    every run) and must not write anything, because with `strategy="ddp"` it runs once per rank.
-    The datasets are plain attributes (`train_dataset`, `val_dataset`, `test_dataset`) so that the
-    reference trainer can use them without a Trainer.
+    Subclasses implement `make_splits()` with their function in `app.data.datasets`: deterministic and writing nothing
+    (it runs on every rank). The datasets are plain attributes (`train_dataset`, `val_dataset`, `test_dataset`) for the
+    reference trainer.
 
-    `batch_size` is per process: the global batch is batch_size x devices x num_nodes.
-    `num_workers: null` (the default) sizes the loader workers to the machine (`default_num_workers`).
-    `on_device: true` keeps the training and evaluation splits whole on the training device and builds
-    batches there (app/data/on_device.py): for data that fits in GPU memory, without random
-    augmentation; same samples, same order, same resume position as the ordinary loaders.
-    """
+    `batch_size` is per process: the global batch is batch_size x devices x num_nodes. `num_workers: null` (the default)
+    sizes the loader workers to the machine (`default_num_workers`). `on_device: true` keeps the splits whole on the
+    training device and batches there (app/data/on_device.py): for data that fits in GPU memory, without random
+    augmentation; same samples, order and resume position."""
 
     def __init__(
         self,
@@ -99,8 +91,8 @@ class ShardedDataModule(L.LightningDataModule):
         return torch.cuda.is_available()
 
     def _use_pin_memory(self) -> bool:
-        # Pinned host memory only helps host-to-GPU copies; on CPU it is pure overhead. Unpinned, a
-        # copy marked non_blocking (as Lightning's are) still makes the CPU wait for it.
+        # Pinned host memory only helps host-to-GPU copies; on CPU it is pure overhead. Unpinned, a copy marked
+        # non_blocking (as Lightning's are) still makes the CPU wait for it.
         return self.pin_memory if self.pin_memory is not None else self._on_gpu()
 
     def _num_workers(self, dataset: Dataset) -> int:

@@ -1,10 +1,6 @@
-"""The datasets behind every DataModule, without Lightning: splits, downloads and loader settings.
-
-Each DataModule in `app.data` builds its (train, val, test) splits with a function here, and the
-reference trainer calls the same function with the config's `data.init_args`. `DATASETS` maps a
-DataModule's class name to it; the arguments and defaults match the DataModule's `__init__`
-(tests/data/test_datasets.py checks).
-"""
+"""The datasets behind every DataModule, without Lightning: splits, downloads and loader settings. `DATASETS` maps a
+DataModule's class name to its split function (same arguments and defaults as its `__init__`,
+tests/data/test_datasets.py checks), which the reference trainer calls too."""
 
 from __future__ import annotations
 
@@ -65,12 +61,8 @@ MAX_DEFAULT_WORKERS = 8
 def default_num_workers(dataset: Dataset | None, on_gpu: bool, local_ranks: int) -> int:
     """The loader worker processes `num_workers: null` means, per rank.
 
-    On a CPU: none, the ranks already use the cores (and a worker would compete with its rank's
-    step). A split held in memory as tensors (a TensorDataset, or Subsets of one): none either, as
-    a worker would only add a pickled copy of every batch. On a GPU, for a dataset that decodes or
-    transforms per sample: the CPU cores this process may use, shared by the node's ranks, less one
-    for the rank's own thread, at most 8.
-    """
+    None on a CPU (the ranks use the cores) or for tensors in memory (a worker only adds a pickled copy). On a GPU, for
+    per-sample decoding: the cores this process may use, shared by the node's ranks, less one, at most 8."""
     if not on_gpu or dataset is None:
         return 0
     while isinstance(dataset, Subset):
@@ -88,8 +80,8 @@ def digits_splits(val_fraction: float = 0.15, test_fraction: float = 0.15, split
             f"data.val_fraction ({val_fraction}) and data.test_fraction ({test_fraction}) must each "
             "lie in (0, 1) and sum to less than 1."
         )
-    # Imported here, not at the top: scikit-learn is slow to import, and `ddp-app` imports every
-    # DataModule to parse a config (the launcher's check of bad input, every rank), digits or not.
+    # Imported here, not at the top: scikit-learn is slow to import, and `ddp-app` imports every DataModule to parse a
+    # config (the launcher's check of bad input, every rank), digits or not.
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -117,10 +109,8 @@ def random_regression_splits(
 ) -> Splits:
     """Inputs ~ N(0, 1); targets = a fixed random linear map of the inputs plus noise.
 
-    Everything comes from one `torch.Generator` seeded with `data_seed`, so every rank and every
-    run builds the same tensors (the tutorials call `torch.randn` per step and per rank instead).
-    `num_samples` training pairs, plus a quarter as many for validation and for test.
-    """
+    All from one generator seeded with `data_seed`, so every rank and run builds the same tensors. `num_samples`
+    training pairs, a quarter as many for validation and test."""
     check_num_samples(num_samples)
     generator = torch.Generator().manual_seed(data_seed)
     total = num_samples * 3 // 2
@@ -214,11 +204,9 @@ def mnist_splits(data_dir: str = "data", download: bool = False, val_size: int =
 
 
 class _CIFAR10(datasets.CIFAR10):
-    """torchvision's CIFAR10, with the MD5 check made optional for locally generated test data.
+    """torchvision's CIFAR10 with the MD5 check optional (for generated test data).
 
-    Keep `verify_checksums` on for real data: the batches are pickles, and the checksum is what
-    guarantees that the file being unpickled is the published one.
-    """
+    Keep `verify_checksums` on for real data: it guards what is unpickled."""
 
     def __init__(self, *args, verify_checksums: bool = True, **kwargs) -> None:
         self.verify_checksums = verify_checksums
@@ -266,11 +254,8 @@ def cifar10_splits(
     augment: bool = True,
     verify_checksums: bool = True,
 ) -> Splits:
-    """torchvision CIFAR-10 (32x32 colour images); files under `<data_dir>/cifar-10-batches-py/`.
-
-    Training images get the standard augmentation (random crop with 4-pixel padding, horizontal
-    flip) when `augment` is on; validation and test images never do. Never downloads.
-    """
+    """torchvision CIFAR-10 from `<data_dir>/cifar-10-batches-py/`; never downloads. With `augment`, training images get
+    a padded random crop and a horizontal flip."""
     eval_transform = transforms.Compose([transforms.ToTensor(), CIFAR10_NORMALIZE])
     augmentation = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
     train_transform = transforms.Compose((augmentation if augment else []) + [transforms.ToTensor(), CIFAR10_NORMALIZE])
@@ -320,8 +305,8 @@ DOWNLOADS: dict[str, Callable[..., None]] = {"MNISTDataModule": download_mnist, 
 def markov_token_splits(
     num_sequences: int = 512, context: int = 32, vocab_size: int = 64, data_seed: int = 0
 ) -> tuple[Dataset, Dataset, Dataset]:
-    """(train, val, test): `num_sequences` training sequences and an eighth as many for each of the
-    others, each an (inputs, targets) pair of `context` tokens, targets shifted by one position."""
+    """(train, val, test): `num_sequences` training sequences and an eighth as many for each of the others, each an
+    (inputs, targets) pair of `context` tokens, targets shifted by one position."""
     if num_sequences < 8:
         raise InvalidConfigError(f"data.num_sequences must be >= 8, got {num_sequences}.")
     if context < 2 or vocab_size < 2:

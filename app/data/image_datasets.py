@@ -1,17 +1,11 @@
 """Your own images in the ImageFolder layout (`train/<class>/<file>`), without Lightning.
 
-`imagefolder_splits` lists the files once per rank (deterministic, nothing written), checks the
-layout, and returns datasets that decode and augment one image per `__getitem__`, in the DataLoader
-workers. The random crop and flip draw from torch's global generator, which `PerSampleSeeded` seeds
-from (seed, epoch, index): a sample's augmentation does not depend on the worker, the rank,
-`num_workers` or a resume.
+`imagefolder_splits` lists and checks the files once per rank; images are decoded and augmented one per `__getitem__` in
+the loader workers, seeded per sample (`PerSampleSeeded`), so augmentation does not depend on workers, ranks or resumes.
 
-Bad files (docs/usage.md): by default nothing reads the files before training, since a pass over a
-large set on a shared filesystem is slow; a file that cannot be decoded is found when a worker
-decodes it (`UnreadableImageError`, or with `skip_bad_files` the next file in its place:
-`ImageFiles`). `check_files: true` reads every file's first bytes up front, in `SCAN_THREADS`
-threads (each open on a network filesystem is a round trip), on rank 0 only under a Trainer.
-"""
+Bad files (docs/usage.md): found when decoded (`UnreadableImageError`, or with `skip_bad_files` the next file in its
+place: `ImageFiles`); `check_files: true` reads every file's first bytes up front, in `SCAN_THREADS` threads, on rank 0
+only."""
 
 from __future__ import annotations
 
@@ -44,12 +38,9 @@ WORKER_PREFIX = "Caught "
 
 
 class UnreadableImageError(UserFacingError):
-    """An image file that cannot be decoded; the message names it.
+    """An image file that cannot be decoded.
 
-    Raised in a loader worker, it reaches the training process as a new `UnreadableImageError` built
-    from "Caught UnreadableImageError in DataLoader worker process 0. Original Traceback ...": the
-    worker's traceback, then our line. The user reads only our line.
-    """
+    The message names it (the user reads our line after the worker's traceback)."""
 
     def __init__(self, message: str) -> None:
         lines = message.rstrip().splitlines()
@@ -60,11 +51,8 @@ class UnreadableImageError(UserFacingError):
 
 
 def image_format_problem(path: Path) -> str | None:
-    """Why `path` cannot be an image decode_image reads (None: it starts like one).
-
-    Reads the first 12 bytes only: a whole decode of every file on every rank would cost a pass
-    over the data set before the first step. A file whose body is damaged fails when it is decoded.
-    """
+    """Why `path` cannot be an image decode_image reads (None: it starts like one); reads 12 bytes only, so a damaged
+    body fails at decode."""
     try:
         with path.open("rb") as file:
             head = file.read(12)
@@ -106,8 +94,8 @@ def list_images(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
 
 
 def unreadable_files(paths: list[Path]) -> dict[str, str]:
-    """{file: why} for the files of `paths` that do not start like an image (`image_format_problem`),
-    read in `SCAN_THREADS` threads, in chunks (a future per file would cost a GB for ImageNet)."""
+    """{file: why} for the files of `paths` that do not start like an image (`image_format_problem`), read in
+    `SCAN_THREADS` threads, in chunks (a future per file would cost a GB for ImageNet)."""
     chunk_size = max(1, min(1024, len(paths) // SCAN_THREADS + 1))
     chunks = [paths[start : start + chunk_size] for start in range(0, len(paths), chunk_size)]
 
@@ -118,16 +106,16 @@ def unreadable_files(paths: list[Path]) -> dict[str, str]:
         return {path: problem for found in pool.map(scan, chunks) for path, problem in found}
 
 
-# How `read_layout` has the files checked: `unreadable_files` here, rank 0's result on every rank
-# under a Trainer (app/data/imagefolder.py).
+# How `read_layout` has the files checked: `unreadable_files` here, rank 0's result on every rank under a Trainer
+# (app/data/imagefolder.py).
 Scan = Callable[[list[Path]], dict[str, str]]
 
 
 def drop_unreadable(
     samples: list[tuple[Path, int]], problems: dict[str, str], skip_bad_files: bool
 ) -> tuple[list[tuple[Path, int]], int]:
-    """The samples whose files are not in `problems`, and how many were left out (only if `skip_bad_files`;
-    otherwise the first bad one is an error that names it)."""
+    """The samples whose files are not in `problems`, and how many were left out (only if `skip_bad_files`; otherwise
+    the first bad one is an error that names it)."""
     kept = []
     for path, target in samples:
         problem = problems.get(str(path))
@@ -141,13 +129,9 @@ def drop_unreadable(
 class ImageFiles(Dataset):
     """Image files with their class indices, decoded to RGB and transformed one per `__getitem__`.
 
-    A file that fails to decode is an error that names it, or, with `skip_bad_files`, the next file of
-    the split that decodes (by index) is loaded in its place, with its class index. A substitute
-    rather than a shorter epoch: every rank still trains the planned number of steps (DDP's
-    collectives would wait for a rank that ran out), and the substitute depends on the index alone,
-    so exact resume holds. Replaced files are flagged in `replaced`, a tensor in shared memory that
-    the workers write and this process reads (`replaced_files()`).
-    """
+    A file that fails to decode is an error naming it, or, with `skip_bad_files`, the next file that decodes takes its
+    place: every rank keeps its step count (DDP would wait) and the substitute depends on the index alone (exact
+    resume). Replaced files are flagged in `replaced`, a shared-memory tensor (`replaced_files()`)."""
 
     def __init__(self, samples: list[tuple[Path, int]], transform: v2.Transform, skip_bad_files: bool = False) -> None:
         self.samples = samples
@@ -238,8 +222,8 @@ class ImageFolderLayout:
 
 
 def find_classes(data_dir: str) -> list[str]:
-    """The class names of an ImageFolder, its train/ folder's sub-folders, sorted: one directory listing,
-    no file read, so the launcher can afford it before any rank starts (app/run/config_checks.py)."""
+    """The class names of an ImageFolder, its train/ folder's sub-folders, sorted: one directory listing, no file read,
+    so the launcher can afford it before any rank starts (app/run/config_checks.py)."""
     root = Path(data_dir)
     if not (root / "train").is_dir():
         where = f"{root.resolve()} does not exist" if not root.exists() else f"{root.resolve()} has no train/ folder"
@@ -256,9 +240,9 @@ def find_classes(data_dir: str) -> list[str]:
 
 
 def check_class_count(num_classes: int, classes: list[str], where: str) -> str | None:
-    """Refuse a classifier with fewer outputs than the data has classes (the loss would fail at the first
-    batch with a target out of range, inside every rank); return a warning line for more outputs than
-    classes (it trains: the extra outputs are never a target), None when they agree."""
+    """Refuse a classifier with fewer outputs than the data has classes (the loss would fail at the first batch with a
+    target out of range, inside every rank); return a warning line for more outputs than classes (it trains: the extra
+    outputs are never a target), None when they agree."""
     found = len(classes)
     if num_classes == found:
         return None
@@ -276,12 +260,8 @@ def check_class_count(num_classes: int, classes: list[str], where: str) -> str |
 
 
 def cpu_first_run_advice(precision: str, processes: int | None, cores: int) -> str | None:
-    """One line for an image config written for GPUs and run on a machine without one: what to change.
-
-    bf16 autocast on a CPU without bf16 arithmetic is emulated, slower than float32; and each rank runs
-    one thread (app/cluster/threads.py), so `devices: auto`, one process on a CPU, uses one core.
-    None when the run already does neither.
-    """
+    """One line for an image config written for GPUs and run without one: what to change (bf16 is emulated on such CPUs;
+    `devices: auto` uses one core). None when it does neither."""
     changes = []
     if precision.startswith("bf16"):
         changes.append(f"precision {precision} -> --trainer.precision 32-true (autocast is slower on most CPUs)")
@@ -300,8 +280,8 @@ def cpu_first_run_advice(precision: str, processes: int | None, cores: int) -> s
 def read_layout(
     data_dir: str, skip_bad_files: bool = False, check_files: bool = False, scan: Scan = unreadable_files
 ) -> ImageFolderLayout:
-    """The classes and files under `data_dir`; with `check_files`, `scan` reads every file's first
-    bytes and a bad one is an error (or left out and counted, with `skip_bad_files`)."""
+    """The classes and files under `data_dir`; with `check_files`, `scan` reads every file's first bytes and a bad one
+    is an error (or left out and counted, with `skip_bad_files`)."""
     root = Path(data_dir)
     classes = find_classes(data_dir)
     splits: dict[str, list[tuple[Path, int]] | None] = {}
@@ -351,8 +331,8 @@ def imagefolder_splits(
     skip_bad_files: bool = False,
     check_files: bool = False,
 ) -> Splits:
-    """(train, val, test) from `data_dir`: train/ augmented; val/ (or `val_fraction` of train/ when there is
-    no val/) and test/ (or the val split) resized and center-cropped."""
+    """(train, val, test) from `data_dir`: train/ augmented; val/ (or `val_fraction` of train/ when there is no val/)
+    and test/ (or the val split) resized and center-cropped."""
     check_split_settings(val_fraction, crop_scale)
     layout = read_layout(data_dir, skip_bad_files, check_files)
     augmented = train_transform(image_size, crop_scale, horizontal_flip, mean, std)

@@ -1,8 +1,7 @@
 """Your own images in the ImageFolder layout (ImageNet's on disk): `data_dir/train/<class>/<file>`.
 
-The files are listed in `setup` (every rank, the same way, nothing written) and decoded and
-augmented in the DataLoader workers; the datasets are built in `app.data.image_datasets`.
-"""
+The files are listed in `setup` (every rank, the same way, nothing written) and decoded and augmented in the DataLoader
+workers; the datasets are built in `app.data.image_datasets`."""
 
 from __future__ import annotations
 
@@ -29,20 +28,14 @@ from app.data.image_datasets import (
 class ImageFolderDataModule(ShardedDataModule):
     """Images in `data_dir/train/<class>/` and `data_dir/val/<class>/` (JPEG, PNG, GIF, WebP).
 
-    Without a val/ folder, `val_fraction` of train/ is held out (a permutation seeded by
-    `split_seed`); a test/ folder is the test split, else the val split is. Training images get a
-    random resized crop to `image_size` (area fraction in `crop_scale`) and, if `horizontal_flip`, a
-    random flip; evaluation images are resized to `resize_size` on their short side and center-cropped
-    to `image_size`. Both are normalized with `mean` and `std`. The random draws are seeded per
-    sample from (seed, epoch, index), so resumes are exact with any `num_workers`.
+    Without val/, `val_fraction` of train/ is held out (seeded by `split_seed`); test/ is the test split, else val.
+    Training: a random resized crop to `image_size` (area in `crop_scale`) and, with `horizontal_flip`, a random flip;
+    evaluation: resize the short side to `resize_size`, center-crop to `image_size`; both normalized with `mean` and
+    `std`. Draws are seeded per sample, so resumes are exact with any `num_workers`.
 
-    Bad files (app/data/image_datasets.py says why): by default none is looked for before training; a
-    file that fails to decode in a worker stops the run with one line that names it, or, with
-    `skip_bad_files`, the next image of the split is trained in its place and the replaced files are
-    counted at the end of the fit (per rank: each rank meets only its own samples). `check_files:
-    true` reads every file's first bytes in `setup`, on rank 0 only (the other ranks get its result):
-    a bad one is an error that names it on every rank, or, with `skip_bad_files`, is left out.
-    """
+    Bad files: a file that fails to decode stops the run with one line naming it, or with `skip_bad_files` the next
+    image takes its place (counted per rank at the end). `check_files: true` reads every file's first bytes in `setup`
+    on rank 0: a bad one is an error, or with `skip_bad_files` left out."""
 
     def __init__(
         self,
@@ -77,15 +70,15 @@ class ImageFolderDataModule(ShardedDataModule):
 
     @staticmethod
     def classes_on_disk(data_dir: str) -> list[str]:
-        """The classes a run on `data_dir` finds (its train/ folder's sub-folders), read without opening
-        a file: the launcher checks them against the model's `num_classes` before any rank starts
-        (app/run/config_checks.py). A `data_dir` without train/ is an error that says so."""
+        """The classes a run on `data_dir` finds (its train/ folder's sub-folders), read without opening a file: the
+        launcher checks them against the model's `num_classes` before any rank starts (app/run/config_checks.py). A
+        `data_dir` without train/ is an error that says so."""
         return find_classes(data_dir)
 
     def _scan_on_rank_zero(self, paths: list[Path]) -> dict[str, str]:
-        """`unreadable_files` on rank 0, its result on every rank: one pass over a shared filesystem per
-        run, not one per rank. Every rank calls this at the same point of `setup` (the broadcast is a
-        collective): the listing before it is the same everywhere."""
+        """`unreadable_files` on rank 0, its result on every rank: one pass over a shared filesystem per run, not one
+        per rank. Every rank calls this at the same point of `setup` (the broadcast is a collective): the listing before
+        it is the same everywhere."""
         trainer = self.trainer
         if trainer is None or trainer.world_size == 1:
             return unreadable_files(paths)
@@ -107,8 +100,8 @@ class ImageFolderDataModule(ShardedDataModule):
         return layout_splits(layout, self.val_fraction, self.split_seed, augmented, plain, self.skip_bad_files)
 
     def teardown(self, stage: str) -> None:
-        """At the end of a fit (validate, test, predict) with `skip_bad_files`: the files this rank
-        replaced, in one line (each rank decodes only its own share of the samples)."""
+        """At the end of a fit (validate, test, predict) with `skip_bad_files`: the files this rank replaced, in one
+        line (each rank decodes only its own share of the samples)."""
         if not self.skip_bad_files:
             return
         splits = (self.train_dataset, self.val_dataset, self.test_dataset)

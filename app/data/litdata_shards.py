@@ -1,17 +1,11 @@
 """Training from LitData shards (`python -m app.data.shard` writes them): `StreamingDataModule`.
 
-LitData's `StreamingDataset` reads the shards, from a local folder or object storage (s3://, gs://,
-... with a local chunk cache), and we read it by index (LitData's random access). The order is ours,
-not LitData's `StreamingDataLoader`'s, whose order depends on the number of ranks and workers and
-whose saved state runs ahead of the trained batches. `ResumableDistributedSampler` with
-`chunked_shard` (app/data/samplers.py) keeps LitData's way of reading (chunks in a shuffled order,
-samples shuffled within a window of `shuffle_chunks` chunks, each rank its own run of chunks) while
-the order stays a function of (seed, epoch, world size): a resume is exact at the same world size
-with any `num_workers`, and elastic on another (app/resume/elastic.py).
+`StreamingDataset` reads the shards (a local folder or object storage with a chunk cache) by index; the order is ours,
+not `StreamingDataLoader`'s (which depends on ranks and workers and saves state ahead of training).
+`ResumableDistributedSampler` with `chunked_shard` keeps LitData's chunk-wise reading while the order stays a function
+of (seed, epoch, world size): exact resume with any `num_workers`, elastic on another world size.
 
-Encoded images (from an ImageFolder) get `ImageFolderDataModule`'s transforms, seeded per sample;
-other samples are returned as written.
-"""
+Encoded images get `ImageFolderDataModule`'s transforms, seeded per sample; other samples are returned as written."""
 
 from __future__ import annotations
 
@@ -62,25 +56,19 @@ def is_store(data_dir: str) -> bool:
 
 
 class ShardSamples(Dataset):
-    """One split's shards as a map-style data set: sample `i` is `StreamingDataset[i]`, decoded.
+    """One split's shards as a map-style data set (`StreamingDataset[i]`, decoded).
 
-    `chunk_sizes` (samples per chunk, in index order) tells the training sampler how the samples lie
-    in chunks. The `StreamingDataset` opens its chunks lazily in whichever process reads, so each
-    loader worker reads with its own copy.
-    """
+    `chunk_sizes` tells the sampler how samples lie in chunks. Chunks open lazily in each reading process."""
 
     def __init__(self, input_dir: str, transform: Any, cache_dir: str | None, shuffle_chunks: int) -> None:
         self.input_dir = input_dir
         self.stream = open_shards(input_dir, cache_dir)
-        # From a store (a URL), LitData reads an item by index with a ranged request of its own bytes
-        # unless told to fetch its whole chunk into the cache: one request per sample, and its
-        # `local:` store answered those with nothing (litdata 0.2.76). Whole chunks suit the chunked
-        # order, which reads every sample of a chunk close together. `_on_demand_bytes` is private
-        # (docs/private_apis.md); its public setter needs the per-process cache that the first read
-        # creates, after the first ranged request.
+        # Fetch whole chunks, not one ranged request per sample (which LitData's `local:` store answered with nothing,
+        # litdata 0.2.76); the chunked order reads a chunk's samples together. `_on_demand_bytes` is private
+        # (docs/private_apis.md): its public setter needs the cache that the first ranged request creates.
         self.stream._on_demand_bytes = False
-        # LitData's (start, end) of each chunk's samples (`StreamingDataset.region_of_interest`,
-        # listed in docs/private_apis.md): the whole chunk unless LitData subsamples.
+        # LitData's (start, end) of each chunk's samples (`StreamingDataset.region_of_interest`, listed in
+        # docs/private_apis.md): the whole chunk unless LitData subsamples.
         self.chunk_sizes = [end - start for start, end in self.stream.region_of_interest]
         self.shuffle_chunks = shuffle_chunks
         self.transform = transform
@@ -95,8 +83,8 @@ class ShardSamples(Dataset):
         try:
             sample = self.stream[int(index)]
         except (struct.error, EOFError, UnicodeDecodeError, ValueError, ChunkWaitTimeoutError) as error:
-            # A chunk cut short or damaged after writing (an interrupted copy to object storage: LitData
-            # then waits for the rest of it), or a download from the store that does not arrive.
+            # A chunk cut short or damaged after writing (an interrupted copy to object storage: LitData then waits for
+            # the rest of it), or a download from the store that does not arrive.
             raise self._unreadable(index, "cannot be read from its chunk", error) from None
         if isinstance(sample, dict) and "image" in sample:
             return self._decode(sample, index), int(sample["label"])
@@ -120,16 +108,14 @@ class ShardSamples(Dataset):
 
 
 class StreamingDataModule(ShardedDataModule):
-    """LitData shards written by `python -m app.data.shard`: `data_dir/train`, `data_dir/val` and,
-    if written, `data_dir/test` (else the val split is the test split).
+    """LitData shards written by `python -m app.data.shard`: `data_dir/train`, `data_dir/val` (and `data_dir/test`).
 
-    `data_dir` is a local folder or a URL LitData streams from (s3://bucket/shards; chunks are then
-    cached in `cache_dir`, LitData's default cache when null). `shuffle_chunks`: the training order
-    shuffles the chunk order and then the samples within each window of this many chunks (larger
-    mixes more; every rank then has more chunks open). Samples of encoded images get the training
-    and evaluation transforms of `ImageFolderDataModule` (the same keys); other samples are used as
-    written. `batch_size`, `num_workers`, ...: see `ShardedDataModule`.
-    """
+    Without test shards the val split is the test split.
+
+    `data_dir` is a local folder or a URL (s3://bucket/shards; chunks cached in `cache_dir`, LitData's default when
+    null). `shuffle_chunks`: the training order shuffles chunks, then samples within windows of this many chunks (more
+    mixes more, more chunks open). Encoded images get `ImageFolderDataModule`'s transforms (same keys). `batch_size`,
+    `num_workers`, ...: see `ShardedDataModule`."""
 
     def __init__(
         self,
@@ -163,11 +149,9 @@ class StreamingDataModule(ShardedDataModule):
 
     @staticmethod
     def classes_on_disk(data_dir: str) -> list[str] | None:
-        """The class names the shard writer recorded (`ddp_app_shards.json`, app/data/shard.py), for the
-        launcher's check against the model's `num_classes` before any rank starts (app/run/config_checks.py).
-        None where nothing is recorded: a URL (not read before the ranks start), shards of a data set
-        without class folders, or shards written before the writer recorded them. A local `data_dir`
-        without train/ shards is an error that says so."""
+        """The class names the shard writer recorded (`ddp_app_shards.json`), for the launcher's `num_classes` check;
+        None where none is recorded (a URL, unlabelled or older shards). A local `data_dir` without train/ shards is an
+        error."""
         data_dir = str(data_dir).rstrip("/")
         if is_store(data_dir):
             return None

@@ -1,14 +1,9 @@
-"""Splits held whole as tensors, batched by indexing: on the training device (`data.init_args.on_device: true`)
-or, for a TensorDataset read without workers, in host memory (`TensorBatchLoader`).
+"""Splits held whole as tensors, batched by indexing: on the device (`data.init_args.on_device: true`) or in host memory
+(`TensorBatchLoader`).
 
-For data sets that fit in GPU memory a DataLoader is the slowest part of a GPU step: per sample a
-`__getitem__` call, per batch a collate, a pinned copy and a transfer, all on the CPU thread that
-also queues the step's kernels. Here the split is moved to the device once and each batch is one
-`index_select`, indexed by the same sampler a DataLoader would use: the same samples in the same
-order (the same weights, bit for bit: a test checks), the same mid-epoch position on a resume, the
-same unpadded evaluation shards. What it cannot keep is per-sample randomness: `materialize`
-refuses a split whose samples change between reads. No Lightning here.
-"""
+A DataLoader's per-sample work is the slowest part of a GPU step for data that fits in memory. Here each batch is one
+`index_select`, by the same sampler: same samples, order, weights bit for bit, resume position and evaluation shards.
+Per-sample randomness is refused (`materialize`). No Lightning here."""
 
 from __future__ import annotations
 
@@ -37,14 +32,8 @@ class TensorRows:
 
 
 def in_memory_tensors(dataset: Dataset | None) -> TensorRows | None:
-    """A split held in memory as tensors (a TensorDataset, or Subsets of one) as `TensorRows`, else None.
-
-    Exactly these classes (as `reads_without_randomness`): a subclass may override `__getitem__`,
-    and its samples are then whatever that returns, not the rows of its tensors. A Subset's rows
-    are an index into the whole tensors, not a copy of them: a split of a large in-memory data set
-    costs 8 bytes per sample. `TensorBatchLoader` cuts batches from them with one `index_select`
-    per tensor.
-    """
+    """A split held in memory as tensors (exactly a TensorDataset or Subsets of one) as `TensorRows`, else None; a
+    subclass may override `__getitem__`. A Subset costs an index, not a copy."""
     if type(dataset) is TensorDataset:
         return TensorRows(tuple(dataset.tensors))
     if type(dataset) is Subset:
@@ -70,12 +59,8 @@ def _same(first: Any, second: Any) -> bool:
 
 
 def materialize(dataset: Dataset, split: str) -> tuple[torch.Tensor, ...]:
-    """The whole split as tensors with one row per sample, in host memory.
-
-    A TensorDataset (or a Subset of one) is taken as it is; any other map-style dataset is read
-    once, sample by sample, after checking that reading a sample twice under different random seeds
-    gives the same sample (no random augmentation).
-    """
+    """The whole split as tensors, one row per sample, in host memory; a non-tensor dataset is read once, after checking
+    that a sample read under two seeds is the same (no random augmentation)."""
     split = in_memory_tensors(dataset)
     if split is not None:
         return split.gathered()
@@ -99,17 +84,11 @@ def materialize(dataset: Dataset, split: str) -> tuple[torch.Tensor, ...]:
 
 
 class TensorBatchLoader:
-    """Batches of `batch_size` rows, in the order `sampler` gives, cut from whole tensors.
+    """Batches of `batch_size` rows in `sampler`'s order, one `index_select` per tensor: the same values as a
+    DataLoader's.
 
-    Each batch is one `index_select` per tensor (the module docstring says why): the same rows in
-    the same order as a DataLoader's, so the same values bit for bit. On the device the sampler's
-    order is copied there once per epoch; in host memory, with `pin_memory`, each batch is gathered
-    straight into pinned memory, so its copy to a GPU can run asynchronously.
-
-    `sampler` is a public attribute, as on a DataLoader, so Lightning calls its `set_epoch` and sees
-    whether it shuffles; `state_dict`/`load_state_dict` let Lightning resume mid-epoch (the position
-    lives in the sampler). It draws no random number, as a DataLoader without workers draws none.
-    """
+    With `pin_memory`, host batches are gathered into pinned memory. `sampler` is public (Lightning calls `set_epoch`);
+    `state_dict`/`load_state_dict` mark it resumable. It draws no random number."""
 
     def __init__(
         self,

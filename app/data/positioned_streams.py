@@ -1,17 +1,9 @@
 """Exact resume for a training `IterableDataset` that implements `state_dict` / `load_state_dict`.
 
-A stream has no index that a sampler could skip to: its position is whatever its own state says.
-Lightning checkpoints a loader's state only through the loader, only rank 0's, and ahead of the
-trained batches by the prefetched batch. `PositionedStream` instead records the dataset's
-`state_dict()` before each batch it starts, per rank, so that `app.resume.exact.ExactResume` saves
-the state at the first batch no completed optimizer step has consumed (and at the stream's end, for
-a resume at the next epoch's start). In loader workers, `WorkerPositionedStream` does the same per
-worker.
-
-The contract (torchdata's): `state_dict()` describes the samples already yielded, and `iter()` after
-`load_state_dict(state)` continues from there. Samples are seeded per sample as for map-style sets
-(`app.data.seeding`), so random augmentation drawn in `__iter__` is the same after a resume. No
-Lightning here.
+Lightning saves a loader's state only through rank 0's loader, ahead of the trained batches. `PositionedStream` records
+the dataset's `state_dict()` before each batch, per rank, so `app.resume.exact.ExactResume` saves the state at the first
+batch no completed step consumed (`WorkerPositionedStream`: per worker). Contract (torchdata's): `state_dict()`
+describes samples yielded, `iter()` after `load_state_dict` continues. Samples are seeded per sample. No Lightning here.
 """
 
 from __future__ import annotations
@@ -53,8 +45,7 @@ class _Positioned(IterableDataset):
         seed: the run's seed for per-sample seeding, or None to leave the generators alone.
         rank, world_size: this rank, for the sample seeds (a stream shards itself).
         keep: how many batch boundaries to remember (the trained batch lags the fetched one by the
-            prefetched batch and the accumulated micro-batches).
-    """
+            prefetched batch and the accumulated micro-batches)."""
 
     def __init__(
         self,
@@ -179,24 +170,16 @@ def _as_is(item: Any) -> Any:
 class WorkerPositionedStream(_Positioned):
     """A stateful training stream read by `num_workers` loader workers, positioned per worker.
 
-    Each worker iterates its own copy of the stream, so the state that matters lives in the worker:
-    each builds its batches itself (the user's `collate_fn`, `batch_size`, `drop_last`) and sends
-    with each the stream's `state_dict()` before and after it (`WorkerBatch`), and a `WorkerDone`
-    when its stream runs out. `state_at(n)` gives every worker's state before its first batch that
-    no completed optimizer step has consumed; the resume loads each into its worker, as torchdata's
-    `StatefulDataLoader` does.
+    Each worker builds its own batches from its copy of the stream and sends each with the stream's `state_dict()`
+    before and after it (`WorkerBatch`), and `WorkerDone` at its end; `state_at(n)` gives every worker's state before
+    its first unconsumed batch, loaded into each worker on resume (as torchdata's `StatefulDataLoader`).
 
-    The order is the uninterrupted run's too. With `in_order`, DataLoader hands out batches to its
-    workers in turn, and a worker whose stream ran out loses its turns from then on. A resumed
-    loader's cycle starts at worker 0 while the next batch may be worker k's (`rotation`): workers
-    0..k-1 pass their first turn (`WorkerPass`, dropped here). Worker `i` keeps its id (a stream
-    shards itself by `get_worker_info().id`). Samples are seeded from (seed, epoch, worker, the
+    The order matches the uninterrupted run's: `in_order` hands batches out in turn, so a resumed cycle skips workers
+    0..k-1 once (`rotation`, `WorkerPass`). Worker ids are kept; samples are seeded from (seed, epoch, worker, the
     worker's sample count, rank).
 
-    Not with `persistent_workers` (their copies are out of reach of the state to load) nor
-    `in_order=False`: `app.data.rank_loaders` leaves those loaders as they are, with a line at fit
-    start. A checkpoint of another `num_workers` is refused in one line.
-    """
+    Not with `persistent_workers` nor `in_order=False`: `app.data.rank_loaders` leaves those as they are, with a line at
+    fit start. A checkpoint of another `num_workers` is refused in one line."""
 
     def __init__(
         self,
@@ -237,8 +220,8 @@ class WorkerPositionedStream(_Positioned):
     def begin(self) -> None:
         """Called as the loader starts its workers: what each of them loads, from the resume's state."""
         epoch, batch, state, trained = self._start()
-        # A state saved in an earlier epoch (its last batch trained, its end not reached: Lightning may
-        # build no iterator for what is left of it) does not reach into this one.
+        # A state saved in an earlier epoch (its last batch trained, its end not reached: Lightning may build no
+        # iterator for what is left of it) does not reach into this one.
         if state is None or state.get("fresh") or state["epoch"] != epoch:
             # A new epoch: every worker starts from this process's copy, as in the uninterrupted run.
             self._reset(epoch, 0, [Boundary(None, 0)] * self.num_workers, set(), batch, trained)
@@ -285,8 +268,8 @@ class WorkerPositionedStream(_Positioned):
         return {"epoch": self._epoch, "num_workers": self.num_workers, "rotation": rotation, "workers": workers}
 
     def _worker_of(self, index: int) -> int:
-        """The worker whose turn gives batch `index` (if it has finished, its turn is dropped, as it
-        would have been)."""
+        """The worker whose turn gives batch `index` (if it has finished, its turn is dropped, as it would have
+        been)."""
         if index in self._batches:
             return self._batches[index].worker
         if index - 1 in self._batches:
@@ -313,8 +296,8 @@ class WorkerPositionedStream(_Positioned):
             self.dataset.load_state_dict(start.state)
         iterator = iter(self.dataset)
         state, count = copy.deepcopy(self.dataset.state_dict()), start.count
-        # One sample is read ahead, after the state of the batch's end is taken: a batch then says
-        # whether it was its worker's last (a stream may start a new pass when iterated at its end).
+        # One sample is read ahead, after the state of the batch's end is taken: a batch then says whether it was its
+        # worker's last (a stream may start a new pass when iterated at its end).
         upcoming = self._next(iterator, worker, count)
         while upcoming is not RAN_OUT:
             before, samples = Boundary(state, count), [upcoming]
@@ -339,8 +322,8 @@ class WorkerPositionedStream(_Positioned):
 
 
 class WorkerStreamLoader(DataLoader):
-    """The loader of a `WorkerPositionedStream`: starts it, passes its batches on, keeps what the
-    workers say about their streams. `batch_size` is the stream's (the workers build the batches)."""
+    """The loader of a `WorkerPositionedStream`: starts it, passes its batches on, keeps what the workers say about
+    their streams. `batch_size` is the stream's (the workers build the batches)."""
 
     def __init__(self, stream: WorkerPositionedStream, **options: Any) -> None:
         self._stream_batch_size = stream.batch_size

@@ -1,15 +1,9 @@
 """What the data layer asks of the part of a run that keeps its place in the training data.
 
-The loaders ddp-app builds (app/data/base.py, app/data/rank_loaders.py) need, when an iterator starts,
-the epoch and the batches to skip (a mid-epoch resume), whether samples are seeded per sample, the
-layout of an elastic resume, and somewhere to register the stateful streams they position. They ask
-a `TrainingPositioner` found among the Trainer's callbacks, and never import who implements it:
-ddp-app's `ExactResume` (app/resume/exact.py) does, and a Trainer without one trains each epoch
-from its first batch, as Lightning would.
-
-This is the data layer's protocol in the sense of torchdata's `StatefulDataLoader`: resume depends
-on data through it; data does not depend on resume.
-"""
+The loaders ddp-app builds ask a `TrainingPositioner` among the Trainer's callbacks for the epoch and batches to skip,
+per-sample seeding, an elastic layout, and where to register stateful streams. ddp-app's `ExactResume`
+(app/resume/exact.py) implements it; without one each epoch starts at its first batch. Resume depends on data through
+this protocol, not the other way round."""
 
 from __future__ import annotations
 
@@ -37,9 +31,9 @@ class TrainingPositioner(abc.ABC):
 
     @abc.abstractmethod
     def training_loader_built(self, configured_batch_size: int | None, dataset_length: int) -> ElasticLayout | None:
-        """A training loader was built on ddp-app's sampler: the per-rank batch size the user asked for
-        and the training set's length (an elastic resume counts samples by them). Returns the layout
-        its batches are split by (None: the run's own)."""
+        """A training loader was built on ddp-app's sampler: the per-rank batch size the user asked for and the training
+        set's length (an elastic resume counts samples by them). Returns the layout its batches are split by (None: the
+        run's own)."""
 
     @abc.abstractmethod
     def next_stream_start(self) -> Callable[[], StreamStart]:
@@ -80,7 +74,7 @@ def training_loader_built(
 
 
 def sampler_position(trainer: L.Trainer) -> tuple[int, int]:
-    """(epoch, batches to skip) for a training iterator of this Trainer; without a positioner each
-    epoch starts from its first batch at Lightning's epoch."""
+    """(epoch, batches to skip) for a training iterator of this Trainer; without a positioner each epoch starts from its
+    first batch at Lightning's epoch."""
     positioner = positioner_of(trainer)
     return positioner.sampler_position() if positioner else (trainer.current_epoch, 0)

@@ -1,27 +1,19 @@
 """Our samplers for every DataModule, not only ours: exact evaluation and exact mid-epoch resume.
 
-Lightning gives a plain `DataLoader` a padded `DistributedSampler` under DDP: evaluation counts the
-repeated samples twice, and a resumed epoch starts over from its first batch. `ddp-app` instead wraps
-the `*_dataloader` methods of the run's DataModule (and LightningModule) so that each plain loader
-they return is rebuilt, from its public attributes, with
+Lightning's padded `DistributedSampler` counts repeated samples twice in evaluation and restarts a resumed epoch.
+ddp-app wraps the run's DataModule's (and LightningModule's) `*_dataloader` methods and rebuilds each plain loader from
+its public attributes with:
 
-- training: `ResumableDistributedSampler` (shuffled as Lightning's would be, positioned by the data
-  position `app.resume.exact.ExactResume` owns), in a `ResumableDataLoader`, over the dataset wrapped
-  in `PerSampleSeeded` (per-sample randomness); a stateful `IterableDataset` over `PositionedStream`
-  or, in loader workers, `WorkerPositionedStream` (app/data/positioned_streams.py);
+- training: `ResumableDistributedSampler` in a `ResumableDataLoader` over `PerSampleSeeded`; a stateful
+  `IterableDataset` over `PositionedStream` (in workers, `WorkerPositionedStream`);
 - validation, test, predict: `UnpaddedDistributedSampler` (each sample on exactly one rank).
 
-Left as returned (Lightning's own handling then applies): a sampler that is already a
-`DistributedSampler`, a sampler or batch sampler the user set, DataLoader subclasses, other iterable
-datasets and anything that is not a DataLoader. A training loader among these without a
-`state_dict` of its own gets one line at fit start: a resume mid-epoch restarts its epoch.
+Left as returned: a `DistributedSampler`, a user-set sampler or batch sampler, DataLoader subclasses, other iterable
+datasets and non-DataLoaders (a training loader without `state_dict` gets a line at fit start).
 
-Why wrap the methods: Lightning has no public hook that may replace a loader (its own is the private
-`_DataConnector._prepare_dataloader`), and a Callback costs hook dispatch at every step. Lightning
-fetches loaders through the instance, which finds the wrapper; `functools.wraps` keeps `is_overridden`
-answering as for the unwrapped method. `tests/data/test_user_loaders.py` fails loudly if Lightning
-stops fetching loaders that way.
-"""
+Why wrap methods: Lightning has no public hook to replace a loader (only the private
+`_DataConnector._prepare_dataloader`) and a Callback costs dispatch every step. `functools.wraps` keeps `is_overridden`
+right; `tests/data/test_user_loaders.py` fails if Lightning stops fetching loaders through the instance."""
 
 from __future__ import annotations
 
@@ -57,8 +49,8 @@ LOADER_METHODS = {
     "test_dataloader": False,
     "predict_dataloader": False,
 }
-# The attribute of a wrapped method that holds the Trainer of the current run: a later run on the
-# same objects updates it instead of wrapping the method twice.
+# The attribute of a wrapped method that holds the Trainer of the current run: a later run on the same objects updates
+# it instead of wrapping the method twice.
 WRAPPED = "_ddp_app_shards_loaders_for"
 
 
@@ -121,8 +113,8 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
         batch_size = loader.batch_size
         sampler = UnpaddedDistributedSampler(loader.dataset, world_size, rank)
         loader_class = DataLoader
-        # Evaluation draws nothing from the training run's stream: not its samples' randomness, and
-        # not the seed its iterator's start draws (`evaluation_loader_generator`).
+        # Evaluation draws nothing from the training run's stream: not its samples' randomness, and not the seed its
+        # iterator's start draws (`evaluation_loader_generator`).
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         generator = generator or evaluation_loader_generator(seed)
         if per_sample_seeding(trainer) and not reads_without_randomness(dataset):
@@ -141,8 +133,8 @@ def _positioned_stream(loader: Any, trainer: L.Trainer) -> Any:
     dataset = getattr(loader, "dataset", None)
     name = type(dataset).__name__
     if type(loader) is DataLoader and is_stateful_stream(dataset):
-        # Starting an iterator draws a seed: from the loader's own generator, not the global one that
-        # the checkpoint restores (see training_loader_generator).
+        # Starting an iterator draws a seed: from the loader's own generator, not the global one that the checkpoint
+        # restores (see training_loader_generator).
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         generator = loader.generator or training_loader_generator(seed)
         positioning: dict[str, Any] = {
@@ -193,13 +185,9 @@ def _has_length(dataset: Any) -> bool:
 
 
 def stream_in_workers_notice(name: str, loader: DataLoader, sized: bool) -> str:
-    """What a resume mid-epoch does to a stateful stream read by loader workers that ddp-app does not
-    position (`persistent_workers`, `in_order=False`, a DataLoader subclass), and what to do instead.
-
-    Each worker iterates its own copy of the stream, made from this process's object, so the states
-    that count live in the workers. A resumed epoch's stream starts over: Lightning counts the epoch's
-    trained batches as done and ends the epoch at `len()` (tests/fault/test_resume_streams.py).
-    """
+    """What a mid-epoch resume does to a stateful stream in loader workers ddp-app does not position
+    (`persistent_workers`, `in_order=False`, a DataLoader subclass), and what to do instead: the workers' copies restart
+    the stream (tests/fault/test_resume_streams.py)."""
     why = (
         "persistent_workers: true"
         if loader.persistent_workers

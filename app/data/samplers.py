@@ -1,12 +1,8 @@
 """Samplers that shard a dataset across ranks.
 
-Training uses PyTorch's `DistributedSampler` (padded so every rank runs the same number of
-steps; a shuffled order per epoch via `set_epoch`, which Lightning's fit loop calls every epoch).
-A data set stored in chunks (LitData shards: `chunk_sizes`) is shuffled chunk-wise instead
-(`chunked_shard`), so that each rank reads its own run of chunks.
-Evaluation uses `UnpaddedDistributedSampler`: the default sampler pads the set with repeated
-samples so that it divides evenly, and those duplicates would be counted twice in the metrics.
-"""
+Training: PyTorch's padded `DistributedSampler` (shuffled per `set_epoch`), chunk-wise for chunked data
+(`chunked_shard`, each rank its own chunks). Evaluation: `UnpaddedDistributedSampler`, since padding's duplicates would
+count twice in metrics."""
 
 from __future__ import annotations
 
@@ -25,20 +21,13 @@ from app.errors import InvalidConfigError
 
 @dataclass(frozen=True)
 class ElasticLayout:
-    """The sample order of a run that started on `order_world_size` ranks, cut into global
-    micro-batches of `micro_batch` samples and split over the `world_size` ranks it continues on
-    (elastic resume).
+    """The sample order of a run started on `order_world_size` ranks, cut into global micro-batches of `micro_batch`
+    samples and split over the `world_size` ranks it continues on (elastic resume).
 
-    The order is the one the run started with: each epoch's permutation from (seed, epoch), padded
-    as `DistributedSampler` pads it for `order_world_size`, cut into global micro-batches of
-    `micro_batch` consecutive samples: the starting run's per-rank batch x its world size (exactly
-    what its ranks read together at each micro-step), or the global micro-batch a resume accepted
-    knowingly (`exact_resume.global_batch_size`). Each global micro-batch is split over the current
-    ranks with stride `world_size` (rank r takes its samples r, r + W, ...), so per-rank batches may
-    differ by one sample: `weight` scales each rank's loss so that the all-reduced gradient is the
-    mean over the global micro-batch, as in the starting run. A rank left without a sample (the
-    epoch's last, short micro-batch) reads one sample again with weight 0. No Lightning here.
-    """
+    Each epoch's padded permutation from (seed, epoch) is cut into global micro-batches (the starting run's per-rank
+    batch x world size, or `exact_resume.global_batch_size`), each split over the current ranks with stride
+    `world_size`. `weight` scales each rank's loss so that the all-reduced gradient is the global micro-batch's mean; a
+    rank left without a sample reads one with weight 0. No Lightning here."""
 
     order_world_size: int
     micro_batch: int
@@ -86,13 +75,10 @@ class ElasticLayout:
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
-    """Rank r reads samples r, r + world_size, r + 2 * world_size, ...; nothing repeated, nothing dropped.
+    """Rank r reads samples r, r + world_size, ...: nothing repeated, nothing dropped.
 
-    Shards may differ in length by one sample. That is safe for evaluation (no gradient
-    all-reduce) as long as every rank has at least one sample; metrics are then reduced with
-    sums (torchmetrics states), so the result equals a single-process evaluation exactly.
-    It subclasses `DistributedSampler` so that Lightning does not replace it with a padded one.
-    """
+    Shards may differ by one sample: safe for evaluation (metrics reduce sums), given every rank has one. A
+    `DistributedSampler` subclass, so Lightning does not replace it with a padded one."""
 
     def __init__(self, dataset: Sized, num_replicas: int, rank: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
@@ -118,8 +104,8 @@ DEFAULT_SHUFFLE_CHUNKS = 4
 
 @functools.lru_cache(maxsize=4)
 def _chunked_order(chunk_sizes: tuple[int, ...], shuffle: bool, seed: int, epoch: int, window: int) -> list[int]:
-    """One epoch's order of a chunked data set: chunks in a permuted order, the samples of each window
-    of `window` consecutive chunks permuted together (LitData's way, a function of (seed, epoch) only)."""
+    """One epoch's order of a chunked data set: chunks in a permuted order, the samples of each window of `window`
+    consecutive chunks permuted together (LitData's way, a function of (seed, epoch) only)."""
     starts = [0]
     for size in chunk_sizes[:-1]:
         starts.append(starts[-1] + size)
@@ -142,12 +128,8 @@ def _chunked_order(chunk_sizes: tuple[int, ...], shuffle: bool, seed: int, epoch
 def chunked_shard(
     chunk_sizes: Sequence[int], rank: int, num_replicas: int, shuffle: bool, seed: int, epoch: int, window: int
 ) -> list[int]:
-    """Rank `rank`'s padded shard of a data set stored in chunks: a contiguous run of `_chunked_order`.
-
-    Each rank reads its own chunks (about 1/num_replicas of them, plus a chunk shared with each
-    neighbour), as LitData's own sharding does, instead of every rank reading every chunk.
-    Padded to equal shards by repeating the order's first samples, as DistributedSampler pads.
-    """
+    """Rank `rank`'s padded shard of chunked data: a contiguous run of `_chunked_order`, so each rank reads its own
+    chunks (as LitData shards), padded as DistributedSampler pads."""
     order = _chunked_order(tuple(int(size) for size in chunk_sizes), shuffle, seed, epoch, max(1, window))
     per_rank = math.ceil(len(order) / num_replicas)
     padded = list(order)
@@ -164,16 +146,10 @@ TrainingPosition = Callable[[], tuple[int, int]]
 class ResumableDistributedSampler(DistributedSampler):
     """A `DistributedSampler` that can start an epoch part-way through, for exact mid-epoch resume.
 
-    When iteration starts it asks `position()` for (epoch, batches already trained in it) and
-    skips that many batches of this rank's shard: the remaining batches are exactly those an
-    uninterrupted run would see next. `len()` stays the full shard length, because Lightning
-    counts the skipped batches as already fetched (it resumes its batch counter, see
-    `_TrainingEpochLoop.on_run_start`). Without `position` it is a plain `DistributedSampler`.
-    With `keyed`, it yields `SampleKey(epoch, index)` for `app.data.seeding.PerSampleSeeded` datasets.
-    With `layout` (a run resumed on another number of ranks), it yields this rank's share of the
-    starting run's global micro-batches instead (`ElasticLayout`); the loader's batch size is then
-    `layout.rank_batch_size(rank)`. Used at world size 1 too, so that the sample order is a function of
-    (seed, epoch, world size) only, which is what makes the parity checks possible.
+    At iteration start it asks `position()` for (epoch, batches trained) and skips them; `len()` stays the full shard
+    (Lightning counts skipped batches as fetched). With `keyed`, it yields `SampleKey(epoch, index)` for
+    `PerSampleSeeded`; with `layout`, this rank's share of an `ElasticLayout` (batch size
+    `layout.rank_batch_size(rank)`). Used at world size 1 too, so the order depends only on (seed, epoch, world size).
     """
 
     def __init__(
@@ -197,11 +173,8 @@ class ResumableDistributedSampler(DistributedSampler):
             self.num_samples = layout.rank_length(len(dataset), rank)
 
     def _shard(self, rank: int, num_replicas: int) -> list[int]:
-        """Rank `rank`'s whole padded shard of this epoch at world size `num_replicas`.
-
-        DistributedSampler's (every `num_replicas`-th sample of one permutation), or, for a data set
-        stored in chunks (`chunk_sizes`, e.g. LitData shards), `chunked_shard`'s.
-        """
+        """Rank `rank`'s whole padded shard of this epoch at `num_replicas`: DistributedSampler's, or `chunked_shard`'s
+        for chunked data."""
         chunk_sizes = getattr(self.dataset, "chunk_sizes", None)
         if chunk_sizes is not None:
             window = getattr(self.dataset, "shuffle_chunks", DEFAULT_SHUFFLE_CHUNKS)

@@ -1,10 +1,5 @@
-"""Per-sample randomness: a sample's loading sees random generators seeded from (seed, epoch, index).
-
-A random augmentation drawn from a stream depends on which worker, which rank and which process
-happened to load the sample; after a resume, or with another `num_workers`, it is a different one.
-Seeded from the sample's identity it is the same everywhere (JAX's explicit keys make the same
-point). No Lightning here: the reference trainer can use it too.
-"""
+"""Per-sample randomness: a sample's loading sees random generators seeded from (seed, epoch, index), so its
+augmentation does not depend on worker, rank or resume. No Lightning here."""
 
 from __future__ import annotations
 
@@ -46,8 +41,8 @@ def seed_generators(seed: int, epoch: int, index: int) -> None:
 
 @contextmanager
 def generators_kept() -> Iterator[None]:
-    """Put the generators `seed_generators` seeds back afterwards: the training step's own random
-    stream (dropout) in this process stays untouched."""
+    """Put the generators `seed_generators` seeds back afterwards: the training step's own random stream (dropout) in
+    this process stays untouched."""
     saved = (torch.default_generator.get_state(), np.random.get_state(), random.getstate())
     try:
         yield
@@ -58,35 +53,24 @@ def generators_kept() -> Iterator[None]:
 
 
 def reads_without_randomness(dataset: Dataset) -> bool:
-    """Whether reading a sample of `dataset` cannot draw a random number: a plain TensorDataset, or
-    plain Subsets of one (exactly these classes: a subclass may override `__getitem__`).
-
-    Seeding such a sample costs time (docs/performance.md) and changes nothing, so it is skipped.
-    """
+    """Whether reading a sample cannot draw a random number (exactly a TensorDataset or plain Subsets of one); seeding
+    those is skipped (docs/performance.md)."""
     while type(dataset) is Subset:
         dataset = dataset.dataset
     return type(dataset) is TensorDataset
 
 
 def training_loader_generator(seed: int) -> torch.Generator:
-    """The generator a training DataLoader is given, seeded with the seed its sampler shuffles with.
+    """The generator a training DataLoader is given, seeded with its sampler's seed.
 
-    A generator of its own: creating each epoch's iterator draws a seed from it, not from the global
-    generator, whose state the checkpoint holds. Otherwise that draw falls after an epoch-end
-    checkpoint in an uninterrupted run but before the RNG restore in a resumed one, and dropout
-    masks differ. (Worker processes' streams do not matter: samples are seeded one by one.)
-    """
+    Each epoch's iterator draws from it, not from the global generator, whose draw would fall on different sides of the
+    RNG restore in a resumed and an uninterrupted run (dropout masks would differ)."""
     return torch.Generator().manual_seed(seed)
 
 
 def evaluation_loader_generator(seed: int) -> torch.Generator:
-    """The generator an evaluation (or prediction) DataLoader is given, for the same reason.
-
-    Starting its iterator draws a seed from the loader's generator, the global one if it has none.
-    With `persistent_workers` the iterator is started once per process: an uninterrupted run starts
-    it at its first validation and reuses it after, a run resumed mid-epoch starts it at the next
-    validation, so a draw from the global generator there would shift every later dropout mask
-    (found by the resume matrix on real data: ImageFolder, persistent workers, a kill mid-epoch).
+    """The generator an evaluation (or prediction) DataLoader is given, for the same reason: with `persistent_workers`
+    its iterator starts at a different validation in a resumed run, and a global draw would shift later dropout masks.
     """
     return torch.Generator().manual_seed(seed)
 
@@ -102,14 +86,10 @@ class SampleKey:
 class PerSampleSeeded(Dataset):
     """A map-style dataset whose every `__getitem__` sees random generators seeded from (seed, epoch, index).
 
-    torch's CPU generator, NumPy's global generator and Python's `random` are seeded right before the
-    wrapped dataset loads a sample, so augmentation drawn from them (torchvision transforms use
-    torch's) no longer depends on the worker, the rank, `num_workers`, `persistent_workers` or a
-    resume. In the main process (`num_workers: 0`) the generators are put back afterwards, once per
-    batch, so the training step's own random stream (dropout) is untouched. A generator the dataset
-    keeps privately (`numpy.random.default_rng()` at import) is not reached: `ddp-app resume-check`
-    names that case. Other attributes are the wrapped dataset's.
-    """
+    torch's CPU generator, NumPy's and Python's `random` are seeded before each sample, so augmentation no longer
+    depends on worker, rank, `num_workers` or resume; in the main process they are restored once per batch (dropout
+    untouched). A dataset's private generator is not reached (`ddp-app resume-check` names it). Other attributes are the
+    wrapped dataset's."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset

@@ -1,26 +1,16 @@
 """`python -m app.data.shard --config C --out DIR`: write a config's data set as LitData shards.
 
-The data module of the config (`data:`, with `--data.init_args.NAME=VALUE` overrides) is built and
-set up as for training, and each of its splits is written with LitData's `optimize` into
-`DIR/train`, `DIR/val` and `DIR/test` (chunks of `--chunk-bytes`, LitData's `index.json`), plus
-`DIR/ddp_app_shards.json` saying what was written from what (an ImageFolder's class names and count
-included: the launcher checks the model's num_classes against them). `StreamingDataModule`
-(app/data/litdata_shards.py) trains from the result, locally or after a copy to object storage.
+The config's data module (with `--data.init_args.NAME=VALUE` overrides) is set up as for training and each split written
+with LitData's `optimize` into `DIR/train`, `DIR/val`, `DIR/test` (chunks of `--chunk-bytes`), plus
+`DIR/ddp_app_shards.json` (what was written from what, an ImageFolder's class names included for the launcher's
+num_classes check). `StreamingDataModule` trains from it.
 
-What a sample holds:
-  - image files (`ImageFolderDataModule`): the file's encoded bytes and its class index, so the
-    shards are as small as the JPEGs and decoding and augmentation stay in the training loader's
-    workers, seeded per sample as from the folder;
-  - any other map-style data set whose reading draws no random number (digits, MNIST, CIFAR-10,
-    a user's `TensorDataset`): the sample as `dataset[index]` returns it (tensors and numbers).
-A data set that augments when read is refused: its shards would freeze one random draw.
+A sample holds an image file's encoded bytes and class index (decoded and augmented in training), or, for any other data
+set that draws no random number when read, `dataset[index]` as returned. A data set that augments when read is refused
+(its shards would freeze one draw).
 
-The training split is written in a seeded random order (`--seed`): an ImageFolder lists its files
-class by class, and a chunk of one class would make every batch drawn from a few chunks
-one-sided (StreamingDataModule shuffles chunks and samples within a window of chunks, not the
-whole set). The other splits keep their order. Nothing is overwritten: an existing `--out` with
-files in it is refused, and a write that ends with fewer samples than the split holds is an error.
-"""
+The training split is written in a seeded random order (`--seed`), so no chunk is one class; other splits keep their
+order. An `--out` with files is refused, and a write that ends short is an error."""
 
 from __future__ import annotations
 
@@ -70,11 +60,8 @@ def image_files_of(dataset: Dataset) -> tuple[list[tuple[Path, int]], list[int]]
 
 
 def image_record(samples: list[tuple[Path, int]], index: int) -> dict[str, Any]:
-    """One image file's sample: its encoded bytes and class index (decoded in training, app.data.litdata_shards).
-
-    The file is decoded once here, so that shards never hold an image training cannot decode (the
-    whole pass costs a decode per image, spread over the writer processes).
-    """
+    """One image file's sample: its encoded bytes and class index, decoded once here so shards never hold an image
+    training cannot decode."""
     from torchvision.io import ImageReadMode, decode_image
 
     from app.data.image_datasets import UnreadableImageError
@@ -93,17 +80,9 @@ def image_record(samples: list[tuple[Path, int]], index: int) -> dict[str, Any]:
 class NotedRecord:
     """Makes sample `index`'s record; a failure is written to `notes` and the sample left out (None).
 
-    LitData's `optimize` waits forever for a writer process whose function raised (litdata 0.2.76),
-    so the function never raises: `write_split` reads the notes after `optimize` returns and reports
-    them, a bad file in one line, a bug with its traceback. Each sample made is counted in `made` (the
-    writer's slot, by LitData's DATA_OPTIMIZER_GLOBAL_RANK; slot 0 without it): the watch's heartbeat.
-
-    Its first call in a forked writer process sets torch to one thread. The writers are forked from the
-    caller, and a process that used torch's OpenMP pool before the fork leaves the child a pool whose
-    threads do not exist: the child's first parallel op (a sample of 150,000 values cloned, a 10 M
-    element exp) waits for them forever (measured: torch 2.14, GNU OpenMP; `set_num_threads` with the
-    same count does not help, one thread does). A writer makes one sample at a time: one thread each.
-    """
+    It never raises: LitData's `optimize` waits forever for a writer whose function raised (0.2.76); `write_split`
+    reports the notes. `made` counts samples per writer slot (the watch's heartbeat). The first call in a forked writer
+    sets torch to one thread: an OpenMP pool used before the fork hangs the child's first parallel op."""
 
     def __init__(self, make: Any, notes: Path, made: Any) -> None:
         self.make, self.notes, self.made = make, notes, made
@@ -129,8 +108,8 @@ class NotedRecord:
 
 
 def dataset_record(dataset: Dataset, index: int) -> Any:
-    """One sample as the data set returns it; tensors are made contiguous and owning (a view of a
-    whole split's tensor would otherwise be written with the split)."""
+    """One sample as the data set returns it; tensors are made contiguous and owning (a view of a whole split's tensor
+    would otherwise be written with the split)."""
     sample = dataset[index]
     if isinstance(sample, torch.Tensor):
         return sample.clone()
@@ -170,14 +149,9 @@ def samples_in_index(out: Path) -> int:
 def optimize_kept_to_itself(scratch: Path) -> Iterator[None]:
     """Undo what LitData's `optimize` (0.2.76) changes in the calling process, and give it caches of its own.
 
-    - Its caches: `optimize` deletes and recreates `DATA_OPTIMIZER_CACHE_FOLDER` and
-      `DATA_OPTIMIZER_DATA_CACHE_FOLDER` (default /tmp/chunks and /tmp/data, one pair per machine) as it
-      starts. Two writes at once (two users on one node, two test processes) would delete each other's
-      files, and another user's /tmp/chunks cannot be deleted at all. Each write gets its own under `scratch`.
-    - Its SIGINT handler (a Ctrl-C afterwards would end the caller with `os._exit(0)`: exit status 0),
-      multiprocessing's start method (set to `fork` for the whole process; importing LitData does it too),
-      and the seeds of the global random, numpy and torch generators (it seeds all three with 42) are put back.
-    """
+    - its cache folders (shared /tmp/chunks, /tmp/data, deleted at start): each write gets its own under `scratch`;
+    - its SIGINT handler (Ctrl-C would `os._exit(0)`), the multiprocessing start method and the global seeds it sets to
+      42 are put back."""
     import multiprocessing
     import random
 
@@ -220,12 +194,8 @@ def write_split(
 ) -> dict[str, Any]:
     """Write one split with LitData's `optimize`; the record of what was written.
 
-    LitData's `optimize` returns without an error when its writer processes all died without reporting
-    one (killed by a signal: the OOM killer, a kill): its index then lists fewer samples, or none. So
-    the index is counted here. It waits forever when one writer cannot finish (app/data/shard_watch.py):
-    a `WriterWatch` ends the write when a writer dies, or makes no sample for `stall_seconds`. No process
-    LitData forked outlives the call.
-    """
+    `optimize` returns without error when its writers died silently, so the index is counted here; and it waits forever
+    for a stuck writer, so a `WriterWatch` ends the write. No process LitData forked outlives the call."""
     from multiprocessing.sharedctypes import RawArray
 
     from litdata import optimize
@@ -295,9 +265,9 @@ def write_split(
 
 
 def module_splits(module: Any) -> dict[str, Dataset]:
-    """The data module's train, val and test data sets: ddp-app's modules keep them as `train_dataset`,
-    ...; any other module's are its loaders' `dataset` (a test split that is the val split is left out:
-    StreamingDataModule reads val/ when there is no test/)."""
+    """The data module's train, val and test data sets: ddp-app's modules keep them as `train_dataset`, ...; any other
+    module's are its loaders' `dataset` (a test split that is the val split is left out: StreamingDataModule reads val/
+    when there is no test/)."""
     splits: dict[str, Dataset] = {}
     for name in SPLITS:
         dataset = getattr(module, f"{name}_dataset", None)
@@ -378,8 +348,8 @@ def write_shards(
         "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "source": source,
         "data_module": f"{type(module).__module__}.{type(module).__name__}",
-        # StreamingDataModule.classes_on_disk reads these back: the launcher checks the model's num_classes
-        # against them before any rank starts.
+        # StreamingDataModule.classes_on_disk reads these back: the launcher checks the model's num_classes against them
+        # before any rank starts.
         "classes": list(getattr(module, "classes", []) or []),
         "num_classes": len(getattr(module, "classes", []) or []) or None,
         "splits": {},

@@ -1,13 +1,9 @@
-"""Watching the processes LitData's `optimize` forks to write shards (app/data/shard.py), so that a write
-that cannot finish ends in bounded time, and none of them outlives it.
+"""Watching the processes LitData's `optimize` forks to write shards, so a write that cannot finish ends in bounded time
+and none outlives it.
 
-LitData 0.2.76 has no deadline of its own: its parent polls a progress queue until every writer has
-reported its last sample or every writer has ended. So a writer that never reports (stuck in a sample, or
-blocked on a queue lock that a killed sibling held: multiprocessing's queues share one lock per queue
-between processes) keeps `optimize` waiting forever, and a writer killed by a signal is noticed only when
-every other one has ended. `WriterWatch` is the deadline: it ends the write as soon as a writer is seen
-ending by a signal or an error status, or when no sample has been made for `stall_seconds`.
-"""
+LitData 0.2.76 has no deadline: a writer that never reports (stuck, or blocked on a queue lock a killed sibling held)
+keeps it waiting forever. `WriterWatch` ends the write when a writer ends by a signal or error status, or no sample was
+made for `stall_seconds`."""
 
 from __future__ import annotations
 
@@ -41,8 +37,8 @@ def _holds(pid: int, link: str) -> bool:
 
 
 def kill_holders(link: str, reap: bool) -> None:
-    """SIGKILL every process holding `link`, until none is left (10 s at most); `reap`: wait for those that
-    are this process's children (not while LitData's own `Process` objects may still wait for them)."""
+    """SIGKILL every process holding `link`, until none is left (10 s at most); `reap`: wait for those that are this
+    process's children (not while LitData's own `Process` objects may still wait for them)."""
     deadline = time.monotonic() + 10
     while (left := holders_of(link)) and time.monotonic() < deadline:
         for pid in left:
@@ -56,16 +52,12 @@ def kill_holders(link: str, reap: bool) -> None:
 
 @contextlib.contextmanager
 def no_process_outlives() -> Iterator[str | None]:
-    """Kill, by PID, every process forked during the block (however deep) that still runs after it; yields
-    the /proc link of the pipe that finds them (None where there is no /proc: not Linux).
+    """Kill, by PID, every process forked during the block that still runs after it; yields the /proc link of the pipe
+    that finds them (None without /proc).
 
-    LitData (0.2.76) forks a remover process from each writer process, which exits only when its writer
-    tells it to: a writer that dies first (killed by a signal, a crash) leaves it blocked forever, an
-    orphan that holds the caller's stdout and stderr open (a pipeline, or a test runner reading them,
-    never ends). Every process forked during the block holds a pipe made for it (fork copies every file
-    descriptor; os.pipe's are closed on exec), which finds them whatever their parent now is. A process
-    another thread of the caller forks meanwhile would hold it too: LitData is run from the main thread.
-    """
+    LitData forks a remover per writer that outlives a dead writer, holding the caller's stdout open. Every process
+    forked in the block inherits a pipe made for it, which finds it whatever its parent; run LitData from the main
+    thread."""
     if not Path("/proc/self/fd").is_dir():
         yield None
         return
@@ -90,8 +82,8 @@ def _children() -> list[int]:
 
 
 def _ended_badly(pid: int) -> str | None:
-    """How child `pid` ended, if it ended by a signal or with a non-zero status; None while it runs or after
-    a clean exit. WNOWAIT leaves it waitable: LitData's `Process.is_alive` still reaps it."""
+    """How child `pid` ended, if it ended by a signal or with a non-zero status; None while it runs or after a clean
+    exit. WNOWAIT leaves it waitable: LitData's `Process.is_alive` still reaps it."""
     try:
         status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:  # reaped already (by LitData), or not a child
@@ -104,13 +96,9 @@ def _ended_badly(pid: int) -> str | None:
 
 
 class WriterWatch:
-    """A thread that ends a LitData write which cannot finish: it kills every process holding `marker`
-    (`no_process_outlives`) when a writer ends by a signal or an error status, or when `made` (the samples
-    the writers made, one slot per writer) has not grown for `stall_seconds` while a writer still runs.
-    Killed, the writers are all ended, so `optimize` returns within its 1 s poll; `cause` says why.
-
-    The thread holds no lock the forked writers need (it reads /proc, waits and sleeps), so the writers
-    LitData forks from the main thread meanwhile are safe from it."""
+    """A thread that kills every process holding `marker` when a writer ends by a signal or error status, or when `made`
+    has not grown for `stall_seconds`; `optimize` then returns within its 1 s poll, and `cause` says why. It holds no
+    lock the forked writers need."""
 
     def __init__(self, marker: str, made: Any, stall_seconds: float) -> None:
         self.marker, self.made, self.stall_seconds = marker, made, stall_seconds

@@ -1,11 +1,7 @@
 """Synthetic token sequences for the language model (app/models/gpt.py): nothing to download.
 
-The sequences are walks of a fixed random Markov chain over `vocab_size` tokens, so there is
-something to learn (the next token depends on the current one) and a loss that falls within one
-epoch. Everything comes from one `torch.Generator` seeded with `data_seed`: every rank and every
-run builds the same tensors. The splits are TensorDatasets, which the DataModule base reads in
-whole batches (`TensorBatchLoader`), with every resume guarantee of the other DataModules.
-"""
+Walks of a fixed random Markov chain over `vocab_size` tokens (learnable within an epoch), from one generator seeded
+with `data_seed`; TensorDatasets, read in whole batches (`TensorBatchLoader`)."""
 
 from __future__ import annotations
 

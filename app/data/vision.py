@@ -1,10 +1,8 @@
 """torchvision image datasets: MNIST, CIFAR-10 and an explicitly chosen FakeData stand-in.
 
-Downloads happen only in `prepare_data` (Lightning runs it once per node, on local rank 0).
-Compute nodes are often offline: stage the files under `data_dir` ahead of time and keep
-`download: false`; a missing dataset then fails with one message that says where we looked.
-The datasets themselves are built in `app.data.datasets`, which the reference trainer shares.
-"""
+Downloads happen only in `prepare_data` (once per node). Offline compute nodes: stage the files under `data_dir` and
+keep `download: false`; a missing dataset fails with one message saying where we looked. Datasets are built in
+`app.data.datasets`."""
 
 from __future__ import annotations
 
@@ -47,9 +45,8 @@ class MNISTDataModule(_TorchvisionDataModule):
 class CIFAR10DataModule(_TorchvisionDataModule):
     """torchvision CIFAR-10 (32x32 colour images); files under `<data_dir>/cifar-10-batches-py/`.
 
-    Training images get the standard augmentation (random crop with 4-pixel padding, horizontal
-    flip) when `augment` is on; validation and test images never do.
-    """
+    Training images get the standard augmentation (random crop with 4-pixel padding, horizontal flip) when `augment` is
+    on; validation and test images never do."""
 
     def __init__(
         self,
@@ -75,13 +72,10 @@ class CIFAR10DataModule(_TorchvisionDataModule):
 
 
 class FakeImageDataModule(ShardedDataModule):
-    """Random images of a given shape (values in [0, 1), as ToTensor gives), for benchmarks only.
+    """Random images of a given shape (values in [0, 1)), for benchmarks only; a config has to name it.
 
-    It is never a silent fallback for a missing dataset: a config has to name it. The images are
-    drawn once, in `setup`, from a generator seeded by the split, so a training step measures
-    training, not image synthesis: torchvision's FakeData re-seeds the global RNG for every
-    sample, at a cost that grows with the depth of the call stack (docs/performance.md).
-    """
+    Drawn once in `setup` from a generator seeded by the split: torchvision's FakeData re-seeds the global RNG per
+    sample, at a cost (docs/performance.md)."""
 
     def __init__(
         self,

@@ -1,8 +1,7 @@
 """Models: bare networks and their losses (`nets`, no Lightning) and the LightningModules that train them.
 
-The LightningModules are imported on first use (`app.models.MLPClassifier`), so that importing
-`app.models.nets`, as the reference trainer does, does not import Lightning.
-"""
+The LightningModules are imported on first use (`app.models.MLPClassifier`), so that importing `app.models.nets`, as the
+reference trainer does, does not import Lightning."""
 
 from __future__ import annotations
 

@@ -2,13 +2,9 @@
 
     ddp-app fit --config configs/gpt_fsdp.yaml
 
-`GPT` (app/models/transformer.py, shared with the plain-PyTorch reference) is the bare network:
-token and position embeddings, `Block`s of causal self-attention and an MLP, a final LayerNorm and
-an output head. `GPTLanguageModel` gives it the next-token cross-entropy loss and logging. Its blocks
-sit in an `nn.ModuleList`, the layout `app.parallel.fsdp` shards one unit per element of by default
-(`shard_modules: [Block]` in the config says the same by name). Nothing here knows about FSDP: the
-same module trains under `strategy: ddp`.
-"""
+`GPT` (app/models/transformer.py, shared with the reference) is the bare network; `GPTLanguageModel` adds the next-token
+loss and logging. Its blocks sit in an `nn.ModuleList`, which `app.parallel.fsdp` shards one unit per element by
+default. Nothing here knows about FSDP."""
 
 from __future__ import annotations
 
@@ -25,9 +21,8 @@ __all__ = ["GPT", "Block", "CausalSelfAttention", "GPTLanguageModel"]
 class GPTLanguageModel(QuickHookBookkeeping):
     """Next-token prediction on (input tokens, target tokens) batches, as `app.data.tokens` makes them.
 
-    The loss is the mean cross-entropy over every position of the batch (a mean, as elastic resume
-    needs: docs/resume.md). The logged `val_loss` is exact over the whole validation split.
-    """
+    The loss is the mean cross-entropy over every position of the batch (a mean, as elastic resume needs:
+    docs/resume.md). The logged `val_loss` is exact over the whole validation split."""
 
     def __init__(
         self,

@@ -1,10 +1,6 @@
-"""LightningModules: thin wrappers that give a bare network a loss, metrics and logging.
-
-The bare network lives in `self.net` and the loss in `self.criterion`, both built by a function
-in `app.models.nets` (no Lightning); the plain-PyTorch reference trainer calls the same function.
-Optimizers and LR schedulers are chosen in YAML through LightningCLI's top-level `optimizer:` /
-`lr_scheduler:` keys, so the constructors here hold only the network's own, plain arguments.
-"""
+"""LightningModules: thin wrappers that give a bare network (`self.net`) and loss (`self.criterion`), both built in
+`app.models.nets`, metrics and logging. Optimizers and schedulers come from LightningCLI's `optimizer:` /
+`lr_scheduler:` keys."""
 
 from __future__ import annotations
 
@@ -24,13 +20,8 @@ from app.models.nets import (
 
 
 def logs_this_step(module: L.LightningModule) -> bool:
-    """Whether the loggers write this training step: every `trainer.log_every_n_steps` steps.
-
-    `self.log` is costly per call (Lightning's bookkeeping and a `torch.compiler.disable` wrapper;
-    docs/performance.md). Per-step values are therefore logged only at the steps the loggers write:
-    metrics.csv holds the same numbers, and the progress bar shows the latest of them. The
-    condition mirrors Lightning's own `should_update_logs`.
-    """
+    """Whether the loggers write this training step (every `trainer.log_every_n_steps`, mirroring Lightning's
+    `should_update_logs`): `self.log` is costly, so per-step values are logged only then (docs/performance.md)."""
     trainer = module.trainer
     if trainer.log_every_n_steps == 0:  # logging off: the progress bar still shows the loss
         return True
@@ -38,24 +29,14 @@ def logs_this_step(module: L.LightningModule) -> bool:
 
 
 def log_step_loss(module: L.LightningModule, loss: torch.Tensor) -> None:
-    """Log a training step's loss for the loggers and the progress bar, as a copy in host memory.
-
-    After every training batch Lightning turns every progress-bar value still held from earlier
-    steps into a Python float (`_ResultCollection.metrics`), not only those logged in that batch: a
-    value on the GPU would be read, and the GPU waited for, at every step. The copy is made here,
-    at the logging step only (`logs_this_step`), so the later reads are of host memory.
-    """
+    """Log a training step's loss for the loggers and progress bar as a host copy: Lightning reads every progress-bar
+    value as a float after every batch, which would wait for the GPU each step."""
     module.log("train_loss", loss.detach().to("cpu", copy=True), prog_bar=True)
 
 
 class QuickHookBookkeeping(L.LightningModule):
-    """A LightningModule whose per-hook bookkeeping skips `nn.Module.__setattr__`'s checks.
-
-    Lightning sets the module's `_current_fx_name` (a str or None) before and after every hook it
-    calls, and `nn.Module.__setattr__` first checks any value for a Parameter, a Module or a buffer
-    (its cost: docs/bench_per_call.json, "hook name"). That attribute is a plain one, set in
-    `LightningModule.__init__`, and a str or None never needs those checks, so it is set directly.
-    """
+    """A LightningModule whose per-hook `_current_fx_name` bookkeeping skips `nn.Module.__setattr__`'s checks (a str or
+    None needs none; cost: docs/bench_per_call.json, "hook name")."""
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "_current_fx_name":
@@ -67,15 +48,9 @@ class QuickHookBookkeeping(L.LightningModule):
 class ClassifierModule(QuickHookBookkeeping):
     """Cross-entropy classification with exact, distributed accuracy and loss.
 
-    Accuracy and the evaluation loss are correct / total counts and weighted sums that are summed
-    across ranks once per epoch, so the logged number is the one a single process would compute
-    over the same samples, whatever the world size or shard sizes. Evaluation uses torchmetrics
-    states; training keeps its two counts in plain tensors, because a torchmetrics `update` costs
-    several times the two additions per step (argument checks, wrapper bookkeeping;
-    docs/performance.md). Steps only
-    accumulate; the metrics are logged (computed, synced, reset) in the epoch-end hooks, so no step
-    pays for a per-batch value that nobody reads.
-    """
+    Accuracy and evaluation loss are counts and weighted sums summed across ranks once per epoch: the number a single
+    process would compute, at any world size. Training keeps its two counts in plain tensors (a torchmetrics `update`
+    costs several times more per step; docs/performance.md); metrics are logged in the epoch-end hooks."""
 
     def __init__(self, parts: TrainingParts, num_classes: int) -> None:
         super().__init__()
@@ -99,8 +74,8 @@ class ClassifierModule(QuickHookBookkeeping):
         loss = self.criterion(logits, targets)
         self._train_correct += (logits.detach().argmax(dim=1) == targets).sum()
         self._train_seen += targets.numel()
-        # The step loss is this rank's own (no all-reduce per step: that would cost a collective
-        # every step just for the progress bar); accuracy is reduced across ranks at epoch end.
+        # The step loss is this rank's own (no all-reduce per step: that would cost a collective every step just for the
+        # progress bar); accuracy is reduced across ranks at epoch end.
         if logs_this_step(self):
             log_step_loss(self, loss)
         return loss
@@ -110,8 +85,8 @@ class ClassifierModule(QuickHookBookkeeping):
         self._train_seen = torch.zeros((), dtype=torch.long, device=self.device)
 
     def per_rank_state(self) -> dict[str, torch.Tensor]:
-        """This rank's training counts of the running epoch: `ExactResume` keeps them in checkpoints
-        (per rank), so an epoch resumed in its middle reports the accuracy of all its batches."""
+        """This rank's training counts of the running epoch: `ExactResume` keeps them in checkpoints (per rank), so an
+        epoch resumed in its middle reports the accuracy of all its batches."""
         return {"train_correct": self._train_correct.cpu(), "train_seen": self._train_seen.cpu()}
 
     def load_per_rank_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -119,8 +94,8 @@ class ClassifierModule(QuickHookBookkeeping):
         self._train_seen = state["train_seen"].to(self.device)
 
     def on_train_epoch_end(self) -> None:
-        # Every rank trains on the same number of samples (the DistributedSampler pads the training
-        # set), so the mean over ranks of each rank's accuracy is the accuracy over all samples.
+        # Every rank trains on the same number of samples (the DistributedSampler pads the training set), so the mean
+        # over ranks of each rank's accuracy is the accuracy over all samples.
         self.log("train_acc", self._train_correct / self._train_seen.clamp(min=1), sync_dist=True)
 
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
@@ -169,18 +144,17 @@ class CNNClassifier(ClassifierModule):
 class ResNetClassifier(ClassifierModule):
     """resnet18 for 32x32 images (CIFAR-10): the GPU-scale workload.
 
-    `channels_last` stores activations NHWC, which tensor cores prefer under bf16/fp16 on GPUs.
-    `stem: imagenet` gives it torchvision's ImageNet stem (7x7 stride-2 convolution, then a
-    max-pool) for 224-pixel images; the default `cifar` keeps the 3x3 stem without max-pool.
-    """
+    `channels_last` stores activations NHWC (tensor cores prefer it under bf16/fp16). `stem: imagenet` gives
+    torchvision's ImageNet stem (7x7 stride-2 convolution, max-pool) for 224-pixel images; the default `cifar` keeps the
+    3x3 stem without max-pool."""
 
     def __init__(self, num_classes: int = 10, channels_last: bool = False, stem: Stem = "cifar") -> None:
         super().__init__(resnet_classifier_parts(num_classes, channels_last, stem), num_classes)
         self.save_hyperparameters()
 
     def on_after_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int):
-        # After the copy to the device: reordering on the CPU first costs the main thread a strided
-        # copy of every batch (and an unpinned tensor, so the copy to the GPU waits).
+        # After the copy to the device: reordering on the CPU first costs the main thread a strided copy of every batch
+        # (and an unpinned tensor, so the copy to the GPU waits).
         if self.channels_last:
             inputs, targets = batch
             batch = (inputs.contiguous(memory_format=torch.channels_last), targets)

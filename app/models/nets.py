@@ -1,8 +1,5 @@
-"""Bare `torch.nn.Module` networks and their losses; no Lightning.
-
-These are shared by the LightningModules in `app.models.lightning` and by the plain-PyTorch
-reference trainer in `app.reference`, so that parity compares the very same modules.
-"""
+"""Bare `torch.nn.Module` networks and their losses, no Lightning: shared by `app.models.lightning` and the reference
+trainer, so parity compares the same modules."""
 
 from __future__ import annotations
 
@@ -29,11 +26,9 @@ class ToyNet(nn.Module):
 
 
 class ToyMpNet(nn.Module):
-    """The tutorial's ToyMpModel: the two halves of ToyNet on two devices (model parallelism).
+    """The tutorial's ToyMpModel: ToyNet's two halves on two devices (model parallelism).
 
-    DDP wraps it without `device_ids`, because the module spans more than one device.
-    On CPU both halves live on "cpu", which exercises the same code path.
-    """
+    DDP wraps it without `device_ids`. On CPU both halves are on "cpu"."""
 
     def __init__(self, dev0: str | torch.device, dev1: str | torch.device) -> None:
         super().__init__()
@@ -68,8 +63,8 @@ class ConvNet(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, 32, 3, 1)
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        # Off (Identity, no random draw) where runs must be compared number by number across world
-        # sizes: dropout masks come from each rank's generator (docs/resume.md, elastic resume).
+        # Off (Identity, no random draw) where runs must be compared number by number across world sizes: dropout masks
+        # come from each rank's generator (docs/resume.md, elastic resume).
         self.dropout1 = nn.Dropout(0.25) if dropout else nn.Identity()
         self.dropout2 = nn.Dropout(0.5) if dropout else nn.Identity()
         self.fc1 = nn.Linear(9216, 128)
@@ -88,11 +83,8 @@ Stem = Literal["cifar", "imagenet"]
 
 
 def resnet18_cifar(num_classes: int = 10) -> nn.Module:
-    """torchvision resnet18 adapted to 32x32 inputs: 3x3 stem convolution, no max-pool.
-
-    The ImageNet stem (7x7 stride 2 + max-pool) would shrink a 32x32 image to 8x8 before the
-    first block and lose most of the accuracy on CIFAR-10.
-    """
+    """torchvision resnet18 for 32x32 inputs: 3x3 stem, no max-pool (the ImageNet stem would shrink the image to 8x8
+    before the first block)."""
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
@@ -100,9 +92,9 @@ def resnet18_cifar(num_classes: int = 10) -> nn.Module:
 
 
 def resnet18(num_classes: int = 10, stem: Stem = "cifar") -> nn.Module:
-    """resnet18 with the `stem` for its input size: "cifar" (`resnet18_cifar`), or "imagenet",
-    torchvision's own (7x7 stride-2 convolution and a 3x3 stride-2 max-pool: a 224x224 image reaches
-    the first block as 56x56, where the CIFAR stem would run the blocks at 224x224, 16x the cost)."""
+    """resnet18 with the `stem` for its input size: "cifar" (`resnet18_cifar`), or "imagenet", torchvision's own (7x7
+    stride-2 convolution and a 3x3 stride-2 max-pool: a 224x224 image reaches the first block as 56x56, where the CIFAR
+    stem would run the blocks at 224x224, 16x the cost)."""
     if stem == "imagenet":
         return torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if stem == "cifar":
@@ -112,12 +104,8 @@ def resnet18(num_classes: int = 10, stem: Stem = "cifar") -> nn.Module:
 
 @dataclass
 class TrainingParts:
-    """What a LightningModule trains, without Lightning: the bare network and its loss.
-
-    The LightningModules in `app.models.lightning` build theirs with the functions below, and the
-    reference trainer calls the same function with the config's `model.init_args`, so both
-    construct the same modules in the same order (and, seeded alike, get identical weights).
-    """
+    """What a LightningModule trains, without Lightning: the bare network and its loss, built by the same function the
+    reference trainer calls, so both get identical modules (and, seeded alike, weights)."""
 
     net: nn.Module
     criterion: nn.Module
@@ -143,8 +131,8 @@ def toy_regressor_parts(in_features: int = 10, hidden: int = 10, out_features: i
     return TrainingParts(ToyNet(in_features, hidden, out_features), nn.MSELoss())
 
 
-# LightningModule class name (the last part of a config's `model.class_path`) -> its parts, with
-# the same arguments and defaults as the module's `__init__` (tests/models/test_parts.py checks).
+# LightningModule class name (the last part of a config's `model.class_path`) -> its parts, with the same arguments and
+# defaults as the module's `__init__` (tests/models/test_parts.py checks).
 PARTS: dict[str, Callable[..., TrainingParts]] = {
     "MLPClassifier": mlp_classifier_parts,
     "CNNClassifier": cnn_classifier_parts,

@@ -1,13 +1,8 @@
 """A one-line warning when a LightningModule logs an evaluation metric that is not exact across ranks.
 
-`self.log("val_loss", loss, sync_dist=True)` in a validation step logs, on each rank, the mean over
-that rank's batches, and then the mean of those per-rank means. The ranks hold different numbers
-of samples (the unpadded sampler gives some ranks one more), so that is not the mean over the
-validation set. A torchmetrics object (`self.log("val_loss", self.val_loss_metric)`) or summed
-states are exact. Lightning keeps what was logged, and how, in private structures only
-(`trainer._results`), so the check sits in front of the public `LightningModule.log` instead:
-`ddp-app` wraps the run's module's `log` method on the instance before the run starts.
-"""
+`self.log("val_loss", loss, sync_dist=True)` averages per-rank means, but ranks hold different sample counts;
+torchmetrics objects or summed states are exact. Lightning keeps what was logged only privately (`trainer._results`), so
+`ddp-app` wraps the module instance's `log` before the run."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""A small decoder-only transformer (GPT-style), bare PyTorch: the network of
-`app.models.gpt.GPTLanguageModel`, and what the FSDP2 reference (app/reference/fsdp.py) trains.
-
-Its blocks sit in an `nn.ModuleList`, the layout `strategy: fsdp` (app/parallel/fsdp.py) makes one shard unit
-per element of by default. No Lightning here.
+"""A small decoder-only transformer (GPT-style), bare PyTorch: the network of `app.models.gpt.GPTLanguageModel` and of
+the FSDP2 reference (app/reference/fsdp.py). Blocks in an `nn.ModuleList` (one fsdp unit each by default). No Lightning.
 """
 
 from __future__ import annotations

@@ -1,31 +1,21 @@
 """Gradient compression for DDP's all-reduce, chosen in the config: `gradient_compression.method`.
 
-DDP averages gradients with an all-reduce of every parameter every step; on 1-10 Gbit/s Ethernet
-that can cost more than the step's compute. PyTorch ships DDP communication hooks that send less:
-`fp16` / `bf16` halve the bytes (each value rounded to 16 bits before the sum), and PowerSGD sends
-a rank-r approximation of every weight matrix (P and Q, (rows + columns) x r values instead of
-rows x columns), with error feedback carrying what the approximation missed into the next step.
-
-Lightning 2.6 registers a `DDPStrategy(ddp_comm_hook=...)` only when the root device is CUDA
-(`DDPStrategy._register_ddp_hooks`), silently not on CPU/gloo, and never saves PowerSGD's state.
-Here the hook is registered on any device (`GradientCompression`, a callback every `ddp-app` run
-gets), and PowerSGD's state is saved in every checkpoint, per rank, in a form that loads with
-`torch.load(weights_only=True)`, so that a resume is bit-exact.
+On slow Ethernet the all-reduce can cost more than the step. PyTorch's DDP hooks send less: `fp16` / `bf16` halve the
+bytes, PowerSGD sends a rank-r approximation of every matrix with error feedback. Lightning 2.6 registers a hook only on
+CUDA (`DDPStrategy._register_ddp_hooks`) and never saves PowerSGD's state; here the hook works on any device
+(`GradientCompression`, on every run) and PowerSGD's state is checkpointed per rank, weights_only-loadable, for
+bit-exact resume.
 
 Methods:
 - `none`: DDP's own all-reduce (no hook is registered).
 - `fp16`, `bf16`: PyTorch's `fp16_compress_hook` / `bf16_compress_hook`.
 - `powersgd`: PyTorch's `powerSGD_hook` (per-layer, `powersgd_rank`, after `start_iter` plain steps).
-- `auto`: tries none, bf16 and powersgd for a few steps each at the start of training, keeps the
-  fastest (the most exact one when they are within `AUTO_TOLERANCE`), and says why in one line.
+- `auto`: tries none, bf16 and powersgd for a few steps each at the start of training, keeps the fastest (the most exact
+  one when they are within `AUTO_TOLERANCE`), and says why in one line.
 
-PowerSGD keeps its state per DDP bucket (`error_dict[bucket_index]` is the flat error of the whole
-bucket, `q_memory_dict` the warm-started Q matrices), and DDP's buckets are not stable: the first
-step of every (re)started run uses the initial bucketing, from the second step on DDP uses buckets
-rebuilt in the order the gradients became ready. A checkpoint therefore stores the state per
-parameter name, and `ParameterMemory` moves it into whatever buckets DDP has when a bucket's
-parameters change. The same checkpoint so resumes under another `bucket_cap_mb` as well.
-"""
+PowerSGD keeps state per DDP bucket, and buckets are rebuilt after the first step of every run, so checkpoints store it
+per parameter name and `ParameterMemory` moves it into whatever buckets DDP has (a resume under another `bucket_cap_mb`
+works too)."""
 
 from __future__ import annotations
 
@@ -53,8 +43,8 @@ METHODS = ("none", "fp16", "bf16", "powersgd", "auto")
 AUTO_CANDIDATES = ("none", "bf16", "powersgd")
 # auto keeps the most exact candidate whose step time is within this fraction of the fastest.
 AUTO_TOLERANCE = 0.03
-# Steps of each auto candidate that are not timed: the switch, PowerSGD's two plain all-reduces
-# (`start_powerSGD_iter` must be >= 2) and its first compressed step, which allocates P and Q.
+# Steps of each auto candidate that are not timed: the switch, PowerSGD's two plain all-reduces (`start_powerSGD_iter`
+# must be >= 2) and its first compressed step, which allocates P and Q.
 AUTO_WARMUP_STEPS = 3
 
 
@@ -68,8 +58,8 @@ def check_settings(method: str, powersgd_rank: int, start_iter: int, probe_steps
     if powersgd_rank < 1:
         raise InvalidConfigError(f"gradient_compression.powersgd_rank must be >= 1, got {powersgd_rank}.")
     if start_iter < 2:
-        # PowerSGDState raises for < 2 with error feedback or warm start: DDP rebuilds its buckets
-        # after the first step, so the first two steps must be plain all-reduces.
+        # PowerSGDState raises for < 2 with error feedback or warm start: DDP rebuilds its buckets after the first step,
+        # so the first two steps must be plain all-reduces.
         raise InvalidConfigError(
             f"gradient_compression.start_iter must be >= 2, got {start_iter}: DDP rebuilds its buckets after "
             "the first step, and PowerSGD must see the rebuilt ones. Fix: start_iter: 2 or more."
@@ -79,12 +69,8 @@ def check_settings(method: str, powersgd_rank: int, start_iter: int, probe_steps
 
 
 def compressed_matrix(shape: torch.Size, rank: int, min_compression_rate: float) -> tuple[int, int, int] | None:
-    """(rows, columns, rank) when `powerSGD_hook` compresses a gradient of this shape, else None.
-
-    The hook views every gradient as rows = shape[0] x columns = the rest, and compresses it when
-    (rows + columns) x rank x min_compression_rate < rows x columns (`powerSGD_hook._should_compress`;
-    tests/test_compression.py checks this rule against it).
-    """
+    """(rows, columns, rank) when `powerSGD_hook` compresses a gradient of this shape, else None: (rows + columns) x
+    rank x min_compression_rate < rows x columns (`_should_compress`, checked by tests/test_compression.py)."""
     rows = shape[0] if len(shape) else 1
     columns = int(torch.Size(shape).numel()) // max(rows, 1)
     rank = min(rows, columns, rank)
@@ -94,11 +80,8 @@ def compressed_matrix(shape: torch.Size, rank: int, min_compression_rate: float)
 
 
 class ParameterMemory:
-    """PowerSGD's per-bucket memories (error feedback, warm-started Q) kept by parameter name, so
-    that they move into whatever buckets DDP has and into a checkpoint (the module docstring says why).
-
-    PowerSGD's state is passed in on every call: `CommunicationHook` replaces it (auto, a resume).
-    """
+    """PowerSGD's per-bucket memories (error feedback, warm-started Q) kept by parameter name, to move between buckets
+    and into checkpoints; the state is passed in on every call (`CommunicationHook` replaces it)."""
 
     def __init__(self) -> None:
         self.names: dict[int, str] = {}  # {id(parameter): name}
@@ -127,12 +110,8 @@ class ParameterMemory:
     def _layout(
         self, state: powersgd.PowerSGDState, names: tuple[str, ...]
     ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]], int]:
-        """Where each parameter sits in a bucket's flat buffer (name, start, length), where in its flat
-        Q memory, and the length of its P memory.
-
-        Q memory follows `powerSGD_hook`: the compressed gradients grouped by shape, in the order
-        each shape first appears, then by position in the bucket.
-        """
+        """Each parameter's place in a bucket's flat buffer (name, start, length), in its flat Q memory (grouped by
+        shape as `powerSGD_hook` does), and its P memory's length."""
         offsets, by_shape, start, p_length = [], {}, 0, 0
         for name in names:
             shape = torch.Size(self.shapes[name])
@@ -200,8 +179,7 @@ class CommunicationHook:
         warm_start: PowerSGD reuses last step's Q (better approximation, no new random Q per step;
             required for a bit-exact resume).
         error_feedback: PowerSGD adds what the last step's approximation missed to this step's gradients.
-        probe_steps: auto: timed steps per candidate (after AUTO_WARMUP_STEPS untimed ones).
-    """
+        probe_steps: auto: timed steps per candidate (after AUTO_WARMUP_STEPS untimed ones)."""
 
     def __init__(
         self,
@@ -237,20 +215,18 @@ class CommunicationHook:
     # -- registration -----------------------------------------------------------------------
 
     def attach(self, model: DistributedDataParallel, names: Mapping[int, str] | None = None) -> None:
-        """Register on `model` (before its first backward). `names`: {id(parameter): name} for the
-        checkpointed state (default: the wrapped module's own parameter names)."""
+        """Register on `model` (before its first backward). `names`: {id(parameter): name} for the checkpointed state
+        (default: the wrapped module's own parameter names)."""
         self._group = model.process_group
-        # gloo runs a future's callbacks on its worker threads (2), and powerSGD_hook's callbacks block
-        # there waiting for the next all-reduce: with two buckets in flight every worker waits and
-        # training hangs at the first compressed step (torch 2.14, any model with several buckets).
-        # On gloo each bucket's PowerSGD therefore completes before backward goes on (same numbers,
-        # no overlap of that bucket's communication with the rest of the backward pass).
+        # gloo runs future callbacks on its 2 worker threads, where powerSGD_hook's block on the next all-reduce: two
+        # buckets in flight hang the first compressed step (torch 2.14). So on gloo each bucket's PowerSGD completes
+        # before backward goes on (same numbers, less overlap).
         self._on_gloo = dist.get_backend(self._group) == "gloo"
         own_names = {id(parameter): name for name, parameter in model.module.named_parameters()}
         self._memory.names = dict(names) if names is not None else own_names
         if self.method == "auto":
-            # The ranks agree on the probe's times on a CPU group of their own, not among DDP's
-            # in-flight all-reduces (on GPUs the default group is NCCL).
+            # The ranks agree on the probe's times on a CPU group of their own, not among DDP's in-flight all-reduces
+            # (on GPUs the default group is NCCL).
             self._agree_group = dist.new_group(backend="gloo")
         if self.method in ("powersgd", "auto") and self.powersgd is None:
             self.powersgd = self._new_powersgd_state(self.start_iter if self.method == "powersgd" else 2)
@@ -375,19 +351,16 @@ class CommunicationHook:
 
 
 def communication_hook(state, bucket):  # type: ignore[no-untyped-def]
-    """What DDP calls: `register_comm_hook(state, hook)` wants a function of (state, bucket).
-
-    No annotations on purpose: DDP compares them with `dist.GradBucket` and `Future[Tensor]`, and
-    `from __future__ import annotations` turns them into strings that fail that check.
-    """
+    """What DDP calls with (state, bucket). No annotations on purpose: DDP compares them with `dist.GradBucket` and
+    `Future[Tensor]`, and postponed annotations are strings that fail it."""
     return state.communicate(bucket)
 
 
 class GradientCompression(L.Callback):
-    """The `gradient_compression:` config key: registers `CommunicationHook` on Lightning's DDP model
-    (on any device, where Lightning 2.6 registers `ddp_comm_hook` on CUDA only) and keeps its state,
-    every rank's, in the checkpoint. Its settings are `CommunicationHook`'s (the parser reads them there).
-    """
+    """The `gradient_compression:` config key: registers `CommunicationHook` on Lightning's DDP model.
+
+    On any device (Lightning 2.6 registers `ddp_comm_hook` on CUDA only), with its state, every rank's, in the
+    checkpoint. Its settings are `CommunicationHook`'s (the parser reads them there)."""
 
     def __init__(self, **settings: Any) -> None:
         # The hook checks the values; it is registered at train start, once there is a DDP model.
@@ -438,8 +411,8 @@ class GradientCompression(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if not self._attached:
             return
-        # Every rank builds the checkpoint (rank 0 writes it), so a collective is safe here; the
-        # error feedback differs per rank, so every rank's state is kept (gathered on rank 0 only).
+        # Every rank builds the checkpoint (rank 0 writes it), so a collective is safe here; the error feedback differs
+        # per rank, so every rank's state is kept (gathered on rank 0 only).
         states = gather_per_rank(self.hook.state_dict())
         checkpoint_state.put(checkpoint, "gradient_compression", {"method": self.method, "per_rank": states})
 

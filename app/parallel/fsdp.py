@@ -1,26 +1,16 @@
-"""`strategy: fsdp`: fully sharded data parallel (FSDP2, `torch.distributed.fsdp.fully_shard`) for a
-model that no longer fits one device with DDP (docs/fsdp.md).
+"""`strategy: fsdp`: fully sharded data parallel (FSDP2, `fully_shard`) for a model that no longer fits one device with
+DDP (docs/fsdp.md).
 
     trainer:
       strategy:
         class_path: app.parallel.fsdp.FSDP2Strategy
         init_args: {shard_modules: [Block], param_dtype: bfloat16, shard_group_size: node}
 
-(`strategy: fsdp` is the same with every default.) Each rank keeps 1/world_size of every
-parameter, gradient and optimizer state; a shard unit's full parameters exist only while its
-forward or backward runs. Built on Lightning's `ModelParallelStrategy`, which needs the module to
-shard itself in `configure_model`; this subclass shards a plain LightningModule by itself instead,
-over a 1-D mesh of every rank, or, with `shard_group_size`, a 2-D mesh (replicas x shards) that
-`fully_shard` replicates over its first dimension (hybrid sharding, HSDP). The mesh has an explicit
-device type (gloo + `fully_shard` failed where GPUs were visible, pytorch/pytorch#132471), so the
-same run works on CPU with gloo. The data is sharded over every rank under either mesh (ddp-app's
-samplers, and `distributed_sampler_kwargs` below): Lightning's own would shard it over the
-`data_parallel` mesh dimension only, and under HSDP every rank of a group would read the same batches.
-
-Checkpoints are sharded: every rank writes its shards through the strategy's checkpoint I/O
-(`ShardedCheckpointIO`, app/checkpoints/sharded_io.py: DCP, published atomically), which this class
-calls on every rank; a resume on another number of ranks reshards them.
-"""
+(`strategy: fsdp` is the same with every default.) Built on Lightning's `ModelParallelStrategy`, but shards a plain
+LightningModule itself, over a 1-D mesh or, with `shard_group_size`, a 2-D (replicas x shards) mesh (HSDP). The mesh
+names its device type (gloo + `fully_shard` failed with GPUs visible, pytorch/pytorch#132471). Data is sharded over
+every rank (Lightning's would use the `data_parallel` dimension only). Checkpoints are sharded through
+`ShardedCheckpointIO` (app/checkpoints/sharded_io.py), called on every rank; a resume on another world size reshards."""
 
 from __future__ import annotations
 
@@ -48,15 +38,16 @@ from app.errors import UserFacingError
 from app.parallel.mesh import MeshLayout, ShardGroupSize, check_shard_group_size, mesh_layout
 from app.private_apis import require
 
-# The dtypes FSDP2 may gather parameters and reduce gradients in, by the names a config gives them (a
-# Literal, so that a config naming another is refused by the parser in one line, naming the key).
+# The dtypes FSDP2 may gather parameters and reduce gradients in, by the names a config gives them (a Literal, so that a
+# config naming another is refused by the parser in one line, naming the key).
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy with the sharding done for the user; its checkpoints (safe,
-    atomic, resharding) are its checkpoint I/O's (`ShardedCheckpointIO`).
+    """Lightning's ModelParallelStrategy with the sharding done for the user.
+
+    Its checkpoints (safe, atomic, resharding) are its checkpoint I/O's (`ShardedCheckpointIO`).
 
     Args:
         shard_modules: class names of the submodules that become their own shard units (gathered
@@ -83,8 +74,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             (hybrid sharding). N: groups of N consecutive ranks (nodes with many GPUs; hybrid sharding
             on one machine). Each rank then keeps 1/N of every parameter, gradient and optimizer state.
         process_group_backend, timeout: as for Lightning's strategies (ddp-app sets `timeout` from
-            `collective_timeout_s`).
-    """
+            `collective_timeout_s`)."""
 
     def __init__(
         self,
@@ -117,27 +107,27 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """What the parameters are sharded over: one dimension, "data_parallel", of every rank; under
-        hybrid sharding two, "data_parallel_replicate" x "data_parallel_shard" (`mesh_layout`)."""
+        """What the parameters are sharded over: one dimension, "data_parallel", of every rank; under hybrid sharding
+        two, "data_parallel_replicate" x "data_parallel_shard" (`mesh_layout`)."""
         if self._data_parallel_mesh is None:
             raise RuntimeError("The device mesh exists once the processes have started (setup_environment).")
         return self._data_parallel_mesh
 
     @property
     def mesh_layout(self) -> MeshLayout:
-        """This run's replicas x shards, from `shard_group_size` and the launch (refused in one line
-        when the size does not divide the ranks)."""
+        """This run's replicas x shards, from `shard_group_size` and the launch (refused in one line when the size does
+        not divide the ranks)."""
         return mesh_layout(self.shard_group_size, self.world_size, self.num_processes)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank reads its own samples, whatever the mesh (ModelParallelStrategy's shard the data
-        over the `data_parallel` dimension only)."""
+        """Every rank reads its own samples, whatever the mesh (ModelParallelStrategy's shard the data over the
+        `data_parallel` dimension only)."""
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def setup_environment(self) -> None:
-        """The process group and the mesh, once: ddp-app starts the environment before `fit` to agree
-        on `--ckpt_path last` (app/checkpoints/last.py), and `fit` calls this again."""
+        """The process group and the mesh, once: ddp-app starts the environment before `fit` to agree on `--ckpt_path
+        last` (app/checkpoints/last.py), and `fit` calls this again."""
         if self._data_parallel_mesh is None:
             layout = self.mesh_layout  # a bad shard_group_size stops every rank before any collective
             require(self, "_setup_distributed", "lightning", "starting the process group of strategy fsdp")
@@ -149,8 +139,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             self.lightning_module._device_mesh = self._data_parallel_mesh
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """Shard the module (unless its own `configure_model` did), then build the optimizers on the
-        sharded parameters, as ModelParallelStrategy does after the user's sharding."""
+        """Shard the module (unless its own `configure_model` did), then build the optimizers on the sharded parameters,
+        as ModelParallelStrategy does after the user's sharding."""
         assert self.model is not None and self.accelerator is not None
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
@@ -180,14 +170,14 @@ class FSDP2Strategy(ModelParallelStrategy):
             param_dtype=DTYPES[self.param_dtype] if self.param_dtype else None,
             reduce_dtype=DTYPES[self.reduce_dtype] if self.reduce_dtype else None,
         )
-        # cpu_offload: the sharded parameters, their gradients and so the optimizer state live in host
-        # memory; FSDP2 copies each unit's shard to the device for its all-gather (pinned on a GPU).
+        # cpu_offload: the sharded parameters, their gradients and so the optimizer state live in host memory; FSDP2
+        # copies each unit's shard to the device for its all-gather (pinned on a GPU).
         offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         if self.activation_checkpointing:
             checkpoint = require(composable, "checkpoint", "torch", "activation_checkpointing of strategy fsdp")
             for name in blocks:
-                # The composable form: the block keeps its parameter names (a wrapper module would add
-                # one to every key of every checkpoint), and FSDP2 composes with it.
+                # The composable form: the block keeps its parameter names (a wrapper module would add one to every key
+                # of every checkpoint), and FSDP2 composes with it.
                 checkpoint(module.get_submodule(name))
         # Inner units first: fully_shard of a parent leaves the parameters its sharded children own.
         for name in sorted(units, key=lambda unit: unit.count("."), reverse=True):
@@ -214,15 +204,15 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        """Every rank's shards through the checkpoint I/O, on every rank (Lightning's `Strategy` calls it
-        on rank 0 only), with the mesh they are written from."""
+        """Every rank's shards through the checkpoint I/O, on every rank (Lightning's `Strategy` calls it on rank 0
+        only), with the mesh they are written from."""
         layout = self.mesh_layout
         checkpoint_state.put(checkpoint, "sharding", {"replicas": layout.replicas, "shards": layout.shards})
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        """This rank's part of the weights and optimizer state loaded in place by the checkpoint I/O
-        (DCP reshards them when the mesh changed); returns the rest of the checkpoint."""
+        """This rank's part of the weights and optimizer state loaded in place by the checkpoint I/O (DCP reshards them
+        when the mesh changed); returns the rest of the checkpoint."""
         assert self.model is not None
         checkpoint = self.checkpoint_io.load_checkpoint(
             checkpoint_path, module=self.model, optimizers=self.optimizers, strict=self.lightning_module.strict_loading
@@ -256,9 +246,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 def data_parallel_mesh(device_type: str, layout: MeshLayout) -> DeviceMesh:
     """What FSDP2 shards over: one dimension, "data_parallel", of every rank; under hybrid sharding
-    "data_parallel_replicate" x "data_parallel_shard", row-major (each shard group is `shards`
-    consecutive ranks). An explicit device type: a mesh built for "cuda" while gloo runs on CPU
-    failed (pytorch#132471)."""
+    "data_parallel_replicate" x "data_parallel_shard", row-major (each shard group is `shards` consecutive ranks). An
+    explicit device type: a mesh built for "cuda" while gloo runs on CPU failed (pytorch#132471)."""
     if layout.is_hybrid:
         names = ("data_parallel_replicate", "data_parallel_shard")
         return init_device_mesh(device_type, (layout.replicas, layout.shards), mesh_dim_names=names)
@@ -285,9 +274,9 @@ def _module_list_classes(module: nn.Module) -> set[str]:
 
 
 def shard_units(module: nn.Module, shard_modules: list[str] | None) -> tuple[list[str], list[str]]:
-    """The submodules `FSDP2Strategy.shard` makes shard units: (the blocks, every unit, outermost last).
-    The blocks are of the `shard_modules` classes (by default those held in an `nn.ModuleList`); each
-    child of the LightningModule that holds parameters outside them is a unit too."""
+    """The submodules `FSDP2Strategy.shard` makes shard units: (the blocks, every unit, outermost last). The blocks are
+    of the `shard_modules` classes (by default those held in an `nn.ModuleList`); each child of the LightningModule that
+    holds parameters outside them is a unit too."""
     own = [name for name, _ in module.named_parameters(recurse=False)]
     if own:
         raise UserFacingError(
@@ -311,12 +300,8 @@ def optimize_sharded_parameters(
 ) -> None:
     """Point the optimizers at the sharded parameters where they hold the unsharded ones.
 
-    `fully_shard` replaces every parameter with a sharded one (a DTensor) of the same name, and
-    LightningCLI builds the config's `optimizer:` on the module's parameters when it parses the
-    config, long before the strategy shards them: that optimizer would step parameters nothing
-    uses. Nothing has stepped it yet (a resume loads its state later), so each parameter is
-    replaced by its sharded successor, in place, keeping the groups and any scheduler bound to it.
-    """
+    LightningCLI builds `optimizer:` before `fully_shard` replaces each parameter with a DTensor of the same name.
+    Nothing has stepped it yet, so each parameter is swapped in place, keeping groups and schedulers."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["params"] = [

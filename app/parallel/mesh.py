@@ -1,7 +1,6 @@
-"""How strategy fsdp lays out its ranks: one group that shards the model (full sharding), or several
-groups that each hold a whole sharded copy (hybrid sharding). Shared by the strategy's resolution
-(app/parallel/strategy.py) and the strategy itself (app/parallel/fsdp.py), so neither imports the other's
-module for it."""
+"""How strategy fsdp lays out its ranks: one group that shards the model (full sharding), or several groups that each
+hold a whole sharded copy (hybrid sharding). Shared by the strategy's resolution (app/parallel/strategy.py) and the
+strategy itself (app/parallel/fsdp.py), so neither imports the other's module for it."""
 
 from __future__ import annotations
 
@@ -10,18 +9,16 @@ from typing import Any, Literal
 
 from app.errors import UserFacingError
 
-# `trainer.strategy.init_args.shard_group_size` of strategy fsdp: the ranks that shard the model
-# between them (null: every rank; `node`: the ranks of one node; N: groups of N consecutive ranks).
+# `trainer.strategy.init_args.shard_group_size` of strategy fsdp: the ranks that shard the model between them (null:
+# every rank; `node`: the ranks of one node; N: groups of N consecutive ranks).
 ShardGroupSize = int | Literal["node"] | None
 
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """Strategy fsdp's ranks as `replicas` groups of `shards` consecutive ranks: each group holds one
-    whole copy of the model, sharded over its ranks. One replica is full sharding (FSDP); more is
-    hybrid sharding (HSDP): parameters are gathered and gradients reduce-scattered within a group (one
-    node's fast links), and only the gradient shards are all-reduced between the groups (across nodes).
-    The data is sharded over every rank either way: each rank reads its own samples."""
+    """Strategy fsdp's ranks as `replicas` groups of `shards` consecutive ranks, each group one sharded copy of the
+    model. One replica is FSDP; more is HSDP (gather and reduce-scatter within a group, gradient shards all-reduced
+    between groups). Data is sharded over every rank."""
 
     replicas: int
     shards: int
@@ -48,9 +45,9 @@ def check_shard_group_size(shard_group_size: Any) -> None:
 
 
 def mesh_layout(shard_group_size: ShardGroupSize, world_size: int, ranks_per_node: int) -> MeshLayout:
-    """The layout `shard_group_size` asks for on `world_size` ranks, `ranks_per_node` per node; a size
-    that does not divide the ranks into equal groups is refused in one line, before any process group
-    exists (every rank computes the same answer)."""
+    """The layout `shard_group_size` asks for on `world_size` ranks, `ranks_per_node` per node; a size that does not
+    divide the ranks into equal groups is refused in one line, before any process group exists (every rank computes the
+    same answer)."""
     check_shard_group_size(shard_group_size)
     if shard_group_size is None:
         size = world_size

@@ -1,9 +1,5 @@
-"""Read the same YAML that drives `ddp-app` and build what the reference trainer needs from it.
-
-The reference shares with the Lightning side only the bare network and its loss (built by the
-function in `app.models.nets` that the config's LightningModule calls too) and the datasets (from
-`app.data.datasets`, which the config's DataModule calls); the training loop is its own. Nothing
-here imports Lightning.
+"""Read the same YAML that drives `ddp-app` and build what the reference trainer needs: the bare network and loss
+(`app.models.nets`) and datasets (`app.data.datasets`); the loop is its own. No Lightning.
 """
 
 from __future__ import annotations
@@ -24,8 +20,8 @@ from app.data.datasets import DATASETS, DOWNLOADS, LoaderSettings
 from app.data.image_datasets import imagefolder_splits
 from app.models.nets import PARTS, TrainingParts
 
-# DataModule class name -> its splits: `app.data.datasets.DATASETS`, and the ImageFolder's, whose
-# module imports app.data.datasets (so it cannot be listed there).
+# DataModule class name -> its splits: `app.data.datasets.DATASETS`, and the ImageFolder's, whose module imports
+# app.data.datasets (so it cannot be listed there).
 SPLITS = {**DATASETS, "ImageFolderDataModule": imagefolder_splits}
 
 
@@ -51,8 +47,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# The DDPStrategy arguments that are DistributedDataParallel's own: the reference wraps its model
-# with the same ones, so that both sides run the same DDP and a benchmark compares the trainers.
+# The DDPStrategy arguments that are DistributedDataParallel's own: the reference wraps its model with the same ones, so
+# that both sides run the same DDP and a benchmark compares the trainers.
 DDP_ARGUMENTS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
 PRECISIONS = ("32-true", "32", "bf16-mixed")
 
@@ -68,8 +64,8 @@ def ddp_arguments(trainer_config: dict[str, Any]) -> dict[str, Any]:
     init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     kwargs = {key: init_args[key] for key in DDP_ARGUMENTS if key in init_args}
     if accumulation_steps_of(trainer_config) > 1 and kwargs.get("static_graph"):
-        # no_sync() on accumulation steps does not work with static_graph; ddp-app drops it for
-        # such a run too (app/run/config_checks.py `drop_static_graph_for_accumulation`), so both run the same DDP.
+        # no_sync() on accumulation steps does not work with static_graph; ddp-app drops it for such a run too
+        # (app/run/config_checks.py `drop_static_graph_for_accumulation`), so both run the same DDP.
         kwargs["static_graph"] = False
     return kwargs
 

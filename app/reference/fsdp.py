@@ -3,26 +3,13 @@
     python -m app.reference.fsdp --config configs/gpt_fsdp.yaml --out runs/reference_fsdp   # mp.spawn
     torchrun --nproc_per_node=2 -m app.reference.fsdp --config configs/gpt_fsdp.yaml --out runs/reference_fsdp
 
-Where the DDP reference (app/reference/train.py) wraps the model in DistributedDataParallel, this
-one shards it with `torch.distributed.fsdp.fully_shard`, as PyTorch's FSDP2 tutorial does: each
-transformer block becomes its own unit, then the whole network (the embeddings, the final norm and
-the head that are left), over a 1-D device mesh of every rank. Each rank keeps 1/world_size of every
-parameter, gradient and optimizer state; a unit's full parameters are gathered only while its
-forward or backward runs, and gradients are reduce-scattered (averaged) back into the shards.
-With `trainer.strategy.init_args.shard_group_size: N` the mesh is 2-D instead, replicas x N shards
-(hybrid sharding, HSDP): `fully_shard` shards over the second dimension and replicates over the
-first, so gradients are reduce-scattered within each group of N ranks and all-reduced between groups.
+As PyTorch's FSDP2 tutorial: `fully_shard` each transformer block, then the whole network, over a 1-D mesh of every
+rank; with `trainer.strategy.init_args.shard_group_size: N` a 2-D (replicas x N) mesh (HSDP). Snapshots go through DCP
+(every rank its shards, resharded on another world size); the final weights are gathered into `final.pt` on rank 0.
 
-Snapshots go through `torch.distributed.checkpoint` (DCP): every rank writes its own shards, and a
-run resumed on another number of ranks reads them resharded. The final weights are gathered into
-one plain state_dict on rank 0 (`final.pt`).
-
-It trains the same network, data order and optimizer as ddp-app's `strategy: fsdp` (app/parallel/fsdp.py)
-from the same YAML, so that `python -m app.parity --config configs/gpt_fsdp.yaml` can compare the two
-bit for bit. No Lightning is imported. Supported: the decoder-only transformer of
-`app.models.gpt.GPTLanguageModel` (app/models/transformer.py) on the token walks of
-`app.data.tokens.SyntheticTokensDataModule` (app.data.datasets.markov_token_splits),
-fp32, no gradient accumulation.
+It trains the same network, data order and optimizer as `strategy: fsdp` from the same YAML, so `python -m app.parity
+--config configs/gpt_fsdp.yaml` compares them bit for bit. No Lightning. Supported: `app.models.gpt.GPTLanguageModel`'s
+transformer on `SyntheticTokensDataModule`'s token walks, fp32, no gradient accumulation.
 """
 
 from __future__ import annotations
@@ -95,8 +82,8 @@ def shard(net: GPT, mesh: Any, reshard_after_forward: bool) -> None:
 
 
 def device_mesh(device: torch.device, world_size: int, init_args: dict[str, Any]) -> DeviceMesh:
-    """Every rank in one dimension, or, with a `shard_group_size`, replicas x shards (consecutive ranks
-    share a group; `node`: the ranks torchrun started on this node)."""
+    """Every rank in one dimension, or, with a `shard_group_size`, replicas x shards (consecutive ranks share a group;
+    `node`: the ranks torchrun started on this node)."""
     size = init_args.get("shard_group_size") or world_size
     if size == "node":
         size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -205,13 +192,9 @@ def worker(rank: int, world_size: int, local_rank: int, options: dict[str, Any])
 def end_rank() -> NoReturn:
     """Exit a rank whose work is done and saved, without the interpreter's teardown.
 
-    destroy_process_group does not release the gloo group here: the device mesh keeps it (and its
-    three gloo threads) alive, and DTensor's sharding caches keep the mesh, past the end of
-    `worker`, until the interpreter's teardown. Releasing it there, after Python has started to shut
-    down, can abort the finished rank ("terminate called without an active exception", SIGABRT),
-    which mp.spawn and torchrun report as a failed run. Nothing is left to do that the teardown
-    would do, so the rank ends here, as ddp-app's own ranks do (docs/fsdp.md, "Clean exit").
-    """
+    The device mesh keeps the gloo group alive until teardown, where releasing it can SIGABRT a finished rank
+    ("terminate called without an active exception"), failing mp.spawn and torchrun; ddp-app's ranks end the same way
+    (docs/fsdp.md, "Clean exit")."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

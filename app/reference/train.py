@@ -4,10 +4,8 @@
     torchrun --nproc_per_node=2 -m app.reference --config configs/digits.yaml
     srun --ntasks-per-node=2 python -m app.reference --config configs/digits.yaml
 
-It trains the same `nn.Module` and dataset classes as the Lightning side, from the same YAML, so
-that `python -m app.parity` can compare the two weight for weight. It imports torch, the models and
-the datasets, and no Lightning; instrumentation (the benchmark's step timer) is passed in as
-`make_hooks`, see `app.bench.reference`.
+It trains the same modules and datasets as the Lightning side, from the same YAML, for `python -m app.parity`. No
+Lightning; instrumentation comes in as `make_hooks` (`app.bench.reference`).
 """
 
 from __future__ import annotations
@@ -48,8 +46,8 @@ class StepHooks(Protocol):
     def finish(self, device: torch.device) -> None: ...
 
 
-# Called in every rank with (rank, world size); returns that rank's hooks, or None for none.
-# mp.spawn pickles it: pass a module-level function (or a functools.partial of one).
+# Called in every rank with (rank, world size); returns that rank's hooks, or None for none. mp.spawn pickles it: pass a
+# module-level function (or a functools.partial of one).
 MakeHooks = Callable[[int, int], StepHooks | None]
 
 
@@ -95,8 +93,8 @@ def register_compression(model: DDP, compression: dict[str, Any]) -> None:
         def powersgd_hook(state: powerSGD.PowerSGDState, bucket):  # noqa: ANN202 (DDP checks annotations)
             future = powerSGD.powerSGD_hook(state, bucket)
             if on_gloo:
-                # gloo runs the hook's callbacks on its 2 worker threads, where they wait for the next
-                # all-reduce: with several buckets in flight that deadlocks (see app/parallel/compression.py).
+                # gloo runs the hook's callbacks on its 2 worker threads, where they wait for the next all-reduce: with
+                # several buckets in flight that deadlocks (see app/parallel/compression.py).
                 future.wait()
             return future
 
@@ -126,8 +124,8 @@ class Trainer:
         self.bf16 = job.precision == "bf16-mixed"
         self.accumulation_steps = job.accumulation_steps  # micro-batches per optimizer step
         self.snapshot_path = out_dir / "snapshot.pt"
-        # The world size and per-rank batch whose sample order this run follows: its own, or those of
-        # the run whose snapshot it continues on another number of ranks (elastic, as ddp-app does).
+        # The world size and per-rank batch whose sample order this run follows: its own, or those of the run whose
+        # snapshot it continues on another number of ranks (elastic, as ddp-app does).
         self.order = self._snapshot_order(world_size, job.batch_size)
         self.layout = None
         batch_size = job.batch_size
@@ -145,8 +143,8 @@ class Trainer:
             self.sampler = DistributedSampler(
                 job.train_dataset, num_replicas=world_size, rank=rank, shuffle=job.shuffle, seed=job.sampler_seed
             )
-        # Uneven shares of a global micro-batch: each rank's loss weighted so the all-reduced
-        # gradient is the mean over it (app.resume.elastic.ElasticLayout.weight).
+        # Uneven shares of a global micro-batch: each rank's loss weighted so the all-reduced gradient is the mean over
+        # it (app.resume.elastic.ElasticLayout.weight).
         length = len(job.train_dataset)
         self.loss_weights = (
             [self.layout.weight(length, block, rank) for block in range(self.layout.blocks(length))]
@@ -162,8 +160,8 @@ class Trainer:
         split = in_memory_tensors(job.train_dataset)
         self.train_data: DataLoader | TensorBatchLoader
         if split is not None and num_workers == 0:
-            # As the Lightning side: a split held as tensors is batched by indexing, not sample by
-            # sample (app/data/on_device.py), the same rows in the same order as a DataLoader's.
+            # As the Lightning side: a split held as tensors is batched by indexing, not sample by sample
+            # (app/data/on_device.py), the same rows in the same order as a DataLoader's.
             self.train_data = TensorBatchLoader(split.tensors, self.sampler, batch_size, pin_memory, split.rows)
         else:
             self.train_data = DataLoader(
@@ -174,13 +172,13 @@ class Trainer:
                 num_workers=num_workers,
                 pin_memory=pin_memory,
                 persistent_workers=job.persistent_workers and num_workers > 0,
-                # As the Lightning side: the per-epoch iterator seed comes from here, not from the
-                # global generator that dropout draws from.
+                # As the Lightning side: the per-epoch iterator seed comes from here, not from the global generator that
+                # dropout draws from.
                 generator=torch.Generator().manual_seed(job.sampler_seed),
             )
         model = job.net.to(device)
-        # One device per process: device_ids=[local index]; on CPU, DDP takes no device_ids.
-        # ddp_kwargs: bucket_cap_mb, gradient_as_bucket_view, ... from the config's DDPStrategy.
+        # One device per process: device_ids=[local index]; on CPU, DDP takes no device_ids. ddp_kwargs: bucket_cap_mb,
+        # gradient_as_bucket_view, ... from the config's DDPStrategy.
         ddp_kwargs = without_single_rank_broadcast(job.ddp_kwargs, world_size)  # as the Lightning side
         self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
         register_compression(self.model, job.compression)
@@ -214,9 +212,9 @@ class Trainer:
         should_step = (batch_index + 1) % steps == 0 or batch_index + 1 == len(self.train_data)
         if batch_index % steps == 0:  # the group's first micro-batch (where Lightning zeroes them too)
             self.optimizer.zero_grad()
-        # Micro-batches that do not step skip the all-reduce: their gradients add up locally and the
-        # step's backward all-reduces the sum. The forward pass must be inside no_sync() too: DDP
-        # decides there whether the following backward all-reduces.
+        # Micro-batches that do not step skip the all-reduce: their gradients add up locally and the step's backward
+        # all-reduces the sum. The forward pass must be inside no_sync() too: DDP decides there whether the following
+        # backward all-reduces.
         with contextlib.nullcontext() if should_step else self.model.no_sync():
             # bf16-mixed: the forward pass (and loss) in bfloat16 where safe, as Lightning's precision plugin.
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
@@ -289,10 +287,10 @@ def train_worker(rank: int, world_size: int, local_rank: int, options: dict[str,
         trainer.train(options["max_epochs"])
         if hooks is not None:
             hooks.finish(device)
-        # gloo runs a communication hook's callbacks (PowerSGD's) on its worker threads, and they
-        # hold the process group. Waiting here lets those threads release them while this thread
-        # still holds the group; if a gloo thread drops the last reference, the group's destructor
-        # joins that thread itself and the process aborts at exit ("Resource deadlock avoided").
+        # gloo runs a communication hook's callbacks (PowerSGD's) on its worker threads, and they hold the process
+        # group. Waiting here lets those threads release them while this thread still holds the group; if a gloo thread
+        # drops the last reference, the group's destructor joins that thread itself and the process aborts at exit
+        # ("Resource deadlock avoided").
         dist.barrier()
     finally:
         cleanup()

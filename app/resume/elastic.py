@@ -1,17 +1,11 @@
-"""Elastic resume: a run continued on another number of ranks, or knowingly with another global batch
-(docs/resume.md).
+"""Elastic resume: a run continued on another number of ranks, or knowingly with another global batch (docs/resume.md).
 
-- `ElasticLayout` (app/data/samplers.py): the sample order such a run keeps, and each rank's share
-  of a global micro-batch;
-- `rebatched_position`, `elastic_layout_for`, `elastic_summary`, `check_elastic_loader`: what a
-  checkpoint's position (`app.resume.position.DataPosition`) becomes on the new run, the checks that refuse
-  in one line what cannot be continued, and the line that says what was kept;
+- `ElasticLayout` (app/data/samplers.py): the sample order kept and each rank's share of a global micro-batch;
+- `rebatched_position`, `elastic_layout_for`, `elastic_summary`, `check_elastic_loader`: what a checkpoint's
+  `DataPosition` becomes, the one-line refusals, and the line saying what was kept;
 - `weigh_losses`: each rank's loss weighted by its share of an unevenly split micro-batch.
 
-No Lightning and no torch here: the sampler (`app.data.samplers`), the callback that keeps the run's
-position (`app.resume.exact.ExactResume`, which calls these at a resume) and the reference trainer can all
-use it.
-"""
+No Lightning and no torch here: the sampler, `app.resume.exact.ExactResume` and the reference trainer use it."""
 
 from __future__ import annotations
 
@@ -26,8 +20,8 @@ from app.resume.position import DataPosition
 
 
 def rebatched_position(saved: DataPosition, global_batch_size: int, world_size: int) -> DataPosition:
-    """The position in units of the global batch a resume accepts (exact_resume.global_batch_size):
-    the same samples consumed, rounded down to a whole new micro-batch."""
+    """The position in units of the global batch a resume accepts (exact_resume.global_batch_size): the same samples
+    consumed, rounded down to a whole new micro-batch."""
     new, steps = global_batch_size, saved.accumulate_grad_batches
     fix = "Fix: unset exact_resume.global_batch_size to keep the checkpoint's global batch"
     if saved.micro_batch is None or saved.dataset_length is None:
@@ -104,8 +98,8 @@ def elastic_summary(
 def check_elastic_loader(
     saved: DataPosition, layout: ElasticLayout, world_size: int, sampler_layout: Any, streams: bool, automatic: bool
 ) -> None:
-    """A resume on another number of ranks: every piece that splits the global batch must be ours
-    (the training sampler follows `layout`, no stream), and the loss weighting needs automatic optimization."""
+    """A resume on another number of ranks: every piece that splits the global batch must be ours (the training sampler
+    follows `layout`, no stream), and the loss weighting needs automatic optimization."""
     if streams or sampler_layout != layout:
         raise ResumeError(
             f"this checkpoint was written by a {saved.world_size}-rank run and this run has {world_size} "
@@ -122,15 +116,11 @@ def check_elastic_loader(
 
 
 def weigh_losses(module: Any, layout: ElasticLayout, dataset_length: int, rank: int) -> bool:
-    """Scale this rank's loss where the global micro-batch is split unevenly (`ElasticLayout.weight`);
-    returns whether it did (then `unweigh_losses` undoes it).
+    """Scale this rank's loss where the global micro-batch is split unevenly (`ElasticLayout.weight`); returns whether
+    it did (`unweigh_losses` undoes it).
 
-    DDP averages the ranks' gradients; with per-rank batches of different sizes the average of
-    per-rank means is not the mean over the global batch unless each rank's loss (a mean over its
-    batch, as Lightning's losses are) is weighted by ranks x its samples / global samples. Lightning
-    has no hook that may replace the loss, so the module's `training_step` is wrapped on the instance
-    (DDP's wrapper calls it there; docs/private_apis.md).
-    """
+    DDP averages per-rank means, so each rank's mean loss is weighted by ranks x its samples / global samples. Lightning
+    has no hook to replace the loss, so the instance's `training_step` is wrapped (docs/private_apis.md)."""
     weights = [layout.weight(dataset_length, block, rank) for block in range(layout.blocks(dataset_length))]
     if all(weight == 1.0 for weight in weights):
         return False

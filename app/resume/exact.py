@@ -1,32 +1,17 @@
 """Exact resume: the application owns the position in the data, and every random draw is reproducible.
 
-"Stops for any reason, continues as if it never stopped" rests on three records in every checkpoint:
+Every checkpoint keeps three records:
 
-1. **The data position** (`DataPosition`, in the checkpoint's `exact_resume` part,
-   app/checkpoints/state.py): the epoch, how many of its batches were consumed by completed
-   optimizer steps, whether the epoch's end (validation, epoch-end callbacks) has run, and the run's
-   shape at save time (world size, per-rank batch, accumulation, batches per epoch, shuffling seed).
-   It is counted by `ExactResume` itself, never re-derived from Lightning's loop counters, whose
-   meaning changes with how a run stopped: after a `max_steps` or `max_time` stop Lightning runs the
-   epoch-end hooks of an unfinished epoch and counts it as done, and a save on an epoch's last batch
-   resumes in the next epoch without its validation.
-2. **Lightning's loop state, made to agree with the position.** On load, `canonical_fit_loop_state`
-   rewrites the checkpoint's `loops.fit_loop` counters into one of three forms whose resume Lightning
-   2.6 gets right (guarded in tests/test_private_apis.py, every stop moment in
-   tests/fault/test_resume_matrix.py): the start of an epoch, the middle of one after k batches,
-   or "all batches trained, validation and epoch end still to run". The sampler then skips exactly
-   the consumed batches (`ResumableDistributedSampler` asks `ExactResume.sampler_position`); a
-   stateful stream loads its state (app/data/positioned_streams.py).
-3. **Every rank's random state** (torch, CUDA, NumPy, Python), restored right before the first thing
-   the resumed run does: dropout masks and anything else drawn in the training step match.
+1. **The data position** (`DataPosition`, in the `exact_resume` part): epoch, batches consumed by completed optimizer
+steps, whether the epoch end ran, and the run's shape. Counted by `ExactResume`, never derived from Lightning's loop
+counters, whose meaning depends on how a run stopped. 2. **Lightning's loop state, made to agree with it**:
+`canonical_fit_loop_state` rewrites `loops.fit_loop` into one of three forms Lightning 2.6 resumes right (guarded in
+tests/test_private_apis.py and tests/fault/test_resume_matrix.py); the sampler skips the consumed batches, a stateful
+stream loads its state. 3. **Every rank's random state** (torch, CUDA, NumPy, Python), restored right before the resumed
+run's first action.
 
-Randomness inside data loading is not a stream at all: `app.data.seeding.PerSampleSeeded` seeds torch, NumPy and
-Python's `random` from (seed, epoch, sample index) around each `__getitem__` of a training set, so a
-sample's augmentation is the same whichever worker, rank or resumed process loads it.
-
-What a checkpoint's record becomes in the fit that resumes from it, and the checks that refuse in one
-line what cannot continue exactly: app/resume/resumed.py (`Resumed`).
-"""
+Data loading's randomness is seeded per sample (`app.data.seeding.PerSampleSeeded`). What a record becomes in the
+resuming fit, and its checks: app/resume/resumed.py (`Resumed`)."""
 
 from __future__ import annotations
 
@@ -58,22 +43,17 @@ def _counters(ready: int, started: int, processed: int, completed: int) -> dict[
 def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, validates: bool) -> dict[str, Any]:
     """Lightning's `fit_loop` state dict with its progress counters set from `position`.
 
-    Private layout (docs/private_apis.md; tests/test_private_apis.py fails in seconds if Lightning
-    changes it): the counters live under
-    `epoch_progress`, `epoch_loop.batch_progress`, `epoch_loop.val_loop.batch_progress` and
-    `epoch_loop.state_dict._batches_that_stepped` (the logger's step). The three forms are the ones
-    Lightning writes itself at the matching moments and resumes correctly:
+    Private layout (docs/private_apis.md; tests/test_private_apis.py guards it): `epoch_progress`,
+    `epoch_loop.batch_progress`, `epoch_loop.val_loop.batch_progress` and `epoch_loop.state_dict._batches_that_stepped`.
+    The three forms are those Lightning writes itself:
 
     - epoch start (E >= 1): as saved in `on_train_epoch_end` of epoch E - 1;
     - mid-epoch after k batches: as saved in `on_train_batch_end` of batch k;
-    - all batches trained, validation and epoch end pending: the epoch loop "restarted on its last
-      batch" with the validation loop "restarted mid-evaluation" at its first batch, so that
-      validation runs in full and the epoch-end hooks follow. (Lightning's own form for a save on
-      the last batch skips both and starts the next epoch.)
+    - all batches trained, validation and epoch end pending: the epoch loop restarted on its last batch and the
+      validation loop mid-evaluation at its first (Lightning's own last-batch form skips both).
 
-    `validates`: whether validation runs after this epoch (it advances the logger's step by one).
-    Optimizer and scheduler progress are left as saved: their totals are the global step.
-    """
+    `validates`: whether validation runs after this epoch (it advances the logger's step). Optimizer and scheduler
+    progress are left as saved."""
     state = copy.deepcopy(fit_loop)
     layout = ("lightning", "exact resume", "the checkpoint's loops.fit_loop state")
     batches = require(state, "epoch_loop.batch_progress", *layout)
@@ -136,17 +116,17 @@ def validates_after_epoch(trainer: L.Trainer, epoch: int) -> bool:
 
 
 class TrainingPosition(TrainingPositioner):
-    """The data position: counted by `ExactResume` at Lightning's hooks, asked for by the training
-    loaders, which tell it of themselves (app/data/positioning.py); `resumed` is the checkpoint's
-    position that a resumed fit continues from."""
+    """The data position: counted by `ExactResume` at Lightning's hooks, asked for by the training loaders, which tell
+    it of themselves (app/data/positioning.py); `resumed` is the checkpoint's position that a resumed fit continues
+    from."""
 
     def __init__(self) -> None:
         # Told by the data layer as it builds the training loaders: the stateful streams it positions
         # (app.data.positioned_streams), and one line for each loader it cannot.
         self.streams: list[Any] = []
         self.notices: list[str] = []
-        # The per-rank batch size the user's training loader asked for, and its dataset's length (set
-        # where ddp-app builds the training loader).
+        # The per-rank batch size the user's training loader asked for, and its dataset's length (set where ddp-app
+        # builds the training loader).
         self.configured_batch_size: int | None = None
         self.dataset_length: int | None = None
         self._reset_position()
@@ -161,8 +141,8 @@ class TrainingPosition(TrainingPositioner):
         self.resumed: Resumed | None = None  # set when a fit resumes from a checkpoint
 
     def sampler_position(self) -> tuple[int, int]:
-        # Not consumed here: an iterator may be created and never read (a resume that only has the
-        # epoch's validation left), or created twice. The skip ends with the resumed epoch.
+        # Not consumed here: an iterator may be created and never read (a resume that only has the epoch's validation
+        # left), or created twice. The skip ends with the resumed epoch.
         return (self.epoch + 1, 0) if self.epoch_end_done else (self.epoch, self._skip)
 
     def training_loader_built(self, configured_batch_size: int | None, dataset_length: int) -> ElasticLayout | None:
@@ -221,9 +201,9 @@ class TrainingPosition(TrainingPositioner):
 class ExactResume(L.Callback, TrainingPosition):
     """Owns the data position and the random state that exact resume needs; see the module docstring.
 
-    Counting costs one integer compare per step. The position is checked against Lightning's own
-    epoch at every epoch start and after a resume; a disagreement is a bug, reported with a traceback.
-    Configured under the top-level `exact_resume:` key of a `ddp-app` config.
+    Counting costs one integer compare per step. The position is checked against Lightning's own epoch at every epoch
+    start and after a resume; a disagreement is a bug, reported with a traceback. Configured under the top-level
+    `exact_resume:` key of a `ddp-app` config.
 
     Args:
         per_sample_seeding: seed torch, NumPy and Python's `random` from (seed, epoch, sample index)
@@ -235,8 +215,7 @@ class ExactResume(L.Callback, TrainingPosition):
         global_batch_size: on a resume, continue with this global batch instead of the checkpoint's,
             knowingly: the sample order is kept and the epoch continues at the sample it stopped at
             (rounded down to a whole new batch), but steps per epoch, and so step-based schedules,
-            change from there. Unset (the default) keeps the checkpoint's.
-    """
+            change from there. Unset (the default) keeps the checkpoint's."""
 
     def __init__(
         self, per_sample_seeding: bool = True, elastic: bool = True, global_batch_size: int | None = None
@@ -280,10 +259,10 @@ class ExactResume(L.Callback, TrainingPosition):
             self.resumed.start(trainer, pl_module, self.position(trainer), bool(self.streams))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Only for an epoch that starts from its first batch (Lightning does not call it when resuming mid-epoch).
-        # A run resumed at an epoch's start restores its random state here, before any other callback's
-        # or the module's epoch-start hook draws from it, as the uninterrupted run's hooks did right
-        # after its epoch-end save (this callback is the first: app/run/build.py).
+        # Only for an epoch that starts from its first batch (Lightning does not call it when resuming mid-epoch). A run
+        # resumed at an epoch's start restores its random state here, before any other callback's or the module's
+        # epoch-start hook draws from it, as the uninterrupted run's hooks did right after its epoch-end save (this
+        # callback is the first: app/run/build.py).
         if self.resumed is not None:
             self.resumed.restore_rng()
         if self.epoch_end_done:
@@ -321,24 +300,23 @@ class ExactResume(L.Callback, TrainingPosition):
     ) -> None:
         self.batches_seen += 1
         if not math.isfinite(trainer.num_training_batches):
-            # A stream without length: only Lightning's fetcher knows that this batch was its last
-            # (private, guarded in tests/test_private_apis.py).
+            # A stream without length: only Lightning's fetcher knows that this batch was its last (private, guarded in
+            # tests/test_private_apis.py).
             self._last_batch_seen = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         if trainer.global_step != self._step_seen:  # an optimizer step completed with this batch
             self._step_seen = trainer.global_step
             self.batches_done = self.batches_seen
             length = self._epoch_length(trainer)
             if length is not None and self.batches_done >= length:
-                # The generators as the epoch's training ends: a save made later, at the start of
-                # validation (the coordinator saves last.ckpt at the next hook), must hold these, because building
-                # validation's loader iterator has drawn a seed from them since, and a resumed run
-                # builds it again after restoring them.
+                # The generators as the epoch's training ends: a save made later, at the start of validation (the
+                # coordinator saves last.ckpt at the next hook), must hold these, because building validation's loader
+                # iterator has drawn a seed from them since, and a resumed run builds it again after restoring them.
                 self._rng_after_training = capture_rng_state()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Lightning also ends an unfinished epoch this way when max_steps, max_time or should_stop
-        # stops the run: that epoch is not done, and a continued run picks it up where it stopped.
-        # Any other early end is the data's (a stream shorter than its len()): the epoch is done.
+        # Lightning also ends an unfinished epoch this way when max_steps, max_time or should_stop stops the run: that
+        # epoch is not done, and a continued run picks it up where it stopped. Any other early end is the data's (a
+        # stream shorter than its len()): the epoch is done.
         length = self._epoch_length(trainer)
         complete = length is not None and self.batches_done >= length
         budget_stop = trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step
@@ -352,9 +330,9 @@ class ExactResume(L.Callback, TrainingPosition):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         position = self.position(trainer).to_checkpoint()
-        # What the checkpoint holds is in the logs too: CSVLogger buffers rows (100 steps by default),
-        # and a kill -9 after this save would lose rows that a resume does not log again.
-        # The row of the step being saved is logged right after on_train_batch_end: flushed at the next hook.
+        # What the checkpoint holds is in the logs too: CSVLogger buffers rows (100 steps by default), and a kill -9
+        # after this save would lose rows that a resume does not log again. The row of the step being saved is logged
+        # right after on_train_batch_end: flushed at the next hook.
         self._flush_logs(trainer)
         self._flush_due = True
         # Lightning builds the checkpoint on every rank (rank 0 writes it), so a collective is safe here.
@@ -364,8 +342,8 @@ class ExactResume(L.Callback, TrainingPosition):
         if self.streams:  # each rank's stream is its own shard: its state is saved per rank
             state["streams"] = [stream.state_at(self.batches_done, self.epoch_end_done) for stream in self.streams]
         states = gather_per_rank(state)  # on rank 0, the one that writes the checkpoint
-        # Where this run imported the user's classes from (`user_code_directories`): `python -m app.export`
-        # rebuilds them later.
+        # Where this run imported the user's classes from (`user_code_directories`): `python -m app.export` rebuilds
+        # them later.
         checkpoint_state.put(
             checkpoint,
             "exact_resume",

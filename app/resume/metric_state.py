@@ -1,10 +1,6 @@
-"""What a rank accumulates during an epoch outside the model's state_dict, kept per rank in checkpoints.
-
-A training epoch's metrics (every torchmetrics state, and what a module returns from
-`per_rank_state()`) are per-rank running sums: resumed in an epoch's middle without them, the
-epoch's logged metrics would cover only the batches after the resume. `app.resume.exact.ExactResume`
-saves them with each rank's random state (one gather per save) and loads them when training starts.
-"""
+"""What a rank accumulates during an epoch outside the model's state_dict (torchmetrics states, `per_rank_state()`),
+kept per rank in checkpoints so a mid-epoch resume logs the whole epoch. Saved and loaded by
+`app.resume.exact.ExactResume`."""
 
 from __future__ import annotations
 
@@ -15,15 +11,15 @@ import lightning as L
 
 from app.private_apis import require
 
-# Our key for a metric's update count in the saved state (checkpoints written before it was read
-# through the public `update_count` use the same key).
+# Our key for a metric's update count in the saved state (checkpoints written before it was read through the public
+# `update_count` use the same key).
 UPDATE_COUNT = "_update_count"
 
 
 def per_rank_module_state(pl_module: L.LightningModule) -> dict[str, Any]:
-    """What a rank accumulates during an epoch outside the state_dict: every torchmetrics metric's
-    state, and what the module returns from `per_rank_state()` if it has one (our classifiers' training
-    accuracy counts). Resumed mid-epoch, the epoch's metrics then cover the whole epoch."""
+    """What a rank accumulates during an epoch outside the state_dict: every torchmetrics metric's state, and what the
+    module returns from `per_rank_state()` if it has one (our classifiers' training accuracy counts). Resumed mid-epoch,
+    the epoch's metrics then cover the whole epoch."""
     from torchmetrics import Metric
 
     metrics = {
@@ -48,12 +44,12 @@ def load_per_rank_module_state(pl_module: L.LightningModule, state: dict[str, An
             for key, value in values.items()
             if key != UPDATE_COUNT
         }
-        # torchmetrics' Metric._load_from_state_dict sets every state the dict holds, persistent or
-        # not: the public load path. strict=False: the metric's own parameters and buffers (and its
-        # child metrics', saved under their own names) are not in it.
+        # torchmetrics' Metric._load_from_state_dict sets every state the dict holds, persistent or not: the public load
+        # path. strict=False: the metric's own parameters and buffers (and its child metrics', saved under their own
+        # names) are not in it.
         metric.load_state_dict(states, strict=False)
-        # torchmetrics has no setter for update_count; a metric whose states reduce by "mean" weighs
-        # the batches before a resume by it in forward() (docs/private_apis.md).
+        # torchmetrics has no setter for update_count; a metric whose states reduce by "mean" weighs the batches before
+        # a resume by it in forward() (docs/private_apis.md).
         needed_for = "restoring a metric's update count on a mid-epoch resume"
         require(metric, UPDATE_COUNT, "torchmetrics", needed_for, owner_name="Metric")
         metric._update_count = values.get(UPDATE_COUNT, 0)

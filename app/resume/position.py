@@ -1,8 +1,7 @@
 """Where a training run stands in its data, as ddp-app writes it into every checkpoint.
 
-A plain record (no Lightning, no torch): `app.resume.exact.ExactResume` counts it and restores it,
-`app.resume.elastic` continues it on another number of ranks or with another global batch.
-"""
+A plain record (no Lightning, no torch): `app.resume.exact.ExactResume` counts it and restores it, `app.resume.elastic`
+continues it on another number of ranks or with another global batch."""
 
 from __future__ import annotations
 
@@ -16,10 +15,8 @@ from app.checkpoints import state as checkpoint_state
 class DataPosition:
     """Where a training run stands in its data, as written into every checkpoint.
 
-    `batches_done` counts this epoch's (micro-)batches whose optimizer step completed: a save never
-    falls between accumulated micro-batches. `epoch_end_done` is true once the epoch's last batch,
-    its validation and its epoch-end callbacks have run: the run then continues with epoch + 1.
-    """
+    `batches_done`: this epoch's (micro-)batches whose optimizer step completed. `epoch_end_done`: the last batch,
+    validation and epoch-end callbacks have run (continue with epoch + 1)."""
 
     epoch: int
     batches_done: int

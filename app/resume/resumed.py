@@ -1,8 +1,5 @@
-"""A fit resumed from a checkpoint: what the checkpoint's `exact_resume` record becomes on this run,
-the checks that refuse in one line what cannot be continued exactly, and this rank's saved state
-until it is restored. `app.resume.exact.ExactResume` builds a `Resumed` in `on_load_checkpoint`
-and asks it at its hooks; the random state's capture and restore are here too.
-"""
+"""A fit resumed from a checkpoint: what its `exact_resume` record becomes on this run, the one-line refusals, and this
+rank's saved state until restored (random state included). Built by `ExactResume.on_load_checkpoint`."""
 
 from __future__ import annotations
 
@@ -60,9 +57,9 @@ class Resumed:
     position: DataPosition  # the checkpoint's, in this run's batches (a new global batch rebatches it)
     rebatched_from: DataPosition | None  # the checkpoint's own, where a new global batch was accepted
     layout: ElasticLayout | None  # the global batch's split, where the ranks or the global batch changed
-    # This rank's saved random and module state until restored, and its streams' states until each
-    # stream starts. Per-rank states belong to the ranks that saved them: on another number of ranks,
-    # random draws in the step (dropout) and per-rank metric accumulators start afresh (docs/resume.md).
+    # This rank's saved random and module state until restored, and its streams' states until each stream starts.
+    # Per-rank states belong to the ranks that saved them: on another number of ranks, random draws in the step
+    # (dropout) and per-rank metric accumulators start afresh (docs/resume.md).
     rank_state: dict[str, Any] | None
     stream_states: list[Any]
     weighted: Any = None  # the module whose losses `weigh_losses` weights, until `teardown`
@@ -100,8 +97,8 @@ class Resumed:
             self.rank_state = None
 
     def stream_start(self, index: int, epoch: int, skip: int) -> StreamStart:
-        """(epoch, batches to skip, state to load or None, whether the epoch's batches are all trained)
-        for this rank's training stream `index` starting now at (epoch, skip) (app.data.positioned_streams)."""
+        """(epoch, batches to skip, state to load or None, whether the epoch's batches are all trained) for this rank's
+        training stream `index` starting now at (epoch, skip) (app.data.positioned_streams)."""
         state = None
         if index < len(self.stream_states):  # each saved state is loaded once
             state, self.stream_states[index] = self.stream_states[index], None
@@ -109,9 +106,9 @@ class Resumed:
         return epoch, skip, state, skip > 0 and per_epoch is not None and skip >= per_epoch
 
     def start(self, trainer: L.Trainer, pl_module: L.LightningModule, now: DataPosition, streams: bool) -> None:
-        """At the fit's start: the module's per-rank state restored, the run checked against the position
-        (`now`: the run's own, `streams`: whether its training loaders are positioned streams), an elastic
-        resume's loss weighting installed and said in one line."""
+        """At the fit's start: the module's per-rank state restored, the run checked against the position (`now`: the
+        run's own, `streams`: whether its training loaders are positioned streams), an elastic resume's loss weighting
+        installed and said in one line."""
         saved = self.position
         if self.rank_state is not None and "module" in self.rank_state:
             load_per_rank_module_state(pl_module, self.rank_state.pop("module"))

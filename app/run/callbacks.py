@@ -1,5 +1,5 @@
-"""Callbacks every `ddp-app` run gets: a guard against NaN/Inf, the writer of `ddp-app predict`'s
-output, and the progress display (a bar on a terminal, lines in a log). Exact resume: `app.resume.exact`."""
+"""Callbacks every `ddp-app` run gets: a guard against NaN/Inf, the writer of `ddp-app predict`'s output, and the
+progress display (a bar on a terminal, lines in a log). Exact resume: `app.resume.exact`."""
 
 from __future__ import annotations
 
@@ -22,43 +22,29 @@ from app.tracking.throughput import TrainingClock, batch_size_of, samples_per_s
 
 
 class NonFiniteGuard(L.Callback):
-    """Stops training at the first optimizer step whose gradients are NaN or Inf, and never lets a
-    checkpoint hold the weights that step produced.
+    """Stops training at the first optimizer step whose gradients are NaN or Inf, and never lets a checkpoint hold its
+    weights.
 
-    A check that reads its verdict on the host every step (`.item()`) stalls a GPU every step: the
-    CPU waits for the backward pass before it may queue the next step's work, and on an H100 that
-    wait was a third of Lightning's added time per step (issue 22). So the verdict stays on the
-    device: each step keeps its gradients' total norm there (one foreach norm, no host read, about
-    14 us on a 2-core CPU against 20 us for also folding it into a running flag). The host reads
-    them, stacked, only
-    - every `trainer.log_every_n_steps` optimizer steps (50 with logging off), where Lightning's
-      logging reads device values anyway;
-    - before any checkpoint is written (`on_save_checkpoint`, which every save passes through on
-      every rank before rank 0 writes), so the file on disk is always one from before the bad step;
-    - at the end of training.
-    Found bad, it raises `NonFiniteLossError` naming the first bad step and the last good checkpoint.
-    Under a gradient scaler (`precision: 16-mixed` on a GPU) it checks nothing: the scaler skips
-    every step with non-finite gradients itself, and lowers its scale, which is how it finds its
-    scale in the first steps of every run.
-    The weights in memory by then went through at most one read interval of bad updates; nothing
-    keeps them. The check runs after DDP's all-reduce, so every rank sees the same gradients and
-    reaches the same verdict at the same read without another collective.
-    """
+    Reading a verdict on the host every step would stall a GPU (issue 22), so each step keeps its gradients' total norm
+    on the device and the host reads them, stacked, only every `trainer.log_every_n_steps` steps, before any checkpoint
+    is written (`on_save_checkpoint`), and at the end of training; then it raises `NonFiniteLossError` naming the first
+    bad step and the last good checkpoint. Under a gradient scaler it checks nothing (the scaler skips such steps). The
+    check runs after DDP's all-reduce, so every rank reaches the same verdict without a collective."""
 
     DEFAULT_READ_INTERVAL = 50  # optimizer steps between reads when logging is off
 
     def __init__(self) -> None:
         self._parameters: list[torch.nn.Parameter] = []
-        # On the training device: each checked step's total gradient norm since the last read. A
-        # norm is finite exactly when every gradient is (short of an overflow past 1e19 in the sum
-        # of squares, itself a diverged run); the read stacks them and finds the first bad one.
+        # On the training device: each checked step's total gradient norm since the last read. A norm is finite exactly
+        # when every gradient is (short of an overflow past 1e19 in the sum of squares, itself a diverged run); the read
+        # stacks them and finds the first bad one.
         self._norms: list[torch.Tensor] = []
         self._first_step = 0  # trainer.global_step at train start: checked step i is global step _first_step + i
         self._steps_read = 0  # checked steps before those in `_norms`
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Collected once: walking `pl_module.parameters()` every step (through every submodule,
-        # metrics included) costs 14x the cached list (`python -m app.bench.per_call`).
+        # Collected once: walking `pl_module.parameters()` every step (through every submodule, metrics included) costs
+        # 14x the cached list (`python -m app.bench.per_call`).
         self._parameters = [parameter for parameter in pl_module.parameters() if parameter.requires_grad]
         if getattr(trainer.precision_plugin, "scaler", None) is not None:  # MixedPrecision's public attribute
             self._parameters = []
@@ -106,11 +92,8 @@ class NonFiniteGuard(L.Callback):
 
 
 class PredictionWriter(BasePredictionWriter):
-    """`ddp-app predict` writes `<default_root_dir>/predictions.pt`: {"indices", "predictions"}.
-
-    Each rank predicts its own (unpadded) shard; rank 0 merges the shards in dataset order, so the
-    file is the same whatever the world size.
-    """
+    """`ddp-app predict` writes `<default_root_dir>/predictions.pt` ({"indices", "predictions"}): each rank predicts its
+    unpadded shard, rank 0 merges them in dataset order."""
 
     def __init__(self) -> None:
         super().__init__(write_interval="epoch")
@@ -118,8 +101,8 @@ class PredictionWriter(BasePredictionWriter):
     def write_on_epoch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any
     ) -> None:
-        # With one dataloader Lightning passes the predictions as a flat list of batches but the
-        # indices still nested per dataloader.
+        # With one dataloader Lightning passes the predictions as a flat list of batches but the indices still nested
+        # per dataloader.
         if predictions and isinstance(predictions[0], list):
             predictions = predictions[0]
         if batch_indices and batch_indices[0] and isinstance(batch_indices[0][0], list):
@@ -148,12 +131,8 @@ class PredictionWriter(BasePredictionWriter):
 
 
 class ThrottledProgressBar(TQDMProgressBar):
-    """Lightning's TQDM bar, redrawn during training at most every `min_interval_s` seconds.
-
-    The stock bar redraws after every step (refresh_rate=1), about 0.2 ms each on a CPU: a fifth
-    of a digits MLP step. tqdm itself redraws at most every 0.1 s; this restores that behaviour
-    (the last step of an epoch is always drawn). `ddp-app` puts it in place of the Trainer's
-    default bar; a progress bar configured in `trainer.callbacks` is left as it is.
+    """Lightning's TQDM bar, redrawn during training at most every `min_interval_s` (the stock bar redraws every step, a
+    real cost on a CPU); the epoch's last step is always drawn. A bar configured in `trainer.callbacks` is left alone.
     """
 
     def __init__(self, min_interval_s: float = 0.2, **kwargs: Any) -> None:
@@ -177,33 +156,27 @@ def batches_done_this_epoch(trainer: L.Trainer) -> int:
 
 
 class LogLineProgressBar(ProgressBar):
-    """Progress for a log file, not a terminal: one line per epoch, and during an epoch at most one
-    every `interval_s` seconds, e.g.
+    """Progress for a log file, not a terminal: one line per epoch, and within an epoch at most one every `interval_s`
+    seconds:
 
         epoch=3 step=80 batch=20/20 samples/s=5120 train_loss=0.2311 val_loss=0.2050 val_acc=0.9630
 
-    tqdm's bar writes a carriage-return redraw several times a second, which in an sbatch log, CI or
-    `| tee` is one unreadable multi-megabyte line. The values are the progress-bar metrics (what
-    `self.log(..., prog_bar=True)` shows in the bar). samples/s is training samples/s as
-    app/tracking/throughput.py defines it: on the epoch's line the epoch's value, the one the fit's
-    summary, the plot and the trackers show (`RunCoordinator` passes it), and within an epoch the
-    value since the previous line. Per step this costs two clock reads and a comparison: no
-    collective, no formatting. Global rank 0 prints; Lightning disables the bar on the other ranks.
-    Within an epoch the line reads Lightning's step values only (reduced when they were logged); the
-    epoch's line is printed where every rank has reduced the epoch's values (`print_epoch_line`).
-    """
+    tqdm's redraws make one unreadable line in an sbatch log or CI. Values are the progress-bar metrics; samples/s is
+    app/tracking/throughput.py's (the epoch's on its line, passed by `RunCoordinator`; since the last line within an
+    epoch). Rank 0 prints; per step it costs two clock reads, no collective. The epoch line is printed after every rank
+    reduced the epoch's values (`print_epoch_line`)."""
 
     def __init__(self, interval_s: float = 30.0) -> None:
         super().__init__()
         self.interval_s = interval_s
         self._enabled = True
         self._next_line_at = math.inf
-        # This rank's training since the epoch's start (or this attempt's, for an epoch resumed in its
-        # middle), and its (samples, seconds) at the previous line within the epoch.
+        # This rank's training since the epoch's start (or this attempt's, for an epoch resumed in its middle), and its
+        # (samples, seconds) at the previous line within the epoch.
         self._clock = TrainingClock()
         self._at_previous_line = (0.0, 0.0)
-        # Who prints the epoch's line: `app.run.coordinator.RunCoordinator` sets itself here in a ddp-app fit
-        # (after every rank has reduced the epoch's values); None: this bar, in its on_train_epoch_end.
+        # Who prints the epoch's line: `app.run.coordinator.RunCoordinator` sets itself here in a ddp-app fit (after
+        # every rank has reduced the epoch's values); None: this bar, in its on_train_epoch_end.
         self.epoch_lines_by: Any = None
 
     def disable(self) -> None:
@@ -249,13 +222,9 @@ class LogLineProgressBar(ProgressBar):
     def print_epoch_line(
         self, trainer: L.Trainer, pl_module: L.LightningModule, epoch_samples_per_s: float | None = None
     ) -> None:
-        """The epoch's line, called by `app.run.coordinator.RunCoordinator` at the epoch's end on every
-        rank, after every rank has reduced the epoch's logged values: reading them here (on rank 0
-        only) reduces nothing. Validation has run by now, so the line carries this epoch's val_* values.
-
-        `epoch_samples_per_s`: the epoch's samples/s as logged (the ranks' mean); None: this rank's own
-        measure of the epoch (this attempt's part of it), the same definition.
-        """
+        """The epoch's line, called by `RunCoordinator` at the epoch's end after every rank reduced the logged values,
+        so reading them here reduces nothing. `epoch_samples_per_s`: the epoch's logged samples/s; None: this rank's own
+        measure."""
         if self._enabled:
             if epoch_samples_per_s is None:
                 epoch_samples_per_s = samples_per_s(*self._clock.totals())
@@ -263,8 +232,8 @@ class LogLineProgressBar(ProgressBar):
 
     def _print_line(self, trainer: L.Trainer, pl_module: L.LightningModule, rate: float | None) -> None:
         batches = batches_done_this_epoch(trainer)
-        # The epoch's batches; not `total_train_batches`, which with max_epochs=-1 is the steps left to
-        # max_steps as of the moment it is read (`batch=20/5` at an epoch's end).
+        # The epoch's batches; not `total_train_batches`, which with max_epochs=-1 is the steps left to max_steps as of
+        # the moment it is read (`batch=20/5` at an epoch's end).
         total = trainer.num_training_batches
         fields = [f"epoch={trainer.current_epoch}", f"step={trainer.global_step}"]
         fields.append(f"batch={batches}/{total if math.isfinite(total) else '?'}")
@@ -284,12 +253,9 @@ TOTAL_FLOPS_LINE = "Total Flops"
 
 
 class PlainModelSummary(ModelSummary):
-    """The model summary of every run (app/cli/parser.py; max_depth=1, as Lightning's): Lightning's plain
-    table, the same in a log whatever the environment has installed (RichModelSummary where `rich`
-    is), without the FLOPs column and "Total Flops" line when every count is 0, which it is for a
-    module without `example_input_array` (Lightning 2.6 counts FLOPs on that input only), unless
-    `DDP_APP_VERBOSE=1`. `summarize` is the callback's hook for how the table is shown
-    (RichModelSummary overrides it too)."""
+    """Every run's model summary (max_depth=1): Lightning's plain table whatever is installed, without the all-zero
+    FLOPs column and "Total Flops" line (no `example_input_array`) unless `DDP_APP_VERBOSE=1`. `summarize` is the hook
+    for how the table is shown."""
 
     @staticmethod
     def summarize(

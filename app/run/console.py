@@ -1,36 +1,21 @@
 """What a run prints: the user's run, said once; everything else only with `DDP_APP_VERBOSE=1`.
 
-A `ddp-app` run prints its launch line, the model summary, one line per epoch, warnings about the
-user's own code and config, and errors (tests/test_console.py pins the shapes). Lightning and
-PyTorch print more, some of it once per rank. Each item is turned off at its source with a public
-switch scoped to it, so that anything new still shows:
+A run prints its launch line, the model summary, one line per epoch, warnings about the user's code and config, and
+errors (tests/test_console.py pins the shapes). Each extra is turned off at its source with a narrow public switch, so
+anything new still shows:
 
-- Lightning's product tip ("Tip: ... litlogger"), "GPU available: ..., used: ..." and "TPU
-  available" (the launch line says where the ranks run), and the 100-dash rules and
-  "distributed_backend=gloo" of the banner said when the ranks meet: a filter on Lightning's
-  rank-zero logger, which also says "`Trainer.fit` stopped", which stays. Of the banner, its one
-  line "All distributed processes registered. Starting with N processes" stays: ddp-app's launch
-  line ("world size N = nodes x processes") comes before the rendezvous, and this line is the sign
-  that every node joined it (docs/slurm.md);
-- "Seed set to 42" and "Initializing distributed: GLOBAL_RANK: r, MEMBER: r+1/N" from every rank
-  (and "LOCAL_RANK: r - CUDA_VISIBLE_DEVICES" on GPUs), and from every parse of the config
-  (`python -m app.sweep` parses it once per swept value): those loggers at WARNING. The seed is in
-  the config.yaml saved beside the logs;
-- the model summary's FLOPs column and "Total Flops" line when every count is 0, as they are for a
-  module without `example_input_array` (Lightning 2.6 counts FLOPs on that input only):
-  `app.run.callbacks.PlainModelSummary`, the ModelSummary callback `app.cli` gives every run;
-- Lightning's hint that `srun` exists but was not used: app/cluster/preflight.py decides the launch
-  and refuses, in one line, a Slurm job started without srun;
-- the deprecation warning Lightning's own `_pytree.py` triggers in PyTorch, once per rank;
-- Lightning's "Checkpoint directory ... exists and is not empty" at every resume: a fit may write
-  into a run's checkpoint directory only to continue that run (app/run/directory.py);
-- PyTorch's C++ log lines below ERROR, such as the `[c10d]` lines of every rank's debug endpoint
-  (app/cluster/hangs.py) at start and exit: TORCH_CPP_LOG_LEVEL=ERROR, which PyTorch reads once,
-  when it loads, so `app.__main__` sets it for the `ddp-app` process (and the ranks it forks)
-  before anything imports torch. A TORCH_CPP_LOG_LEVEL the user set wins.
+- Lightning's tip, "GPU/TPU available" and the banner's rules and backend line (a filter on Lightning's rank-zero
+  logger); "All distributed processes registered" stays: it shows every node joined (docs/slurm.md);
+- "Seed set to", "Initializing distributed" and the CUDA_VISIBLE_DEVICES lines of every rank and parse: those loggers at
+  WARNING;
+- the model summary's all-zero FLOPs: `app.run.callbacks.PlainModelSummary`;
+- Lightning's unused-`srun` hint: app/cluster/preflight.py refuses such a job in one line;
+- the deprecation warning Lightning's `_pytree.py` triggers, once per rank;
+- "Checkpoint directory ... exists and is not empty" at every resume (app/run/directory.py owns that rule);
+- PyTorch's C++ log lines below ERROR: TORCH_CPP_LOG_LEVEL=ERROR, read once at load, so `app.__main__` sets it before
+  torch is imported (a user's value wins).
 
-This module imports neither torch nor Lightning: `quiet_native_logs` runs before they load.
-"""
+This module imports neither torch nor Lightning: `quiet_native_logs` runs before they load."""
 
 from __future__ import annotations
 
@@ -47,8 +32,8 @@ LIGHTNING_NOTICES = ("💡 Tip:", "GPU available:", "TPU available:")
 # The banner is one message: a rule of 100 dashes, "distributed_backend=...", this line, a rule.
 RENDEZVOUS_BANNER = "-" * 100 + "\ndistributed_backend="
 RENDEZVOUS_LINE = "All distributed processes registered."
-# Lightning's rank-zero logger: lightning_utilities' one `rank_zero_info`, whose logger is the rank_zero
-# module imported last (Lightning's, after Fabric's); both get the filter.
+# Lightning's rank-zero logger: lightning_utilities' one `rank_zero_info`, whose logger is the rank_zero module imported
+# last (Lightning's, after Fabric's); both get the filter.
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 # Loggers whose INFO lines every rank repeats.
 PER_RANK_LOGGERS = (
@@ -94,8 +79,8 @@ def quiet_console(env: Mapping[str, str]) -> None:
         message="The `srun` command is available on your system but is not used",
         module=r"lightning\.fabric\.plugins\.environments\.slurm",
     )
-    # A fit that writes into a checkpoint directory with files in it continues that run: any other is
-    # refused before it starts (app/run/directory.py), so Lightning's warning would only greet every resume.
+    # A fit that writes into a checkpoint directory with files in it continues that run: any other is refused before it
+    # starts (app/run/directory.py), so Lightning's warning would only greet every resume.
     warnings.filterwarnings(
         "ignore",
         message=r"Checkpoint directory .* exists and is not empty",

@@ -1,40 +1,22 @@
 """The one place where ddp-app's ranks talk to each other during `fit`: `RunCoordinator`.
 
-Every rank must issue the same collectives in the same order. A collective issued from a hook is
-only safe if every rank reaches that hook at the same point of the same run, whatever callbacks the
-user passes and whatever its rank; and a collective that one rank issues where another rank issues
-a different one hangs both. So everything ddp-app's ranks must agree on during training is
-exchanged here, in one message per fixed point, and nowhere else:
+Every rank must issue the same collectives in the same order, so everything the ranks agree on during training is
+exchanged here, one message per fixed point:
 
 - **training start** (`on_train_start`): a stop signal recorded during setup;
-- **a check step** (`on_train_batch_end`, about every `last_checkpoint.check_interval_s` seconds of
-  training, at the same step on every rank): a stop signal, whether a time-interval save of
-  last.ckpt is due, and the step of the next check (the smallest any rank proposes);
-- **the epoch's end** (`on_train_epoch_end`, after every other callback and the module): a stop
-  signal, the epoch's training samples/s and its mean step time by part (app/run/step_timing.py).
+- **a check step** (`on_train_batch_end`, about every `last_checkpoint.check_interval_s`): a stop signal, whether a
+  timed save of last.ckpt is due, the next check's step;
+- **the epoch's end** (`on_train_epoch_end`): a stop signal, the epoch's samples/s and mean step time by part.
 
-Each message is one `all_gather` of a small float64 record per rank (`Record`), on a CPU (gloo)
-group; every rank then reads the same table the same way (`agree`). One rank never decides alone,
-and nothing that runs on one rank only (the progress line, console output, tracker sends, rank-0
-file writes) issues a collective.
+Each message is one `all_gather` of a small float64 `Record` per rank on a gloo group; every rank reads the same table
+the same way (`agree`). Nothing that runs on one rank only issues a collective.
 
-Lightning's own collectives are the other half of the protocol. A value logged with
-`sync_dist=True` on epoch level is reduced lazily, by whoever first reads the metrics: a progress
-bar reading them on rank 0 alone (Lightning's own bars do, at every epoch end) reduces them there
-while the other ranks reduce them later, when Lightning logs the epoch. That is harmless as long as
-no other collective comes in between on some rank. So before the epoch-end exchange, and before the
-saves that follow it, every rank reads the metrics here (`settle_logged_values`): what a rank-0
-reader already reduced is cached there and reduced now on the others, in the same order. The
-epoch's progress line is printed after that, from values every rank has reduced.
+Lightning reduces epoch-level `sync_dist=True` values lazily, by whoever reads first (rank 0's progress bar), so before
+the epoch-end exchange every rank reads them here in the same order (`settle_logged_values`).
 
-Why the epoch end is here and not in a callback of its own: Lightning calls the epoch-end hooks of
-plain callbacks, then the module's, then those of EarlyStopping and `Checkpoint` callbacks, and
-always keeps `Checkpoint` callbacks after every other callback (`_reorder_callbacks`). As a
-`Checkpoint` appended after the Trainer is built, this one runs last in every hook: its save of
-last.ckpt holds the best-k state a ModelCheckpoint updated in the same hook, and its epoch-end
-exchange follows every value the user's callbacks and module log there. The order of everything
-ddp-app installs is stated once, in `app/run/build.py` `build_trainer`.
-"""
+Why the epoch end is here: Lightning keeps `Checkpoint` callbacks after all others (`_reorder_callbacks`), so as a
+`Checkpoint` this runs last in every hook: last.ckpt holds the best-k state and the exchange follows every user log. The
+order of everything ddp-app installs: `app/run/build.py` `build_trainer`."""
 
 from __future__ import annotations
 
@@ -82,8 +64,9 @@ NOT_TIMED = (-1.0,) * 5  # `Record.step_times` of a rank without timed steps
 
 @dataclass(frozen=True)
 class Record:
-    """What one rank sends at a fixed point. `samples_per_s` < 0: not measured; `step_times`: the
-    epoch's mean step, data, compute, communication and other (s), negative: not measured."""
+    """What one rank sends at a fixed point. `samples_per_s` < 0: not measured.
+
+    `step_times`: the epoch's mean step, data, compute, communication and other (s), negative: not measured."""
 
     signal: int = 0
     save_due: bool = False
@@ -120,12 +103,8 @@ def agree(rows: list[list[float]]) -> Agreement:
 
 
 def settle_logged_values(trainer: L.Trainer) -> None:
-    """Reduce, on this rank, every value logged with `sync_dist=True` that no one has reduced yet.
-
-    Called at the same point on every rank. Reading the metrics is what makes Lightning reduce
-    them (one collective per value, in the order they were first logged); a value a rank-0-only
-    reader (a progress bar) reduced earlier is cached there and not reduced again.
-    """
+    """Reduce, on this rank, every `sync_dist=True` value no one has reduced yet (called at the same point on every
+    rank; values a rank-0 reader reduced are cached)."""
     trainer.callback_metrics  # noqa: B018 (the read is the point)
 
 
@@ -140,15 +119,13 @@ def exchange(record: Record, group: Any, world_size: int) -> Agreement:
 
 
 class RunCoordinator(Checkpoint):
-    """Owns every exchange between ddp-app's ranks during `fit` (see the module docstring): stop
-    signals, last.ckpt's time-interval saves and the epoch's samples/s. Installed by `ddp-app` in
-    every fit; with checkpointing off (`trainer.enable_checkpointing: false`) it saves nothing and
-    leaves stop signals to their default action.
+    """Owns every exchange between ddp-app's ranks during `fit` (see the module docstring): stop signals, last.ckpt's
+    time-interval saves and the epoch's samples/s. Installed by `ddp-app` in every fit; with checkpointing off
+    (`trainer.enable_checkpointing: false`) it saves nothing and leaves stop signals to their default action.
 
     Args:
         last_checkpoint: the writer of last.ckpt and its settings; None: no last.ckpt.
-        tracking, step_timing: where the epoch's per-rank samples/s and step times come from; None: not measured.
-    """
+        tracking, step_timing: where the epoch's per-rank samples/s and step times come from; None: not measured."""
 
     def __init__(
         self,
@@ -219,10 +196,9 @@ class RunCoordinator(Checkpoint):
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         epoch_loop = trainer.fit_loop.epoch_loop
-        # Private (docs/private_apis.md): Lightning broadcasts rank 0's SIGTERM flag before every
-        # step, a collective per step outside this protocol; ddp-app's own handlers own SIGTERM
-        # (`keep_lightning_off_stop_signals`), so that flag is never set. A Lightning without it
-        # stops here in one line rather than train with a collective per step.
+        # Private (docs/private_apis.md): Lightning broadcasts rank 0's SIGTERM flag before every step, a collective per
+        # step outside this protocol; ddp-app's own handlers own SIGTERM (`keep_lightning_off_stop_signals`), so that
+        # flag is never set. A Lightning without it stops here in one line rather than train with a collective per step.
         require(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, "lightning", "ddp-app's stop signals")
         setattr(epoch_loop, LIGHTNING_PER_STEP_SIGTERM_BROADCAST, lambda: None)
         self._steps_until_check, self._steps_since_check, self._last_check = 1, 0, time.monotonic()
@@ -231,8 +207,8 @@ class RunCoordinator(Checkpoint):
         self._stop_due = 0
         self._save_due = False
         self._stop_at = None
-        # A signal during setup (data, rendezvous, sanity check) stops every rank here, together,
-        # with nothing new to save: last.ckpt, if any, is the state training would start from.
+        # A signal during setup (data, rendezvous, sanity check) stops every rank here, together, with nothing new to
+        # save: last.ckpt, if any, is the state training would start from.
         agreement = self._check()
         if agreement.signal:
             self._stop(trainer, agreement.signal, saved=False)
@@ -256,8 +232,8 @@ class RunCoordinator(Checkpoint):
         if signum or due or saves.step_due(trainer.global_step):
             self._pending = (0, False)
             # Saved at the next hook, after Lightning has logged this step's metrics (it does so after
-            # on_train_batch_end) and nothing else has run: the checkpoint never holds a step whose log
-            # row a kill during the save could lose. A stop signal stops right after that save.
+            # on_train_batch_end) and nothing else has run: the checkpoint never holds a step whose log row a kill
+            # during the save could lose. A stop signal stops right after that save.
             self._save_due = True
         if signum:
             self._stop_due = signum
@@ -275,9 +251,9 @@ class RunCoordinator(Checkpoint):
         self._save_and_stop_if_due(trainer)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        # Lightning runs the forward and backward inside `optimizer.step` (its closure) and calls this
-        # hook after them, just before the update: where a save's overlapped copy must be complete
-        # (`last_checkpoint.overlap_copy`; the optimizer's own step pre-hook fires before the closure).
+        # Lightning runs the forward and backward inside `optimizer.step` (its closure) and calls this hook after them,
+        # just before the update: where a save's overlapped copy must be complete (`last_checkpoint.overlap_copy`; the
+        # optimizer's own step pre-hook fires before the closure).
         wait_for_staging(trainer)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -297,16 +273,16 @@ class RunCoordinator(Checkpoint):
         signum = max(agreement.signal, self._pending[0], self._stop_due)
         self._pending = (0, False)
         if self.last_checkpoint is not None:
-            # Always, even right after an interval save at the last batch: validation and the epoch's end
-            # have changed the state since (best-k, epoch counters), and a resume starts the next epoch.
+            # Always, even right after an interval save at the last batch: validation and the epoch's end have changed
+            # the state since (best-k, epoch counters), and a resume starts the next epoch.
             self.last_checkpoint.save(trainer)
         bar = trainer.progress_bar_callback
         if isinstance(bar, LogLineProgressBar):  # enabled on global rank 0 only
             bar.print_epoch_line(trainer, pl_module, agreement.samples_per_s)  # the value logged above
         if signum:
-            # Stopped at the next hook (the next epoch's start, or the end of training), not here:
-            # Lightning logs the epoch's `on_epoch=True` values (train_acc, ...) after this hook, and
-            # a resume from this checkpoint starts the next epoch, which never logs them again.
+            # Stopped at the next hook (the next epoch's start, or the end of training), not here: Lightning logs the
+            # epoch's `on_epoch=True` values (train_acc, ...) after this hook, and a resume from this checkpoint starts
+            # the next epoch, which never logs them again.
             self._stop_due = signum
             self._stop_at = (trainer.global_step, trainer.current_epoch)
 
@@ -325,8 +301,8 @@ class RunCoordinator(Checkpoint):
         finish_writes(trainer)  # what the tracker and the summary name next is on disk (or its failure said)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # Keep the flag-only handlers while a stopped job exits: after a requeue SLURM sends SIGTERM to
-        # every task, which must not end a rank midway (under `app.cli.entry.run` they stay until the exit).
+        # Keep the flag-only handlers while a stopped job exits: after a requeue SLURM sends SIGTERM to every task,
+        # which must not end a rank midway (under `app.cli.entry.run` they stay until the exit).
         if not isinstance(exception, Stopped):
             self._signals.restore(self._taken_signals)
 

@@ -1,32 +1,18 @@
-"""One run per directory: a fit never overwrites another run's checkpoints, and two fits never
-train into one directory at the same time.
+"""One run per directory: a fit never overwrites another run's checkpoints, and two fits never train into one directory
+at once.
 
 The rule (docs/usage.md, "One run per directory"):
 
-- `ddp-app fit` into a `default_root_dir` whose checkpoint directories hold checkpoints either
-  continues that run (`--ckpt_path last`, or a checkpoint file of those directories) or is refused
-  in one line that says to choose between `--ckpt_path last` and another `--trainer.default_root_dir`.
-  Only the checkpoints need the rule: logs are versioned (`lightning_logs/version_N`) and a tracker
-  run belongs to the run that writes them (app/tracking/run.py), so a refused fit writes nothing,
-  and a continued one adds to its own run.
-- While a fit runs, `<default_root_dir>/fit.lock` names it: host, pid, start time, and the Slurm job
-  or torchrun run it belongs to. A second fit into that directory, on this host or another (shared
-  storage), is refused in one line naming the first. The holder touches the file every
-  `HEARTBEAT_S`; a lock whose holder is gone never blocks a resume: on its own host a process that
-  no longer runs (killed, or its pid reused), on any host an earlier attempt of the same Slurm job
-  (a requeue) or torchrun run (a restart), else a heartbeat older than `STALE_AFTER_S`.
+- A fit into a `default_root_dir` whose checkpoint directories hold checkpoints either continues that run (`--ckpt_path
+  last`, or one of its files) or is refused in one line naming both choices. Logs are versioned and tracker runs belong
+  to their run, so a refused fit writes nothing.
+- While a fit runs, `<default_root_dir>/fit.lock` names it (host, pid, start, Slurm job or torchrun run); a second fit,
+  on any host, is refused in one line. The holder touches it every `HEARTBEAT_S`; a lock whose holder is gone (dead pid
+  on its host, an earlier attempt of the same job or run, or older than `STALE_AFTER_S`) never blocks a resume.
 
-Who holds the lock: `ddp-app`'s launcher for the ranks it forks (their whole life, restarts
-included; the ranks see `LOCK_VARIABLE`), global rank 0 under torchrun or srun (where a refused
-rank 0 ends its job: srun's --kill-on-bad-exit, torchrun's agent), and any in-process `DDPAppCLI`
-fit (tools, tests) for the length of its fit.
-
-Creating the file with O_EXCL makes two fits started at the same moment agree on one holder (NFS v3
-and later honour O_EXCL). Two resumes that take over the same stale lock within the same
-millisecond could both proceed; that race is left open.
-
-This module imports neither torch nor Lightning.
-"""
+The holder: the launcher for its forked ranks (they see `LOCK_VARIABLE`), global rank 0 under torchrun or srun, an
+in-process `DDPAppCLI` fit for its length. O_EXCL makes simultaneous starts agree (NFS v3+); two takeovers of one stale
+lock in the same millisecond is a race left open. No torch or Lightning here."""
 
 from __future__ import annotations
 
@@ -49,9 +35,9 @@ from app.errors import UserFacingError
 LOCK_NAME = "fit.lock"
 # Set by the launcher for the ranks it forks: the lock is held by their launcher, not to be taken again.
 LOCK_VARIABLE = "DDP_APP_FIT_LOCK"
-# A live holder touches its lock this often; one silent for STALE_AFTER_S is taken for gone. The
-# margin covers a holder's host clock being off from ours by a minute (mtimes on shared storage come
-# from the writer's host or the file server).
+# A live holder touches its lock this often; one silent for STALE_AFTER_S is taken for gone. The margin covers a
+# holder's host clock being off from ours by a minute (mtimes on shared storage come from the writer's host or the file
+# server).
 HEARTBEAT_S = 15.0
 STALE_AFTER_S = 120.0
 
@@ -106,9 +92,8 @@ def process_runs(pid: int) -> bool:
 
 
 def job_of(env: Mapping[str, str]) -> tuple[str | None, str | None]:
-    """(job, attempt) of this process: a Slurm job id, else a torchrun run id, and the restart counts
-    of both (torchrun inside Slurm restarts within one job attempt). A requeued job keeps its id;
-    torchrun restarts keep their run id."""
+    """(job, attempt) of this process: a Slurm job id, else a torchrun run id, and the restart counts of both (torchrun
+    inside Slurm restarts within one job attempt). A requeued job keeps its id; torchrun restarts keep their run id."""
     attempt = f"{env.get('SLURM_RESTART_COUNT', '0')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if env.get("SLURM_JOB_ID"):
         return f"slurm:{env['SLURM_JOB_ID']}", attempt
@@ -150,8 +135,8 @@ def why_gone(holder: Holder, silent_s: float, env: Mapping[str, str]) -> str | N
 def read_holder(path: Path) -> tuple[Holder, float] | None:
     """The lock's holder and how long since it last touched the file; None if there is no lock.
 
-    A lock that cannot be read (a holder killed while writing it, a file from another version) has
-    an unknown holder: it counts as held until its heartbeat is stale."""
+    A lock that cannot be read (a holder killed while writing it, a file from another version) has an unknown holder: it
+    counts as held until its heartbeat is stale."""
     try:
         silent_s = time.time() - path.stat().st_mtime
         text = path.read_text()
@@ -195,8 +180,8 @@ class RunLock:
         self._thread.start()
 
     def _heartbeat(self) -> None:
-        # Only a utime per beat: the launcher forks its ranks while this thread runs, and a thread
-        # that held a Python-level lock (a print, logging) at the fork would leave it held in the child.
+        # Only a utime per beat: the launcher forks its ranks while this thread runs, and a thread that held a
+        # Python-level lock (a print, logging) at the fork would leave it held in the child.
         while not self._stop.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError):  # removed by hand, or the storage hiccuped: the next beat tries
                 os.utime(self.path)
@@ -245,9 +230,8 @@ def acquire(root: Path, env: MutableMapping[str, str]) -> RunLock | None:
 def refuse_overwrite(root: Path, checkpoint_dirs: Iterable[Path], ckpt_path: str | None) -> None:
     """Stop in one line if a fit that does not continue the run in `root` would write over its checkpoints.
 
-    Continuing means `--ckpt_path last` (or "best", "hpc": Lightning's names for this run's files),
-    or a checkpoint file inside one of `checkpoint_dirs`. A checkpoint is a file or, with strategy fsdp,
-    a link to a directory of shards (app/checkpoints/sharded.py): anything by that name counts."""
+    Continuing means `--ckpt_path last` ("best", "hpc") or a checkpoint (file or sharded link) inside `checkpoint_dirs`.
+    """
     dirs = [Path(directory) for directory in checkpoint_dirs]
     existing = sorted(
         (path for directory in dirs if directory.is_dir() for path in directory.glob("*.ckpt") if path.exists()),
@@ -272,10 +256,10 @@ def refuse_overwrite(root: Path, checkpoint_dirs: Iterable[Path], ckpt_path: str
 
 
 def claim_run_directory(config: Any, rank_zero: bool, lock: bool) -> RunLock | None:
-    """One run per directory: a fit that another one is training into, or that would write over another
-    run's checkpoints, stops here in one line, before anything is written; with `lock` (global rank 0
-    of a rank launched by torchrun or srun, or an in-process fit) it then holds the directory's lock.
-    The launcher takes it for the ranks it forks (app/cli/entry.py)."""
+    """One run per directory: a fit that another one is training into, or that would write over another run's
+    checkpoints, stops here in one line, before anything is written; with `lock` (global rank 0 of a rank launched by
+    torchrun or srun, or an in-process fit) it then holds the directory's lock. The launcher takes it for the ranks it
+    forks (app/cli/entry.py)."""
     root = Path(config["trainer"]["default_root_dir"] or os.getcwd())
     if rank_zero:
         refuse_if_busy(root, os.environ)
@@ -284,8 +268,8 @@ def claim_run_directory(config: Any, rank_zero: bool, lock: bool) -> RunLock | N
 
 
 def configured_checkpoint_dirs(root: Path, trainer_config: Any) -> list[Path]:
-    """Where a fit with this trainer config writes checkpoints: `<root>/checkpoints` (ddp-app's last.ckpt
-    and every ModelCheckpoint without a dirpath) and the dirpath of any configured callback that has one."""
+    """Where a fit with this trainer config writes checkpoints: `<root>/checkpoints` (ddp-app's last.ckpt and every
+    ModelCheckpoint without a dirpath) and the dirpath of any configured callback that has one."""
     dirs = [root / "checkpoints"]
     callbacks = trainer_config.get("callbacks") or []
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:

@@ -1,38 +1,22 @@
 """Where each training step's time goes, on every rank of every fit: data, compute, communication, other.
 
-`StepTiming` (installed by app/run/build.py `build_trainer`) splits each training step on its rank,
-from the end of the previous step to the end of this one, into:
+`StepTiming` splits each step, from the previous step's end to this one's, into:
 
-- data: the training loader's `next()`. Lightning wraps that call in `trainer.profiler.start` and
-  `stop` ("[_TrainingEpochLoop].train_dataloader_next"); ddp-app's default profiler (`NoProfiler`,
-  app/run/build.py) adds up its time. Under a profiler of the config's own it is not measured (0,
-  and the time counts as other).
-- communication: under DDP, the gradient all-reduce's exposed wait: from the moment the step's last
-  gradient is accumulated (a post-accumulate-grad hook on every trained parameter; DDP launches the
-  last bucket's all-reduce right then) to the end of `backward` (where DDP waits for every bucket).
-  All-reduce that overlaps the backward pass is hidden and not counted; waiting for a slower rank is
-  counted. Under FSDP2, the all-gathers and reduce-scatters inside forward and backward
-  (app/parallel/collective_timing.py), with their bytes.
-- compute: this callback's `on_train_batch_start` to its `on_train_batch_end` less communication:
-  forward, backward, optimizer step, and the hooks of the callbacks after it inside the step.
-- other: the rest: what Lightning and ddp-app do between steps (logging, the other callbacks'
-  batch-end hooks, ddp-app's checks).
+- data: the loader's `next()`, timed through `trainer.profiler` by ddp-app's `NoProfiler` (not measured under a config's
+  own profiler);
+- communication: under DDP, the all-reduce's exposed wait, from the last gradient's accumulation (a post-accumulate-grad
+  hook) to the end of `backward`; overlapped all-reduce is hidden, waiting for a slower rank counts. Under FSDP2, the
+  all-gathers and reduce-scatters inside forward and backward, with their bytes (app/parallel/collective_timing.py);
+- compute: `on_train_batch_start` to `on_train_batch_end` less communication;
+- other: the rest (logging, other callbacks' hooks, ddp-app's checks).
 
-The first step of each epoch and the first after a validation have no previous end: not counted.
-Each rank keeps its epoch's sums; at the epoch's end `app.run.coordinator.RunCoordinator` exchanges
-every rank's means in its one message and this callback logs, from that same table on every rank:
-`step_ms` (the ranks' mean step), the four shares in percent, and the slowest rank by its own work
-(the step less communication, which is waiting for others) against the median rank. The fit's
-summary (app/run/summary.py) prints them; the loggers and trackers get them as any logged value.
+Each epoch's first step and the first after validation are not counted. At the epoch's end `RunCoordinator` exchanges
+every rank's means and this callback logs `step_ms`, the four shares and the slowest rank by own work against the
+median; app/run/summary.py prints them.
 
-`ablation` and `record_dir` are for `ddp-app diagnose` (app/cli/diagnose.py), which runs the config
-once per ablation: `batch_in_memory` trains on the first batch again and again (no data cost;
-app/run/build.py `prepare_run` puts it in place), `no_communication` registers a DDP communication
-hook that keeps each rank's own gradients (PyTorch's `noop_hook`, made for this headroom
-analysis: no all-reduce, so no rank waits for another; DDP's buffer broadcast, for BatchNorm,
-still runs). `record_dir` gets every step of every rank
-(`rank<N>.json`) at the end of training.
-"""
+`ablation` and `record_dir` are for `ddp-app diagnose`: `batch_in_memory` repeats the first batch (set up in
+app/run/build.py `prepare_run`), `no_communication` registers PyTorch's `noop_hook` (no all-reduce; buffer broadcast
+still runs); `record_dir` gets every step of every rank (`rank<N>.json`)."""
 
 from __future__ import annotations
 
@@ -69,8 +53,7 @@ class StepTiming(L.Callback):
     Args:
         enabled: time every training step (its cost: docs/performance.md).
         ablation: none, or one of `ddp-app diagnose`'s variants (batch_in_memory, no_communication).
-        record_dir: write every step's times of every rank there (`ddp-app diagnose` sets it).
-    """
+        record_dir: write every step's times of every rank there (`ddp-app diagnose` sets it)."""
 
     def __init__(self, enabled: bool = True, ablation: str = "none", record_dir: str | None = None) -> None:
         if ablation not in ABLATIONS:
@@ -130,8 +113,8 @@ class StepTiming(L.Callback):
         checkpoint_state.put(checkpoint, "step_timing", {"sums": self._sums, "steps": self._steps})
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        # An epoch resumed in its middle or at its end (no on_train_epoch_start) continues rank 0's sums
-        # (the checkpoint's): an attempt that trains none of its steps still logs the epoch's figures.
+        # An epoch resumed in its middle or at its end (no on_train_epoch_start) continues rank 0's sums (the
+        # checkpoint's): an attempt that trains none of its steps still logs the epoch's figures.
         saved = checkpoint_state.get(checkpoint, "step_timing") or {}
         self._sums, self._steps = list(saved.get("sums", [0.0] * 5)), int(saved.get("steps", 0))
 
@@ -242,7 +225,7 @@ class FirstBatchAgain:
 
 
 def serve_first_batch_again(source: L.LightningDataModule | L.LightningModule) -> None:
-    """`batch_in_memory`: the source's `train_dataloader` returns `FirstBatchAgain` of its loader
-    (`functools.wraps` keeps Lightning's `is_overridden` answering as for the method it wraps)."""
+    """`batch_in_memory`: the source's `train_dataloader` returns `FirstBatchAgain` of its loader (`functools.wraps`
+    keeps Lightning's `is_overridden` answering as for the method it wraps)."""
     method = source.train_dataloader
     source.train_dataloader = functools.wraps(method)(lambda: FirstBatchAgain(method()))

@@ -1,16 +1,8 @@
-"""What a run says at its end: one short block after fit, validate, test and predict (rank 0).
+"""What a run says at its end: one short block after fit, validate, test and predict (rank 0): how it went, where the
+checkpoints, logs and predictions are, where the tracker shows it, and how long it took.
 
-A user coming back to a terminal, or reading the end of an sbatch log, wants to know: how it went
-(the monitored metric at its best and the last values), where the result is (the best and last
-checkpoints, the log folder, predictions), where the tracker shows it and how to open it, and how
-long it took (wall time and samples per second). Lightning's last line ("`Trainer.fit` stopped:
-`max_epochs=15` reached.") says why it stopped; this block comes after it.
-
-`scalar_metrics` reads `trainer.callback_metrics`, which reduces any value logged with
-`sync_dist=True` that nobody has read yet (one a user's callback logged after the last epoch's
-end, say): app/cli/parser.py calls it on every rank, so those collectives are issued everywhere, and only
-rank 0 prints.
-"""
+`scalar_metrics` reads `trainer.callback_metrics`, which reduces unread `sync_dist=True` values, so it is called on
+every rank and only rank 0 prints."""
 
 from __future__ import annotations
 
@@ -103,8 +95,8 @@ def fit_summary(trainer: L.Trainer, metrics: dict[str, float], elapsed_s: float,
 
 
 class EvaluationThroughput(L.Callback):
-    """Samples per second of validate, test and predict: rank 0's batches times the world size (the
-    sampler gives every rank as many), from the first batch's start to the last one's end."""
+    """Samples per second of validate, test and predict: rank 0's batches times the world size (the sampler gives every
+    rank as many), from the first batch's start to the last one's end."""
 
     def __init__(self) -> None:
         self.samples = 0

@@ -1,17 +1,9 @@
 """The Trainer's arguments, checked once in the launcher before any rank starts.
 
-`check_trainer_arguments` builds the Trainer from the config's `trainer` section the way every rank
-will, in this process, in a few milliseconds: Lightning itself chooses the accelerator, strategy,
-precision and devices, and rejects what it cannot use. Whatever Lightning or PyTorch raises there
-becomes one line naming the key at fault, found by building again with one argument at a time put
-back to Lightning's default: the argument whose default makes that error go away is the one to fix.
-An error raised outside Lightning and PyTorch (our code, a user's class) is a bug and keeps its
-traceback, as does one that no single argument explains.
-
-Building the Trainer starts no process and touches no GPU (CUDA's availability is asked through
-NVML, so the ranks forked afterwards can still use CUDA); what the build changes in this process
-(torch's determinism flags, environment variables, log lines) is put back or kept quiet.
-"""
+`check_trainer_arguments` builds the Trainer as every rank will (milliseconds): whatever Lightning or PyTorch raises
+becomes one line naming the key, found by rebuilding with one argument at a time back at its default. Errors from
+outside Lightning and PyTorch, or that no single argument explains, keep their traceback. The build starts no process
+and touches no GPU (NVML check); its side effects are put back or kept quiet."""
 
 from __future__ import annotations
 
@@ -31,8 +23,8 @@ from jsonargparse import Namespace
 
 from app.errors import TrainerArgumentError
 
-# Left out of the check's Trainer: they choose nothing about devices, strategy or precision, and
-# building them can run a user's code or prepare to write (loggers); every rank still builds them.
+# Left out of the check's Trainer: they choose nothing about devices, strategy or precision, and building them can run a
+# user's code or prepare to write (loggers); every rank still builds them.
 LEFT_OUT: dict[str, Any] = {
     "callbacks": None,
     "logger": False,
@@ -42,11 +34,10 @@ LEFT_OUT: dict[str, Any] = {
     "enable_model_summary": False,
 }
 
-# The values Lightning's Trainer accepts when it is built and only fails on later, in every rank
-# (0 for accumulate_grad_batches, val_check_interval or check_val_every_n_epoch: a ZeroDivisionError
-# at the first step or epoch end), or silently ignores (a negative gradient_clip_val: no clipping; a
-# negative log_every_n_steps: a log line every step). Everything else Lightning checks itself.
-# key: (lowest value, whether that value is allowed, what the key means)
+# The values Lightning's Trainer accepts when it is built and only fails on later, in every rank (0 for
+# accumulate_grad_batches, val_check_interval or check_val_every_n_epoch: a ZeroDivisionError at the first step or epoch
+# end), or silently ignores (a negative gradient_clip_val: no clipping; a negative log_every_n_steps: a log line every
+# step). Everything else Lightning checks itself. key: (lowest value, whether that value is allowed, what the key means)
 LOWER_BOUNDS: dict[str, tuple[float, bool, str]] = {
     "accumulate_grad_batches": (1, True, "a number of batches per optimizer step (1: no accumulation)"),
     "check_val_every_n_epoch": (1, True, "a number of epochs (null: validate every val_check_interval batches)"),
@@ -88,11 +79,9 @@ def check_trainer_arguments(
 ) -> None:
     """Build the Trainer as the ranks will; raise TrainerArgumentError naming the key Lightning refuses.
 
-    `instantiate` returns the `trainer` section with its classes (strategy, plugins, ...) built,
-    fresh on every call: Lightning's connector changes a strategy object it is given. `trainer_config`
-    is the section as parsed (the values the user wrote); `overrides` are what the ranks get
-    instead of the config's values (the launcher's devices on CPU).
-    """
+    `instantiate` builds the section's classes fresh per call (Lightning changes a strategy it is given);
+    `trainer_config` is the section as parsed; `overrides` are what the ranks get instead (the launcher's devices on
+    CPU)."""
     check_lower_bounds(trainer_config)
     given = {**(overrides or {}), **LEFT_OUT}
 
@@ -185,9 +174,9 @@ def shown(trainer_config: Mapping[str, Any], given: Mapping[str, Any], key: str)
 
 @contextlib.contextmanager
 def quiet_and_without_cuda() -> Iterator[None]:
-    """Keep a Trainer's construction from changing this process: no log lines or warnings (each rank
-    prints its own), no CUDA initialised (`torch.cuda.is_available` through NVML: a CUDA context
-    does not survive the fork of the ranks), and torch's flags and the environment as they were."""
+    """Keep a Trainer's construction from changing this process: no log lines or warnings (each rank prints its own), no
+    CUDA initialised (`torch.cuda.is_available` through NVML: a CUDA context does not survive the fork of the ranks),
+    and torch's flags and the environment as they were."""
     environment = dict(os.environ)
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()

@@ -4,5 +4,4 @@
 - `store.py`: the sweep directory, its points and the claims of the workers running them;
 - `worker.py`: runs points (locally one after another, or one per Slurm array task);
 - `study.py`, `pruning.py`: Optuna's study in a journal file and its pruner at epoch ends;
-- `results.py`: results.csv, results.md, results.png.
-"""
+- `results.py`: results.csv, results.md, results.png."""

@@ -1,19 +1,16 @@
 """`python -m app.sweep`: a hyperparameter sweep of ddp-app runs, locally or as a Slurm job array.
 
-    python -m app.sweep run --config configs/digits.yaml --out runs/sweeps/lr \\
+    python -m app.sweep run --config configs/digits.yaml --out runs/sweeps/lr \
         --grid optimizer.init_args.lr=0.01,0.1,1.0 [--metric val_acc --direction maximize] [ddp-app overrides]
-    python -m app.sweep run --config configs/digits.yaml \\
+    python -m app.sweep run --config configs/digits.yaml \
         --search optimizer.init_args.lr=loguniform:1e-4:1e-1 --trials 20   # in runs/sweeps/digits-lr
     python -m app.sweep run ... --slurm slurm/sweep.sbatch --array-parallel 4 [--sbatch=--partition=gpu ...]
     python -m app.sweep status runs/sweeps/lr     # or: status --out runs/sweeps/lr
     python -m app.sweep resume runs/sweeps/lr     # what is unfinished: locally, or a new job array
 
-Every subcommand takes the sweep's directory either way: as its first argument or as `--out DIR`
-(`run runs/sweeps/lr --config ...` too). Without one, `run` makes runs/sweeps/<config>-<swept keys>
-(with -2, -3, ... when that holds a sweep already).
-
-Each point (grid) or trial (search) is an ordinary `ddp-app fit` run in DIR/points/NNN, with every
-guarantee of one (exact resume, one tracker run). Results: DIR/results.csv, results.md, results.png.
+Every subcommand takes the sweep's directory as its first argument or `--out DIR`; without one, `run` makes
+runs/sweeps/<config>-<swept keys>(-2, -3, ...). Each point or trial is an ordinary `ddp-app fit` run in DIR/points/NNN;
+results in DIR/results.csv, results.md, results.png.
 """
 
 from __future__ import annotations
@@ -200,9 +197,9 @@ def sweep_directory(command: str, positional: Path | None, out: Path | None) -> 
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The arguments, and the rest (`run` passes them to every point's ddp-app fit), with the sweep's
-    directory in `args.out`. `run` takes DIR only as its first argument: after it, a bare word is an
-    option's value (`--config configs/digits.yaml`), for argparse as much as for ddp-app."""
+    """The arguments, and the rest (`run` passes them to every point's ddp-app fit), with the sweep's directory in
+    `args.out`. `run` takes DIR only as its first argument: after it, a bare word is an option's value (`--config
+    configs/digits.yaml`), for argparse as much as for ddp-app."""
     positional = None
     if argv[:1] == ["run"] and len(argv) > 1 and not argv[1].startswith("-"):
         positional, argv = Path(argv[1]), [argv[0], *argv[2:]]

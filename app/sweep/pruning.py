@@ -1,10 +1,6 @@
-"""Optuna's pruner at epoch ends, in every rank of a search trial's ddp-app run.
-
-Rank 0 reports the sweep's metric after each validation to the trial and asks the study's pruner;
-the verdict goes to every rank through the strategy's `reduce_boolean_decision` (one small
-collective per epoch), and a pruned trial stops like an early-stopped run: at the epoch's end,
-last.ckpt written, exit 0. `pruned.json` in the run directory tells the sweep worker.
-"""
+"""Optuna's pruner at epoch ends, in every rank of a search trial's run: rank 0 reports the metric and asks the pruner,
+the verdict reaches every rank through `reduce_boolean_decision`, and a pruned trial stops like an early stop
+(last.ckpt, exit 0, `pruned.json` for the worker)."""
 
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ class OptunaPruning(L.Callback):
 
     Args:
         sweep_dir: the sweep's directory (its sweep.json and study.journal).
-        trial: the Optuna trial number this run is.
-    """
+        trial: the Optuna trial number this run is."""
 
     def __init__(self, sweep_dir: str, trial: int) -> None:
         self.sweep_dir = Path(sweep_dir)

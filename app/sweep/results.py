@@ -1,9 +1,5 @@
-"""A sweep's results: DIR/results.csv, DIR/results.md and DIR/results.png, rewritten as points finish.
-
-Each point's figures come from its own run's metrics.csv (app/tracking: one log version per run,
-across its restarts): the best value of the sweep's metric over the epochs and the epoch it was
-reached at, the mean samples/s, and the wall time of its attempts.
-"""
+"""A sweep's results: DIR/results.csv, results.md and results.png, rewritten as points finish, each point's figures
+(best metric and its epoch, mean samples/s, wall time) from its own run's metrics.csv."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     --grid model.init_args.lr=0.01,0.1 --grid data.init_args.batch_size=32,64     (every combination)
     --search model.init_args.lr=loguniform:1e-4:1e-1 --trials 20                  (Optuna proposes)
 
-or the same in a `sweep:` section of the config (ddp-app itself ignores that section):
+or the same in a `sweep:` section of the config (ddp-app itself ignores it):
 
     sweep:
       grid: {model.init_args.lr: [0.01, 0.1]}
@@ -12,9 +12,7 @@ or the same in a `sweep:` section of the config (ddp-app itself ignores that sec
       metric: val_acc
       direction: maximize
 
-A bad spec (an unknown key, an empty range, a distribution Optuna does not know) is one line, and
-nothing runs or is submitted.
-"""
+A bad spec is one line, and nothing runs or is submitted."""
 
 from __future__ import annotations
 
@@ -196,8 +194,8 @@ def build_spec(
 
 
 def check_keys(spec: SweepSpec) -> None:
-    """Parse the ddp-app config with every swept value (the first of a search's range): an unknown
-    key or a value of the wrong type is ddp-app's own one-line parser error, before anything runs."""
+    """Parse the ddp-app config with every swept value (the first of a search's range): an unknown key or a value of the
+    wrong type is ddp-app's own one-line parser error, before anything runs."""
     from app.cli import parse_config
 
     trial_values = [{key: value} for key, values in spec.grid.items() for value in values]

@@ -5,11 +5,8 @@
     DIR/points/NNN/point.json     params, state, the claim of the worker running it, its attempts
     DIR/points/NNN/               the point's ddp-app run directory (checkpoints/, lightning_logs/)
 
-Workers (the local loop, or one per Slurm array task) take the next unclaimed point under a lock
-file created with O_EXCL (atomic on NFS as on local disks, as Optuna's journal lock is). A Slurm
-array task that was requeued (preempted) finds its own claim by its array job and task id and
-continues that point from its last.ckpt instead of taking a new one.
-"""
+Workers claim the next point under an O_EXCL lock file (atomic on NFS too). A requeued Slurm array task finds its own
+claim by job and task id and continues that point from its last.ckpt."""
 
 from __future__ import annotations
 
@@ -118,8 +115,8 @@ def same_worker(claim: dict[str, Any] | None, mine: dict[str, Any]) -> bool:
 
 
 def claim_alive(claim: dict[str, Any] | None) -> bool:
-    """Whether the worker holding a claim still runs: its Slurm job is in the queue, or its process
-    lives on this host. A claim of another host without Slurm is taken as alive (we cannot tell)."""
+    """Whether the worker holding a claim still runs: its Slurm job is in the queue, or its process lives on this host.
+    A claim of another host without Slurm is taken as alive (we cannot tell)."""
     if not claim:
         return False
     if "slurm_job" in claim:

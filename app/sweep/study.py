@@ -23,14 +23,14 @@ def pruner(spec: SweepSpec) -> Any:
 
     if spec.pruner == "none":
         return optuna.pruners.NopPruner()
-    # Prune below the median of the finished trials at the same epoch, once 2 trials have finished
-    # and from the second epoch on (the first epoch says little about a learning rate).
+    # Prune below the median of the finished trials at the same epoch, once 2 trials have finished and from the second
+    # epoch on (the first epoch says little about a learning rate).
     return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
 
 
 def open_study(directory: Path, spec: SweepSpec, worker: int = 0, asked: int = 0) -> Any:
-    """The study, with a sampler seeded by (seed, worker, trials asked so far): a sampler is made
-    anew for every trial a worker asks, and concurrent workers must not propose the same point."""
+    """The study, with a sampler seeded by (seed, worker, trials asked so far): a sampler is made anew for every trial a
+    worker asks, and concurrent workers must not propose the same point."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

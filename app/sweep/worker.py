@@ -1,11 +1,7 @@
 """Run sweep points: take the next one (or continue this Slurm task's own), run `ddp-app fit`, record it.
 
-Locally the worker runs every point, one after another. Under Slurm, each array task is a worker
-for one point: `srun ddp-app fit ...` on the task's allocation (several ranks, several nodes, as
-slurm/train.sbatch runs them). A preempted point's ddp-app saves last.ckpt and asks Slurm to
-requeue the task (app/cluster/requeue.py); the requeued task finds its claim and continues the
-point with `--ckpt_path last` (every attempt passes it: the first finds no checkpoint and starts).
-"""
+Locally one point after another; under Slurm one point per array task (`srun ddp-app fit ...`). A preempted point is
+requeued (app/cluster/requeue.py) and continued with `--ckpt_path last`, which every attempt passes."""
 
 from __future__ import annotations
 
@@ -50,15 +46,15 @@ def _text(value: object) -> str:
 
 
 def next_point(store: SweepStore, spec: SweepSpec) -> Point | None:
-    """This worker's unfinished claim (a requeued Slurm task), else the next pending point, else a
-    new search trial while fewer than `trials` were asked; claimed under the sweep's lock."""
+    """This worker's unfinished claim (a requeued Slurm task), else the next pending point, else a new search trial
+    while fewer than `trials` were asked; claimed under the sweep's lock."""
     mine = my_claim()
     with store.lock():
         points = store.points()
         for point in points:
             if point.state not in FINISHED and point.state != FAILED and same_worker(point.claim, mine):
-                # This Slurm task was requeued (preempted): `scontrol requeue` ended its batch script
-                # before the worker could note how the attempt ended.
+                # This Slurm task was requeued (preempted): `scontrol requeue` ended its batch script before the worker
+                # could note how the attempt ended.
                 if point.attempts and "ended" not in point.attempts[-1]:
                     point.attempts[-1].update(ended=now(), exit_code=None, requeued=True)
                 return point
@@ -103,9 +99,9 @@ def run_point(store: SweepStore, spec: SweepSpec, point: Point) -> Point:
     store.save(point)
     label = " ".join(f"{key.split('.')[-1]}={value}" for key, value in point.params.items())
     print(f"app.sweep: point {point.name} ({label}) attempt {len(point.attempts)}", flush=True)
-    # Ctrl-C reaches the run too (one process group): it saves last.ckpt and exits; the worker
-    # waits for that, records the point as preempted and stops (a shell waits for its job the same way).
-    # (A handler, not SIG_IGN: an ignored signal stays ignored in the child across exec.)
+    # Ctrl-C reaches the run too (one process group): it saves last.ckpt and exits; the worker waits for that, records
+    # the point as preempted and stops (a shell waits for its job the same way). (A handler, not SIG_IGN: an ignored
+    # signal stays ignored in the child across exec.)
     previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
     try:
         if os.environ.get("SLURM_JOB_ID"):  # the sbatch log is the place for the run's output

@@ -1,8 +1,7 @@
-"""How an attempt of a tracked run opens (rank 0, before fit; app/tracking/run.py `Tracking.open`):
-the run it belongs to (its identity, `run.json`), what it records (the attempt's facts, the config as
-params, versions and git state as tags), and its trackers, the MLflow store reached first and within
-a deadline, so that a launch it stops leaves no log version.
-"""
+"""How an attempt of a tracked run opens (rank 0, before fit; app/tracking/run.py `Tracking.open`): the run it belongs
+to (its identity, `run.json`), what it records (the attempt's facts, the config as params, versions and git state as
+tags), and its trackers, the MLflow store reached first and within a deadline, so that a launch it stops leaves no log
+version."""
 
 from __future__ import annotations
 
@@ -35,22 +34,21 @@ if TYPE_CHECKING:
 
 # Keys of the config that are not settings of the run: every attempt passes its own.
 NOT_PARAMS = ("ckpt_path", "config")
-# The open of an MLflow run is a probe: a wrong URI or a server that is down ends the launch within
-# seconds, instead of after MLflow's retries (7 with exponential backoff: about 4 minutes per
-# request). MLflow reads these variables at every request (mlflow/utils/rest_utils.py
-# `http_request`), so they hold for the open only; every later call, on the tracker thread, uses
-# MLflow's defaults (or the user's values). One immediate retry forgives a dropped connection.
+# The open of an MLflow run is a probe: a wrong URI or a server that is down ends the launch within seconds, instead of
+# after MLflow's retries (7 with exponential backoff: about 4 minutes per request). MLflow reads these variables at
+# every request (mlflow/utils/rest_utils.py `http_request`), so they hold for the open only; every later call, on the
+# tracker thread, uses MLflow's defaults (or the user's values). One immediate retry forgives a dropped connection.
 MLFLOW_OPEN_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "4"}
 # The whole open of a run on a remote store (find or create the experiment, create or resume the run).
 MLFLOW_OPEN_DEADLINE_S = 10.0
-# Stores on this machine: opening one can take seconds the first time (SQLite's schema migrations),
-# and it cannot be unreachable; no deadline.
+# Stores on this machine: opening one can take seconds the first time (SQLite's schema migrations), and it cannot be
+# unreachable; no deadline.
 LOCAL_SCHEMES = ("", "file", "sqlite")
 
 
 def mlflow_unreachable(uri: str, error: Exception, deadline: float | None) -> UserFacingError:
-    """The one line for an MLflow store that did not answer, or refused: the same from the launcher's
-    check and from rank 0's open."""
+    """The one line for an MLflow store that did not answer, or refused: the same from the launcher's check and from
+    rank 0's open."""
     fix = "Fix: start the server, or correct tracking.mlflow.tracking_uri, or remove tracking.mlflow."
     if isinstance(error, TimeoutError) and deadline is not None:
         return UserFacingError(
@@ -60,11 +58,9 @@ def mlflow_unreachable(uri: str, error: Exception, deadline: float | None) -> Us
 
 
 def check_remote_mlflow_answers(tracking_uri: str | None) -> None:
-    """The launcher's check, before any rank starts (app/cli/parser.py): a remote MLflow store (a server,
-    Databricks) that does not answer stops the launch in one line, within MLFLOW_OPEN_DEADLINE_S,
-    instead of after the ranks started. It only reads (lists one experiment). A local store (the
-    default SQLite, a sqlite: or file: URI) is not looked at here: opening it creates it, which only
-    rank 0's open may do. Ranks started by torchrun or srun skip this; rank 0's open checks the same."""
+    """The launcher's check before any rank starts: a remote MLflow store that does not answer within
+    MLFLOW_OPEN_DEADLINE_S stops the launch in one line. It only reads; local stores are left to rank 0's open (opening
+    creates them), as are torchrun and srun ranks."""
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri is None or urllib.parse.urlparse(uri).scheme in LOCAL_SCHEMES:
         return
@@ -112,8 +108,8 @@ def run_params(config_yaml: str) -> dict[str, str]:
 
 
 def git_state(directory: Path) -> dict[str, str]:
-    """The commit of the code the run was started from (the current directory's repository) and
-    whether it had uncommitted changes to tracked files; empty outside a repository."""
+    """The commit of the code the run was started from (the current directory's repository) and whether it had
+    uncommitted changes to tracked files; empty outside a repository."""
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=10, check=True)
@@ -203,8 +199,8 @@ def write_identity(log_dir: Path, identity: dict[str, Any]) -> None:
 def open_mlflow(
     settings: MLflowSettings, root: Path, log_dir: Path, identity: dict[str, Any], run_name: str, worker: TrackerThread
 ) -> MlflowSink:
-    """Create or resume the run's MLflow run, on the tracker thread, within
-    MLFLOW_OPEN_DEADLINE_S for a remote store; one line that names the URI if it cannot."""
+    """Create or resume the run's MLflow run, on the tracker thread, within MLFLOW_OPEN_DEADLINE_S for a remote store;
+    one line that names the URI if it cannot."""
     uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     local = uri is None
     uri = uri or f"sqlite:///{(root / 'mlflow.db').resolve()}"
@@ -219,8 +215,8 @@ def open_mlflow(
 
     if local:
         root.mkdir(parents=True, exist_ok=True)  # the default store's directory
-    # A local store (the default SQLite, or a sqlite:// or file: URI of the user's) keeps its artifacts
-    # beside the run: MLflow's own default for it is ./mlruns in whatever directory ddp-app runs in.
+    # A local store (the default SQLite, or a sqlite:// or file: URI of the user's) keeps its artifacts beside the run:
+    # MLflow's own default for it is ./mlruns in whatever directory ddp-app runs in.
     stored_here = local or urllib.parse.urlparse(uri).scheme in LOCAL_SCHEMES
     experiment = settings.experiment
     artifacts = (root / "mlartifacts").resolve().as_uri() if stored_here else None
@@ -250,8 +246,8 @@ def open_sinks(
     tensorboard: bool | None,
     wandb: WandbSettings | None,
 ) -> list[Any]:
-    """The attempt's trackers: TensorBoard and W&B (files in the log directory, opened here) and
-    MLflow (already open)."""
+    """The attempt's trackers: TensorBoard and W&B (files in the log directory, opened here) and MLflow
+    (already open)."""
     sinks: list[Any] = []
     if tensorboard is None:
         tensorboard = importlib.util.find_spec("tensorboard") is not None
@@ -271,9 +267,9 @@ def open_sinks(
 
 
 def attempt_start(attempts: list[dict[str, Any]], step: int, config_yaml: str, run_id: str) -> RunFacts:
-    """What every tracker records at this attempt's start (the last of `attempts`, run.json's list):
-    the config as params, versions, git state and every attempt's facts as tags. An attempt killed
-    before its tracker thread sent anything (a kill in its first seconds) is recorded by the next."""
+    """What every tracker records at this attempt's start (the last of `attempts`, run.json's list): the config as
+    params, versions, git state and every attempt's facts as tags. An attempt killed before its tracker thread sent
+    anything (a kill in its first seconds) is recorded by the next."""
     tags = {**versions(), **git_state(Path.cwd()), "ddp_app.run_id": run_id}
     tags.update({f"attempt.{facts['attempt']}": json.dumps(facts) for facts in attempts})
     return RunFacts(attempts[-1]["attempt"], max(step, 0), run_params(config_yaml), tags, config_yaml)

@@ -1,29 +1,18 @@
 """A run's metric history across attempts: which logged values are final, and when they become so.
 
-Every `log_metrics` call of rank 0 is a *call*: a sequence number, the logger's step, the wall time
-and its values. It is appended to `journal.jsonl` in the run's log directory before anything else
-sees it, beside the two events that decide which calls are final:
+Every rank-0 `log_metrics` call (seq, step, time, values) is appended to `journal.jsonl` first, beside two events:
 
-- `saved` (seq, step): last.ckpt, holding the run as of call `seq`, is on disk; `step` is the
-  largest step the attempt had logged by then. Only last.ckpt counts: `--ckpt_path last` resumes
-  from it, and a user's ModelCheckpoint may hold a later step (`every_n_train_steps`), whose values
-  a resume from last.ckpt redoes;
+- `saved` (seq, step): last.ckpt, holding the run as of call `seq`, is on disk (only last.ckpt: `--ckpt_path last`
+  resumes from it);
 - `resumed` (seq, step): an attempt continues from a checkpoint holding the run as of call `seq`.
 
-A resume redoes what came after its checkpoint, so a call logged after the last completed save is
-*pending* while its attempt lives and *provisional* once an attempt resumes from an earlier
-checkpoint. A provisional value is replaced when the resumed attempt logs the same (name, step)
-again (the last attempt's value counts), and becomes final (*settled*) once it cannot be redone: a
-save whose attempt has logged past its step (it would have logged it again by then), or the end of
-the run. Values logged after a save that no resume logs again (Lightning logs the epoch's
-`on_epoch=True` values after the epoch-end checkpoint) are kept that way, not lost.
+A call after the last completed save is *pending* while its attempt lives and *provisional* once an attempt resumes from
+an earlier checkpoint; it is replaced when the resumed attempt logs the same (name, step), and *settled* once it cannot
+be redone (a save past its step, or the run's end). Values no resume logs again (epoch values logged after the epoch-end
+save) are kept.
 
-Trackers that keep every value they are sent (MLflow, W&B, TensorBoard) get settled calls only,
-each once (app/tracking/sinks.py); `metrics.csv` shows every call as it stands now.
-
-Replaying the journal rebuilds the same state in a new attempt: the journal is the record, the
-rest are views of it. No Lightning and no tracker library here.
-"""
+Trackers get settled calls only, once each (app/tracking/sinks.py); `metrics.csv` shows every call as it stands.
+Replaying the journal rebuilds the state. No Lightning or tracker library here."""
 
 from __future__ import annotations
 
@@ -87,11 +76,8 @@ class RunHistory:
         return self._settle(settled)
 
     def resumed(self, seq: int, step: int) -> list[Call]:
-        """An attempt continues from the checkpoint saved after call `seq` (at logged step `step`).
-
-        That save completed (the file exists), so calls before it are final; the dead attempts'
-        later calls will be redone, or replaced, or settled later.
-        """
+        """An attempt continues from the checkpoint saved after call `seq` (at logged step `step`): calls before it are
+        final."""
         settled = self.saved(seq, step)
         for call in self.calls.values():
             if call.state == PENDING:  # logged after the checkpoint by an attempt that died
@@ -136,12 +122,8 @@ class RunHistory:
 
 
 class Journal:
-    """`journal.jsonl`: one JSON object per line, appended and flushed per event.
-
-    Flushed, not fsynced: a killed process loses nothing (the kernel holds the bytes); a machine
-    that loses power may lose the last lines, as it loses the last seconds of any log. A line cut
-    short by that is skipped on reading.
-    """
+    """`journal.jsonl`: one JSON object per line, appended and flushed (not fsynced: a kill loses nothing, a power loss
+    the last lines, which are skipped when cut short)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -2,8 +2,7 @@
 
 <default_root_dir>/lightning_logs/<version>/run.json        the run's identity and attempts
 <default_root_dir>/lightning_logs/<version>/journal.jsonl   every logged value and save (app/tracking/history.py)
-<default_root_dir>/lightning_logs/<version>/metrics.csv     the values as they stand
-"""
+<default_root_dir>/lightning_logs/<version>/metrics.csv     the values as they stand"""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ RUN_FILE = "run.json"
 JOURNAL_FILE = "journal.jsonl"
 # Logged per epoch by app.tracking.run.Tracking; measured, not computed: no two runs agree on it.
 SAMPLES_PER_S = "samples_per_s"
-# Logged per epoch by app.run.step_timing.StepTiming: the mean step (ms), its parts (%), the slowest
-# rank by its own work and that work's time against the median rank's (ms).
+# Logged per epoch by app.run.step_timing.StepTiming: the mean step (ms), its parts (%), the slowest rank by its own
+# work and that work's time against the median rank's (ms).
 STEP_TIME_METRICS = (
     "step_ms",
     "step_data_pct",
@@ -37,9 +36,9 @@ def _natural(name: str) -> list[int | str]:
 
 
 def latest_run(logs: Path) -> dict[str, Any] | None:
-    """The identity of the run started last in this log directory (by its `created` time, then its
-    version's number), or None. Found by reading every run.json rather than kept in a pointer file:
-    starting a run must not rewrite any file of an earlier one."""
+    """The identity of the run started last in this log directory (by its `created` time, then its version's number), or
+    None. Found by reading every run.json rather than kept in a pointer file: starting a run must not rewrite any file
+    of an earlier one."""
     runs = []
     for path in logs.glob(f"*/{RUN_FILE}"):
         try:

@@ -1,11 +1,8 @@
 """One training run, one identity: the same log version, MLflow run and W&B run across every attempt.
 
-A run is what `ddp-app fit` starts without `--ckpt_path`; every restart, requeue or `--ckpt_path
-last` after it is an *attempt* of the same run (docs/tracking.md). The identity lives in
-`lightning_logs/<version>/run.json` and in every checkpoint's `tracking` part, so a resume from a
-checkpoint of this directory reopens the same log version and tracker runs; one from another
-directory starts a new run. app/tracking/attempt.py opens an attempt. Rank 0 does all of this.
-"""
+Every restart, requeue or `--ckpt_path last` after `ddp-app fit` is an *attempt* of the same run (docs/tracking.md). The
+identity lives in `lightning_logs/<version>/run.json` and each checkpoint's `tracking` part, so a resume from this
+directory reopens it; app/tracking/attempt.py opens an attempt. Rank 0 only."""
 
 from __future__ import annotations
 
@@ -48,17 +45,15 @@ from app.tracking.throughput import TrainingClock, batch_size_of, samples_per_s
 from app.tracking.worker import Outboxes, TrackerThread
 
 EXTRAS = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
-# samples_per_s is reduced by the coordinator's epoch-end exchange and logged on every rank with the
-# same value (`Tracking.log_samples_per_s`): Lightning's hint to log epoch values with sync_dist=True
-# does not apply to it.
+# samples_per_s is reduced by the coordinator's epoch-end exchange and logged on every rank with the same value
+# (`Tracking.log_samples_per_s`): Lightning's hint to log epoch values with sync_dist=True does not apply to it.
 warnings.filterwarnings("ignore", message=rf".*self\.log\('{SAMPLES_PER_S}', \.\.\., sync_dist=True\)")
-# How long the end of an attempt waits for its trackers to take what is queued; what a tracker did
-# not confirm by then is in the journal, and the next attempt sends it. Bounded so that a preempted
-# job exits well inside the launcher's STOP_GRACE_S (app/cluster/launch.py) and the sbatch scripts'
-# `--signal=SIGUSR1@90`.
+# How long the end of an attempt waits for its trackers to take what is queued; what a tracker did not confirm by then
+# is in the journal, and the next attempt sends it. Bounded so that a preempted job exits well inside the launcher's
+# STOP_GRACE_S (app/cluster/launch.py) and the sbatch scripts' `--signal=SIGUSR1@90`.
 CLOSE_WAIT_S = 30.0
-# A tracker call that has not returned after this long is reported (once, training goes on):
-# MLflow's client retries a server that went away for about 4 minutes before it fails.
+# A tracker call that has not returned after this long is reported (once, training goes on): MLflow's client retries a
+# server that went away for about 4 minutes before it fails.
 STALL_WARNING_S = 30.0
 
 
@@ -74,11 +69,9 @@ def require_tracker(extra: str) -> None:
 class TrackedRun:
     """Rank 0's side of a run's attempt: the journal, metrics.csv and the trackers.
 
-    The journal and metrics.csv are written on the training thread, which decides what to send;
-    every tracker call runs on the tracker thread (app/tracking/worker.py), so a tracker that hangs
-    never holds training, the other ranks or a stop signal. A call is written to
-    `sent-<tracker>.txt` only once the tracker confirmed it: the next attempt sends the rest.
-    """
+    The training thread writes the journal and metrics.csv; tracker calls run on the tracker thread
+    (app/tracking/worker.py), so a hanging tracker never holds training. `sent-<tracker>.txt` records what a tracker
+    confirmed."""
 
     def __init__(
         self, log_dir: Path, identity: dict[str, Any], sinks: list[Any], worker: TrackerThread | None = None
@@ -125,8 +118,8 @@ class TrackedRun:
         self._send(self.history.settled())
 
     def close(self, status: str, tags: dict[str, str]) -> None:
-        """Hand each tracker its last values, tags and the run's status, and wait for them at most
-        CLOSE_WAIT_S; then leave (a tracker still busy is abandoned, its thread a daemon)."""
+        """Hand each tracker its last values, tags and the run's status, and wait for them at most CLOSE_WAIT_S; then
+        leave (a tracker still busy is abandoned, its thread a daemon)."""
         for sink in self.sinks:
             self.worker.submit(functools.partial(self.outboxes.close, sink, status, tags))
         if not self.worker.drain(CLOSE_WAIT_S):
@@ -140,26 +133,23 @@ class TrackedRun:
         self.journal.close()
 
     def checkpoint_record(self) -> dict[str, Any]:
-        """Where in the journal a checkpoint saved now stands, so an attempt resumed from it (`--ckpt_path
-        <file>`) continues the run and redoes what came after it."""
+        """Where in the journal a checkpoint saved now stands, so an attempt resumed from it (`--ckpt_path <file>`)
+        continues the run and redoes what came after it."""
         seq, step = self.history.last_seq, self.history.attempt_max_step
         identity = self.identity
         return {"run_id": identity["run_id"], "log_version": identity["log_version"], "seq": seq, "step": step}
 
     def _complete_below(self) -> float:
-        """The steps below this one hold their last value (every call at them settled, and a later
-        step too). For trackers that cannot add to a step once past it (W&B): Lightning logs an
-        epoch's values at its last step in several calls, some after the epoch-end checkpoint, so
-        such a step is sent only when complete.
-        """
+        """The steps below this one hold their last value. For trackers that cannot add to a past step (W&B): an epoch's
+        values arrive in several calls, so a step is sent only when complete."""
         settled = [call.step for call in self.history.calls.values() if call.state == SETTLED]
         open_steps = [call.step for call in self.history.calls.values() if call.state != SETTLED]
         return min(max(settled, default=-1), min(open_steps, default=math.inf))
 
     def _send(self, settled: list[Call], tags: dict[str, str] | None = None) -> None:
-        """Hand each tracker the settled calls it has not had yet, one value per name and step
-        (Lightning repeats `epoch` in every call of a step: the first one sent stands), in step
-        order; returns at once (the tracker thread sends them)."""
+        """Hand each tracker the settled calls it has not had yet, one value per name and step (Lightning repeats
+        `epoch` in every call of a step: the first one sent stands), in step order; returns at once (the tracker thread
+        sends them)."""
         for sink in self.sinks:
             if sink.name not in self._sent_seqs:  # read once per attempt, kept in memory after
                 self._sent_seqs[sink.name] = sent_seqs(self.outboxes.sent_file(sink.name))
@@ -186,8 +176,8 @@ class TrackedRun:
         self._warn_if_stalled()
 
     def _warn_if_stalled(self) -> None:
-        """A tracker call that has not returned for STALL_WARNING_S (MLflow retrying a server that
-        went away) is said once, while training goes on."""
+        """A tracker call that has not returned for STALL_WARNING_S (MLflow retrying a server that went away) is said
+        once, while training goes on."""
         waited, name = self.worker.busy_for(), self.outboxes.calling
         if name is not None and waited >= STALL_WARNING_S:
             self.outboxes.warn(
@@ -198,9 +188,9 @@ class TrackedRun:
 
 
 class RunLogger(CSVLogger):
-    """Lightning's logger for a tracked run: a CSVLogger's directory layout and `log_dir`
-    (`trainer.log_dir`, where LightningCLI saves config.yaml), with every value going through the
-    run's journal (app/tracking/history.py) to metrics.csv and the trackers."""
+    """Lightning's logger for a tracked run: a CSVLogger's directory layout and `log_dir` (`trainer.log_dir`, where
+    LightningCLI saves config.yaml), with every value going through the run's journal (app/tracking/history.py) to
+    metrics.csv and the trackers."""
 
     def __init__(self, save_dir: str, version: str | None, run: TrackedRun | None) -> None:
         super().__init__(save_dir=save_dir, name=LOGS_NAME, version=version)
@@ -208,8 +198,8 @@ class RunLogger(CSVLogger):
 
     @property
     def experiment(self) -> TrackedRun | None:  # type: ignore[override]
-        """The run (None off rank 0). CSVLogger's own writer is never made: Lightning touches
-        `experiment` in setup, and the writer warns that a resumed run's files "will be deleted"."""
+        """The run (None off rank 0). CSVLogger's own writer is never made: Lightning touches `experiment` in setup, and
+        the writer warns that a resumed run's files "will be deleted"."""
         return self.run
 
     @rank_zero_only
@@ -245,14 +235,13 @@ class Tracking(L.Callback):
           wandb: {project: cifar, mode: offline}
           tensorboard: true
 
-    A tracker without its section is off; any key of it turns it on
-    (`--tracking.mlflow.tracking_uri sqlite:///runs.db`).
+    A tracker without its section is off; any key of it turns it on (`--tracking.mlflow.tracking_uri
+    sqlite:///runs.db`).
 
     Args:
         mlflow: an MLflow run per training run (pip install -e '.[mlflow]').
         wandb: a W&B run per training run (pip install -e '.[wandb]').
-        tensorboard: TensorBoard event files in the log directory. None: on when tensorboard is installed.
-    """
+        tensorboard: TensorBoard event files in the log directory. None: on when tensorboard is installed."""
 
     def __init__(
         self, mlflow: MLflowSettings | None = None, wandb: WandbSettings | None = None, tensorboard: bool | None = None
@@ -265,8 +254,8 @@ class Tracking(L.Callback):
         # (seq, step, save_ticket) of each last.ckpt save not yet known to be on disk, oldest first.
         self._saves_unsettled: list[tuple[int, int, int | None]] = []
         self._status = "failed"
-        # samples/s per epoch, on every rank: this attempt's share plus what earlier attempts measured
-        # (kept in checkpoints), so an epoch split by a resume has its value.
+        # samples/s per epoch, on every rank: this attempt's share plus what earlier attempts measured (kept in
+        # checkpoints), so an epoch split by a resume has its value.
         self._measuring = False
         self._epoch = -1
         self._clock = TrainingClock()
@@ -281,13 +270,10 @@ class Tracking(L.Callback):
         config_yaml: str,
         resumed_from: str | None,
     ) -> RunLogger:
-        """The logger for this attempt; on rank 0 also the run: a new one, or the one it continues.
+        """The logger for this attempt; on rank 0 also the run (new or continued).
 
-        The tracker that can fail to open (MLflow: a wrong URI, a server that is down) is reached
-        first, within seconds, before anything is written: a launch it stops leaves no log version.
-        On rank 0 a run with a `tracking:` section prints one line per tracker: the run and how to
-        see it (`viewing_lines`).
-        """
+        MLflow, which can fail to open, is reached first, before anything is written, so a launch it stops leaves no log
+        version. With a `tracking:` section rank 0 prints one line per tracker (`viewing_lines`)."""
         root = Path(trainer.default_root_dir)
         logs = root / LOGS_NAME
         self._measuring = True
@@ -313,16 +299,16 @@ class Tracking(L.Callback):
             names = f"; {', '.join(sink.name for sink in sinks)}" if sinks else ""
             print(f"ddp-app: tracking: attempt {facts['attempt']} of run {identity['run_id']} (logs: {log_dir}{names})")
         if self.mlflow is not None or self.wandb is not None or self.tensorboard:
-            # A run that asked for trackers; TensorBoard's files alone (on by default) are not worth
-            # a line at every start (the end of the run says where they are).
+            # A run that asked for trackers; TensorBoard's files alone (on by default) are not worth a line at every
+            # start (the end of the run says where they are).
             for line in self._viewing:
                 print(f"ddp-app: tracking: {line}")
         sys.stdout.flush()
         return RunLogger(str(root), identity["log_version"], self.run)
 
     def viewing_lines(self) -> list[str]:
-        """One line per tracker of this attempt: its run and how to see it, without a prefix. Rank 0,
-        from the open on, and still after the run closed; empty elsewhere."""
+        """One line per tracker of this attempt: its run and how to see it, without a prefix. Rank 0, from the open on,
+        and still after the run closed; empty elsewhere."""
         return list(self._viewing)
 
     # ----- during training -----
@@ -334,26 +320,23 @@ class Tracking(L.Callback):
         if run is not None:
             self._settle_save(trainer)  # two saves in one step (last.ckpt, then another file)
             state["run"] = record = run.checkpoint_record()
-            # Only last.ckpt settles values: `--ckpt_path last` resumes from it, and a user's
-            # ModelCheckpoint can hold a later step, whose values a resume from last.ckpt logs again.
+            # Only last.ckpt settles values: `--ckpt_path last` resumes from it, and a user's ModelCheckpoint can hold a
+            # later step, whose values a resume from last.ckpt logs again.
             if is_last_checkpoint_save(trainer):
                 self._saves_unsettled.append((record["seq"], record["step"], save_ticket(trainer)))
         checkpoint_state.put(checkpoint, "tracking", state)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        """The epoch's throughput measured by earlier attempts (the tracked run itself is reopened from the
-        checkpoint's summary before fit: app/run/build.py `prepare_run`)."""
+        """The epoch's throughput measured by earlier attempts (the tracked run itself is reopened from the checkpoint's
+        summary before fit: app/run/build.py `prepare_run`)."""
         throughput = (checkpoint_state.get(checkpoint, "tracking") or {}).get("epoch_throughput") or {}
         if "samples" in throughput:
             self._epoch = int(throughput["epoch"])
             self._clock.reset(float(throughput["samples"]), float(throughput["seconds"]))
 
     def _settle_save(self, trainer: L.Trainer) -> None:
-        """At a hook after a save of last.ckpt: once the file is on disk, what it holds is final.
-
-        A background write may still be in flight (app/checkpoints/plugin.py): settling before the
-        file is on disk would let a kill now log those values twice. Until then the next hook asks
-        again (writes complete in order)."""
+        """At a hook after a save of last.ckpt: once the file is on disk (a background write may be in flight), what it
+        holds is final; until then the next hook asks again."""
         while self._saves_unsettled and self.run is not None and is_on_disk(trainer, self._saves_unsettled[0][2]):
             seq, step, _ = self._saves_unsettled.pop(0)
             self.run.saved(seq, step, checkpoint_tags(trainer))
@@ -373,8 +356,8 @@ class Tracking(L.Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._settle_save(trainer)
-        # Not called for an epoch resumed in its middle or at its end (Lightning's fit loop), where
-        # `on_load_checkpoint` started the clock from what earlier attempts measured of it.
+        # Not called for an epoch resumed in its middle or at its end (Lightning's fit loop), where `on_load_checkpoint`
+        # started the clock from what earlier attempts measured of it.
         self._epoch = trainer.current_epoch
         self._clock.reset()
 
@@ -389,13 +372,13 @@ class Tracking(L.Callback):
         self._settle_save(trainer)
 
     def epoch_samples_per_s(self) -> float | None:
-        """Training samples/s (app/tracking/throughput.py) of the epoch that ends now, on this rank,
-        over every attempt; None if not measured. The coordinator averages it over the ranks."""
+        """Training samples/s (app/tracking/throughput.py) of the epoch that ends now, on this rank, over every attempt;
+        None if not measured. The coordinator averages it over the ranks."""
         return samples_per_s(*self._clock.totals()) if self._measuring else None
 
     def log_samples_per_s(self, pl_module: L.LightningModule, samples_per_s: float) -> None:
-        """Log the mean over the ranks, which the coordinator's exchange reduced: the same value on
-        every rank, so no `sync_dist` (no collective left for whoever reads the metrics next)."""
+        """Log the mean over the ranks, which the coordinator's exchange reduced: the same value on every rank, so no
+        `sync_dist` (no collective left for whoever reads the metrics next)."""
         pl_module.log(SAMPLES_PER_S, samples_per_s, on_step=False, on_epoch=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

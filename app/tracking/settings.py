@@ -1,5 +1,5 @@
-"""The settings of each tracker, as `tracking.mlflow` and `tracking.wandb` take them in a config
-(app/tracking/run.py `Tracking`); an attempt (app/tracking/attempt.py) opens its trackers from them."""
+"""The settings of each tracker, as `tracking.mlflow` and `tracking.wandb` take them in a config (app/tracking/run.py
+`Tracking`); an attempt (app/tracking/attempt.py) opens its trackers from them."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ class MLflowSettings:
             `databricks` profile, ...). None: the `MLFLOW_TRACKING_URI` variable, else
             `sqlite:///<default_root_dir>/mlflow.db`. With a local store (SQLite, a file URI) the artifacts
             go to `<default_root_dir>/mlartifacts`, not to MLflow's default `./mlruns`.
-        experiment: the MLflow experiment the run belongs to (created if missing).
-    """
+        experiment: the MLflow experiment the run belongs to (created if missing)."""
 
     tracking_uri: str | None = None
     experiment: str = "ddp-app"
@@ -30,8 +29,7 @@ class WandbSettings:
         project: the W&B project.
         entity: the W&B team or user (None: your default entity).
         mode: offline (files under the log directory, uploaded later with `wandb sync`; compute
-            nodes often have no network) or online. None: the `WANDB_MODE` variable, else offline.
-    """
+            nodes often have no network) or online. None: the `WANDB_MODE` variable, else offline."""
 
     project: str = "ddp-app"
     entity: str | None = None

@@ -1,10 +1,6 @@
-"""Where a run's metrics go: metrics.csv (every value as it stands) and the trackers (settled values).
-
-MLflow, W&B and TensorBoard keep every value they are sent, so a value that a resume redoes would
-stay beside the redone one or block it: they are sent settled values only (app/tracking/history.py),
-each once (`sent-<tracker>.txt`), from the tracker thread (app/tracking/worker.py). The tracker
-libraries are imported only when configured (optional extras, see pyproject.toml).
-"""
+"""Where a run's metrics go: metrics.csv (every value as it stands) and the trackers (settled values only,
+app/tracking/history.py, each once via `sent-<tracker>.txt`, from the tracker thread). Tracker libraries are imported
+only when configured."""
 
 from __future__ import annotations
 
@@ -32,12 +28,9 @@ MLFLOW_PARAMS_PER_BATCH = 100
 
 
 class CsvView:
-    """`metrics.csv` in CSVLogger's layout (a `step` column, one row per logged call, sorted columns).
+    """`metrics.csv` in CSVLogger's layout: a new call is appended (a new column rewrites the file).
 
-    A new call is appended (a new column rewrites the file, as CSVLogger does); a call that replaces
-    a provisional value rewrites the whole file from the history, atomically, so the file never
-    holds two values for one name and step.
-    """
+    Replacing a provisional value rewrites the file atomically from the history."""
 
     def __init__(self, log_dir: Path) -> None:
         self.path = log_dir / METRICS_FILE
@@ -198,8 +191,7 @@ class MlflowSink:
             )
 
     def viewing_line(self) -> str:
-        """The run id and where to see it: the server's page of the run, or the command that serves
-        a local store."""
+        """The run id and where to see it: the server's page of the run, or the command that serves a local store."""
         run = f"mlflow: run {self.run_id} (experiment {self.experiment})"
         scheme = urllib.parse.urlparse(self.tracking_uri).scheme
         if scheme in ("http", "https"):
@@ -212,14 +204,10 @@ class MlflowSink:
 class WandbSink:
     """One W&B run per training run (its id is the run id), resumed in every attempt.
 
-    Offline (the default), each attempt writes its own `wandb/offline-run-*-<id>` directory under
-    the log directory; `wandb sync` uploads them into the one run.
-
-    W&B writes the run file in blocks and at `finish()`, so a kill -9 leaves little in it: values
-    count as sent only once `finish()` returned, and the next attempt sends the rest again (`wandb
-    sync` keeps the first copy of a step; a settled value never changes). W&B takes no more values
-    at a step once its row is written: a step is sent only when complete (`TrackedRun._complete_below`).
-    """
+    Offline (the default), each attempt writes its own `wandb/offline-run-*-<id>` under the log directory, uploaded into
+    one run by `wandb sync`. Values count as sent only once `finish()` returned (a kill -9 leaves little on disk); the
+    next attempt resends. W&B takes nothing at a written step, so steps are sent complete
+    (`TrackedRun._complete_below`)."""
 
     name = "wandb"
     durable_on_send = False

@@ -1,18 +1,9 @@
-"""Training samples/s: the one definition behind every number `ddp-app fit` reports as samples/s.
+"""Training samples/s: the one definition behind every samples/s `ddp-app fit` reports.
 
-Training samples over all ranks (this rank's samples times the world size: every rank trains on as
-many) per second of training, where training is the time from a training batch's start to the last
-training batch's end, less any validation that ran in between (`val_check_interval` < 1). Outside
-it: the loader's start before an epoch's first batch (worker processes, the sampler), the epoch-end
-validation and the epoch-end save of last.ckpt; inside it: loading the next batch, every callback's
-per-step work and a time-interval save within the epoch.
-
-`app.tracking.run.Tracking` measures each epoch this way on every rank, `app.run.coordinator.RunCoordinator`
-averages it over the ranks and logs it as `samples_per_s`: the value the epoch's progress line
-(app/run/callbacks.py), the fit's summary (app/run/summary.py), the plot and the trackers all show.
-One definition because two disagreed (issue 42): the progress line's own window also held the
-epoch-end exchange between the ranks and the checkpoint saves.
-"""
+Training samples over all ranks per second of training: from a training batch's start to the last batch's end, less any
+validation in between. Outside: the loader's start, epoch-end validation and last.ckpt's epoch-end save; inside: batch
+loading, callbacks and in-epoch saves. `Tracking` measures it per rank, `RunCoordinator` averages and logs
+`samples_per_s`, shown by the progress line, summary, plot and trackers (one definition since issue 42)."""
 
 from __future__ import annotations
 
@@ -35,12 +26,8 @@ def batch_size_of(batch: Any) -> int:
 
 
 class TrainingClock:
-    """Samples and seconds of training as the module docstring defines them, since `reset`.
-
-    The owner calls `batch_start` and `batch_end` around every training batch and `pause` when
-    validation starts; a paused clock starts again at the next batch's start. Costs a clock read per
-    call: no collective, no host read of a device value.
-    """
+    """Samples and seconds of training, as the module docstring defines them, since `reset`: `batch_start`/`batch_end`
+    around every batch, `pause` at validation; a clock read per call, nothing else."""
 
     def __init__(self) -> None:
         self.reset()

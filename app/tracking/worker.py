@@ -1,15 +1,9 @@
 """The one thread per tracked run that talks to its trackers, so that training never waits on them.
 
-A tracker is a network service (or a library with a service process of its own): MLflow's HTTP
-client retries a server that went away for about 4 minutes per request, during which rank 0 would
-sit in a checkpoint hook while the other ranks wait for it in a collective, and a stop signal would
-go unanswered. Every tracker call after the open therefore runs here, one at a time and in the
-order the training thread asked for them; the training thread only enqueues (app/tracking/run.py).
-`Outboxes` is the thread's own state: what each tracker has still to be sent.
-
-The thread is a daemon: a run that ends while a tracker still hangs leaves it behind (the journal
-keeps what it did not confirm, and the next attempt sends it), and the process exits regardless.
-"""
+A tracker can hang for minutes (MLflow retries a lost server), which would stall rank 0 in a hook while the others wait
+in a collective. So every call after the open runs here, in order; the training thread only enqueues. `Outboxes` is what
+each tracker still has to be sent. A daemon: a run that ends leaves a hung tracker behind (the journal keeps the rest
+for the next attempt)."""
 
 from __future__ import annotations
 
@@ -40,13 +34,13 @@ class TrackerThread:
         self._thread.start()
 
     def submit(self, task: Callable[[], object]) -> None:
-        """Queue `task`; returns at once. A task handles its own errors (one that raises is a bug:
-        its traceback is printed and the next task runs)."""
+        """Queue `task`; returns at once. A task handles its own errors (one that raises is a bug: its traceback is
+        printed and the next task runs)."""
         self._tasks.put(task)
 
     def call(self, task: Callable[[], Result], timeout: float | None) -> Result:
-        """Run `task` here and wait for its result or exception, at most `timeout` seconds
-        (None: as long as it takes); TimeoutError after that, the task still running."""
+        """Run `task` here and wait for its result or exception, at most `timeout` seconds (None: as long as it takes);
+        TimeoutError after that, the task still running."""
         future: Future[Result] = Future()
 
         def run() -> None:
@@ -82,8 +76,8 @@ class TrackerThread:
 
 
 def one_line(error: BaseException) -> str:
-    """An error of a tracker library as a short reason: the system's word for a failed connection
-    ("Connection refused", "Name or service not known"), else the first line of its message."""
+    """An error of a tracker library as a short reason: the system's word for a failed connection ("Connection refused",
+    "Name or service not known"), else the first line of its message."""
     text = str(error)
     system = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
     if system:
@@ -95,8 +89,8 @@ def one_line(error: BaseException) -> str:
 
 
 class _Outbox:
-    """What one tracker still has to be sent: this attempt's start, settled calls in step order, the
-    latest tags, and the calls it holds but has not made durable yet (W&B, until `finish`)."""
+    """What one tracker still has to be sent: this attempt's start, settled calls in step order, the latest tags, and
+    the calls it holds but has not made durable yet (W&B, until `finish`)."""
 
     def __init__(self, start: RunFacts) -> None:
         self.start: RunFacts | None = start
@@ -106,10 +100,9 @@ class _Outbox:
 
 
 class Outboxes:
-    """The tracker thread's own state for a run's attempt (app/tracking/run.py `TrackedRun` hands it
-    work): per tracker, what it did not take yet, kept in step order and tried again at the next save.
-    A call is written to `sent-<tracker>.txt` only once the tracker confirmed it. The user is told once
-    per outage, by either thread."""
+    """The tracker thread's own state for a run's attempt (app/tracking/run.py `TrackedRun` hands it work): per tracker,
+    what it did not take yet, kept in step order and tried again at the next save. A call is written to
+    `sent-<tracker>.txt` only once the tracker confirmed it. The user is told once per outage, by either thread."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -132,8 +125,8 @@ class Outboxes:
         self._flush(sink, outbox)
 
     def _flush(self, sink: Any, outbox: _Outbox) -> bool:
-        """Send a tracker its outbox (this attempt's start first); whether it took all of it. One
-        that fails keeps its outbox for the next try (the next save, or the close)."""
+        """Send a tracker its outbox (this attempt's start first); whether it took all of it. One that fails keeps its
+        outbox for the next try (the next save, or the close)."""
         self.calling = sink.name
         called = False  # a tracker that had nothing to take has not shown that it answers again
         try:

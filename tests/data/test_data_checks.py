@@ -29,8 +29,8 @@ from app.cli.entry import check_before_launch
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
 from app.cluster.launch import env_without_launcher
 from app.data.shard import MANIFEST
-from app.data.shard import main as shard_main
 from app.run import config_checks
+from tests.helpers.datasets_on_disk import image_folder_shards
 from tests.helpers.run import REPO, clean_env, ddp_app
 
 CPU = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.precision", "32-true"]
@@ -46,10 +46,7 @@ def ten_classes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ten_class_shards(tmp_path_factory: pytest.TempPathFactory, ten_classes: Path) -> Path:
-    out = tmp_path_factory.mktemp("written") / "shards"
-    arguments = ["--config", "configs/imagefolder_resnet18.yaml", "--out", str(out), "--chunk-size", "16"]
-    assert shard_main([*arguments, f"--data.init_args.data_dir={ten_classes}"]) == 0
-    return out
+    return image_folder_shards(tmp_path_factory, ten_classes, "configs/imagefolder_resnet18.yaml", 16)
 
 
 @pytest.fixture

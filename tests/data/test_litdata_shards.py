@@ -17,6 +17,7 @@ from app.data.image_datasets import read_layout
 from app.data.litdata_shards import StreamingDataModule
 from app.data.samplers import chunked_shard
 from app.data.shard import main as shard_main
+from tests.helpers.datasets_on_disk import image_folder_shards
 from tests.helpers.run import float64_runner, resume_on_3_ranks
 
 CHUNK = 16  # samples per chunk: 200 training images in 2 writers give 2 x 7 chunks
@@ -30,10 +31,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory, images: Path) -> Path:
-    out = tmp_path_factory.mktemp("written") / "shards"
-    arguments = ["--config", "tests/helpers/imagefolder.yaml", "--out", str(out), "--chunk-size", str(CHUNK)]
-    assert shard_main([*arguments, "--workers", "2", f"--data.init_args.data_dir={images}"]) == 0
-    return out
+    return image_folder_shards(tmp_path_factory, images, "tests/helpers/imagefolder.yaml", CHUNK, "--workers", "2")
 
 
 def test_the_shards_hold_every_image_file_once_with_its_class(images: Path, shards: Path) -> None:

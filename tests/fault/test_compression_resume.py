@@ -13,12 +13,9 @@ from app.checkpoints.io import safe_load
 from tests.fault.test_resume import (
     assert_same_weights,
     fit,
-    group_is_gone,
-    overlay,
-    start_fit,
-    wait_for_step,
+    fit_uninterrupted,
+    kill_9_at_step,
 )
-from tests.helpers.run import kill_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -30,11 +27,7 @@ POWERSGD = ["--gradient_compression.method=powersgd", "--gradient_compression.po
 @pytest.fixture(scope="module")
 def powersgd_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Digits with PowerSGD, 6 epochs of 20 steps, a checkpoint every 7 steps and at each epoch end."""
-    root = tmp_path_factory.mktemp("powersgd")
-    extra = overlay(root, epochs=6, every=7)
-    result = fit("configs/digits.yaml", extra, root / "run", *POWERSGD)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return extra, root / "run" / "checkpoints"
+    return fit_uninterrupted(tmp_path_factory.mktemp("powersgd"), "configs/digits.yaml", 6, 7, *POWERSGD)
 
 
 def test_checkpoints_hold_every_ranks_powersgd_state(powersgd_uninterrupted) -> None:
@@ -69,14 +62,7 @@ def test_powersgd_resume_is_bit_exact(powersgd_uninterrupted, checkpoint: str, t
 @pytest.mark.slow  # about 30 s; the resume matrix's default powersgd row stops and resumes a PowerSGD run
 def test_kill_9_mid_run_with_powersgd_then_resume_last_is_bit_exact(powersgd_uninterrupted, tmp_path: Path) -> None:
     extra, checkpoints = powersgd_uninterrupted
-    process = start_fit("configs/digits.yaml", extra, tmp_path / "run", *POWERSGD)
-    try:
-        killed_at = wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 50, process)
-        kill_job(process.pid)  # launcher and ranks, at once
-        assert group_is_gone(process, 10)
-    finally:
-        kill_job(process.pid)
-        process.wait()
+    killed_at = kill_9_at_step("configs/digits.yaml", extra, tmp_path / "run", 50, *POWERSGD)
     assert killed_at < 120, "the kill came after the end of training: it proved nothing"
     resumed = fit("configs/digits.yaml", extra, tmp_path / "run", *POWERSGD, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -15,7 +15,7 @@ from app.checkpoints.io import CheckpointError, safe_load
 from app.cluster.exit_codes import INTERRUPTED_EXIT_CODE
 from tests.fault.conftest import EPOCHS
 from tests.fault.test_resume import resume_and_compare, start_fit, stop_with_signal, wait_for_step
-from tests.helpers.run import kill_job
+from tests.helpers.run import kill_job, seconds_to_exit
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -94,9 +94,7 @@ def test_a_second_ctrl_c_aborts_at_once_and_keeps_a_loadable_last_ckpt(uninterru
         os.killpg(process.pid, signal.SIGINT)
         time.sleep(0.05)  # the ranks are stopping (and may be saving) now
         os.killpg(process.pid, signal.SIGINT)
-        sent = time.monotonic()
-        process.wait(timeout=30)
-        took = time.monotonic() - sent
+        took = seconds_to_exit(process, 30)
     finally:
         kill_job(process.pid)
         process.wait()

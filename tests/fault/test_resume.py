@@ -50,6 +50,16 @@ def fit(config: str, extra: Path, root: Path, *args: str, timeout: float = 240):
     )
 
 
+def fit_uninterrupted(
+    root: Path, config: str, epochs: int, every: int, *args: str, keep: int = -1
+) -> tuple[Path, Path]:
+    """A fit that must succeed, in `root / "run"`: (its checkpoints overlay, its checkpoint directory)."""
+    extra = overlay(root, epochs=epochs, every=every, keep=keep)
+    result = fit(config, extra, root / "run", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return extra, root / "run" / "checkpoints"
+
+
 def resume_and_compare(config: str, extra: Path, root: Path, expected: Path) -> None:
     """`fit ... --ckpt_path last` in `root` ends with exactly the weights of `expected` (the
     uninterrupted run's checkpoint of the same name)."""
@@ -72,11 +82,7 @@ def assert_same_weights(expected: Path, actual: Path) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     """Digits, 4 epochs of 20 steps, a checkpoint every 7 steps (mid-epoch) and at each epoch end."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    extra = overlay(root, epochs=4, every=7)
-    result = fit("configs/digits.yaml", extra, root / "run")
-    assert result.returncode == 0, result.stderr[-3000:]
-    yield extra, root / "run" / "checkpoints"
+    yield fit_uninterrupted(tmp_path_factory.mktemp("uninterrupted"), "configs/digits.yaml", 4, 7)
 
 
 @pytest.mark.parametrize(
@@ -104,11 +110,7 @@ CNN_SMALL = ["--data.init_args.train_size=256", "--data.init_args.eval_size=32",
 @pytest.fixture(scope="module")
 def cnn_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The CNN (with dropout), 2 epochs of 8 steps, a checkpoint every 5 steps and at each epoch end."""
-    root = tmp_path_factory.mktemp("cnn")
-    extra = overlay(root, epochs=2, every=5)
-    full = fit("configs/bench_cnn.yaml", extra, root / "full", *CNN_SMALL)
-    assert full.returncode == 0, full.stderr[-3000:]
-    return extra, root / "full" / "checkpoints"
+    return fit_uninterrupted(tmp_path_factory.mktemp("cnn"), "configs/bench_cnn.yaml", 2, 5, *CNN_SMALL)
 
 
 @pytest.mark.parametrize("checkpoint", ["step-step=5.ckpt", "epoch-epoch=0.ckpt"], ids=["mid-epoch", "epoch-end"])
@@ -154,6 +156,19 @@ def wait_for_step(last: Path, step: int, process: subprocess.Popen[str], timeout
     raise AssertionError(f"no checkpoint at step >= {step} within {timeout} s")
 
 
+def kill_9_at_step(config: str, extra: Path, root: Path, step: int, *args: str) -> int:
+    """Start a fit into `root` and kill -9 its whole job once last.ckpt holds `step`; returns the step it held."""
+    process = start_fit(config, extra, root, *args)
+    try:
+        killed_at = wait_for_step(root / "checkpoints" / "last.ckpt", step, process)
+        kill_job(process.pid)  # launcher and ranks, at once
+        assert group_is_gone(process, 10)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    return killed_at
+
+
 def group_is_gone(process: subprocess.Popen[str], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -187,23 +202,13 @@ def stop_with_signal(
 @pytest.fixture(scope="module")
 def long_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """20 epochs (400 steps), last.ckpt every 3 steps: long enough to interrupt mid-run."""
-    root = tmp_path_factory.mktemp("long")
-    extra = overlay(root, epochs=20, every=3, keep=0)
-    result = fit("configs/digits.yaml", extra, root / "run")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return extra, root / "run" / "checkpoints" / "epoch-epoch=19.ckpt"
+    extra, checkpoints = fit_uninterrupted(tmp_path_factory.mktemp("long"), "configs/digits.yaml", 20, 3, keep=0)
+    return extra, checkpoints / "epoch-epoch=19.ckpt"
 
 
 def test_kill_9_of_the_whole_job_then_resume_last_is_bit_exact(long_uninterrupted, tmp_path: Path) -> None:
     extra, expected = long_uninterrupted
-    process = start_fit("configs/digits.yaml", extra, tmp_path / "run")
-    try:
-        killed_at = wait_for_step(tmp_path / "run" / "checkpoints" / "last.ckpt", 100, process)
-        kill_job(process.pid)  # launcher and ranks, at once
-        assert group_is_gone(process, 10)
-    finally:
-        kill_job(process.pid)
-        process.wait()
+    killed_at = kill_9_at_step("configs/digits.yaml", extra, tmp_path / "run", 100)
     assert killed_at < 400
     resume_and_compare("configs/digits.yaml", extra, tmp_path / "run", expected)
 

@@ -24,7 +24,7 @@ import pytest
 
 from app.bench.data import write_image_folder
 from app.cli.resume_check import CONTINUES, MOMENTS, STOPS, Case, Outcome, Runner, format_table
-from app.data.shard import main as write_shards
+from tests.helpers.datasets_on_disk import image_folder_shards
 from tests.helpers.run import REPO, fit_runner
 from tests.helpers.wandb_files import wandb_history
 
@@ -205,14 +205,7 @@ def data_runners(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Runner]:
     """One Runner per data module: 200 random 32x32 JPEGs in 4 classes (7 steps an epoch on 2 ranks), and
     their LitData shards in chunks of 16 samples."""
     images = write_image_folder(tmp_path_factory.mktemp("images"), images=200, classes=4, pixels=32)
-    shards = tmp_path_factory.mktemp("written") / "shards"
-    assert (
-        write_shards(
-            ["--config", DATA_CONFIGS["imagefolder"], "--out", str(shards), "--chunk-size", "16"]
-            + [f"--data.init_args.data_dir={images}"]
-        )
-        == 0
-    )
+    shards = image_folder_shards(tmp_path_factory, images, DATA_CONFIGS["imagefolder"], 16)
     data_dirs = {"imagefolder": images, "streaming": shards}
     return {
         name: fit_runner(

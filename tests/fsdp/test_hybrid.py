@@ -102,27 +102,29 @@ def test_hybrid_on_4_ranks_resumes_on_2_as_full_sharding_and_full_on_2_resumes_a
     2 x 2 on 4 ranks stopped mid-epoch and resumed on 2 ranks of one node (`node`: 1 x 2), and 1 x 2 on 2
     ranks stopped and resumed as 2 x 2 on 4: each keeps its global batch and sample order and ends within
     1e-5 of its uninterrupted run, saying both what the ranks and what the shards do."""
-    hybrid = gpt_config(tmp_path / "hybrid.yaml", 2, optimizer=SGD, max_epochs=2, devices=4)
-    fit(hybrid, tmp_path / "hybrid")
-    root = tmp_path / "shrunk"
-    fit(hybrid, root, "--trainer.max_steps=6")
-    output = fit(
-        hybrid, root, "--trainer.devices=2", "--trainer.strategy.init_args.shard_group_size=node", "--ckpt_path=last"
-    )
-    assert "resuming a 4-rank run on 2 ranks: global batch 64 kept" in output, output[-3000:]
-    assert "written by 2 replicas x 2 shards and this run is 1 replica x 2 shards" in output, output[-3000:]
-    assert_within_tolerance(tmp_path / "hybrid", root, "2 x 2 on 4 ranks resumed as 1 x 2 on 2")
-
-    full = gpt_config(tmp_path / "full.yaml", None, optimizer=SGD, max_epochs=2, devices=2)
-    fit(full, tmp_path / "full")
-    root = tmp_path / "grown"
-    fit(full, root, "--trainer.max_steps=12")
-    output = fit(
-        full, root, "--trainer.devices=4", "--trainer.strategy.init_args.shard_group_size=2", "--ckpt_path=last"
-    )
-    assert "resuming a 2-rank run on 4 ranks: global batch 32 kept" in output, output[-3000:]
-    assert "written by 1 replica x 2 shards and this run is 2 replicas x 2 shards" in output, output[-3000:]
-    assert_within_tolerance(tmp_path / "full", root, "1 x 2 on 2 ranks resumed as 2 x 2 on 4")
+    cases = [  # (config, resumed run, stopped at, resumed with, what the resume says, what the comparison names)
+        (
+            gpt_config(tmp_path / "hybrid.yaml", 2, optimizer=SGD, max_epochs=2, devices=4), "shrunk", 6,
+            ["--trainer.devices=2", "--trainer.strategy.init_args.shard_group_size=node"],
+            ["resuming a 4-rank run on 2 ranks: global batch 64 kept",
+             "written by 2 replicas x 2 shards and this run is 1 replica x 2 shards"],
+            "2 x 2 on 4 ranks resumed as 1 x 2 on 2",
+        ),
+        (
+            gpt_config(tmp_path / "full.yaml", None, optimizer=SGD, max_epochs=2, devices=2), "grown", 12,
+            ["--trainer.devices=4", "--trainer.strategy.init_args.shard_group_size=2"],
+            ["resuming a 2-rank run on 4 ranks: global batch 32 kept",
+             "written by 1 replica x 2 shards and this run is 2 replicas x 2 shards"],
+            "1 x 2 on 2 ranks resumed as 2 x 2 on 4",
+        ),
+    ]  # fmt: skip
+    for config, resumed, max_steps, overrides, said, what in cases:
+        fit(config, tmp_path / config.stem)
+        fit(config, tmp_path / resumed, f"--trainer.max_steps={max_steps}")
+        output = fit(config, tmp_path / resumed, *overrides, "--ckpt_path=last")
+        for line in said:
+            assert line in output, output[-3000:]
+        assert_within_tolerance(tmp_path / config.stem, tmp_path / resumed, what)
 
 
 def assert_within_tolerance(uninterrupted: Path, resumed: Path, what: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,3 +52,13 @@ def write_cifar10(root: Path, per_batch: int = 20, n_test: int = 20, seed: int =
     (folder / "test_batch").write_bytes(pickle.dumps(batch(n_test)))
     names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
     (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": names}))
+
+
+def image_folder_shards(factory: Any, images: Path, config: str, chunk: int, *extra: str) -> Path:
+    """The LitData shards `python -m app.data.shard` writes of the image folder `images` (chunks of `chunk` samples)."""
+    from app.data.shard import main as write_shards
+
+    out = factory.mktemp("written") / "shards"
+    arguments = ["--config", config, "--out", str(out), "--chunk-size", str(chunk), *extra]
+    assert write_shards([*arguments, f"--data.init_args.data_dir={images}"]) == 0
+    return out

@@ -7,11 +7,12 @@ ranks' flight recorders in the hang directory: nothing here needs to mark the mo
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+
+from tests.helpers.hangs import OnceAtStep, mark_injected
 
 
 class ExtraSyncedValue(L.Callback):
@@ -47,23 +48,16 @@ class ExtraSyncedValue(L.Callback):
             self._log_epoch_values(trainer, pl_module)
 
 
-class SlowStepOnce(L.Callback):
+class SlowStepOnce(OnceAtStep):
     """Rank `rank` sleeps `seconds` once, at the start of step `at_step` (a long data load, a slow
     host), while the other ranks go on to that step's gradient all-reduce and wait for it there:
     the same collective, reached late. Writes `<marker_dir>/slept` when the sleep is over."""
 
     def __init__(self, seconds: float, marker_dir: str, rank: int = 1, at_step: int = 25) -> None:
+        super().__init__(marker_dir, rank, at_step)
         self.seconds = seconds
-        self.marker_dir = marker_dir
-        self.rank = rank
-        self.at_step = at_step
-        self.done = False
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.done or trainer.global_step < self.at_step:
-            return
-        self.done = True
-        if trainer.global_rank == self.rank:
+        if self.due(trainer) and trainer.global_rank == self.rank:
             time.sleep(self.seconds)
-            Path(self.marker_dir).mkdir(parents=True, exist_ok=True)
-            (Path(self.marker_dir) / "slept").write_text(str(time.time()))
+            mark_injected(self.marker_dir, "slept")

@@ -16,12 +16,39 @@ from torch.utils.data import Dataset
 from app.data import DigitsDataModule
 
 
-def mark_injected(marker_dir: str) -> None:
+def mark_injected(marker_dir: str, name: str = "injected") -> None:
     Path(marker_dir).mkdir(parents=True, exist_ok=True)
-    (Path(marker_dir) / "injected").write_text(str(time.time()))
+    (Path(marker_dir) / name).write_text(str(time.time()))
 
 
-class InjectHang(L.Callback):
+class OnceAtStep(L.Callback):
+    """A callback that acts once, at its first hook at or after step `at_step`, on rank `rank`."""
+
+    def __init__(self, marker_dir: str, rank: int = 1, at_step: int = 25) -> None:
+        self.marker_dir = marker_dir
+        self.rank = rank
+        self.at_step = at_step
+        self.struck = False
+
+    def due(self, trainer: L.Trainer) -> bool:
+        """Whether this hook is the one (every rank learns it; only once)."""
+        if self.struck or trainer.global_step < self.at_step:
+            return False
+        self.struck = True
+        return True
+
+
+class WrappedDataset(Dataset):
+    """A dataset that serves `dataset`'s samples with something added (a delay, a stall)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+
+class InjectHang(OnceAtStep):
     """At the first training batch end at or after `at_step`:
 
     - `skip`: every rank but `rank` enters a barrier (`rank` skips it, as after rank-dependent control flow);
@@ -37,42 +64,34 @@ class InjectHang(L.Callback):
     def __init__(self, kind: str, marker_dir: str, rank: int = 1, at_step: int = 25) -> None:
         if kind not in ("skip", "extra"):
             raise ValueError(f"kind must be skip or extra, got {kind!r}")
+        super().__init__(marker_dir, rank, at_step)
         self.kind = kind
-        self.marker_dir = marker_dir
-        self.rank = rank
-        self.at_step = at_step
-        self.armed = False
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.kind != "skip" or trainer.global_step < self.at_step or self.armed:
+        if self.kind != "skip" or not self.due(trainer):
             return
-        self.armed = True
         if trainer.global_rank == self.rank:
             mark_injected(self.marker_dir)
         else:
             trainer.strategy.barrier("the barrier rank 1 skips")
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.kind != "extra" or trainer.global_step < self.at_step or self.armed:
+        if self.kind != "extra" or not self.due(trainer):
             return
-        self.armed = True
         if trainer.global_rank == self.rank:
             mark_injected(self.marker_dir)
             torch.distributed.all_reduce(torch.ones(3))
 
 
-class StuckAfter(Dataset):
+class StuckAfter(WrappedDataset):
     """A dataset whose `__getitem__` blocks for an hour on rank `rank` after `items` items (a dead NFS read)."""
 
     def __init__(self, dataset: Dataset, rank: int, items: int, marker_dir: str) -> None:
-        self.dataset = dataset
+        super().__init__(dataset)
         self.rank = rank
         self.items = items
         self.marker_dir = marker_dir
         self.served = 0
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> Any:
         self.served += 1

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -207,6 +208,13 @@ def local_rank_of(pid: int) -> int | None:
 def rank_pids(root: int) -> dict[int, int]:
     """{local rank: pid} for the job's rank processes."""
     return {rank: pid for pid in live_job_processes(root) if (rank := local_rank_of(pid)) is not None}
+
+
+def seconds_to_exit(process: subprocess.Popen, timeout: float) -> float:
+    """Wait for `process` to exit (at most `timeout` s); the seconds it took."""
+    start = time.monotonic()
+    process.wait(timeout=timeout)
+    return time.monotonic() - start
 
 
 def kill_job(root: int) -> None:

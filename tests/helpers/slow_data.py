@@ -8,15 +8,13 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from app.data import DigitsDataModule, FakeImageDataModule
+from tests.helpers.hangs import WrappedDataset
 
 
-class SlowSamples(Dataset):
+class SlowSamples(WrappedDataset):
     def __init__(self, dataset: Dataset, seconds: float) -> None:
-        self.dataset = dataset
+        super().__init__(dataset)
         self.seconds = seconds
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> Any:
         time.sleep(self.seconds)  # waits as on I/O: loader workers overlap it

@@ -19,7 +19,7 @@ from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
 from app.cluster.launch import STOP_GRACE_S, free_port
 from app.tracking.run import CLOSE_WAIT_S, MLFLOW_OPEN_DEADLINE_S
-from tests.helpers.run import BIN, ddp_app, kill_job, start
+from tests.helpers.run import BIN, ddp_app, kill_job, seconds_to_exit, start
 from tests.tracking.mlflow_helpers import csv_values, histories, only_run, start_mlflow_server, stop_mlflow_server
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -112,9 +112,7 @@ def test_a_server_that_goes_away_costs_no_training_time_and_the_next_attempt_sen
             # retries the gone server for minutes (MLflow's default backoff).
             wait_for_clock_step(clock, (gone_at + 3) * STEPS_PER_EPOCH + 5, alive)
             process.send_signal(signal.SIGTERM)  # a preemption while MLflow's client retries
-            stopping = time.monotonic()
-            process.wait(timeout=STOP_GRACE_S + 60)
-            stop_took = time.monotonic() - stopping
+            stop_took = seconds_to_exit(process, STOP_GRACE_S + 60)
         finally:
             kill_job(process.pid)
             process.wait()
