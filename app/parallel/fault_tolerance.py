@@ -134,7 +134,7 @@ def plan_fault_tolerance(
     not divide the ranks, a strategy or launch it cannot serve, a lighthouse that does not answer."""
     if section is None or not _get(section, "enabled"):
         return None
-    if importlib.util.find_spec("torchft") is None:
+    if not _importable("torchft"):
         raise UserFacingError(
             f"fault_tolerance.enabled: true needs torchft, which is not installed. Fix: {INSTALL_HINT}."
         )
@@ -160,16 +160,16 @@ def plan_fault_tolerance(
             f"fault_tolerance.enabled: true under {launcher}: ddp-app's own launcher starts the replica groups and "
             "starts a dead one again. Fix: start `ddp-app fit ...` directly (not through torchrun or srun)."
         )
-    if group_size != 1:
-        raise UserFacingError(
-            f"fault_tolerance.group_size={group_size}: only groups of 1 process are built so far. "
-            "Fix: --fault_tolerance.group_size 1 (each process is a replica group)."
-        )
     ranks = world_size or 1
     if group_size < 1 or ranks % group_size:
         raise UserFacingError(
             f"fault_tolerance.group_size={group_size} does not divide the run's {ranks} process(es) "
             "(trainer.devices x trainer.num_nodes). Fix: a group size that divides them, such as 1."
+        )
+    if group_size != 1:
+        raise UserFacingError(
+            f"fault_tolerance.group_size={group_size}: only groups of 1 process are built so far. "
+            "Fix: --fault_tolerance.group_size 1 (each process is a replica group)."
         )
     groups = ranks // group_size
     if groups < 2:
@@ -191,6 +191,13 @@ def plan_fault_tolerance(
     if lighthouse:
         check_lighthouse_answers(str(lighthouse))
     return FaultTolerancePlan(groups, group_size, min_replicas, str(lighthouse) if lighthouse else None)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a finder that refuses it, as an import would
+        return False
 
 
 def check_lighthouse_answers(address: str, timeout_s: float = 3.0) -> None:

@@ -30,6 +30,7 @@ behind it, so a group that committed a step that another dropped is the one the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -133,6 +134,8 @@ class GroupRuntime:
         """What this group sends to a group that heals: its checkpoint at this point of the run."""
         assert self.trainer is not None
         if self.running:
+            if self.story:  # what it sent, for the record: the receiver's start line says what it got
+                self._write({"sent": self.trainer.global_step, "digest": weights_digest(self.trainer.lightning_module)})
             # Private (docs/private_apis.md): the dict `trainer.save_checkpoint` writes, without writing it.
             return self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if self.resume_path:  # not training yet: the checkpoint it is about to resume from
@@ -163,7 +166,7 @@ class GroupRuntime:
             Path(self.healed_path).unlink(missing_ok=True)
             self.healed_path = None
         if self.story:
-            self._record(trainer.global_step, start=True)
+            self._record(trainer.global_step, start=pl_module)
 
     def average_gradients(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         """The gradients averaged over the groups in the quorum, or dropped if the step may not commit."""
@@ -205,12 +208,17 @@ class GroupRuntime:
             self._say(f"quorum changed at step {step}: {replicas} of {self.plan.groups} groups (was {self.replicas})")
         self.replicas = replicas
 
-    def _record(self, step: int, start: bool = False) -> None:
-        """One JSON line per step (and one when training starts): the step done, when, with how many groups."""
+    def _record(self, step: int, start: L.LightningModule | None = None) -> None:
+        """One JSON line per step (and one when training starts, with the process and its weights'
+        digest): the step done, when, with how many groups, and whether it was applied."""
+        entry: dict[str, Any] = {"step": step, "time": time.time(), "replicas": self.replicas}
+        entry["committed"] = self.committed
+        if start is not None:
+            entry.update(start=True, pid=os.getpid(), digest=weights_digest(start))
+        self._write(entry)
+
+    def _write(self, entry: dict[str, Any]) -> None:
         assert self.story is not None
-        entry = {"step": step, "time": time.time(), "replicas": self.replicas, "committed": self.committed}
-        if start:
-            entry["start"] = True
         self.story.write(json.dumps(entry) + "\n")
 
     def _say(self, line: str) -> None:
@@ -222,6 +230,14 @@ class GroupRuntime:
         if self.story:
             self.story.close()
             self.story = None
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A SHA-256 of the module's parameters, in order: equal digests, equal weights."""
+    digest = hashlib.sha256()
+    for param in module.parameters():
+        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _global_step_of(path: str) -> int:

@@ -1,0 +1,164 @@
+"""Fault tolerance across replica groups (torchft, issue 57; docs/fault_tolerance.md): a group killed
+with kill -9 drops out while the others keep training, is started again and rejoins from a peer's
+memory with the peers' weights; without a failure, 2 groups of 1 process equal `strategy: ddp` on
+2 processes bit for bit; a whole-job kill resumes exactly with `--ckpt_path last`; bad input stops in
+one line before any group starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.checkpoints.io import safe_load
+from tests.fault.test_resume import assert_same_weights
+from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, start
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+FT = ["--fault_tolerance.enabled=true", "--trainer.enable_progress_bar=false"]
+DEFAULT_TIMEOUT_S = 10.0  # fault_tolerance.timeout_s's default
+
+
+def story(root: Path, group: int) -> list[dict]:
+    """A group's per-step record (app/parallel/ft_manager.py), one dict per line."""
+    path = root / "fault_tolerance" / f"group_{group}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def fit_command(root: Path, *args: str) -> list[str]:
+    return [str(BIN / "ddp-app"), "fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={root}", *args]
+
+
+def run_fit(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return ddp_app(*fit_command(root, *args)[1:], timeout=timeout)
+
+
+def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        assert process.poll() is None, f"the run ended before {what}"
+        time.sleep(0.01)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+@pytest.mark.slow  # about a minute on 2 cores
+def test_a_killed_group_rejoins_while_the_others_keep_training(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    steps = 400
+    command = fit_command(root, "--trainer.devices=3", f"--trainer.max_steps={steps}", *FT)
+    with open(tmp_path / "ft.log", "w") as log:
+        process = start(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: any(entry["step"] >= 50 for entry in story(root, 2)), "step 50 of group 2", process)
+        pid = next(entry["pid"] for entry in story(root, 2) if entry.get("start"))
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        process.wait(timeout=300)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    output = (tmp_path / "ft.log").read_text()
+    assert process.returncode == 0, output[-4000:]
+    assert "group 2 (pid" in output and "starting it again (1 of 3)" in output, output[-4000:]
+    assert "quorum changed" in output, output[-4000:]
+    for group in (0, 1):  # the survivors never stopped: no gap between two steps beyond the timeout
+        times = [entry["time"] for entry in story(root, group) if "step" in entry and "sent" not in entry]
+        gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+        assert max(gaps) < DEFAULT_TIMEOUT_S, f"group {group} stopped for {max(gaps):.1f} s"
+        replicas = [entry["replicas"] for entry in story(root, group) if entry.get("time", 0) > killed_at]
+        assert min(replicas) == 2 and replicas[-1] == 3, replicas  # trained without group 2, then with it
+        assert story(root, group)[-1]["step"] == steps
+    # Group 2 rejoined from a peer's memory, with the weights the peer sent at that step.
+    restarted = [entry for entry in story(root, 2) if entry.get("start")][1]
+    assert restarted["step"] > 50
+    sent = [entry for group in (0, 1) for entry in story(root, group) if entry.get("sent") == restarted["step"]]
+    assert sent and all(entry["digest"] == restarted["digest"] for entry in sent), (restarted, sent)
+    assert story(root, 2)[-1]["step"] == steps
+    # Every group ends with the planned steps and the same weights.
+    last = root / "checkpoints" / "last.ckpt"
+    assert safe_load(last)["global_step"] == steps
+    for group in (1, 2):
+        assert_same_weights(last, root / "fault_tolerance" / f"group_{group}" / "checkpoints" / "last.ckpt")
+
+
+def test_two_groups_without_a_failure_equal_ddp_bit_for_bit(tmp_path: Path) -> None:
+    """The sum of two gradients does not depend on its order, and torchft's (a + b) / 2 rounds as DDP's
+    a / 2 + b / 2 (a division by 2 is exact): the weights are equal, bit for bit."""
+    steps = ["--trainer.max_steps=25", "--trainer.enable_progress_bar=false"]  # crosses an epoch end (20 steps)
+    ddp = run_fit(tmp_path / "ddp", "--trainer.devices=2", *steps)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    ft = run_fit(tmp_path / "ft", "--trainer.devices=2", *steps, *FT, "--fault_tolerance.min_replicas=2")
+    assert ft.returncode == 0, ft.stderr[-3000:]
+    assert all(entry["replicas"] == 2 for group in (0, 1) for entry in story(tmp_path / "ft", group))
+    assert_same_weights(tmp_path / "ddp" / "checkpoints" / "last.ckpt", tmp_path / "ft" / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.slow  # about a minute on 2 cores
+def test_a_whole_job_killed_resumes_exactly_with_ckpt_path_last(tmp_path: Path) -> None:
+    """kill -9 of every process (the launcher, the lighthouse, every group), then `--ckpt_path last`:
+    the same weights as the run that was never stopped."""
+    args = ["--trainer.devices=2", "--trainer.max_steps=60", "--last_checkpoint.every_n_steps=7", *FT]
+    full = run_fit(tmp_path / "full", *args)
+    assert full.returncode == 0, full.stderr[-3000:]
+    root = tmp_path / "killed"
+    with open(tmp_path / "killed.log", "w") as log:
+        process = start(fit_command(root, *args), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: any(entry["step"] >= 30 for entry in story(root, 1)), "step 30", process)
+        kill_job(process.pid)
+        process.wait()
+    finally:
+        kill_job(process.pid)
+    assert safe_load(root / "checkpoints" / "last.ckpt")["global_step"] < 60
+    resumed = run_fit(root, *args, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(tmp_path / "full" / "checkpoints" / "last.ckpt", root / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--trainer.devices=3", "--fault_tolerance.group_size=2"], "fault_tolerance.group_size=2 does not divide"),
+        (["--trainer.devices=2", "--trainer.strategy=fsdp"], "serves DDP only so far"),
+        (["--trainer.devices=2", "--fault_tolerance.lighthouse=http://127.0.0.1:9"], "does not answer"),
+        (["--trainer.devices=1"], "fault tolerance needs at least 2"),
+    ],
+    ids=["group-size", "strategy", "lighthouse", "one-group"],
+)
+def test_bad_input_stops_in_one_line_before_any_group(tmp_path: Path, args: list[str], expected: str) -> None:
+    result = run_fit(tmp_path / "run", *args, *FT, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("ddp-app: error:")]
+    assert len(lines) == 1 and expected in lines[0] and "Fix:" in lines[0], result.stderr[-2000:]
+    assert not (tmp_path / "run" / "fault_tolerance").exists()  # no group started
+
+
+BLOCK_TORCHFT = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torchft" or name.startswith("torchft."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+sys.meta_path.insert(0, Block())
+from app.__main__ import main
+main()
+"""
+
+
+def test_without_torchft_one_line_says_how_to_install_it(tmp_path: Path) -> None:
+    """An environment where `import torchft` fails, as it does where the `ft` extra is not installed."""
+    command = [sys.executable, "-c", BLOCK_TORCHFT, *fit_command(tmp_path / "run", "--trainer.devices=2", *FT)[1:]]
+    result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("ddp-app: error: fault_tolerance.enabled: true needs")
+    assert "pip install" in result.stderr and "[ft]" in result.stderr
