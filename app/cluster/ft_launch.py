@@ -32,6 +32,7 @@ from app.cluster.launch import (
     describe_exit,
     ended_children,
     free_port,
+    with_ckpt_path_last,
     worth_a_restart,
 )
 from app.errors import UserFacingError
@@ -128,13 +129,17 @@ def run_replica_groups(
         lighthouse_process, lighthouse = start_lighthouse(plan, settings)
     print(f"ddp-app: fault tolerance: {plan.describe()}; lighthouse at {lighthouse}", flush=True)
     group_args = {group: group_arguments(args, group, run_dir) for group in range(plan.groups)}
+    # A restarted group continues its own run (it heals from a peer when the peers are ahead, which
+    # they are unless every group died): as today's in-job restart, with `--ckpt_path last`.
+    restart_args = {group: with_ckpt_path_last(arguments) for group, arguments in group_args.items()}
     start_directory = tempfile.mkdtemp(prefix="ddp-app-ft-start-")
 
     def start(group: int, first: bool = False) -> int:
         group_env = group_environment(env, group, plan, lighthouse, story)
         if first:
             group_env[START_VARIABLE] = start_directory
-        return fork_group(lambda: run(group_args[group]), group_env, group)
+        arguments = group_args[group] if first else restart_args[group]
+        return fork_group(lambda: run(arguments), group_env, group)
 
     signal.pthread_sigmask(signal.SIG_BLOCK, LAUNCHER_SIGNALS)
     running: dict[int, int] = {}  # pid -> group
@@ -181,6 +186,7 @@ def run_replica_groups(
                     if not (returncode in STOP_EXIT_CODES or stopping):
                         print(f"ddp-app: fault tolerance: group {group} (pid {pid}) {describe_exit(returncode)}; "
                               "stopping the other groups.", file=sys.stderr, flush=True)  # fmt: skip
+                        stopping = True
                         for other in running:
                             with contextlib.suppress(ProcessLookupError):
                                 os.kill(other, signal.SIGKILL)

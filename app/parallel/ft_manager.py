@@ -44,6 +44,7 @@ import torch
 
 from app.checkpoints.io import atomic_torch_save, safe_load
 from app.parallel.fault_tolerance import START_VARIABLE, STORY_VARIABLE, FaultTolerance, FaultTolerancePlan
+from app.private_apis import require
 
 
 class GroupRuntime:
@@ -60,6 +61,7 @@ class GroupRuntime:
         self.healed_path: str | None = None
         self.committed = True
         self.replicas = 0
+        self.quorum_id: Any = None
         story_dir = env.get(STORY_VARIABLE)
         self.story = None
         if story_dir:
@@ -95,6 +97,8 @@ class GroupRuntime:
             init_sync=False,  # every group starts from the same seed, so from the same weights
         )
         manager.register_state_dict_fn("ddp_app", self._load, self._state)
+        # Private (docs/private_apis.md), checked once here, before training relies on them.
+        require(manager, "_quorum_id", "torchft", "the line that says the quorum of replica groups changed")
         return manager
 
     # ----- before fit -----
@@ -103,6 +107,8 @@ class GroupRuntime:
         """The first quorum, before `fit`. Returns the path of the state a peer sent (in /dev/shm) if
         this group is behind the others, for `fit` to resume from; None if it starts as it is."""
         self.trainer, self.resume_path = trainer, resume_path
+        connector = require(trainer, "_checkpoint_connector", "lightning", "the state a replica group sends a peer")
+        require(connector, "dump_checkpoint", "lightning", "the state a replica group sends a peer")
         step = _global_step_of(resume_path) if resume_path else 0
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         if self.start_directory:
@@ -203,10 +209,10 @@ class GroupRuntime:
     def _quorum(self, step: int) -> None:
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
         self.manager.start_quorum()  # synchronous: returns with the quorum, and a pending heal applied
-        replicas = self.manager.num_participants()
-        if replicas != self.replicas and self.replicas:
+        replicas, quorum_id = self.manager.num_participants(), self.manager._quorum_id
+        if self.quorum_id is not None and quorum_id != self.quorum_id:  # a group left, came back or was replaced
             self._say(f"quorum changed at step {step}: {replicas} of {self.plan.groups} groups (was {self.replicas})")
-        self.replicas = replicas
+        self.replicas, self.quorum_id = replicas, quorum_id
 
     def _record(self, step: int, start: L.LightningModule | None = None) -> None:
         """One JSON line per step (and one when training starts, with the process and its weights'
