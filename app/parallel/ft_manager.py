@@ -188,6 +188,10 @@ class GroupRuntime:
             work.wait()
         self.committed = self.manager.should_commit()
         if not self.committed:
+            self._say(
+                f"step {trainer.global_step + 1} not applied: fewer than {self.plan.min_replicas} group(s), or a group "
+                "failed during it (its gradients are dropped; the weights stay as they were)"
+            )
             for param in params:
                 param.grad = None  # torch's optimizers skip a parameter without a gradient
             return
