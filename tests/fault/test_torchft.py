@@ -160,3 +160,18 @@ def test_without_torchft_one_line_says_how_to_install_it(tmp_path: Path) -> None
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith("ddp-app: error: fault_tolerance.enabled: true needs")
     assert "pip install" in result.stderr and "[ft]" in result.stderr
+
+
+def test_the_fault_tolerance_doc_quotes_the_recovery_figures() -> None:
+    """docs/fault_tolerance.md's row is docs/recovery.json's `torchft` entry (python -m app.bench.recovery)."""
+    figures = json.loads((REPO / "docs" / "recovery.json").read_text())["torchft"]
+
+    def cell(values: dict, unit: str, form: str) -> str:
+        return f"{values['median']:{form}}{unit} ({values['min']:{form}} to {values['max']:{form}})"
+
+    row = (
+        f"| torchft, 2 groups of 1 process | {cell(figures['recovery_s'], ' s', '.1f')} "
+        f"| {cell(figures['steps_redone'], '', 'g')} | {cell(figures['others_stall_s'], ' s', '.1f')} |"
+    )
+    lines = [line.strip() for line in (REPO / "docs" / "fault_tolerance.md").read_text().splitlines()]
+    assert row in lines, row
