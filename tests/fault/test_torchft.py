@@ -82,6 +82,9 @@ def test_a_killed_group_rejoins_while_the_others_keep_training(tmp_path: Path) -
     sent = [entry for group in (0, 1) for entry in story(root, group) if entry.get("sent") == restarted["step"]]
     assert sent and all(entry["digest"] == restarted["digest"] for entry in sent), (restarted, sent)
     assert story(root, 2)[-1]["step"] == steps
+    # The tracked metrics of group 0 (the run's logs) say over how many groups each step averaged.
+    metrics = (root / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert "ft_replicas" in metrics[0].split(","), metrics[0]
     # Every group ends with the planned steps and the same weights.
     last = root / "checkpoints" / "last.ckpt"
     assert safe_load(last)["global_step"] == steps
@@ -138,6 +141,26 @@ def test_bad_input_stops_in_one_line_before_any_group(tmp_path: Path, args: list
     lines = [line for line in result.stderr.splitlines() if line.startswith("ddp-app: error:")]
     assert len(lines) == 1 and expected in lines[0] and "Fix:" in lines[0], result.stderr[-2000:]
     assert not (tmp_path / "run" / "fault_tolerance").exists()  # no group started
+
+
+def test_each_group_reads_its_own_shard_and_together_the_whole_set() -> None:
+    """Step by step, the groups' samplers are the DDP ranks' of the same index: no two groups read
+    the same sample in a step, and together they read each sample once per epoch."""
+    from app.data.samplers import ResumableDistributedSampler
+    from app.parallel.fault_tolerance import GROUP_VARIABLE, GROUPS_VARIABLE, training_shard
+
+    dataset = list(range(100))
+    shards = []
+    for group in range(3):
+        world_size, rank = training_shard(1, 0, {GROUP_VARIABLE: str(group), GROUPS_VARIABLE: "3"})
+        assert (world_size, rank) == (3, group)
+        shards.append(list(ResumableDistributedSampler(dataset, world_size, rank, True, 42, 4)))
+    ddp = [list(ResumableDistributedSampler(dataset, 3, rank, True, 42, 4)) for rank in range(3)]
+    assert shards == ddp
+    for step in range(len(shards[0]) // 4):
+        batches = [set(shard[step * 4 : step * 4 + 4]) for shard in shards]
+        assert not (batches[0] & batches[1] or batches[0] & batches[2] or batches[1] & batches[2])
+    assert {index for shard in shards for index in shard} == set(dataset)  # padded to equal shards, as DDP
 
 
 BLOCK_TORCHFT = """
