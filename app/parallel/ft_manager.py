@@ -62,6 +62,7 @@ class GroupRuntime:
         self.committed = True
         self.replicas = 0
         self.quorum_id: Any = None
+        self.quorum_step = -1  # the global step of the last quorum: one per optimizer step
         story_dir = env.get(STORY_VARIABLE)
         self.story = None
         if story_dir:
@@ -168,6 +169,7 @@ class GroupRuntime:
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.trainer, self.running = trainer, True
+        self.quorum_step = trainer.global_step  # `join` formed this step's quorum
         if self.healed_path is not None:  # restored by fit: the copy in memory is no longer needed
             Path(self.healed_path).unlink(missing_ok=True)
             self.healed_path = None
@@ -204,6 +206,9 @@ class GroupRuntime:
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.log("ft_replicas", float(self.replicas), on_step=True, on_epoch=False, batch_size=1)
+        if trainer.global_step == self.quorum_step:
+            return  # a micro-batch of gradient accumulation: the optimizer step (and a save point) is still ahead
+        self.quorum_step = trainer.global_step
         if self.story:
             self._record(trainer.global_step)
         # The next step's quorum, here: a peer that heals from this group gets the state a save at this

@@ -92,15 +92,23 @@ def test_a_killed_group_rejoins_while_the_others_keep_training(tmp_path: Path) -
         assert_same_weights(last, root / "fault_tolerance" / f"group_{group}" / "checkpoints" / "last.ckpt")
 
 
-def test_two_groups_without_a_failure_equal_ddp_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["one-batch-per-step", "accumulating-2"])
+def test_two_groups_without_a_failure_equal_ddp_bit_for_bit(tmp_path: Path, accumulate: int) -> None:
     """The sum of two gradients does not depend on its order, and torchft's (a + b) / 2 rounds as DDP's
     a / 2 + b / 2 (a division by 2 is exact): the weights are equal, bit for bit."""
-    steps = ["--trainer.max_steps=25", "--trainer.enable_progress_bar=false"]  # crosses an epoch end (20 steps)
+    steps = [  # crosses an epoch end (20 batches)
+        "--trainer.max_steps=25",
+        f"--trainer.accumulate_grad_batches={accumulate}",
+        "--trainer.enable_progress_bar=false",
+    ]
     ddp = run_fit(tmp_path / "ddp", "--trainer.devices=2", *steps)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     ft = run_fit(tmp_path / "ft", "--trainer.devices=2", *steps, *FT, "--fault_tolerance.min_replicas=2")
     assert ft.returncode == 0, ft.stderr[-3000:]
-    assert all(entry["replicas"] == 2 for group in (0, 1) for entry in story(tmp_path / "ft", group))
+    for group in (0, 1):  # one quorum per optimizer step, every one with both groups
+        steps_taken = [entry for entry in story(tmp_path / "ft", group) if not entry.get("start")]
+        assert [entry["step"] for entry in steps_taken] == list(range(1, 26))
+        assert all(entry["replicas"] == 2 and entry["committed"] for entry in steps_taken)
     assert_same_weights(tmp_path / "ddp" / "checkpoints" / "last.ckpt", tmp_path / "ft" / "checkpoints" / "last.ckpt")
 
 
