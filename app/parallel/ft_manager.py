@@ -191,8 +191,9 @@ class GroupRuntime:
         self.committed = self.manager.should_commit()
         if not self.committed:
             self._say(
-                f"step {trainer.global_step + 1} not applied: fewer than {self.plan.min_replicas} group(s), or a group "
-                "failed during it (its gradients are dropped; the weights stay as they were)"
+                f"step {trainer.global_step + 1} not applied: a group failed during it, or fewer than "
+                f"min_replicas={self.plan.min_replicas} groups took part (its gradients are dropped; the weights "
+                "stay as they were)"
             )
             for param in params:
                 param.grad = None  # torch's optimizers skip a parameter without a gradient
