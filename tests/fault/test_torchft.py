@@ -151,6 +151,27 @@ def test_bad_input_stops_in_one_line_before_any_group(tmp_path: Path, args: list
     assert not (tmp_path / "run" / "fault_tolerance").exists()  # no group started
 
 
+def test_the_state_a_peer_sends_at_an_epochs_last_step_resumes_exactly(tmp_path: Path) -> None:
+    """What a healing group receives is `dump_checkpoint` at a step's end (tests/helpers/dump_at.py takes
+    it where app/parallel/ft_manager.py does); at the epoch's last batch (digits on one process: 40 per
+    epoch), before validation and the epoch-end hooks, a fit resumed from it ends as the uninterrupted one."""
+    one = [
+        "--trainer.devices=1",
+        "--trainer.strategy=auto",
+        "--trainer.max_steps=50",
+        "--trainer.enable_progress_bar=false",
+    ]
+    dump = tmp_path / "sent.ckpt"
+    dumper = ["--trainer.callbacks+=tests.helpers.dump_at.DumpAt", "--trainer.callbacks.init_args.step=40"]
+    full = run_fit(tmp_path / "full", *one, *dumper, f"--trainer.callbacks.init_args.path={dump}")
+    assert full.returncode == 0, full.stderr[-3000:]
+    resumed = run_fit(tmp_path / "resumed", *one, f"--ckpt_path={dump}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(
+        tmp_path / "full" / "checkpoints" / "last.ckpt", tmp_path / "resumed" / "checkpoints" / "last.ckpt"
+    )
+
+
 def test_each_group_reads_its_own_shard_and_together_the_whole_set() -> None:
     """Step by step, the groups' samplers are the DDP ranks' of the same index: no two groups read
     the same sample in a step, and together they read each sample once per epoch."""
