@@ -92,6 +92,53 @@ def test_a_killed_group_rejoins_while_the_others_keep_training(tmp_path: Path) -
         assert_same_weights(last, root / "fault_tolerance" / f"group_{group}" / "checkpoints" / "last.ckpt")
 
 
+def test_with_min_replicas_every_group_no_step_is_applied_without_one(tmp_path: Path) -> None:
+    """`min_replicas: 2` of 2 groups: while group 1 is dead, group 0 waits for it instead of training
+    alone; every applied step averaged over both, and both end with the same weights."""
+    root = tmp_path / "run"
+    args = [
+        "--trainer.devices=2",
+        "--trainer.max_steps=120",
+        "--trainer.max_epochs=100",
+        "--fault_tolerance.min_replicas=2",
+    ]
+    with open(tmp_path / "ft.log", "w") as log:
+        process = start(fit_command(root, *args, *FT), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: any(entry.get("step", 0) >= 40 for entry in story(root, 1)), "step 40 of group 1", process)
+        os.kill(next(entry["pid"] for entry in story(root, 1) if entry.get("start")), signal.SIGKILL)
+        process.wait(timeout=300)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    assert process.returncode == 0, (tmp_path / "ft.log").read_text()[-4000:]
+    steps = [entry for entry in story(root, 0) if not entry.get("start") and "sent" not in entry]
+    assert all(entry["replicas"] == 2 for entry in steps if entry["committed"]), steps
+    assert steps[-1]["step"] == 120
+    assert_same_weights(
+        root / "checkpoints" / "last.ckpt", root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt"
+    )
+
+
+def test_a_lighthouse_given_by_address_serves_the_groups(tmp_path: Path) -> None:
+    """`fault_tolerance.lighthouse`: the launcher starts none; the groups use the one given."""
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "app.cluster.lighthouse", "--min_replicas=1", "--join_timeout_ms=2000",
+         "--heartbeat_timeout_ms=2000"],
+        cwd=REPO, env=clean_env(RUST_LOG="warn"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        address = lighthouse.stdout.readline().strip()
+        result = run_fit(tmp_path / "run", "--trainer.devices=2", "--trainer.max_steps=10", *FT,
+                         f"--fault_tolerance.lighthouse={address}")  # fmt: skip
+    finally:
+        lighthouse.stdin.close()
+        lighthouse.wait(timeout=10)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"lighthouse at {address}" in result.stdout
+    assert [entry["replicas"] for entry in story(tmp_path / "run", 0) if not entry.get("start")] == [2] * 10
+
+
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["one-batch-per-step", "accumulating-2"])
 def test_two_groups_without_a_failure_equal_ddp_bit_for_bit(tmp_path: Path, accumulate: int) -> None:
     """The sum of two gradients does not depend on its order, and torchft's (a + b) / 2 rounds as DDP's
