@@ -63,6 +63,7 @@ class GroupRuntime:
         self.replicas = 0
         self.quorum_id: Any = None
         self.quorum_step = -1  # the global step of the last quorum: one per optimizer step
+        self.counts = {"quorum changes": 0, "steps not applied": 0, "states sent": 0}
         story_dir = env.get(STORY_VARIABLE)
         self.story = None
         if story_dir:
@@ -141,6 +142,7 @@ class GroupRuntime:
         """What this group sends to a group that heals: its checkpoint at this point of the run."""
         assert self.trainer is not None
         if self.running:
+            self.counts["states sent"] += 1
             if self.story:  # what it sent, for the record: the receiver's start line says what it got
                 self._write({"sent": self.trainer.global_step, "digest": weights_digest(self.trainer.lightning_module)})
             # Private (docs/private_apis.md): the dict `trainer.save_checkpoint` writes, without writing it.
@@ -190,6 +192,7 @@ class GroupRuntime:
             work.wait()
         self.committed = self.manager.should_commit()
         if not self.committed:
+            self.counts["steps not applied"] += 1
             self._say(
                 f"step {trainer.global_step + 1} not applied: a group failed during it, or fewer than "
                 f"min_replicas={self.plan.min_replicas} groups took part (its gradients are dropped; the weights "
@@ -221,6 +224,7 @@ class GroupRuntime:
         self.manager.start_quorum()  # synchronous: returns with the quorum, and a pending heal applied
         replicas, quorum_id = self.manager.num_participants(), self.manager._quorum_id
         if self.quorum_id is not None and quorum_id != self.quorum_id:  # a group left, came back or was replaced
+            self.counts["quorum changes"] += 1
             self._say(f"quorum changed at step {step}: {replicas} of {self.plan.groups} groups (was {self.replicas})")
         self.replicas, self.quorum_id = replicas, quorum_id
 
@@ -241,6 +245,8 @@ class GroupRuntime:
         print(f"ddp-app: fault tolerance: group {self.group} {line}", file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
+        if self.running:  # the group's part of the run's story, in one line
+            self._say("ended: " + ", ".join(f"{count} {what}" for what, count in self.counts.items()))
         self.running = False
         self.manager.shutdown(wait=False)
         if self.story:

@@ -69,6 +69,7 @@ def test_a_killed_group_rejoins_while_the_others_keep_training(tmp_path: Path) -
     assert process.returncode == 0, output[-4000:]
     assert "group 2 (pid" in output and "starting it again (1 of 3)" in output, output[-4000:]
     assert "quorum changed" in output, output[-4000:]
+    assert output.count(" ended: ") == 3  # one story line per group, the restarted one included
     for group in (0, 1):  # the survivors never stopped: no gap between two steps beyond the timeout
         times = [entry["time"] for entry in story(root, group) if "step" in entry and "sent" not in entry]
         gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
