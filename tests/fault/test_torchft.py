@@ -275,3 +275,16 @@ def test_the_fault_tolerance_doc_quotes_the_recovery_figures() -> None:
     )
     lines = [line.strip() for line in (REPO / "docs" / "fault_tolerance.md").read_text().splitlines()]
     assert row in lines, row
+
+
+def test_the_fault_tolerance_doc_quotes_the_per_step_cost() -> None:
+    """docs/fault_tolerance.md's per-step cost is docs/bench_ft_overhead.json (python -m app.bench.ft_overhead)."""
+    figures = json.loads((REPO / "docs" / "bench_ft_overhead.json").read_text())
+    median, loads = figures["median_step_ms"], figures["loadavg_before_after"]
+    text = " ".join((REPO / "docs" / "fault_tolerance.md").read_text().split())
+    assert (
+        f"{median['ddp']:.1f} ms under `strategy: ddp` and {median['torchft']:.1f} ms as 2 replica groups "
+        f"({figures['overhead_pct']:+.1f}%)"
+    ) in text
+    assert f"(load average {min(loads):.1f} to {max(loads):.1f})" in text
+    assert figures["overhead_pct"] == round(100 * (median["torchft"] / median["ddp"] - 1), 1)
