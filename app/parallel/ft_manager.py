@@ -69,39 +69,9 @@ class GroupRuntime:
         if story_dir:
             Path(story_dir).mkdir(parents=True, exist_ok=True)
             self.story = open(Path(story_dir) / f"group_{self.group}.jsonl", "a", buffering=1)  # noqa: SIM115
-        self.manager = self._make_manager(env)
+        self.store, self.manager = make_manager(settings, plan, env)
+        self.manager.register_state_dict_fn("ddp_app", self._load, self._state)
         self.start_directory = env.get(START_VARIABLE)
-
-    def _make_manager(self, env: Any) -> Any:
-        from torch.distributed import TCPStore
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
-
-        timeout = timedelta(seconds=self.settings.timeout_s)
-        host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"])
-        # Each group's own store, started before its Manager (which connects to it as a client).
-        self.store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
-        manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=self.plan.min_replicas,
-            use_async_quorum=False,  # a group that heals loads the peer's state before it computes anything
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=self.settings.quorum_timeout_s),
-            connect_timeout=timeout,
-            rank=0,
-            world_size=self.plan.group_size,
-            store_addr=host,
-            store_port=port,
-            lighthouse_addr=self.plan.lighthouse,
-            replica_id=f"ddp_app_group_{self.group}",  # torchft reads the group's index from its trailing digits
-            init_sync=False,  # every group starts from the same seed, so from the same weights
-        )
-        manager.register_state_dict_fn("ddp_app", self._load, self._state)
-        # Private (docs/private_apis.md), checked once here, before training relies on them.
-        require(manager, "_quorum_id", "torchft", "the line that says the quorum of replica groups changed")
-        return manager
 
     # ----- before fit -----
 
@@ -252,6 +222,37 @@ class GroupRuntime:
         if self.story:
             self.story.close()
             self.story = None
+
+
+def make_manager(settings: FaultTolerance, plan: FaultTolerancePlan, env: Any) -> tuple[Any, Any]:
+    """This group's TCPStore (started before its Manager, which connects to it as a client) and torchft Manager."""
+    from torch.distributed import TCPStore
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    timeout = timedelta(seconds=settings.timeout_s)
+    host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"])
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=plan.min_replicas,
+        use_async_quorum=False,  # a group that heals loads the peer's state before it computes anything
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+        connect_timeout=timeout,
+        rank=0,
+        world_size=plan.group_size,
+        store_addr=host,
+        store_port=port,
+        lighthouse_addr=plan.lighthouse,
+        replica_id=f"ddp_app_group_{plan.group}",  # torchft reads the group's index from its trailing digits
+        init_sync=False,  # every group starts from the same seed, so from the same weights
+    )
+    # Private (docs/private_apis.md), checked once here, before training relies on it.
+    require(manager, "_quorum_id", "torchft", "the line that says the quorum of replica groups changed")
+    return store, manager
 
 
 def weights_digest(module: torch.nn.Module) -> str:
