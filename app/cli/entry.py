@@ -202,6 +202,10 @@ def launch_checked(args: list[str], checked: ParsedRun) -> NoReturn:
         from app.cluster.ft_launch import run_replica_groups
 
         hand_to_forked_ranks(checked.plan)
+        try:
+            refuse_cuda_before_fork()
+        except UserFacingError as error:
+            raise SystemExit(report_user_error(error)) from None
         settings = checked.config["fault_tolerance"]
         code = run_replica_groups(checked.plan.fault_tolerance, settings, args, run, checked.plan.run_dir)
         raise SystemExit(code)

@@ -64,6 +64,7 @@ class GroupRuntime:
         self.quorum_id: Any = None
         self.quorum_step = -1  # the global step of the last quorum: one per optimizer step
         self.counts = {"quorum changes": 0, "steps not applied": 0, "states sent": 0}
+        self.times: dict[str, float] = {}  # the last step's: its quorum (before it), all-reduce and commit decision
         story_dir = env.get(STORY_VARIABLE)
         self.story = None
         if story_dir:
@@ -154,13 +155,16 @@ class GroupRuntime:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for param in params:
             by_dtype.setdefault(param.grad.dtype, []).append(param)
+        started = time.perf_counter()
         flats = []
         for same in by_dtype.values():
             flat = torch.cat([param.grad.reshape(-1) for param in same])
             flats.append((same, flat, self.manager.allreduce(flat)))
         for _, _, work in flats:
             work.wait()
+        reduced = time.perf_counter()
         self.committed = self.manager.should_commit()
+        self.times.update(allreduce_ms=_ms(reduced - started), commit_ms=_ms(time.perf_counter() - reduced))
         if not self.committed:
             self.counts["steps not applied"] += 1
             self._say(
@@ -191,7 +195,9 @@ class GroupRuntime:
 
     def _quorum(self, step: int) -> None:
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        started = time.perf_counter()
         self.manager.start_quorum()  # synchronous: returns with the quorum, and a pending heal applied
+        self.times["quorum_ms"] = _ms(time.perf_counter() - started)
         replicas, quorum_id = self.manager.num_participants(), self.manager._quorum_id
         if self.quorum_id is not None and quorum_id != self.quorum_id:  # a group left, came back or was replaced
             self.counts["quorum changes"] += 1
@@ -202,7 +208,7 @@ class GroupRuntime:
         """One JSON line per step (and one when training starts, with the process and its weights'
         digest): the step done, when, with how many groups, and whether it was applied."""
         entry: dict[str, Any] = {"step": step, "time": time.time(), "replicas": self.replicas}
-        entry["committed"] = self.committed
+        entry.update(committed=self.committed, **self.times)
         if start is not None:
             entry.update(start=True, pid=os.getpid(), digest=weights_digest(start))
         self._write(entry)
@@ -261,6 +267,10 @@ def weights_digest(module: torch.nn.Module) -> str:
     for param in module.parameters():
         digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 3)
 
 
 def _global_step_of(path: str) -> int:
