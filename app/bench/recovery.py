@@ -200,7 +200,8 @@ def measure_torchft(workdir: Path) -> Recovery:
 
     def record(group: int) -> list[dict[str, Any]]:
         path = root / "fault_tolerance" / f"group_{group}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        lines = path.read_text().split("\n") if path.exists() else [""]
+        return [json.loads(line) for line in lines[:-1]]  # the last piece: empty, or a line being written
 
     env = env_without_launcher(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
