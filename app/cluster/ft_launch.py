@@ -171,11 +171,12 @@ def run_replica_groups(
                 if group is None or returncode == 0:
                     continue
                 may_restart = worth_a_restart(returncode) and not stopping and returncode not in STOP_EXIT_CODES
-                if may_restart and running and restarts[group] < settings.group_restarts:
+                if may_restart and restarts[group] < settings.group_restarts:  # alone too: it resumes from last.ckpt
                     restarts[group] += 1
                     print(
-                        f"ddp-app: fault tolerance: group {group} (pid {pid}) {describe_exit(returncode)}; the other "
-                        f"groups continue; starting it again ({restarts[group]} of {settings.group_restarts})",
+                        f"ddp-app: fault tolerance: group {group} (pid {pid}) {describe_exit(returncode)}; "
+                        f"{'the other groups continue; ' if running else ''}starting it again "
+                        f"({restarts[group]} of {settings.group_restarts})",
                         file=sys.stderr,
                         flush=True,
                     )

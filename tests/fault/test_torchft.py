@@ -6,12 +6,14 @@ one line before any group starts."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,12 @@ def story(root: Path, group: int) -> list[dict]:
     return [json.loads(line) for line in lines[:-1]]  # the last piece: empty, or a line being written
 
 
+def last_val_acc(root: Path) -> float:
+    """The last validation accuracy group 0 logged (the run's metrics.csv)."""
+    rows = list(csv.DictReader((root / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    return float([row for row in rows if row.get("val_acc")][-1]["val_acc"])
+
+
 def fit_command(root: Path, *args: str) -> list[str]:
     return [str(BIN / "ddp-app"), "fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={root}", *args]
 
@@ -56,7 +64,10 @@ def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 1
 def test_a_killed_group_rejoins_while_the_others_keep_training(tmp_path: Path) -> None:
     root = tmp_path / "run"
     steps = 400
-    command = fit_command(root, "--trainer.devices=3", f"--trainer.max_steps={steps}", "--trainer.max_epochs=100", *FT)
+    args = ["--trainer.devices=3", f"--trainer.max_steps={steps}", "--trainer.max_epochs=100", *FT]
+    uninterrupted = run_fit(tmp_path / "uninterrupted", *args)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    command = fit_command(root, *args)
     with open(tmp_path / "ft.log", "w") as log:
         process = start(command, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -89,6 +100,8 @@ def test_a_killed_group_rejoins_while_the_others_keep_training(tmp_path: Path) -
     # The tracked metrics of group 0 (the run's logs) say over how many groups each step averaged.
     metrics = (root / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     assert "ft_replicas" in metrics[0].split(","), metrics[0]
+    # Validation accuracy within 1% (a point) of the run that was never interrupted.
+    assert abs(last_val_acc(root) - last_val_acc(tmp_path / "uninterrupted")) <= 0.01
     # Every group ends with the planned steps and the same weights.
     last = root / "checkpoints" / "last.ckpt"
     assert safe_load(last)["global_step"] == steps
@@ -163,25 +176,58 @@ def test_two_groups_without_a_failure_equal_ddp_bit_for_bit(tmp_path: Path, accu
     assert_same_weights(tmp_path / "ddp" / "checkpoints" / "last.ckpt", tmp_path / "ft" / "checkpoints" / "last.ckpt")
 
 
-def test_a_whole_job_killed_resumes_exactly_with_ckpt_path_last(tmp_path: Path) -> None:
-    """kill -9 of every process (the launcher, the lighthouse, every group), then `--ckpt_path last`:
-    the same weights as the run that was never stopped."""
-    args = ["--trainer.devices=2", "--trainer.max_steps=60", "--last_checkpoint.every_n_steps=7", *FT]
-    full = run_fit(tmp_path / "full", *args)
+WHOLE_JOB = ["--trainer.devices=2", "--trainer.max_steps=60", "--last_checkpoint.every_n_steps=7", *FT]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_two_groups(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The last.ckpt of 2 groups trained 60 steps without a failure (last.ckpt every 7 steps)."""
+    root = tmp_path_factory.mktemp("ft-uninterrupted") / "run"
+    full = run_fit(root, *WHOLE_JOB)
     assert full.returncode == 0, full.stderr[-3000:]
-    root = tmp_path / "killed"
+    return root / "checkpoints" / "last.ckpt"
+
+
+def kill_at_step_30(tmp_path: Path, root: Path, kill: Callable[[subprocess.Popen], None]) -> subprocess.Popen:
     with open(tmp_path / "killed.log", "w") as log:
-        process = start(fit_command(root, *args), stdout=log, stderr=subprocess.STDOUT)
+        process = start(fit_command(root, *WHOLE_JOB), stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: any(entry["step"] >= 30 for entry in story(root, 1)), "step 30", process)
-        kill_job(process.pid)
-        process.wait()
+        wait_for(lambda: any(entry.get("step", 0) >= 30 for entry in story(root, 1)), "step 30", process)
+        kill(process)
+        process.wait(timeout=300)
     finally:
         kill_job(process.pid)
+        process.wait()
+    return process
+
+
+def test_a_whole_job_killed_resumes_exactly_with_ckpt_path_last(uninterrupted_two_groups: Path, tmp_path: Path) -> None:
+    """kill -9 of every process (the launcher, the lighthouse, every group), then `--ckpt_path last`:
+    the same weights as the run that was never stopped."""
+    root = tmp_path / "killed"
+    kill_at_step_30(tmp_path, root, lambda process: kill_job(process.pid))
     assert safe_load(root / "checkpoints" / "last.ckpt")["global_step"] < 60
-    resumed = run_fit(root, *args, "--ckpt_path=last")
+    resumed = run_fit(root, *WHOLE_JOB, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_weights(tmp_path / "full" / "checkpoints" / "last.ckpt", root / "checkpoints" / "last.ckpt")
+    assert_same_weights(uninterrupted_two_groups, root / "checkpoints" / "last.ckpt")
+
+
+def test_every_group_killed_at_once_is_started_again_and_ends_exactly(
+    uninterrupted_two_groups: Path, tmp_path: Path
+) -> None:
+    """Every group's process killed -9 together (the launcher lives): with no peer to heal from, each
+    group resumes from its own last.ckpt, and the run ends as the uninterrupted one."""
+    root = tmp_path / "killed"
+
+    def kill_every_group(process: subprocess.Popen) -> None:
+        for group in (0, 1):
+            os.kill(next(entry["pid"] for entry in story(root, group) if entry.get("start")), signal.SIGKILL)
+
+    process = kill_at_step_30(tmp_path, root, kill_every_group)
+    output = (tmp_path / "killed.log").read_text()
+    assert process.returncode == 0, output[-4000:]
+    assert output.count("starting it again (1 of 3)") == 2, output[-4000:]
+    assert_same_weights(uninterrupted_two_groups, root / "checkpoints" / "last.ckpt")
 
 
 @pytest.mark.parametrize(
