@@ -162,7 +162,8 @@ def make_run_plan(
         if launch.launcher == "plain":
             ranks = rank_plan(strategy, launch.devices, not on_gpu(trainer_config), trainer_config.get("devices"))
     fault_tolerance = None
-    if check_machine:  # checked in the launcher before any group starts; a group reads its index
+    # Training only: checked in the launcher before any group starts; a group's process reads its index.
+    if check_machine and subcommand == "fit":
         fault_tolerance = plan_fault_tolerance(
             config.get("fault_tolerance"),
             strategy.kind.value,
