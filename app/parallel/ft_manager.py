@@ -166,6 +166,10 @@ class GroupRuntime:
         self.committed = self.manager.should_commit()
         self.times.update(allreduce_ms=_ms(reduced - started), commit_ms=_ms(time.perf_counter() - reduced))
         if not self.committed:
+            # Not retried within the step: a shrink-only re-quorum (`start_quorum(allow_heal=False,
+            # shrink_only=True)`, torchft 0.2.0) was tried for issue 57 and let the survivor whose all-reduce
+            # failed first form a quorum of one while the other still waited in its own failing all-reduce
+            # (min_replicas 1): they trained apart, then timed out. Dropping the step keeps them together.
             self.counts["steps not applied"] += 1
             self._say(
                 f"step {trainer.global_step + 1} not applied: a group failed during it, or fewer than "
