@@ -879,3 +879,32 @@ def test_a_dtensor_rebuilt_around_its_shards_host_copy_keeps_what_dcp_reads() ->
         assert torch.equal(again.to_local(), weight.to_local()), what
     finally:
         dist.destroy_process_group()
+
+
+def test_lightning_still_dumps_the_checkpoint_dict_a_replica_group_sends_a_peer(tmp_path: Path) -> None:
+    """app/parallel/ft_manager.py sends `trainer._checkpoint_connector.dump_checkpoint()`, the dict
+    `Trainer.save_checkpoint` writes, to a replica group that heals."""
+    assert "self._checkpoint_connector.dump_checkpoint(" in inspect.getsource(Trainer.save_checkpoint), (
+        f"Trainer.save_checkpoint no longer writes dump_checkpoint's dict: a healing group may receive another "
+        f"state than a save writes ({DOC})"
+    )
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = Trainer(
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path
+    )
+    trainer.fit(BoringModel())
+    dumped = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    assert {"state_dict", "optimizer_states", "loops", "callbacks", "global_step"} <= dumped.keys(), (
+        f"dump_checkpoint's dict lacks what a healing group resumes from ({DOC})"
+    )
+
+
+def test_torchft_manager_still_records_the_quorum_id_the_quorum_change_line_reads() -> None:
+    pytest.importorskip("torchft")
+    from torchft.manager import Manager
+
+    assert "self._quorum_id = quorum_id" in inspect.getsource(Manager._async_quorum), (
+        f"torchft's Manager no longer keeps its quorum's id in _quorum_id: the line that says the quorum of "
+        f"replica groups changed (app/parallel/ft_manager.py) would never print ({DOC})"
+    )

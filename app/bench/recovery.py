@@ -6,6 +6,9 @@ What a rank killed with kill -9 mid-run costs on each way of restarting without 
              re-import) from last.ckpt;
   torchrun   `torchrun --standalone --nproc_per_node=2 --max-restarts=1 -m app fit ... --ckpt_path
              last`: the agent starts every rank again (each imports torch and Lightning anew);
+  torchft    `ddp-app fit ... --trainer.devices 2 --fault_tolerance.enabled true`: two replica
+             groups of one process (docs/fault_tolerance.md); the killed group is started again and
+             heals from the other, which keeps training (its longest pause: `others_stall_s`);
   slurm      `sbatch slurm/multinode.sbatch` on two nodes, one rank each, the rank on the second
              node killed: the batch script requeues the job (app/cluster/requeue.py), Slurm starts
              it again and it resumes with --ckpt_path last;
@@ -97,6 +100,7 @@ class Recovery:
     killed_after_step: int  # the last step rank 0 finished before the kill
     resumed_from_step: int  # the step of the last.ckpt the restarted ranks loaded
     checkpoint_interval_steps: int  # last.ckpt is written at every epoch end: the steps of an epoch
+    others_stall_s: float | None = None  # torchft: the surviving group's longest pause between two steps
 
 
 def read_clock(clock: Path, killed_at: float) -> Recovery:
@@ -182,6 +186,54 @@ def measure_torchrun(workdir: Path) -> Recovery:
     return _local_run(command, workdir, clock, "torchrun.log")
 
 
+def measure_torchft(workdir: Path) -> Recovery:
+    """Two replica groups; group 1 killed at KILL_AT_STEP. Read from the groups' per-step records
+    (app/parallel/ft_manager.py): the kill to the restarted group's first step, the steps the surviving
+    group trained again (none, unless it went back), and its longest pause."""
+    root = workdir / "run"
+    command = [
+        str(Path(sys.executable).parent / "ddp-app"), "fit", "--config", CONFIG, *RUN, "--trainer.devices=2",
+        "--fault_tolerance.enabled=true", f"--trainer.default_root_dir={root}",
+    ]  # fmt: skip
+
+    def record(group: int) -> list[dict[str, Any]]:
+        path = root / "fault_tolerance" / f"group_{group}.jsonl"
+        lines = path.read_text().split("\n") if path.exists() else [""]
+        return [json.loads(line) for line in lines[:-1]]  # the last piece: empty, or a line being written
+
+    env = env_without_launcher(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    log = workdir / "torchft.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while not any(entry.get("step", 0) >= KILL_AT_STEP and "time" in entry for entry in record(1)):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"torchft: no step {KILL_AT_STEP}:\n{log.read_text()[-3000:]}")
+            time.sleep(0.01)
+        pid = next(entry["pid"] for entry in record(1) if entry.get("start"))
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        code = process.wait(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    if code != 0:
+        raise RuntimeError(f"torchft exited with {code}:\n{log.read_text()[-3000:]}")
+    restarted = next(entry for entry in record(1) if entry.get("start") and entry["time"] > killed_at)
+    back = next(entry for entry in record(1) if entry["time"] > restarted["time"] and not entry.get("start"))
+    done = max(entry["step"] for entry in record(1) if entry["time"] <= killed_at and "sent" not in entry)
+    others = [(entry["time"], entry["step"]) for entry in record(0) if "sent" not in entry and not entry.get("start")]
+    redone = sum(1 for (_, earlier), (_, later) in zip(others, others[1:], strict=False) if later <= earlier)
+    stall = max(later - earlier for (earlier, _), (later, _) in zip(others, others[1:], strict=False))
+    per_epoch = 20  # digits at 2 ranks (2 groups of 1)
+    return Recovery(round(back["time"] - killed_at, 2), redone, done, restarted["step"], per_epoch, round(stall, 2))
+
+
 @dataclass(frozen=True)
 class SlurmRun:
     job_id: int
@@ -246,7 +298,9 @@ def summary(values: list[float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument(
-        "--paths", default="ddp-app,torchrun", help="comma-separated: ddp-app, torchrun, slurm, slurm-torchrun"
+        "--paths",
+        default="ddp-app,torchrun",
+        help="comma-separated: ddp-app, torchrun, torchft, slurm, slurm-torchrun",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=Path("runs/recovery"))
@@ -266,7 +320,8 @@ def main() -> None:
                     raise SystemExit(f"{path}: job {job.job_id} {job.state}, {job.restarts} restart(s); see {job.log}")
                 runs.append(job.recovery)
             else:
-                runs.append(measure_ddp_app(workdir) if path == "ddp-app" else measure_torchrun(workdir))
+                measure = {"ddp-app": measure_ddp_app, "torchft": measure_torchft}.get(path, measure_torchrun)
+                runs.append(measure(workdir))
             print(f"{path} #{repeat + 1}: {runs[-1]}", flush=True)
         figures[path] = {
             "cpus": os.cpu_count(),
@@ -275,6 +330,7 @@ def main() -> None:
             "steps_redone": summary([run.steps_redone for run in runs]),
             "checkpoint_interval_steps": runs[0].checkpoint_interval_steps,
             "runs": [asdict(run) for run in runs],
+            **({"others_stall_s": summary([run.others_stall_s for run in runs])} if path == "torchft" else {}),
         }
         recovery, redone = figures[path]["recovery_s"], figures[path]["steps_redone"]
         print(

@@ -182,6 +182,17 @@ def launch_and_run(args: list[str] | None) -> NoReturn:
 def launch_checked(args: list[str], checked: ParsedRun) -> NoReturn:
     """Run the checked config in this process, or fork its ranks and supervise them, restarts included."""
     plan, num_nodes, restarts = checked.plan.ranks, checked.plan.num_nodes, checked.config["restarts"]
+    if checked.plan.fault_tolerance is not None:  # replica groups: one dead group does not stop the others
+        from app.cluster.ft_launch import run_replica_groups
+
+        hand_to_forked_ranks(checked.plan)
+        try:
+            refuse_cuda_before_fork()
+        except UserFacingError as error:
+            raise SystemExit(report_user_error(error)) from None
+        settings = checked.config["fault_tolerance"]
+        code = run_replica_groups(checked.plan.fault_tolerance, settings, args, run, checked.plan.run_dir)
+        raise SystemExit(code)
     if not plan.processes:
         raise SystemExit(run(args))
     hand_to_forked_ranks(checked.plan)  # the checkpoint it read, for the ranks forked below

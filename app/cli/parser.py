@@ -32,6 +32,7 @@ from app.checkpoints.last import LastCheckpoint
 from app.cluster.launch import RankPlan
 from app.errors import summarize_parser_error
 from app.parallel.compression import GradientCompression
+from app.parallel.fault_tolerance import FaultTolerance
 from app.parallel.strategy import name_as_class_spec
 from app.private_apis import require
 from app.resume.exact import ExactResume
@@ -97,6 +98,9 @@ def add_ddp_app_arguments(parser: LightningArgumentParser) -> None:
     parser.add_class_arguments(Tracking, "tracking")
     # `step_timing.enabled` (app/run/step_timing.py): where each step's time goes, in every fit.
     parser.add_class_arguments(StepTiming, "step_timing")
+    # `fault_tolerance.enabled` (app/parallel/fault_tolerance.py, docs/fault_tolerance.md): replica groups
+    # that keep training when one of them dies (torchft).
+    parser.add_class_arguments(FaultTolerance, "fault_tolerance")
     parser.add_argument(
         "--sweep",
         type=dict | None,

@@ -259,13 +259,16 @@ def outlive_the_interpreter(handler: Callable[..., Any]) -> Callable[..., Any]:
     return handler
 
 
-def _rank_main(run_rank: Callable[[], int], rank_env: dict[str, str], parent: int, stderr_fd: int) -> None:
-    """The forked child: become a rank with its own session and stderr pipe, run, and never return."""
+def _rank_main(
+    run_rank: Callable[[], int], rank_env: dict[str, str], parent: int, stderr_fd: int, name_rank: int | None = None
+) -> None:
+    """The forked child: become a rank with its own session and stderr pipe, run, and never return.
+    `name_rank`: the rank its process name shows, if not its LOCAL_RANK (a replica group's index)."""
     code = 1
     try:
         os.setsid()
         recreate_thread_pools()
-        _become_rank_process(parent, int(rank_env["LOCAL_RANK"]))
+        _become_rank_process(parent, int(rank_env["LOCAL_RANK"]) if name_rank is None else name_rank)
         os.dup2(stderr_fd, 2)
         os.close(stderr_fd)
         # sys.stderr may be something other than fd 2 (pytest's capture, a notebook): the pipe it is.

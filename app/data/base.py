@@ -16,6 +16,7 @@ from app.data.seeding import (
     reads_without_randomness,
     training_loader_generator,
 )
+from app.parallel.fault_tolerance import training_shard
 
 __all__ = ["DataNotFoundError", "ResumableDataLoader", "ShardedDataModule"]
 
@@ -133,7 +134,7 @@ class ShardedDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader | TensorBatchLoader:
-        world_size, rank = self._world()
+        world_size, rank = training_shard(*self._world())  # a replica group reads its own shard
         trainer = self.trainer
         position = None
         dataset = self.train_dataset

@@ -41,6 +41,7 @@ from app.data.seeding import (
     reads_without_randomness,
     training_loader_generator,
 )
+from app.parallel.fault_tolerance import training_shard
 
 # The methods Lightning calls for loaders, and whether they train.
 LOADER_METHODS = {
@@ -90,6 +91,7 @@ def reshard(loader: Any, trainer: L.Trainer, training: bool) -> Any:
     generator = loader.generator
     dataset = loader.dataset
     if training:
+        world_size, rank = training_shard(world_size, rank)  # a replica group reads its own shard
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         generator = generator or training_loader_generator(seed)
         seeded = per_sample_seeding(trainer) and not reads_without_randomness(dataset)

@@ -189,6 +189,10 @@ def build_trainer(
     callbacks.append(NonFiniteGuard())
     if launch is None or launch.world_size > 1:  # a single process has no peer to hang on or to ask
         callbacks.append(HangReport())
+    if plan.fault_tolerance is not None and plan.fault_tolerance.group is not None and subcommand == "fit":
+        # A replica group's process: after ExactResume's batch-end count, so the state a peer receives
+        # at the step's end is what a save there would write (app/parallel/ft_manager.py).
+        callbacks.append(config["fault_tolerance"])
     saves_last = config["trainer"].get("enable_checkpointing") is not False
     coordinator = None
     if subcommand in (None, "fit"):  # no subcommand (`run=False`): the caller may fit
@@ -271,6 +275,10 @@ def prepare_run(
         if trainer.is_global_zero:  # a restarted or requeued job says where it picks up
             found = f"resuming from {config['ckpt_path']}" if config["ckpt_path"] else "none yet, starting fresh"
             print(f"ddp-app: --ckpt_path last: {found}", flush=True)
+    if plan.fault_tolerance is not None and plan.fault_tolerance.group is not None and plan.subcommand == "fit":
+        healed = join_replica_groups(config, plan, trainer)
+        if healed is not None:  # behind the other groups: resume from the state a peer sent
+            config["ckpt_path"] = healed
     if open_tracked_run is not None:
         ckpt_path = config.get("ckpt_path")
         open_tracked_run(ckpt_path, plan.resume.is_last and not ckpt_path, resume.summary if ckpt_path else None)
@@ -294,6 +302,17 @@ def prepare_run(
         if trainer.is_global_zero:
             print(f"ddp-app: compile: torch.compile on {', '.join(compiled)} (the first step compiles)", flush=True)
     return resume
+
+
+def join_replica_groups(config: Any, plan: RunPlan, trainer: Trainer) -> str | None:
+    """A replica group's first quorum, before `fit` (app/parallel/ft_manager.py): the path of the
+    state a peer sent if this group is behind the others (a restarted group), else None."""
+    from app.parallel.ft_manager import GroupRuntime  # here: torchft is an optional dependency
+
+    settings = config["fault_tolerance"]
+    assert plan.fault_tolerance is not None
+    settings.runtime = GroupRuntime(settings, plan.fault_tolerance)
+    return settings.runtime.join(trainer, config.get("ckpt_path"))
 
 
 def open_tracked_run(

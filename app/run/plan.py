@@ -37,6 +37,7 @@ from app.checkpoints.sharded import is_checkpoint, is_sharded_checkpoint, summar
 from app.cluster.launch import RankPlan, rank_plan
 from app.cluster.preflight import Launch, on_gpu, preflight
 from app.errors import UserFacingError
+from app.parallel.fault_tolerance import FaultTolerancePlan, plan_fault_tolerance
 from app.parallel.strategy import MeshLayout, ResolvedStrategy, StrategyKind, resolve_strategy
 from app.run.config_checks import check_config, command_line_model_keys
 
@@ -82,6 +83,8 @@ class RunPlan:
     precision: str
     run_dir: Path
     rank_zero: bool
+    # Replica groups that survive each other's failures (app/parallel/fault_tolerance.py); None: off.
+    fault_tolerance: FaultTolerancePlan | None = None
 
     @property
     def world_size(self) -> int:
@@ -109,6 +112,8 @@ class RunPlan:
             f"precision: {self.precision}",
             f"run directory: {self.run_dir}",
         ]
+        if self.fault_tolerance is not None:
+            lines.append(f"fault tolerance: {self.fault_tolerance.describe()}")
         return "\n".join(lines)
 
 
@@ -157,6 +162,19 @@ def make_run_plan(
         mesh = strategy.mesh(launch.world_size, launch.devices)
         if launch.launcher == "plain":
             ranks = rank_plan(strategy, launch.devices, not on_gpu(trainer_config), trainer_config.get("devices"))
+    fault_tolerance = None
+    # Training only: checked in the launcher before any group starts; a group's process reads its index.
+    if check_machine and subcommand == "fit":
+        fault_tolerance = plan_fault_tolerance(
+            config.get("fault_tolerance"),
+            strategy.kind.value,
+            launch.launcher if launch is not None else None,
+            launch.world_size if launch is not None else None,
+            env,
+        )
+    rank_zero = is_global_rank_zero(launch, env)
+    if fault_tolerance is not None and fault_tolerance.group is not None:
+        rank_zero = rank_zero and fault_tolerance.group == 0  # group 0 speaks for the run
     return RunPlan(
         subcommand=subcommand,
         strategy=strategy,
@@ -167,7 +185,8 @@ def make_run_plan(
         resume=resume,
         precision=str(trainer_config.get("precision") or "32-true"),  # Lightning's default when unset
         run_dir=Path(trainer_config.get("default_root_dir") or os.getcwd()),
-        rank_zero=is_global_rank_zero(launch, env),
+        rank_zero=rank_zero,
+        fault_tolerance=fault_tolerance,
     )
 
 

@@ -1,0 +1,286 @@
+"""A replica group's side of fault tolerance: torchft's Manager inside a Lightning fit.
+
+One `GroupRuntime` per group's process (groups of one process, so the group's rank 0), owned by
+the `fault_tolerance` callback (app/parallel/fault_tolerance.py). Per optimizer step:
+
+1. The quorum of the step was formed at the end of the previous one (`on_train_batch_end`), or
+   before `fit` for the first (`join`), synchronously (`use_async_quorum=False`): a group that
+   needs the state of a peer receives it there, before it computes anything on stale weights.
+2. After backward, `average_gradients` (the callback's `on_before_optimizer_step`, before gradient
+   clipping) sums the gradients over the groups in the quorum through torchft's gloo process group
+   and divides by their number: a step with a group missing averages over the groups present.
+3. `should_commit` then says whether the step may be applied: with fewer than `min_replicas` groups,
+   or after an error in the all-reduce (a peer died in it), every parameter's gradient is dropped,
+   so the optimizer leaves the weights and its state as they were (the step is counted by Lightning,
+   its batch is consumed, and the story says `committed: false`).
+
+What a peer sends is the Lightning checkpoint it would save at this point of its run (model,
+optimizer, schedulers, loops, ddp-app's data position and random state: `dump_checkpoint`), through
+torchft's HTTP checkpoint transport; nothing is read from disk. A group that receives it before
+`fit` resumes from it as from `--ckpt_path` (written to /dev/shm, memory, for Lightning's loader),
+so the exact-resume machinery (app/resume/exact.py) restores its data position and random state
+as it does for last.ckpt. Each group reads its own shard of the data (its index among the groups,
+app/data/rank_loaders.py), at the same step as the others, so a rejoining group continues in its own
+shard at the peers' step: the batches it would have read while it was dead are never read.
+
+Torchft's step counter is kept equal to Lightning's global step (minus one after a step this group
+did not commit): the lighthouse sends the state of the group that is furthest ahead to any group
+behind it, so a group that committed a step that another dropped is the one the other heals from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from app.checkpoints.io import atomic_torch_save, safe_load
+from app.parallel.fault_tolerance import START_VARIABLE, STORY_VARIABLE, FaultTolerance, FaultTolerancePlan
+from app.private_apis import require
+
+
+class GroupRuntime:
+    """torchft's Manager for this group's process, and the per-step record of what it did."""
+
+    def __init__(self, settings: FaultTolerance, plan: FaultTolerancePlan, env: Any = None) -> None:
+        env = os.environ if env is None else env
+        assert plan.group is not None
+        self.settings, self.plan, self.group = settings, plan, plan.group
+        self.trainer: L.Trainer | None = None
+        self.running = False
+        self.resume_path: str | None = None
+        self.received: dict[str, Any] | None = None
+        self.healed_path: str | None = None
+        self.committed = True
+        self.replicas = 0
+        self.quorum_id: Any = None
+        self.quorum_step = -1  # the global step of the last quorum: one per optimizer step
+        self.counts = {"quorum changes": 0, "steps not applied": 0, "states sent": 0}
+        self.times: dict[str, float] = {}  # the last step's: its quorum (before it), all-reduce and commit decision
+        story_dir = env.get(STORY_VARIABLE)
+        self.story = None
+        if story_dir:
+            Path(story_dir).mkdir(parents=True, exist_ok=True)
+            self.story = open(Path(story_dir) / f"group_{self.group}.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.store, self.manager = make_manager(settings, plan, env)
+        self.manager.register_state_dict_fn("ddp_app", self._load, self._state)
+        self.start_directory = env.get(START_VARIABLE)
+
+    # ----- before fit -----
+
+    def join(self, trainer: L.Trainer, resume_path: str | None) -> str | None:
+        """The first quorum, before `fit`. Returns the path of the state a peer sent (in /dev/shm) if
+        this group is behind the others, for `fit` to resume from; None if it starts as it is."""
+        self.trainer, self.resume_path = trainer, resume_path
+        connector = require(trainer, "_checkpoint_connector", "lightning", "the state a replica group sends a peer")
+        require(connector, "dump_checkpoint", "lightning", "the state a replica group sends a peer")
+        step = _global_step_of(resume_path) if resume_path else 0
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        if self.start_directory:
+            self._wait_for_every_group(Path(self.start_directory))
+        self._quorum(step)
+        if self.received is None:
+            return None
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(trainer.default_root_dir)
+        path = shm / f"ddp-app-ft-group{self.group}-{os.getpid()}.ckpt"
+        atomic_torch_save(self.received, path)
+        self.healed_path = str(path)
+        healed_step = int(self.received.get("global_step", 0))
+        self._say(f"rejoins at step {healed_step} with the state of a peer (received live, not read from disk)")
+        self.received = None
+        return self.healed_path
+
+    def _wait_for_every_group(self, directory: Path) -> None:
+        """At the run's start: until every group's Manager is up (heartbeating to the lighthouse), so
+        that the first quorum has every group. A group that does not come within the quorum timeout is
+        left out; it heals from the others when it comes."""
+        (directory / f"group_{self.group}").touch()
+        deadline = time.monotonic() + self.settings.quorum_timeout_s
+        while time.monotonic() < deadline:
+            if sum(1 for _ in directory.glob("group_*")) >= self.plan.groups:
+                return
+            time.sleep(0.02)
+
+    def _state(self) -> dict[str, Any]:
+        """What this group sends to a group that heals: its checkpoint at this point of the run."""
+        assert self.trainer is not None
+        if self.running:
+            self.counts["states sent"] += 1
+            if self.story:  # what it sent, for the record: the receiver's start line says what it got
+                self._write({"sent": self.trainer.global_step, "digest": weights_digest(self.trainer.lightning_module)})
+            # Private (docs/private_apis.md): the dict `trainer.save_checkpoint` writes, without writing it.
+            return self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if self.resume_path:  # not training yet: the checkpoint it is about to resume from
+            return safe_load(self.resume_path)
+        raise RuntimeError("ddp-app: fault tolerance: asked for its state before it has any")
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """The state a peer sent: kept for `fit` before it starts; applied at once during it."""
+        if not self.running:
+            self.received = state
+            return
+        # During fit: a peer at the same step committed a step this group dropped. Same data position
+        # and step, other weights: the weights, optimizer and schedulers are taken.
+        trainer = self.trainer
+        assert trainer is not None
+        trainer.lightning_module.load_state_dict(state["state_dict"])
+        for optimizer, saved in zip(trainer.optimizers, state["optimizer_states"], strict=True):
+            optimizer.load_state_dict(saved)
+        for config, saved in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
+            config.scheduler.load_state_dict(saved)
+        self._say(f"took the weights of a peer at step {state.get('global_step')}")
+
+    # ----- during fit -----
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.trainer, self.running = trainer, True
+        self.quorum_step = trainer.global_step  # `join` formed this step's quorum
+        if self.healed_path is not None:  # restored by fit: the copy in memory is no longer needed
+            Path(self.healed_path).unlink(missing_ok=True)
+            self.healed_path = None
+        if self.story:
+            self._record(trainer.global_step, start=pl_module)
+
+    def average_gradients(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        """The gradients averaged over the groups in the quorum, or dropped if the step may not commit."""
+        params = [param for param in pl_module.parameters() if param.grad is not None]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in params:
+            by_dtype.setdefault(param.grad.dtype, []).append(param)
+        started = time.perf_counter()
+        flats = []
+        for same in by_dtype.values():
+            flat = torch.cat([param.grad.reshape(-1) for param in same])
+            flats.append((same, flat, self.manager.allreduce(flat)))
+        for _, _, work in flats:
+            work.wait()
+        reduced = time.perf_counter()
+        self.committed = self.manager.should_commit()
+        self.times.update(allreduce_ms=_ms(reduced - started), commit_ms=_ms(time.perf_counter() - reduced))
+        if not self.committed:
+            # Not retried within the step: a shrink-only re-quorum (`start_quorum(allow_heal=False,
+            # shrink_only=True)`, torchft 0.2.0) was tried for issue 57 and let the survivor whose all-reduce
+            # failed first form a quorum of one while the other still waited in its own failing all-reduce
+            # (min_replicas 1): they trained apart, then timed out. Dropping the step keeps them together.
+            self.counts["steps not applied"] += 1
+            self._say(
+                f"step {trainer.global_step + 1} not applied: a group failed during it, or fewer than "
+                f"min_replicas={self.plan.min_replicas} groups took part (its gradients are dropped; the weights "
+                "stay as they were)"
+            )
+            for param in params:
+                param.grad = None  # torch's optimizers skip a parameter without a gradient
+            return
+        for same, flat, _ in flats:
+            offset = 0
+            for param in same:
+                count = param.grad.numel()
+                param.grad.copy_(flat[offset : offset + count].view_as(param.grad))
+                offset += count
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.log("ft_replicas", float(self.replicas), on_step=True, on_epoch=False, batch_size=1)
+        if trainer.global_step == self.quorum_step:
+            return  # a micro-batch of gradient accumulation: the optimizer step (and a save point) is still ahead
+        self.quorum_step = trainer.global_step
+        if self.story:
+            self._record(trainer.global_step)
+        # The next step's quorum, here: a peer that heals from this group gets the state a save at this
+        # point would write, the point every resume of ddp-app starts from.
+        self._quorum(trainer.global_step - (0 if self.committed else 1))
+
+    def _quorum(self, step: int) -> None:
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        started = time.perf_counter()
+        self.manager.start_quorum()  # synchronous: returns with the quorum, and a pending heal applied
+        self.times["quorum_ms"] = _ms(time.perf_counter() - started)
+        replicas, quorum_id = self.manager.num_participants(), self.manager._quorum_id
+        if self.quorum_id is not None and quorum_id != self.quorum_id:  # a group left, came back or was replaced
+            self.counts["quorum changes"] += 1
+            self._say(f"quorum changed at step {step}: {replicas} of {self.plan.groups} groups (was {self.replicas})")
+        self.replicas, self.quorum_id = replicas, quorum_id
+
+    def _record(self, step: int, start: L.LightningModule | None = None) -> None:
+        """One JSON line per step (and one when training starts, with the process and its weights'
+        digest): the step done, when, with how many groups, and whether it was applied."""
+        entry: dict[str, Any] = {"step": step, "time": time.time(), "replicas": self.replicas}
+        entry.update(committed=self.committed, **self.times)
+        if start is not None:
+            entry.update(start=True, pid=os.getpid(), digest=weights_digest(start))
+        self._write(entry)
+
+    def _write(self, entry: dict[str, Any]) -> None:
+        assert self.story is not None
+        self.story.write(json.dumps(entry) + "\n")
+
+    def _say(self, line: str) -> None:
+        print(f"ddp-app: fault tolerance: group {self.group} {line}", file=sys.stderr, flush=True)
+
+    def shutdown(self) -> None:
+        if self.running:  # the group's part of the run's story, in one line
+            self._say("ended: " + ", ".join(f"{count} {what}" for what, count in self.counts.items()))
+        self.running = False
+        self.manager.shutdown(wait=False)
+        if self.story:
+            self.story.close()
+            self.story = None
+
+
+def make_manager(settings: FaultTolerance, plan: FaultTolerancePlan, env: Any) -> tuple[Any, Any]:
+    """This group's TCPStore (started before its Manager, which connects to it as a client) and torchft Manager."""
+    from torch.distributed import TCPStore
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    timeout = timedelta(seconds=settings.timeout_s)
+    host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"])
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=plan.min_replicas,
+        use_async_quorum=False,  # a group that heals loads the peer's state before it computes anything
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+        connect_timeout=timeout,
+        rank=0,
+        world_size=plan.group_size,
+        store_addr=host,
+        store_port=port,
+        lighthouse_addr=plan.lighthouse,
+        replica_id=f"ddp_app_group_{plan.group}",  # torchft reads the group's index from its trailing digits
+        init_sync=False,  # every group starts from the same seed, so from the same weights
+    )
+    # Private (docs/private_apis.md), checked once here, before training relies on it.
+    require(manager, "_quorum_id", "torchft", "the line that says the quorum of replica groups changed")
+    return store, manager
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A SHA-256 of the module's parameters, in order: equal digests, equal weights."""
+    digest = hashlib.sha256()
+    for param in module.parameters():
+        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 3)
+
+
+def _global_step_of(path: str) -> int:
+    """The global step a checkpoint resumes at (memory-mapped: the tensors are not read)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # a sharded directory or another format: Lightning reports it when it loads
+        return 0
+    return int(checkpoint.get("global_step", 0)) if isinstance(checkpoint, dict) else 0
