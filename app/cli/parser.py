@@ -279,9 +279,13 @@ class DDPAppCLI(LightningCLI):
 
     def after_fit(self) -> None:
         metrics = scalar_metrics(self.trainer)  # on every rank: it may reduce (app/run/summary.py)
-        if self.trainer.is_global_zero:
+        # Replica groups (fault tolerance) are runs of their own to Lightning: group 0 speaks for the run.
+        groups = self.plan.fault_tolerance if self.plan is not None else None
+        if self.trainer.is_global_zero and (groups is None or groups.group in (None, 0)):
             tracking: Tracking = self.config_init[self.subcommand]["tracking"]
-            lines = fit_summary(self.trainer, metrics, time.time() - self.started, tracking.viewing_lines())
+            lines = fit_summary(
+                self.trainer, metrics, time.time() - self.started, tracking.viewing_lines(), replica_groups=groups
+            )
             print("\n".join(lines), flush=True)
 
     def _after_evaluation(self) -> None:

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from app.checkpoints.last import LAST_NAME, checkpoint_directory
+from app.parallel.fault_tolerance import FaultTolerancePlan
 from app.run.step_timing import step_line
 from app.tracking.layout import SAMPLES_PER_S, STEP_TIME_METRICS
 from app.tracking.throughput import batch_size_of
@@ -67,9 +68,18 @@ def log_folder(trainer: L.Trainer) -> str | None:
     return str(logger.log_dir) if logger is not None and getattr(logger, "log_dir", None) else None
 
 
-def fit_summary(trainer: L.Trainer, metrics: dict[str, float], elapsed_s: float, tracker_lines: list[str]) -> list[str]:
-    """The block after a fit: see the module docstring. `metrics`: `scalar_metrics`, read on every rank."""
+def fit_summary(
+    trainer: L.Trainer,
+    metrics: dict[str, float],
+    elapsed_s: float,
+    tracker_lines: list[str],
+    replica_groups: FaultTolerancePlan | None = None,
+) -> list[str]:
+    """The block after a fit: see the module docstring. `metrics`: `scalar_metrics`, read on every rank.
+    `replica_groups`: a fault-tolerant run's groups, each a Lightning run of its own (said as such)."""
     processes = f"{trainer.world_size} process{'es' if trainer.world_size > 1 else ''}"
+    if replica_groups is not None:
+        processes = f"{replica_groups.groups} replica groups of {replica_groups.group_size} process(es)"
     head = (
         f"ddp-app: fit done in {duration(elapsed_s)}: {trainer.current_epoch} epochs, "
         f"{trainer.global_step} steps on {processes}"

@@ -169,6 +169,8 @@ def test_two_groups_without_a_failure_equal_ddp_bit_for_bit(tmp_path: Path, accu
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     ft = run_fit(tmp_path / "ft", "--trainer.devices=2", *steps, *FT, "--fault_tolerance.min_replicas=2")
     assert ft.returncode == 0, ft.stderr[-3000:]
+    # Group 0 speaks for the run: one end-of-fit summary, naming the groups.
+    assert ft.stdout.count("ddp-app: fit done") == 1 and "on 2 replica groups of 1 process(es)" in ft.stdout
     for group in (0, 1):  # one quorum per optimizer step, every one with both groups
         steps_taken = [entry for entry in story(tmp_path / "ft", group) if not entry.get("start")]
         assert [entry["step"] for entry in steps_taken] == list(range(1, 26))
