@@ -122,7 +122,9 @@ class DiLoCoStrategy(DDPStrategy):
 
     Args:
         sync_every: H, the inner optimizer steps between two outer steps (of each fragment).
-        outer_lr, outer_momentum, outer_nesterov: the outer SGD (Nesterov only with momentum > 0).
+        outer_lr: the outer SGD's learning rate (1 with no momentum: the replicas' mean, as is).
+        outer_momentum: the outer SGD's momentum.
+        outer_nesterov: Nesterov momentum (only with outer_momentum > 0).
         fragments: streaming DiLoCo's F: the model synced in F parts, one every H / F steps.
         outer_dtype: the dtype the outer gradients are all-reduced in (bfloat16: half the bytes).
         process_group_backend, timeout: as for Lightning's strategies.

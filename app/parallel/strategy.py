@@ -1,10 +1,11 @@
 """The one place that decides what `trainer.strategy` is.
 
 A config names its strategy in one of several forms: a registered name (`ddp`, `ddp_spawn`, `fsdp`,
-`auto`, and ddp-app's `diloco`), a `class_path` (Lightning's `DDPStrategy`, ddp-app's `FSDP2Strategy` or
-`DiLoCoStrategy`, or a user's subclass of one), or, from Python, a strategy object. `resolve_strategy` turns any of them into a
-`ResolvedStrategy`, and every other module (the launcher, the config checks, the parity tool, the
-benches) asks that value instead of comparing names or classes itself.
+`auto`, and ddp-app's `diloco`), a `class_path` (Lightning's `DDPStrategy`, ddp-app's `FSDP2Strategy`
+or `DiLoCoStrategy`, or a user's subclass of one), or, from Python, a strategy object.
+`resolve_strategy` turns any of them into a `ResolvedStrategy`, and every other module (the launcher,
+the config checks, the parity tool, the benches) asks that value instead of comparing names or classes
+itself.
 
 A class is recognised by what it is (`issubclass` of Lightning's `DDPStrategy` or of ddp-app's
 `FSDP2Strategy`), never by the end of its name, so a user's `class_path: mylib.MyDDP` forks its ranks
@@ -154,8 +155,9 @@ def _resolve_name(name: str, world_size: int) -> ResolvedStrategy:
         hint = f"Did you mean {' or '.join(f'`{choice}`' for choice in close)}? " if close else ""
         raise TrainerArgumentError(
             f"invalid value {name!r} for trainer.strategy: not a strategy ddp-app or Lightning knows. {hint}Fix: "
-            "`ddp` (data parallel), `fsdp` (sharded: FSDP2), `diloco` (data parallel over slow links), `auto`, another of Lightning's names (python -c 'from "
-            "lightning.pytorch.strategies import StrategyRegistry as r; print(r.available_strategies())'), "
+            "`ddp` (data parallel), `fsdp` (sharded: FSDP2), `diloco` (data parallel over slow links), `auto`, "
+            "another of Lightning's names (python -c 'from lightning.pytorch.strategies import StrategyRegistry "
+            "as r; print(r.available_strategies())'), "
             f"or a strategy's class path such as {FSDP_CLASS_PATH}."
         )
     entry = StrategyRegistry[name]

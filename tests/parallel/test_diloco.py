@@ -1,0 +1,227 @@
+"""`strategy: diloco` (app/parallel/diloco.py): resolved once as its own kind, its settings and what it
+cannot honour refused in one line before any rank starts, the outer step bit for bit the plain-PyTorch
+reference's and DDP's within rounding at sync_every 1, and a kill -9 between two outer steps resumed
+bit for bit."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from jsonargparse import Namespace
+
+from app.checkpoints import state as checkpoint_state
+from app.checkpoints.sharded import load_whole
+from app.cli.entry import check_before_launch
+from app.cli.resume_check import Case, max_abs_diff
+from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
+from app.cluster.launch import rank_plan
+from app.parallel.diloco import DiLoCoStrategy, fragments_due
+from app.parallel.strategy import DILOCO_CLASS_PATH, StrategyKind, resolve_strategy
+from app.parity import (
+    DILOCO_AS_DDP,
+    DILOCO_TOLERANCE,
+    OPTIMIZERS,
+    compare_states,
+    lightning_fit,
+    reference_fit,
+    relative_difference,
+    run_command,
+    variant_config,
+    write_variant,
+)
+from app.reference.config import load_config
+from app.reference.diloco import DEFAULTS
+from tests.helpers.run import REPO, clean_env, ddp_app, fit_runner
+
+DIGITS = str(REPO / "configs" / "digits.yaml")
+
+
+class UsersOwnDiLoCo(DiLoCoStrategy):
+    pass
+
+
+@pytest.mark.parametrize(
+    "written",
+    [
+        "diloco",
+        DILOCO_CLASS_PATH,
+        Namespace(class_path=DILOCO_CLASS_PATH, init_args=Namespace(sync_every=5)),
+        {"class_path": f"{__name__}.UsersOwnDiLoCo"},
+        DiLoCoStrategy(sync_every=3),
+    ],
+)
+def test_every_form_of_diloco_resolves_to_its_kind_and_forks_its_ranks(written) -> None:
+    resolved = resolve_strategy(written, 2)
+    assert resolved.kind is StrategyKind.DILOCO and resolved.forks_ranks and not resolved.is_sharded
+    assert rank_plan(resolved, 2, True, 2).processes == 2
+
+
+def test_the_issue_command_line_takes_init_args_after_the_name(tmp_path: Path) -> None:
+    parsed = check_before_launch(["fit", "--config", DIGITS, f"--trainer.default_root_dir={tmp_path}",
+                                  "--trainer.strategy", "diloco", "--trainer.strategy.init_args.sync_every", "10"])  # fmt: skip
+    assert parsed.plan.strategy.kind is StrategyKind.DILOCO
+    strategy = parsed.config["trainer"]["strategy"]
+    assert strategy["class_path"] == DILOCO_CLASS_PATH and strategy["init_args"]["sync_every"] == 10
+    named = tmp_path / "named.yaml"
+    named.write_text("trainer:\n  strategy: diloco\n")
+    parsed = check_before_launch(["fit", "--config", DIGITS, "--config", str(named),
+                                  f"--trainer.default_root_dir={tmp_path}",
+                                  "--trainer.strategy.init_args.fragments", "2"])  # fmt: skip
+    assert parsed.plan.strategy.kind is StrategyKind.DILOCO
+    assert parsed.config["trainer"]["strategy"]["init_args"]["fragments"] == 2
+
+
+DILOCO = ["--trainer.strategy", "diloco"]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--trainer.strategy.init_args.sync_every", "0"], "sync_every=0"),
+        (["--trainer.strategy.init_args.sync_every", "-3"], "sync_every=-3"),
+        (["--trainer.strategy.init_args.sync_every", "2.5"], "trainer.strategy.init_args.sync_every"),
+        (["--trainer.strategy.init_args.sync_every", "ten"], "trainer.strategy.init_args.sync_every"),
+        # The digits MLP has 4 parameter tensors (2 Linear layers): 3 fragments cannot split them.
+        (["--trainer.strategy.init_args.sync_every", "12", "--trainer.strategy.init_args.fragments", "3"],
+         "4 trainable parameter tensors"),
+        (["--trainer.strategy.init_args.sync_every", "5", "--trainer.strategy.init_args.fragments", "2"],
+         "does not divide trainer.strategy.init_args.sync_every=5"),
+        (["--trainer.strategy.init_args.outer_dtype", "float16"], "trainer.strategy.init_args.outer_dtype"),
+        (["--gradient_compression.method", "powersgd"], "gradient_compression.method=powersgd"),
+        (["--trainer.sync_batchnorm", "true"], "trainer.sync_batchnorm=true"),
+        # A DDP option diloco cannot honour (it has no DDP model to give it to): no such key.
+        (["--trainer.strategy.init_args.find_unused_parameters", "true"], "find_unused_parameters"),
+    ],
+)  # fmt: skip
+def test_what_diloco_cannot_run_is_one_line_before_any_rank(
+    args: list[str], names: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "run"
+    with pytest.raises(SystemExit) as exited:
+        check_before_launch(["fit", "--config", DIGITS, f"--trainer.default_root_dir={root}", *DILOCO, *args])
+    assert exited.value.code == BAD_INPUT_EXIT_CODE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and names in err, err
+    assert not root.exists()
+
+
+@pytest.mark.distributed
+def test_the_command_refuses_a_bad_sync_every_with_exit_2(tmp_path: Path) -> None:
+    result = ddp_app("fit", "--config", "configs/digits.yaml", *DILOCO, "--trainer.strategy.init_args.sync_every", "0",
+                     "--trainer.default_root_dir", str(tmp_path / "run"), timeout=120, cwd=REPO, env=clean_env())  # fmt: skip
+    assert isinstance(result, subprocess.CompletedProcess)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == BAD_INPUT_EXIT_CODE and len(lines) == 1, result.stderr
+    assert "sync_every=0" in lines[0] and "Fix:" in lines[0]
+
+
+def test_fragments_take_turns_every_sync_every_over_fragments_steps() -> None:
+    assert [fragments_due(step, 4, 1) for step in range(1, 9)] == [[], [], [], [0], [], [], [], [0]]
+    assert [fragments_due(step, 4, 2) for step in range(1, 9)] == [[], [0], [], [1], [], [0], [], [1]]
+    assert [fragments_due(step, 1, 1) for step in range(1, 4)] == [[0], [0], [0]]
+
+
+def test_the_reference_runs_the_strategys_defaults() -> None:
+    parameters = inspect.signature(DiLoCoStrategy).parameters
+    assert {key: parameters[key].default for key in DEFAULTS} == DEFAULTS
+
+
+def diloco_config(tmp_path: Path, name: str, init_args: dict, epochs: int = 1) -> Path:
+    config = variant_config(load_config(REPO / "configs" / "digits.yaml"), "sgd", epochs, 2, tmp_path / "base.yaml")
+    return write_variant(config, tmp_path / f"{name}.yaml", {"class_path": DILOCO_CLASS_PATH, "init_args": init_args})
+
+
+@pytest.mark.parity
+@pytest.mark.distributed
+def test_diloco_at_sync_every_1_equals_the_reference_bit_for_bit_and_ddp_within_rounding(tmp_path: Path) -> None:
+    """P10 in small: digits, 1 epoch (20 SGD steps) on 2 ranks; DiLoCo with an outer step after every
+    inner step, outer SGD lr 1 without momentum: the reference's DiLoCo bit for bit, and DDP (the
+    reference's, itself bit for bit Lightning's: P1) within rounding (docs/parity.md)."""
+    path = diloco_config(tmp_path, "as_ddp", DILOCO_AS_DDP)
+    lightning = lightning_fit(path, tmp_path / "lightning", "ddp-app", world_size=2)
+    reference = reference_fit(path, tmp_path / "reference", "mp.spawn", world_size=2)
+    difference, first = compare_states(reference, lightning, tolerance=0.0)
+    assert not first and difference == 0.0, first
+    ddp_strategy = {"class_path": "lightning.pytorch.strategies.DDPStrategy"}
+    ddp_config = write_variant(yaml.safe_load(path.read_text()), tmp_path / "ddp.yaml", ddp_strategy)
+    ddp = reference_fit(ddp_config, tmp_path / "ddp", "mp.spawn", world_size=2)
+    difference, first = relative_difference(ddp, lightning)
+    assert difference <= DILOCO_TOLERANCE and not first
+    assert difference > 0  # the outer step ran: the mean of lr x gradient is not the mean gradient exactly
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.distributed
+def test_the_parity_command_passes_its_diloco_rows(tmp_path: Path) -> None:
+    """`python -m app.parity` on a diloco config (Nesterov outer steps every 4, 2 fragments): P10a-b."""
+    config = load_config(REPO / "configs" / "digits.yaml")
+    config["optimizer"] = OPTIMIZERS["adam"]
+    config["trainer"]["strategy"] = {"class_path": DILOCO_CLASS_PATH, "init_args": {"sync_every": 4, "fragments": 2}}
+    path = tmp_path / "diloco.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "parity"
+    command = [sys.executable, "-m", "app.parity", "--config", str(path), "--epochs", "1", "--out", str(out)]
+    run_command(command, tmp_path / "parity.log", timeout=600)
+    report = json.loads((out / "parity.json").read_text())
+    assert [check["name"] for check in report["checks"]] == ["P10a", "P10b"] and report["passed"], report
+
+
+SYNC_EVERY = 4
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory):
+    """digits (Adam inner steps, Nesterov outer steps every 4), 2 epochs of 20 steps on 2 ranks."""
+    args = ["--config", DIGITS, *DILOCO, f"--trainer.strategy.init_args.sync_every={SYNC_EVERY}",
+            "--trainer.callbacks=[]"]  # fmt: skip
+    return fit_runner(args, tmp_path_factory.mktemp("diloco"), epochs=2)
+
+
+def diloco_part(root: Path) -> dict:
+    return checkpoint_state.get(load_whole(root / "checkpoints" / "last.ckpt"), "diloco")
+
+
+@pytest.mark.fault
+@pytest.mark.distributed
+def test_a_kill_between_two_outer_steps_resumes_bit_for_bit(runner) -> None:
+    """kill -9 of rank 1 after step 31 (the last save at step 30: two inner steps after the outer step of
+    step 28), then `--ckpt_path last`: weights, optimizer, metrics, and every rank's replica, the anchor
+    and the outer momentum as the uninterrupted run's."""
+    case = Case("kill-rank1", "mid-epoch", epoch=1)
+    outcome = runner.run(case)
+    assert outcome.exact, outcome.detail or outcome
+    log = (runner.workdir / f"{outcome.root.name}.log").read_text()
+    assert "--ckpt_path last: resuming from" in log, log[-2000:]
+    expected, actual = diloco_part(runner.baseline("default")), diloco_part(outcome.root)
+    assert max_abs_diff(expected, actual) == 0.0
+    assert len(actual["per_rank"]) == 2 and actual["inner_steps"] == 40
+
+
+@pytest.mark.fault
+@pytest.mark.distributed
+def test_the_saved_state_between_outer_steps_holds_replicas_that_differ(runner, tmp_path: Path) -> None:
+    """A max_steps stop at step 30 (mid-H): the checkpoint keeps both replicas, which differ, and the anchor
+    of step 28; resumed on 3 ranks the run trains on, with the elastic notice and diloco's."""
+    root = tmp_path / "elastic"
+    log = tmp_path / "elastic.log"
+    base = [*runner._args("default", root), "--trainer.max_epochs=2"]
+    assert runner.run_command([*base, "--trainer.max_steps=30"], log, runner.timeout) == 0
+    part = diloco_part(root)
+    assert part["inner_steps"] == 30 and part["inner_steps"] % SYNC_EVERY
+    first, second = (replica["parameters"] for replica in part["per_rank"])
+    assert max_abs_diff(first, second) > 0
+    code = runner.run_command([*base, "--trainer.devices=3", "--ckpt_path=last"], log, runner.timeout)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert "resuming a 2-rank run on 3 ranks" in text and "diloco: the checkpoint holds 2 replicas" in text
+    resumed = diloco_part(root)
+    assert len(resumed["per_rank"]) == 3 and resumed["inner_steps"] > 30
+    assert all(math.isfinite(float(tensor.abs().max())) for tensor in resumed["anchor"].values())
