@@ -45,7 +45,6 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
@@ -257,8 +256,7 @@ class DiLoCoStrategy(DDPStrategy):
             for name, parameter in zip(self._names, self._parameters):
                 parameter.copy_(own["parameters"][name])
             for optimizer, state in zip(self.optimizers, own["optimizers"]):
-                optimizer.load_state_dict(state)
-                _optimizer_to_device(optimizer, self.root_device)
+                optimizer.load_state_dict(state)  # torch moves the state onto its parameters' device
             return
         # Another number of ranks: the replicas cannot be handed out one each. Every rank continues
         # from their mean (what the next outer all-reduce would average) with rank 0's inner state.
