@@ -38,6 +38,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import time
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -150,6 +151,11 @@ class DiLoCoStrategy(DDPStrategy):
         self._parameters: list[nn.Parameter] = []
         self._anchors: list[torch.Tensor] = []  # float32, the parameters at the last outer step
         self._outer: list[torch.optim.SGD] = []  # one per fragment
+        # For app/run/step_timing.py (`ddp-app diagnose`): the seconds spent in the outer steps'
+        # collectives since it last asked, and its `no_communication` ablation (each rank then applies
+        # its own outer gradient: the step without any exchange).
+        self.communication_s = 0.0
+        self.communicate = True
 
     def configure_ddp(self) -> None:
         """No DDP wrapper (its backward would all-reduce every step): every replica starts from rank 0's
@@ -193,9 +199,12 @@ class DiLoCoStrategy(DDPStrategy):
         anchors, parameters = self._anchors[part], self._parameters[part]
         flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters)])
         flat = flat.to(OUTER_DTYPES[self.outer_dtype])
-        if self.world_size > 1:
+        exchanges = self.world_size > 1 and self.communicate
+        if exchanges:
+            started = time.perf_counter()
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat.div_(self.world_size)
+            flat.div_(self.world_size)
+            self._waited(started, flat)
         offset = 0
         for anchor in anchors:
             anchor.grad = flat[offset : offset + anchor.numel()].view_as(anchor).float()
@@ -204,9 +213,19 @@ class DiLoCoStrategy(DDPStrategy):
         for anchor, parameter in zip(anchors, parameters):
             anchor.grad = None
             parameter.copy_(anchor)
-        if self.world_size > 1:
-            for buffer in self.model.buffers():
+        buffers = list(self.model.buffers()) if exchanges else []
+        if buffers:
+            started = time.perf_counter()
+            for buffer in buffers:
                 broadcast_in_place(buffer)
+            self._waited(started, buffers[-1])
+
+    def _waited(self, started: float, result: torch.Tensor) -> None:
+        """Count a collective's time (on a GPU waited for here, once per outer step: on the host's clock
+        it would end when it is queued)."""
+        if result.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.communication_s += time.perf_counter() - started
 
     # ----- checkpoints: the `diloco` part (kept by `DiLoCoCheckpoint`, restored here) -----
 

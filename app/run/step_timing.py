@@ -11,6 +11,9 @@ from the end of the previous step to the end of this one, into:
   accumulated (a post-accumulate-grad hook on every trained parameter; DDP launches the last bucket's
   all-reduce right then) to the end of `backward` (where DDP waits for every bucket). All-reduce
   that overlaps the backward pass is hidden and not counted; waiting for a slower rank is counted.
+  Under strategy diloco (app/parallel/diloco.py) it is the outer step's collectives instead, in the
+  step whose optimizer step they follow (every sync_every / fragments steps; its `no_communication`
+  ablation skips them).
 - compute: this callback's `on_train_batch_start` to its `on_train_batch_end` less communication:
   forward, backward, optimizer step, and the hooks of the callbacks after it inside the step.
 - other: the rest: what Lightning and ddp-app do between steps (logging, the other callbacks'
@@ -52,6 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.checkpoints import state as checkpoint_state
 from app.errors import InvalidConfigError
+from app.parallel.diloco import DiLoCoStrategy
 from app.tracking.layout import STEP_TIME_METRICS
 
 ABLATIONS = ("none", "batch_in_memory", "no_communication")
@@ -89,6 +93,7 @@ class StepTiming(L.Callback):
         self._steps = 0
         self._record: list[list[float]] = []
         self._facts: dict[str, Any] = {}
+        self._diloco: DiLoCoStrategy | None = None
 
     def _gradient_ready(self, parameter: torch.Tensor) -> None:
         self._last_gradient_at = time.perf_counter()
@@ -102,6 +107,11 @@ class StepTiming(L.Callback):
         ddp = trainer.strategy.model
         if self.ablation == "no_communication" and isinstance(ddp, DistributedDataParallel):
             ddp.register_comm_hook(None, noop_hook)
+        diloco = trainer.strategy if isinstance(trainer.strategy, DiLoCoStrategy) else None
+        if diloco is not None:  # its outer steps' collectives are its communication (in the step they end)
+            diloco.communicate = self.ablation != "no_communication"
+            diloco.communication_s = 0.0
+        self._diloco = diloco
         loader = trainer.train_dataloader
         self._facts = {
             "rank": trainer.global_rank,
@@ -114,6 +124,8 @@ class StepTiming(L.Callback):
             "pin_memory": getattr(loader, "pin_memory", None),
             "device": str(trainer.strategy.root_device),
             "data_measured": self._profiler is not None,
+            # strategy diloco: steps between two outer steps (of a fragment), where the exchange happens
+            "outer_every": diloco.sync_every // diloco.fragments if diloco is not None else None,
         }
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -148,6 +160,9 @@ class StepTiming(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = time.perf_counter()
+        if self._diloco is not None:
+            self._communication += self._diloco.communication_s
+            self._diloco.communication_s = 0.0
         fetched = self._profiler.training_fetch_s if self._profiler is not None else 0.0
         if self._previous_end is not None:
             step = now - self._previous_end

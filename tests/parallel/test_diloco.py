@@ -18,6 +18,7 @@ from jsonargparse import Namespace
 
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.sharded import load_whole
+from app.cli.diagnose import verdict
 from app.cli.entry import check_before_launch
 from app.cli.resume_check import Case, max_abs_diff
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
@@ -225,3 +226,22 @@ def test_the_saved_state_between_outer_steps_holds_replicas_that_differ(runner, 
     resumed = diloco_part(root)
     assert len(resumed["per_rank"]) == 3 and resumed["inner_steps"] > 30
     assert all(math.isfinite(float(tensor.abs().max())) for tensor in resumed["anchor"].values())
+
+
+def test_diagnose_spreads_the_outer_step_over_its_steps_and_suggests_no_compression() -> None:
+    """Every 10th step carries the outer all-reduce (300 ms); spread over the 10 it is 30 ms of a 40 ms
+    step. DDP's trimming of the slowest tenth of steps would drop exactly those steps."""
+
+    def records(communication_ms: float, outer_every: int | None) -> list[dict]:
+        steps = [[0.010, 0.001, 0.008, 0.0, 0.001] for _ in range(43)]
+        for index in range(3 + outer_every - 1 if outer_every else 43, 43, outer_every or 1):
+            steps[index] = [0.010 + communication_ms / 1000, 0.001, 0.008, communication_ms / 1000, 0.001]
+        base = {"host": "node", "world_size": 2, "gradient_bytes": 80_000, "num_workers": 0, "cpu_count": 2}
+        return [{**base, "outer_every": outer_every, "rank": rank, "steps": steps} for rank in range(2)]
+
+    report = verdict({"as_configured": records(300, 10), "batch_in_memory": records(300, 10),
+                      "no_communication": records(0, None)})  # fmt: skip
+    assert report["verdict"] == "communication-bound" and report["communication_cost"] == "outer step", report
+    assert abs(report["shares"]["communication"] - 0.75) < 0.01, report["shares"]
+    text = report["verdict_text"]
+    assert "every 10 steps" in text and "sync_every" in text and "gradient_compression" not in text
