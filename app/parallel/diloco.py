@@ -15,10 +15,10 @@ Nesterov momentum by default, the paper's lr 0.7 and momentum 0.9) steps the anc
 then continues from the new anchor. Buffers (BatchNorm statistics) are rank 0's after every outer
 step, as DDP's `broadcast_buffers` makes them before every forward.
 
-Streaming DiLoCo (arXiv 2501.18512), `fragments: F`: the model's trainable parameter tensors, in
-`named_parameters()` order, are cut into F contiguous fragments of equal count (a "block" is one
-parameter tensor; F must divide their number, and H); fragment f has its outer step at inner steps
-where `step % H == (f + 1) * H / F % H`, so every fragment syncs every H steps and some fragment every
+Streaming DiLoCo (arXiv 2501.18512), `fragments: F`: the model's blocks (its `nn.ModuleList` layers,
+or else its layers with parameters) are cut into F fragments of as many blocks each
+(app/parallel/fragments.py; F must divide their number, and H); fragment f has its outer step at
+inner steps where `step % H == (f + 1) * H / F % H`, so every fragment syncs every H steps and some fragment every
 H / F steps, each all-reduce 1/F of the model. The sync runs in line, not overlapped with compute.
 
 Written here, not taken from torchft: torchft's `DiLoCo` needs its `Manager`, a lighthouse server and
@@ -53,6 +53,7 @@ from torch import nn
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.io import gather_per_rank
 from app.errors import InvalidConfigError
+from app.parallel.fragments import blocks, fragment_indices, trainable
 
 OuterDtype = Literal["float32", "bfloat16"]
 OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -84,18 +85,18 @@ def check_settings(sync_every: Any, fragments: Any, outer_lr: Any, outer_momentu
         raise InvalidConfigError(f"{key}.outer_dtype={outer_dtype!r}. Fix: one of {', '.join(OUTER_DTYPES)}.")
 
 
-def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The blocks DiLoCo syncs and fragments count: the trainable parameter tensors, in order."""
-    return [(name, parameter) for name, parameter in module.named_parameters() if parameter.requires_grad]
-
-
-def check_fragments(fragments: int, blocks: int) -> None:
-    if blocks % fragments:
+def checked_fragments(module: nn.Module, fragments: int) -> list[list[int]]:
+    """`fragment_indices`, or the one line naming the key when `fragments` does not divide the blocks."""
+    try:
+        return fragment_indices(module, fragments)
+    except ValueError:
+        count = len(blocks(module))
+        divisors = [d for d in range(1, count + 1) if count % d == 0] or [1]
         raise InvalidConfigError(
-            f"trainer.strategy.init_args.fragments={fragments} does not divide the model's {blocks} trainable "
-            "parameter tensors (the blocks a fragment is made of). Fix: a divisor of "
-            f"{blocks}, e.g. {max(d for d in range(1, min(fragments, blocks) + 1) if blocks % d == 0)}."
-        )
+            f"trainer.strategy.init_args.fragments={fragments} does not divide the {count} blocks of "
+            f"{type(module).__name__} (its nn.ModuleList layers, or else its layers with parameters: "
+            f"docs/diloco.md). Fix: one of {', '.join(map(str, divisors))}."
+        ) from None
 
 
 def fragments_due(step: int, sync_every: int, fragments: int) -> list[int]:
@@ -151,6 +152,7 @@ class DiLoCoStrategy(DDPStrategy):
         self._parameters: list[nn.Parameter] = []
         self._anchors: list[torch.Tensor] = []  # float32, the parameters at the last outer step
         self._outer: list[torch.optim.SGD] = []  # one per fragment
+        self._fragments: list[list[int]] = []  # each fragment's indices into _parameters
         # For app/run/step_timing.py (`ddp-app diagnose`): the seconds spent in the outer steps'
         # collectives since it last asked, and its `no_communication` ablation (each rank then applies
         # its own outer gradient: the step without any exchange).
@@ -166,18 +168,16 @@ class DiLoCoStrategy(DDPStrategy):
             for tensor in module.state_dict().values():
                 broadcast_in_place(tensor)
         named = trainable(module)
-        check_fragments(self.fragments, len(named))
+        self._fragments = checked_fragments(module, self.fragments)
         self._names = [name for name, _ in named]
         self._parameters = [parameter for _, parameter in named]
         self._anchors = [parameter.detach().float().clone() for parameter in self._parameters]
-        size = len(self._anchors) // self.fragments
         nesterov = self.outer_nesterov and self.outer_momentum > 0
         self._outer = [
             torch.optim.SGD(
-                self._anchors[f * size : (f + 1) * size], lr=self.outer_lr, momentum=self.outer_momentum,
-                nesterov=nesterov,
-            )  # fmt: skip
-            for f in range(self.fragments)
+                [self._anchors[i] for i in part], lr=self.outer_lr, momentum=self.outer_momentum, nesterov=nesterov
+            )
+            for part in self._fragments
         ]
         self.inner_steps = 0
 
@@ -194,9 +194,8 @@ class DiLoCoStrategy(DDPStrategy):
     def outer_step(self, fragment: int) -> None:
         """Average the replicas' outer gradients of one fragment, step its anchor, restart from it.
         Every rank makes the same collectives in the same order (one all-reduce, then the buffers')."""
-        size = len(self._anchors) // self.fragments
-        part = slice(fragment * size, (fragment + 1) * size)
-        anchors, parameters = self._anchors[part], self._parameters[part]
+        part = self._fragments[fragment]
+        anchors, parameters = [self._anchors[i] for i in part], [self._parameters[i] for i in part]
         flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters)])
         flat = flat.to(OUTER_DTYPES[self.outer_dtype])
         exchanges = self.world_size > 1 and self.communicate
@@ -328,14 +327,14 @@ def check_config(config: Any) -> None:
         if is_set:
             raise InvalidConfigError(f"{key} does not combine with trainer.strategy diloco ({why}). Fix: {fix}.")
     if settings["fragments"] > 1:
-        blocks = count_blocks(config.get("model"))
-        if blocks is not None:
-            check_fragments(settings["fragments"], blocks)
+        model = build_on_meta(config.get("model"))
+        if model is not None:
+            checked_fragments(model, settings["fragments"])
 
 
-def count_blocks(model: Any) -> int | None:
-    """The trainable parameter tensors of the config's model, built on the meta device (no memory, no
-    initialisation); None where it cannot be built so (the strategy checks again in every rank)."""
+def build_on_meta(model: Any) -> nn.Module | None:
+    """The config's model built on the meta device (no memory, no initialisation), for its blocks; None
+    where it cannot be built so (the strategy checks again in every rank)."""
     class_path = getattr(model, "class_path", None) or (model.get("class_path") if isinstance(model, dict) else None)
     if not isinstance(class_path, str) or "." not in class_path:
         return None
@@ -345,6 +344,6 @@ def count_blocks(model: Any) -> int | None:
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
         with torch.device("meta"):
-            return len(trainable(cls(**arguments)))
+            return cls(**arguments)
     except Exception:  # a model that needs more than its init_args (nested classes, data): checked in the ranks
         return None

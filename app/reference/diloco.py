@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.parallel.fragments import fragment_indices, trainable
+
 # `DiLoCoStrategy`'s defaults (app/parallel/diloco.py; tests/parallel/test_diloco.py keeps them equal).
 DEFAULTS = {
     "sync_every": 10,
@@ -55,18 +57,19 @@ class DiLoCo:
         if world_size > 1:  # every replica starts from rank 0's weights (as DDP's constructor does)
             for tensor in net.state_dict().values():
                 broadcast(tensor)
-        self.parameters = [parameter for parameter in net.parameters() if parameter.requires_grad]
+        self.parameters = [parameter for _, parameter in trainable(net)]
         self.anchors = [parameter.detach().float().clone() for parameter in self.parameters]
-        self.size = len(self.anchors) // self.fragments
+        # Which parameters sync together: the same cut as the strategy's (a definition, not the algorithm).
+        self.parts = fragment_indices(net, self.fragments)
         momentum = settings["outer_momentum"]
         self.outer = [
             torch.optim.SGD(
-                self.anchors[f * self.size : (f + 1) * self.size],
+                [self.anchors[i] for i in part],
                 lr=settings["outer_lr"],
                 momentum=momentum,
                 nesterov=settings["outer_nesterov"] and momentum > 0,
             )
-            for f in range(self.fragments)
+            for part in self.parts
         ]
         self.inner_steps = 0
 
@@ -79,8 +82,8 @@ class DiLoCo:
 
     @torch.no_grad()
     def sync(self, fragment: int) -> None:
-        part = slice(fragment * self.size, (fragment + 1) * self.size)
-        anchors, parameters = self.anchors[part], self.parameters[part]
+        part = self.parts[fragment]
+        anchors, parameters = [self.anchors[i] for i in part], [self.parameters[i] for i in part]
         # The outer gradient: how far this replica moved since the last sync, averaged over the replicas.
         flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters)]).to(self.dtype)
         if self.world_size > 1:

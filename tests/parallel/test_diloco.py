@@ -23,7 +23,10 @@ from app.cli.entry import check_before_launch
 from app.cli.resume_check import Case, max_abs_diff
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
 from app.cluster.launch import rank_plan
+from app.models.gpt import GPTLanguageModel
+from app.models.lightning import MLPClassifier
 from app.parallel.diloco import DiLoCoStrategy, fragments_due
+from app.parallel.fragments import blocks, fragment_indices, trainable
 from app.parallel.strategy import DILOCO_CLASS_PATH, StrategyKind, resolve_strategy
 from app.parity import (
     DILOCO_AS_DDP,
@@ -89,9 +92,9 @@ DILOCO = ["--trainer.strategy", "diloco"]
         (["--trainer.strategy.init_args.sync_every", "-3"], "sync_every=-3"),
         (["--trainer.strategy.init_args.sync_every", "2.5"], "trainer.strategy.init_args.sync_every"),
         (["--trainer.strategy.init_args.sync_every", "ten"], "trainer.strategy.init_args.sync_every"),
-        # The digits MLP has 4 parameter tensors (2 Linear layers): 3 fragments cannot split them.
+        # The digits MLP has 2 blocks (its 2 Linear layers): 3 fragments cannot split them.
         (["--trainer.strategy.init_args.sync_every", "12", "--trainer.strategy.init_args.fragments", "3"],
-         "4 trainable parameter tensors"),
+         "does not divide the 2 blocks of MLPClassifier"),
         (["--trainer.strategy.init_args.sync_every", "5", "--trainer.strategy.init_args.fragments", "2"],
          "does not divide trainer.strategy.init_args.sync_every=5"),
         (["--trainer.strategy.init_args.outer_dtype", "float16"], "trainer.strategy.init_args.outer_dtype"),
@@ -127,6 +130,20 @@ def test_fragments_take_turns_every_sync_every_over_fragments_steps() -> None:
     assert [fragments_due(step, 4, 1) for step in range(1, 9)] == [[], [], [], [0], [], [], [], [0]]
     assert [fragments_due(step, 4, 2) for step in range(1, 9)] == [[], [0], [], [1], [], [0], [], [1]]
     assert [fragments_due(step, 1, 1) for step in range(1, 4)] == [[0], [0], [0]]
+
+
+def test_a_block_is_a_layer_of_a_module_list_or_else_a_layer_with_parameters() -> None:
+    """The GPT's 2 transformer blocks (embeddings with the first, the final norm and head with the last);
+    the MLP's 2 Linear layers."""
+    gpt = GPTLanguageModel()
+    names = [name for name, _ in trainable(gpt)]
+    first, second = ([names[i] for i in part] for part in fragment_indices(gpt, 2))
+    assert blocks(gpt) == ["net.blocks.0", "net.blocks.1"]
+    assert first[0] == "net.token_embedding.weight" and all(".blocks.1." not in name for name in first)
+    assert second[-1] == "net.head.weight" and all(".blocks.0." not in name for name in second)
+    assert blocks(MLPClassifier(in_features=64, hidden=8, num_classes=10)) == ["net.fc1", "net.fc2"]
+    with pytest.raises(ValueError):
+        fragment_indices(gpt, 3)
 
 
 def test_the_reference_runs_the_strategys_defaults() -> None:
