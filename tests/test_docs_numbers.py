@@ -571,3 +571,28 @@ def test_performance_doc_quotes_the_one_process_save_bench() -> None:
     assert f"| {blocked['overlap']:.0f} ms | {blocked['overlap_over_sync']:.1%} |" in row, row
     row = next(line for line in text.splitlines() if line.startswith("| step time, no write in flight"))
     assert f"| {steps['no_write']:.0f} ms | {steps['during_background_write']:.0f} ms |" in row, row
+
+
+def test_diloco_doc_quotes_its_quality_bench() -> None:
+    """docs/diloco.md's quality table as `app.bench.diloco_quality.markdown_table` renders its JSON, and the
+    figures its prose reads from it."""
+    from app.bench.diloco_quality import markdown_table
+
+    report = bench("diloco_quality")
+    text = (DOCS / "diloco.md").read_text()
+    missing = [line for line in markdown_table(report) if line not in text]
+    assert not missing, "\n".join(missing)
+    digits, gpt = report["results"]["digits"], report["results"]["gpt"]
+    fragments = [
+        f"({report['seconds']:.0f} s for the 20 runs",
+        f"({digits['diloco H10']['2']['value'] - digits['ddp']['2']['value']:+.3f} at 2 ranks, "
+        f"{digits['diloco H10']['4']['value'] - digits['ddp']['4']['value']:+.3f} at 4",
+        f"H 50 is {digits['diloco H50']['2']['value'] - digits['ddp']['2']['value']:+.3f} and "
+        f"{digits['diloco H50']['4']['value'] - digits['ddp']['4']['value']:+.3f}",
+        f"{gpt['diloco H50']['2']['best']:.4f} against {gpt['ddp']['2']['best']:.4f} at 2 ranks, "
+        f"{gpt['diloco H50']['4']['best']:.4f} against {gpt['ddp']['4']['best']:.4f} at 4",
+        f"DDP's {gpt['ddp']['2']['value']:.2f} at 2 ranks",
+    ]
+    flat = " ".join(text.split())
+    missing = [fragment for fragment in fragments if " ".join(fragment.split()) not in flat]
+    assert not missing, "\n".join(missing)

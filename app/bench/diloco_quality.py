@@ -75,6 +75,30 @@ def run(model: str, variant: str, world_size: int, work: Path) -> dict[str, Any]
     return {"value": values[-1], "best": best, "curve": values, "seconds": round(time.perf_counter() - started, 1)}
 
 
+def markdown_table(report: dict[str, Any]) -> list[str]:
+    """docs/diloco.md's table (tests/test_docs_numbers.py finds every line there): digits' final
+    accuracy with its difference from DDP's in points, the GPT's best validation loss with its
+    difference from DDP's in percent."""
+    lines = ["| model, metric | ranks | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 2) + "|"]
+    for model, results in report["results"].items():
+        spec = report["models"][model]
+        key = "value" if spec["higher_is_better"] else "best"
+        label = f"{model}, {'final' if key == 'value' else 'best'} {spec['metric']}"
+        for world_size in report["world_sizes"]:
+            ddp = results["ddp"][str(world_size)][key]
+            cells = []
+            for variant in VARIANTS:
+                value = results[variant][str(world_size)][key]
+                if variant == "ddp":
+                    cells.append(f"{value:.4f}")
+                elif spec["higher_is_better"]:
+                    cells.append(f"{value:.4f} ({value - ddp:+.3f})")
+                else:
+                    cells.append(f"{value:.4f} ({100 * (value - ddp) / ddp:+.1f}%)")
+            lines.append(f"| {label} | {world_size} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
