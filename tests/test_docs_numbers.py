@@ -596,3 +596,34 @@ def test_diloco_doc_quotes_its_quality_bench() -> None:
     flat = " ".join(text.split())
     missing = [fragment for fragment in fragments if " ".join(fragment.split()) not in flat]
     assert not missing, "\n".join(missing)
+
+
+def test_diloco_doc_quotes_its_network_bench() -> None:
+    """docs/diloco.md's "Speed over a slow link": bytes, step times and load from the two network runs."""
+    first, second = bench("bench_network_diloco"), bench("bench_network_diloco_h100_bf16")
+    slow = first["links"]["100mbit"]["settings"]
+    none, diloco, powersgd = slow["none@25MB"], slow["diloco@25MB"], slow["powersgd@25MB"]
+    bf16 = second["links"]["100mbit"]["settings"]["diloco@25MB"]
+    assert first["diloco"] == {"sync_every": 50, "outer_dtype": "float32"}
+    assert second["diloco"] == {"sync_every": 100, "outer_dtype": "bfloat16"}
+    per_outer = diloco["bytes_per_step"]["median"] * 50
+    one_rank = [entry["one_rank"]["step_ms"] for entry in first["links"].values()]
+    fragments = [
+        f"{diloco['bytes_per_step']['median'] / 1e6:.3f} MB per step and rank against DDP's "
+        f"{none['bytes_per_step']['median'] / 1e6:.3f} (x{diloco['bytes_reduction_over_none']['median']:.1f}; "
+        f"PowerSGD x{powersgd['bytes_reduction_over_none']['median']:.1f}); at H 100 in bfloat16 "
+        f"{bf16['bytes_per_step']['median'] / 1e6:.3f} MB "
+        f"(x{none['bytes_per_step']['median'] / bf16['bytes_per_step']['median']:.0f})",
+        f"{first['loadavg_before'][0]:.1f} at the start of the first run, {second['loadavg_after'][0]:.1f} at the end",
+        f"between {min(s['min'] for s in one_rank):.1f} and {max(s['max'] for s in one_rank):.1f} ms",
+        f"DiLoCo {diloco['step_ms']['median']:.1f} ms per step (scaling efficiency "
+        f"{diloco['scaling_efficiency']['median']:.2f}), PowerSGD {powersgd['step_ms']['median']:.1f} "
+        f"({powersgd['scaling_efficiency']['median']:.2f}), DDP {none['step_ms']['median']:.1f} "
+        f"({none['scaling_efficiency']['median']:.2f})",
+        f"{per_outer / 1e6:.2f} MB per rank, at least {per_outer * 8 / 100e6 * 1e3:.0f} ms at 100 Mbit/s, "
+        f"{per_outer * 8 / 100e6 * 1e3 / 50:.1f} ms per step at H 50",
+        f"(H 100 in bfloat16: {bf16['bytes_per_step']['median'] * 8 / 100e6 * 1e3:.1f} ms per step)",
+    ]
+    flat = " ".join((DOCS / "diloco.md").read_text().split())
+    missing = [fragment for fragment in fragments if " ".join(fragment.split()) not in flat]
+    assert not missing, "\n".join(missing)

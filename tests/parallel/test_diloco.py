@@ -69,7 +69,8 @@ def test_every_form_of_diloco_resolves_to_its_kind_and_forks_its_ranks(written) 
 
 def test_the_issue_command_line_takes_init_args_after_the_name(tmp_path: Path) -> None:
     parsed = check_before_launch(["fit", "--config", DIGITS, f"--trainer.default_root_dir={tmp_path}",
-                                  "--trainer.strategy", "diloco", "--trainer.strategy.init_args.sync_every", "10"])  # fmt: skip
+                                  "--trainer.strategy", "diloco",
+                                  "--trainer.strategy.init_args.sync_every", "10"])  # fmt: skip
     assert parsed.plan.strategy.kind is StrategyKind.DILOCO
     strategy = parsed.config["trainer"]["strategy"]
     assert strategy["class_path"] == DILOCO_CLASS_PATH and strategy["init_args"]["sync_every"] == 10
@@ -119,7 +120,8 @@ def test_what_diloco_cannot_run_is_one_line_before_any_rank(
 @pytest.mark.distributed
 def test_the_command_refuses_a_bad_sync_every_with_exit_2(tmp_path: Path) -> None:
     result = ddp_app("fit", "--config", "configs/digits.yaml", *DILOCO, "--trainer.strategy.init_args.sync_every", "0",
-                     "--trainer.default_root_dir", str(tmp_path / "run"), timeout=120, cwd=REPO, env=clean_env())  # fmt: skip
+                     "--trainer.default_root_dir", str(tmp_path / "run"),
+                     timeout=120, cwd=REPO, env=clean_env())  # fmt: skip
     assert isinstance(result, subprocess.CompletedProcess)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == BAD_INPUT_EXIT_CODE and len(lines) == 1, result.stderr
