@@ -180,6 +180,22 @@ def test_diloco_at_sync_every_1_equals_the_reference_bit_for_bit_and_ddp_within_
 @pytest.mark.slow
 @pytest.mark.parity
 @pytest.mark.distributed
+def test_accumulation_and_bf16_mixed_work_as_under_ddp_bit_for_bit_the_reference(tmp_path: Path) -> None:
+    """Adam, accumulate_grad_batches 3 (a short last group steps too), bf16-mixed, outer steps every 3
+    optimizer steps: Lightning equals the reference, which accumulates and autocasts as its DDP does."""
+    config = variant_config(load_config(REPO / "configs" / "digits.yaml"), "adam", 1, 2, tmp_path / "base.yaml")
+    config["trainer"].update(accumulate_grad_batches=3, precision="bf16-mixed")
+    strategy = {"class_path": DILOCO_CLASS_PATH, "init_args": {"sync_every": 3}}
+    path = write_variant(config, tmp_path / "accumulate.yaml", strategy)
+    lightning = lightning_fit(path, tmp_path / "lightning", "ddp-app", world_size=2)
+    reference = reference_fit(path, tmp_path / "reference", "mp.spawn", world_size=2)
+    difference, first = compare_states(reference, lightning, tolerance=0.0)
+    assert not first and difference == 0.0, first
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.distributed
 def test_the_parity_command_passes_its_diloco_rows(tmp_path: Path) -> None:
     """`python -m app.parity` on a diloco config (Nesterov outer steps every 4, 2 fragments): P10a-b."""
     config = load_config(REPO / "configs" / "digits.yaml")
