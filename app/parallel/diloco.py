@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
@@ -180,6 +181,13 @@ class DiLoCoStrategy(DDPStrategy):
             for part in self._fragments
         ]
         self.inner_steps = 0
+
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and not self._anchors:
+            # DDPStrategy.setup calls configure_ddp when fitting (Lightning 2.6): without it the replicas
+            # would train apart, never synced, and nothing would say so.
+            raise RuntimeError("ddp-app bug: DDPStrategy.setup did not call configure_ddp; diloco has no anchor")
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The inner step (the config's optimizer, local), then the outer steps due after it."""
