@@ -1,7 +1,8 @@
 """`python -m app.bench.diloco_quality [--out docs/diloco_quality.json]`: what strategy diloco costs in quality.
 
-Trains each model with `strategy: ddp` and with `strategy: diloco` at sync_every (H) 1, 10 and 50, and
-at H 10 in 2 fragments, on 2 and 4 ranks, each for the same number of samples (the same epochs: the
+Trains each model with `strategy: ddp` and with `strategy: diloco` at sync_every (H) 1, 10 and 50, at
+H 10 in 2 fragments, and at H 10 and 50 with the outer step at face value (`avg`: outer lr 1 without
+momentum, the replicas' plain average), on 2 and 4 ranks, each for the same number of samples (the same epochs: the
 per-rank batch is the config's, so 4 ranks take half the steps of 2), one after the other in this
 process's machine, and writes the validation metric of every run (the final one, the best and every
 epoch's) to a JSON (and a plot beside
@@ -13,7 +14,7 @@ it, `.png`) that docs/diloco.md quotes (tests/test_docs_numbers.py checks it):
   its figure of merit is the best epoch's, not the last.
 
 The inner optimizer and its schedule are each config's own; the outer step is the paper's (Nesterov
-SGD, lr 0.7, momentum 0.9). Step counts divide by 50, so every run ends on an outer step.
+SGD, lr 0.7, momentum 0.9) but in the `avg` columns. Step counts divide by 50, so every run ends on an outer step.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ VARIANTS: dict[str, list[str]] = {
         "--trainer.strategy.init_args.sync_every=10",
         "--trainer.strategy.init_args.fragments=2",
     ],
+    # The outer step at face value (lr 1, no momentum): the replicas' plain average (local SGD).
+    **{
+        f"avg H{every}": [
+            "--trainer.strategy=diloco",
+            f"--trainer.strategy.init_args.sync_every={every}",
+            "--trainer.strategy.init_args.outer_lr=1.0",
+            "--trainer.strategy.init_args.outer_momentum=0.0",
+        ]
+        for every in (10, 50)
+    },
 }
 WORLD_SIZES = (2, 4)
 
@@ -105,7 +116,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(MODELS), figsize=(5 * len(MODELS), 3.6))
+    figure, axes = plt.subplots(1, len(MODELS), figsize=(6.5 * len(MODELS), 3.8))
     for axis, (model, spec) in zip(axes, MODELS.items(), strict=True):
         names = list(VARIANTS)
         width = 0.8 / len(WORLD_SIZES)
@@ -117,8 +128,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         better = "final, higher is better" if spec["higher_is_better"] else "best epoch, lower is better"
         axis.set_title(f"{model}: {spec['metric']} ({better})")
         low = min(r[str(w)][key] for r in report["results"][model].values() for w in WORLD_SIZES)
-        axis.set_ylim(bottom=low * 0.9 if spec["higher_is_better"] else 0)
-        axis.legend()
+        axis.set_ylim(bottom=low * (0.9 if spec["higher_is_better"] else 0.95))
+        axis.legend(loc="upper center", ncol=2, fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
