@@ -583,6 +583,7 @@ def test_diloco_doc_quotes_its_quality_bench() -> None:
     missing = [line for line in markdown_table(report) if line not in text]
     assert not missing, "\n".join(missing)
     digits, gpt = report["results"]["digits"], report["results"]["gpt"]
+
     def below(variant: str, ranks: int) -> str:
         return f"{digits[variant][str(ranks)]['value'] - digits['ddp'][str(ranks)]['value']:+.3f}"
 

@@ -204,7 +204,7 @@ class DiLoCoStrategy(DDPStrategy):
         Every rank makes the same collectives in the same order (one all-reduce, then the buffers')."""
         part = self._fragments[fragment]
         anchors, parameters = [self._anchors[i] for i in part], [self._parameters[i] for i in part]
-        flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters)])
+        flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters, strict=True)])
         flat = flat.to(OUTER_DTYPES[self.outer_dtype])
         exchanges = self.world_size > 1 and self.communicate
         if exchanges:
@@ -217,7 +217,7 @@ class DiLoCoStrategy(DDPStrategy):
             anchor.grad = flat[offset : offset + anchor.numel()].view_as(anchor).float()
             offset += anchor.numel()
         self._outer[fragment].step()
-        for anchor, parameter in zip(anchors, parameters):
+        for anchor, parameter in zip(anchors, parameters, strict=True):
             anchor.grad = None
             parameter.copy_(anchor)
         buffers = list(self.model.buffers()) if exchanges else []
@@ -240,7 +240,7 @@ class DiLoCoStrategy(DDPStrategy):
         """What a checkpoint keeps of DiLoCo; a collective (every rank's replica, gathered on rank 0)."""
         to_host = lambda tensor: tensor.detach().to("cpu", copy=True)  # noqa: E731
         replica = {
-            "parameters": {name: to_host(p) for name, p in zip(self._names, self._parameters)},
+            "parameters": {name: to_host(p) for name, p in zip(self._names, self._parameters, strict=True)},
             "optimizers": apply_to_collection([o.state_dict() for o in trainer.optimizers], torch.Tensor, to_host),
         }
         momentum = {}
@@ -252,7 +252,7 @@ class DiLoCoStrategy(DDPStrategy):
         return {
             "inner_steps": self.inner_steps,
             "sync_every": self.sync_every,
-            "anchor": {name: to_host(anchor) for name, anchor in zip(self._names, self._anchors)},
+            "anchor": {name: to_host(anchor) for name, anchor in zip(self._names, self._anchors, strict=True)},
             "outer_momentum": momentum,
             "per_rank": gather_per_rank(replica),
         }
@@ -269,7 +269,7 @@ class DiLoCoStrategy(DDPStrategy):
     @torch.no_grad()
     def _restore(self, saved: dict[str, Any]) -> None:
         self.inner_steps = int(saved["inner_steps"])
-        for name, anchor in zip(self._names, self._anchors):
+        for name, anchor in zip(self._names, self._anchors, strict=True):
             anchor.copy_(saved["anchor"][name])
         for outer in self._outer:
             for anchor in outer.param_groups[0]["params"]:
@@ -279,14 +279,14 @@ class DiLoCoStrategy(DDPStrategy):
         replicas = saved["per_rank"]
         if len(replicas) == self.world_size:  # each rank continues its own replica, exactly
             own = replicas[self.global_rank]
-            for name, parameter in zip(self._names, self._parameters):
+            for name, parameter in zip(self._names, self._parameters, strict=True):
                 parameter.copy_(own["parameters"][name])
-            for optimizer, state in zip(self.optimizers, own["optimizers"]):
+            for optimizer, state in zip(self.optimizers, own["optimizers"], strict=True):
                 optimizer.load_state_dict(state)  # torch moves the state onto its parameters' device
             return
         # Another number of ranks: the replicas cannot be handed out one each. Every rank continues
         # from their mean (what the next outer all-reduce would average) with rank 0's inner state.
-        for name, parameter in zip(self._names, self._parameters):
+        for name, parameter in zip(self._names, self._parameters, strict=True):
             mean = torch.stack([replica["parameters"][name].double() for replica in replicas]).mean(0)
             parameter.copy_(mean)
         if self.global_rank == 0:

@@ -85,7 +85,7 @@ class DiLoCo:
         part = self.parts[fragment]
         anchors, parameters = [self.anchors[i] for i in part], [self.parameters[i] for i in part]
         # The outer gradient: how far this replica moved since the last sync, averaged over the replicas.
-        flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters)]).to(self.dtype)
+        flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters, strict=True)]).to(self.dtype)
         if self.world_size > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         flat.div_(self.world_size)
@@ -94,7 +94,7 @@ class DiLoCo:
             anchor.grad = flat[offset : offset + anchor.numel()].view_as(anchor).float()
             offset += anchor.numel()
         self.outer[fragment].step()
-        for anchor, parameter in zip(anchors, parameters):
+        for anchor, parameter in zip(anchors, parameters, strict=True):
             anchor.grad = None
             parameter.copy_(anchor)
         if self.world_size > 1:
