@@ -280,3 +280,22 @@ def test_diagnose_spreads_the_outer_step_over_its_steps_and_suggests_no_compress
     assert abs(report["shares"]["communication"] - 0.75) < 0.01, report["shares"]
     text = report["verdict_text"]
     assert "every 10 steps" in text and "sync_every" in text and "gradient_compression" not in text
+
+
+@pytest.mark.slow  # two 2-rank fits, about 30 s here
+@pytest.mark.distributed
+def test_the_outer_step_is_the_only_collective_of_the_steps(tmp_path: Path) -> None:
+    """digits at sync_every 10: 4 times the steps (per-rank batch 8 instead of 32: 158 steps instead of 40)
+    make exactly the more outer all-reduces (15 outer steps instead of 4) and no more broadcasts: inner
+    steps exchange nothing (and the replicas differ between outer steps: the test above)."""
+    from tests.test_per_step_cost import collectives
+
+    counts, outer_steps = {}, {}
+    for batch_size in (32, 8):
+        counts[batch_size] = collectives(tmp_path, batch_size, *DILOCO, "--trainer.strategy.init_args.sync_every=10")
+        last = load_whole(tmp_path / str(batch_size) / "checkpoints" / "last.ckpt")
+        outer_steps[batch_size] = last["global_step"] // 10
+    few, many = counts[32], counts[8]
+    assert outer_steps == {32: 4, 8: 15} and many["broadcast"] == few["broadcast"], (outer_steps, few, many)
+    # The preemption check adds one small all-reduce per second of training, so allow a few.
+    assert 11 <= many["all_reduce"] - few["all_reduce"] <= 11 + 3, (few, many)
