@@ -54,6 +54,12 @@ def summarize_parser_error(message: str) -> str:
     if path and wrong_type:
         return f"invalid value {wrong_type.group(2).strip()!r} for {path}: expected {wrong_type.group(1)}."
     given = re.search(r"Given value: (.*)", message)
+    nested = re.search(r"NestedArg\(key='([^']+)', val=", given.group(1)) if path and given else None
+    if nested:  # `--trainer.strategy NAME --trainer.strategy.init_args.KEY V`: the class has no KEY
+        return (
+            f"unknown key {path}.init_args.{nested.group(1)}: the class {path} names has no such argument. Fix: "
+            f"remove it or check its spelling (ddp-app fit --{path}.help CLASS lists the accepted keys)."
+        )
     expected = [name for name in re.findall(r"Expected a <class '([^']+)'>", message) if name != "NoneType"]
     # A choice among fixed values (`precision: 17`): list them, with any plain type the key also takes.
     choices = [

@@ -43,6 +43,13 @@ FSDP2 reference (app/reference/fsdp.py):
   P9e  hybrid ~= full sharding: P9d's weights against P9a's, within 1e-5 of the largest weight (the
        gradients are summed within each group, then between groups; at 2 ranks a + b, bit for bit).
 
+For a config with `strategy: diloco` (app/parallel/diloco.py) it runs these rows instead, against the
+reference's DiLoCo (app/reference/diloco.py):
+
+  P10a Lightning DiLoCo == the reference's DiLoCo with the config's settings, every weight bit for bit.
+  P10b DiLoCo with sync_every 1, inner SGD and an outer SGD of lr 1 without momentum ~= DDP with SGD,
+       within 1e-6 of the largest weight (the mean is of lr x gradient, rounded, not of the gradient).
+
 Prints a table, writes it as JSON, exits 1 if any check fails.
 """
 
@@ -72,7 +79,7 @@ from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE
 from app.cluster.launch import env_without_launcher
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError
-from app.parallel.strategy import FSDP_CLASS_PATH, mesh_layout, resolve_strategy
+from app.parallel.strategy import DILOCO_CLASS_PATH, FSDP_CLASS_PATH, StrategyKind, mesh_layout, resolve_strategy
 from app.reference.config import Job, build_job, instantiate, load_config
 
 OPTIMIZERS: dict[str, dict[str, Any]] = {
@@ -787,6 +794,51 @@ def fsdp_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) 
     return checks
 
 
+# P10b's DiLoCo that is DDP with SGD: an outer step after every inner step, applied at face value.
+DILOCO_AS_DDP = {"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "fragments": 1}
+DILOCO_TOLERANCE = 1e-6  # of the model's largest weight: P10b's rounding (docs/parity.md)
+
+
+def is_diloco_config(config: dict[str, Any]) -> bool:
+    return resolve_strategy((config.get("trainer") or {}).get("strategy")).kind is StrategyKind.DILOCO
+
+
+def diloco_parity(config_path: Path, world_size: int, epochs: int, out_dir: Path) -> list[Check]:
+    """P10a-b for a `strategy: diloco` config (app/parallel/diloco.py): four launches."""
+    config = yaml.safe_load(config_path.read_text())
+    config.setdefault("trainer", {}).update({"devices": world_size, "max_epochs": epochs, "accelerator": "cpu"})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    strategy = config["trainer"]["strategy"]
+    own = {} if isinstance(strategy, str) else dict(strategy.get("init_args") or {})
+    diloco = {"class_path": DILOCO_CLASS_PATH, "init_args": own}
+    optimizer = str(config["optimizer"]["class_path"]).rpartition(".")[2].lower()[:5]
+    checks = []
+    progress = Progress(["diloco: Lightning", "diloco: reference", "diloco as DDP: Lightning", "DDP: reference"])
+    own_config = write_variant(config, out_dir / "diloco.yaml", diloco)
+    progress.stage("diloco: Lightning")
+    lightning = lightning_fit(own_config, out_dir / "lightning", "ddp-app", world_size)
+    progress.stage("diloco: reference")
+    reference = reference_fit(own_config, out_dir / "reference", "mp.spawn", world_size)
+    settings = ", ".join(f"{key} {value}" for key, value in own.items()) or "defaults"
+    compared = f"Lightning DiLoCo vs reference DiLoCo ({settings}), {world_size} ranks"
+    checks.append(state_check("P10a", optimizer, compared, reference, lightning))
+    # P10b: with an outer step after every inner SGD step, outer lr 1 and no momentum, every replica ends
+    # each step at anchor - mean(anchor - replica): DDP's step, but the mean is taken of the parameter
+    # changes (lr x gradient, each rounded) instead of the gradients.
+    sgd = {**config, "optimizer": OPTIMIZERS["sgd"]}
+    as_ddp_strategy = {"class_path": DILOCO_CLASS_PATH, "init_args": DILOCO_AS_DDP}
+    as_ddp = write_variant(sgd, out_dir / "diloco-as-ddp.yaml", as_ddp_strategy)
+    progress.stage("diloco as DDP: Lightning")
+    lightning = lightning_fit(as_ddp, out_dir / "lightning-as-ddp", "ddp-app", world_size)
+    progress.stage("DDP: reference")
+    ddp = reference_fit(write_variant(sgd, out_dir / "ddp.yaml", DDP_STRATEGY), out_dir / "ddp", "mp.spawn", world_size)
+    difference, detail = relative_difference(ddp, lightning)
+    compared = f"DiLoCo (H 1, outer SGD lr 1, no momentum) vs DDP, SGD, {world_size} ranks"
+    checks.append(Check("P10b", "sgd", compared, difference, DILOCO_TOLERANCE, difference <= DILOCO_TOLERANCE, detail))
+    progress.finish()
+    return checks
+
+
 def print_table(checks: list[Check]) -> None:
     header = f"{'check':<5} {'optim':<5} {'compared':<66} {'max |diff|':>11} {'tolerance':>9}  result"
     print(header)
@@ -863,7 +915,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"app.parity: error: {error}", file=sys.stderr)
         raise SystemExit(BAD_INPUT_EXIT_CODE) from None
     started = time.perf_counter()
-    if is_fsdp_config(load_config(args.config)):  # strategy fsdp: its own rows (P9a-e, below)
+    if is_diloco_config(load_config(args.config)):  # strategy diloco: its own rows (P10a-b)
+        print(f"parity (diloco): {args.config}, {args.world_size} ranks, {args.epochs} epochs: P10a-b", flush=True)
+        checks, step_seconds = diloco_parity(args.config, args.world_size, args.epochs, args.out), {}
+    elif is_fsdp_config(load_config(args.config)):  # strategy fsdp: its own rows (P9a-e, below)
         print(f"parity (fsdp): {args.config}, {args.world_size} ranks, {args.epochs} epochs: P9a-e", flush=True)
         checks, step_seconds = fsdp_parity(args.config, args.world_size, args.epochs, args.out), {}
     else:

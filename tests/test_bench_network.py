@@ -212,6 +212,27 @@ def test_short_run_at_100mbit_writes_json_and_plot_and_removes_its_namespaces(tm
 
 @needs_root
 @pytest.mark.distributed
+def test_diloco_sends_one_exchange_per_sync_every_steps(tmp_path: Path) -> None:
+    """`--methods diloco`: no DDP, one outer all-reduce of every parameter per 5 steps, so about a fifth
+    of DDP's bytes per step (the no-hook step sends every gradient once); timed over a whole period."""
+    report_path = tmp_path / "net.json"
+    result = run(
+        [sys.executable, "-m", "app.bench.network", "--config", CONFIG, "--links", "100mbit", "--methods", "diloco"]
+        + ["--diloco-sync-every", "5", "--repeats", "1", "--steps", "3", "--warmup-steps", "1"]
+        + ["--out", str(tmp_path / "out"), "--json", str(report_path)],
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert leftovers() == []
+    report = json.loads(report_path.read_text())
+    diloco = report["links"]["100mbit"]["settings"]["diloco@25MB"]
+    gradient_bytes = 1_199_882 * 4  # the CNN's parameters in float32
+    assert gradient_bytes / 5 <= diloco["bytes_per_step"]["median"] < 1.1 * gradient_bytes / 5
+    assert report["diloco"] == {"sync_every": 5, "outer_dtype": "float32"}
+
+
+@needs_root
+@pytest.mark.distributed
 @pytest.mark.fault
 @pytest.mark.parametrize(
     ("stop", "exit_code", "message"),

@@ -571,3 +571,64 @@ def test_performance_doc_quotes_the_one_process_save_bench() -> None:
     assert f"| {blocked['overlap']:.0f} ms | {blocked['overlap_over_sync']:.1%} |" in row, row
     row = next(line for line in text.splitlines() if line.startswith("| step time, no write in flight"))
     assert f"| {steps['no_write']:.0f} ms | {steps['during_background_write']:.0f} ms |" in row, row
+
+
+def test_diloco_doc_quotes_its_quality_bench() -> None:
+    """docs/diloco.md's quality table as `app.bench.diloco_quality.markdown_table` renders its JSON, and the
+    figures its prose reads from it."""
+    from app.bench.diloco_quality import markdown_table
+
+    report = bench("diloco_quality")
+    text = (DOCS / "diloco.md").read_text()
+    missing = [line for line in markdown_table(report) if line not in text]
+    assert not missing, "\n".join(missing)
+    digits, gpt = report["results"]["digits"], report["results"]["gpt"]
+
+    def below(variant: str, ranks: int) -> str:
+        return f"{digits[variant][str(ranks)]['value'] - digits['ddp'][str(ranks)]['value']:+.3f}"
+
+    fragments = [
+        f"({report['seconds']:.0f} s for the 28 runs",
+        f"({below('diloco H10', 2)} at 2 ranks, {below('diloco H10', 4)} at 4",
+        f"H 10: within 0.01 at 2 ranks** ({below('avg H10', 2)}), {below('avg H10', 4)} at 4",
+        f"H 50 beats H 10 there ({below('diloco H50', 2)} and {below('diloco H50', 4)})",
+        f"{gpt['diloco H50']['2']['best']:.4f} against {gpt['ddp']['2']['best']:.4f} at 2 ranks, "
+        f"{gpt['diloco H50']['4']['best']:.4f} against {gpt['ddp']['4']['best']:.4f} at 4",
+        f"at H 10 {gpt['avg H10']['2']['best']:.4f} and {gpt['avg H10']['4']['best']:.4f}, as good as DDP",
+        f"DDP's {gpt['ddp']['2']['value']:.2f} at 2 ranks",
+    ]
+    assert abs(float(below("avg H10", 2))) <= 0.01  # the prose says "within 0.01"
+    flat = " ".join(text.split())
+    missing = [fragment for fragment in fragments if " ".join(fragment.split()) not in flat]
+    assert not missing, "\n".join(missing)
+
+
+def test_diloco_doc_quotes_its_network_bench() -> None:
+    """docs/diloco.md's "Speed over a slow link": bytes, step times and load from the two network runs."""
+    first, second = bench("bench_network_diloco"), bench("bench_network_diloco_h100_bf16")
+    slow = first["links"]["100mbit"]["settings"]
+    none, diloco, powersgd = slow["none@25MB"], slow["diloco@25MB"], slow["powersgd@25MB"]
+    bf16 = second["links"]["100mbit"]["settings"]["diloco@25MB"]
+    assert first["diloco"] == {"sync_every": 50, "outer_dtype": "float32"}
+    assert second["diloco"] == {"sync_every": 100, "outer_dtype": "bfloat16"}
+    per_outer = diloco["bytes_per_step"]["median"] * 50
+    one_rank = [entry["one_rank"]["step_ms"] for entry in first["links"].values()]
+    fragments = [
+        f"{diloco['bytes_per_step']['median'] / 1e6:.3f} MB per step and rank against DDP's "
+        f"{none['bytes_per_step']['median'] / 1e6:.3f} (x{diloco['bytes_reduction_over_none']['median']:.1f}; "
+        f"PowerSGD x{powersgd['bytes_reduction_over_none']['median']:.1f}); at H 100 in bfloat16 "
+        f"{bf16['bytes_per_step']['median'] / 1e6:.3f} MB "
+        f"(x{none['bytes_per_step']['median'] / bf16['bytes_per_step']['median']:.0f})",
+        f"{first['loadavg_before'][0]:.1f} at the start of the first run, {second['loadavg_after'][0]:.1f} at the end",
+        f"between {min(s['min'] for s in one_rank):.1f} and {max(s['max'] for s in one_rank):.1f} ms",
+        f"DiLoCo {diloco['step_ms']['median']:.1f} ms per step (scaling efficiency "
+        f"{diloco['scaling_efficiency']['median']:.2f}), PowerSGD {powersgd['step_ms']['median']:.1f} "
+        f"({powersgd['scaling_efficiency']['median']:.2f}), DDP {none['step_ms']['median']:.1f} "
+        f"({none['scaling_efficiency']['median']:.2f})",
+        f"{per_outer / 1e6:.2f} MB per rank, at least {per_outer * 8 / 100e6 * 1e3:.0f} ms at 100 Mbit/s, "
+        f"{per_outer * 8 / 100e6 * 1e3 / 50:.1f} ms per step at H 50",
+        f"(H 100 in bfloat16: {bf16['bytes_per_step']['median'] * 8 / 100e6 * 1e3:.1f} ms per step)",
+    ]
+    flat = " ".join((DOCS / "diloco.md").read_text().split())
+    missing = [fragment for fragment in fragments if " ".join(fragment.split()) not in flat]
+    assert not missing, "\n".join(missing)

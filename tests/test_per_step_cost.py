@@ -12,7 +12,7 @@ from tests.helpers.run import REPO, clean_env, ddp_app
 pytestmark = pytest.mark.distributed
 
 
-def collectives(tmp_path: Path, batch_size: int) -> dict[str, int]:
+def collectives(tmp_path: Path, batch_size: int, *overrides: str) -> dict[str, int]:
     counts_dir = tmp_path / f"counts-{batch_size}"
     counts_dir.mkdir()
     env = clean_env(
@@ -21,7 +21,7 @@ def collectives(tmp_path: Path, batch_size: int) -> dict[str, int]:
     result = ddp_app(
         "fit", "--config", "configs/digits.yaml", "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false",
         f"--data.init_args.batch_size={batch_size}", f"--trainer.default_root_dir={tmp_path / str(batch_size)}",
-        env=env, timeout=240,
+        *overrides, env=env, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     per_rank = [json.loads(path.read_text()) for path in counts_dir.glob("*.json")]

@@ -1,12 +1,15 @@
 """`python -m app.bench.network --config configs/bench_cnn.yaml [--json F] [--plot F]` (as root)
 
-DDP on a slow network: two ranks, each in its own network namespace (a "node"), joined by one veth link that tc caps at
-100 Mbit/s, 1 Gbit/s or leaves unlimited. For each link and gradient-compression setting (no hook, fp16, bf16, PowerSGD,
-auto), and at 1 Gbit/s for each DDP bucket size (1, 25, 100 MB), it reports:
+DDP on a slow network: two ranks, each in its own network namespace (a "node"), joined by one
+veth link that tc's token bucket filter caps at 100 Mbit/s, 1 Gbit/s or leaves unlimited. For
+each link and each gradient-compression setting (no hook, fp16, bf16, PowerSGD, auto) and strategy
+diloco (no DDP: local steps and an outer all-reduce every `--diloco-sync-every`), and at one
+link (1 Gbit/s) for each DDP bucket size (1, 25, 100 MB), it reports:
 
-  step time        a training step (forward, backward with the gradient exchange, optimizer step),
-                   the slower rank's mean over the timed steps after auto's probe and warm-up steps;
-                   median [min, max] over repeats;
+  step time        a training step on the config's network and batches (forward, backward with the
+                   gradient exchange, optimizer step), the slower rank's mean over the timed steps
+                   (diloco: over whole periods of sync_every steps, each with its one outer step),
+                   after auto's probe steps and warm-up steps; median [min, max] over repeats;
   samples/s        2 x per-rank batch / step time;
   scaling eff.     2-rank samples/s / (2 x 1-rank samples/s), each repeat paired with the 1-rank
                    baseline measured beside it;
@@ -49,6 +52,9 @@ from app.cluster.launch import env_without_launcher
 from app.parallel.compression import METHODS
 
 PROG = "python -m app.bench.network"
+# The settings measured: DDP with each gradient compression method, and strategy diloco (no DDP: an
+# outer step every --diloco-sync-every steps, app/reference/diloco.py's on the same network).
+BENCH_METHODS = (*METHODS, "diloco")
 DDP_DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb default
 MASTER_PORT = 29500  # inside rank 0's namespace, where nothing else listens
 
@@ -76,9 +82,9 @@ def link_list(text: str) -> list[Link]:
 
 def method_list(text: str) -> list[str]:
     methods = comma_list(text)
-    unknown = [method for method in methods if method not in METHODS]
+    unknown = [method for method in methods if method not in BENCH_METHODS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown method {unknown[0]!r}: expected some of {', '.join(METHODS)}")
+        raise argparse.ArgumentTypeError(f"unknown method {unknown[0]!r}: expected some of {', '.join(BENCH_METHODS)}")
     return list(dict.fromkeys(methods))
 
 
@@ -114,7 +120,10 @@ def build_schedule(
         for link in links if repeat % 2 == 0 else links[::-1]:
             swept = link.rate_mbit == bucket_link.rate_mbit
             sweep = sorted({*buckets, default_bucket}) if swept else [default_bucket]
-            settings = [("none", default_bucket, 1)] + [(m, b, 2) for b in sweep for m in methods]
+            # diloco has no DDP buckets: measured once, at the default size's place.
+            settings = [("none", default_bucket, 1)] + [
+                (m, b, 2) for b in sweep for m in methods if m != "diloco" or b == default_bucket
+            ]
             for method, bucket, world_size in settings if repeat % 2 == 0 else settings[::-1]:
                 schedule.append(
                     {
@@ -152,6 +161,7 @@ def run_bench(args: argparse.Namespace, config: dict[str, Any], batch_size: int)
         "warmup_steps": args.warmup_steps,
         "repeats": args.repeats,
         "compression": compression,
+        "diloco": {"sync_every": args.diloco_sync_every, "outer_dtype": args.diloco_outer_dtype},
         "schedule": schedule,
         "records": str(records.resolve()),
     }
@@ -174,6 +184,7 @@ def run_bench(args: argparse.Namespace, config: dict[str, Any], batch_size: int)
         # The key in "links" where the buckets were swept, if that link was measured.
         "bucket_link": next((link.name for link in args.links if link.rate_mbit == args.bucket_link.rate_mbit), None),
         "compression": compression,
+        "diloco": {"sync_every": args.diloco_sync_every, "outer_dtype": args.diloco_outer_dtype},
         "tbf": {
             "burst_bytes": {link.name: tbf_burst_bytes(link.rate_mbit) for link in args.links if link.rate_mbit},
             "latency": TBF_LATENCY,
@@ -203,8 +214,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--methods",
         type=method_list,
-        default=list(METHODS),
-        help=f"gradient compression settings (default: {','.join(METHODS)})",
+        default=list(BENCH_METHODS),
+        help=f"gradient compression settings and diloco (default: {','.join(BENCH_METHODS)})",
     )
     parser.add_argument(
         "--buckets",
@@ -228,6 +239,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=2,
         help="steps of plain all-reduce before PowerSGD compresses (default: 2)",
     )
+    parser.add_argument(
+        "--diloco-sync-every", type=int, default=50, help="diloco's inner steps per outer step (default: 50)"
+    )
+    parser.add_argument(
+        "--diloco-outer-dtype", choices=("float32", "bfloat16"), default="float32", help="diloco's outer_dtype"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench_network"), help="plan, records, rank logs")
     parser.add_argument("--json", type=Path, default=None, help="default: <out>/bench_network.json")
     parser.add_argument("--plot", type=Path, default=None, help="a PNG: step time vs link speed per setting")
@@ -238,7 +255,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.config.is_file():
         parser.error(f"config {args.config} does not exist. Fix: pass one of the files in configs/.")
-    for name in ("repeats", "steps", "powersgd_rank"):
+    for name in ("repeats", "steps", "powersgd_rank", "diloco_sync_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup_steps < 0:

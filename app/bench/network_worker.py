@@ -31,6 +31,8 @@ from app.bench.netns import Link, init_gloo, set_rate, tx_bytes
 from app.cluster.threads import configure_cpu_threads
 from app.parallel.compression import AUTO_CANDIDATES, AUTO_WARMUP_STEPS, CommunicationHook
 from app.reference.config import Job, build_job
+from app.reference.diloco import DEFAULTS as DILOCO_DEFAULTS
+from app.reference.diloco import DiLoCo
 
 WORLD_SIZE = 2
 
@@ -67,12 +69,22 @@ def measure(
     rank: int,
     group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
-    """Time one schedule item on this rank (None: in the default group): step time, bytes sent per step, auto's
-    choice."""
-    ddp_kwargs = {**job.ddp_kwargs, "bucket_cap_mb": item["bucket_cap_mb"]}
-    model = DistributedDataParallel(copy.deepcopy(job.net), process_group=group, **ddp_kwargs)
-    hook = CommunicationHook(method=item["method"], **plan["compression"])
-    hook.attach(model)
+    """Time one schedule item on this rank (None: in the default group): step time, bytes sent per
+    step, auto's choice."""
+    diloco = None
+    timed_steps = plan["steps"]
+    if item["method"] == "diloco":  # no DDP: the replicas step alone, the outer loop syncs them
+        model: torch.nn.Module = copy.deepcopy(job.net)
+        settings = {**DILOCO_DEFAULTS, **plan["diloco"]}
+        diloco = DiLoCo(model, WORLD_SIZE, settings)
+        hook = CommunicationHook(method="none")
+        every = int(settings["sync_every"])
+        timed_steps = -(-timed_steps // every) * every  # whole periods: each holds exactly one outer step
+    else:
+        ddp_kwargs = {**job.ddp_kwargs, "bucket_cap_mb": item["bucket_cap_mb"]}
+        model = DistributedDataParallel(copy.deepcopy(job.net), process_group=group, **ddp_kwargs)
+        hook = CommunicationHook(method=item["method"], **plan["compression"])
+        hook.attach(model)
     optimizer = job.optimizer(model.parameters())
     bf16 = job.precision == "bf16-mixed"
     batch_stream = itertools.cycle(batches)
@@ -84,6 +96,8 @@ def measure(
             loss = job.criterion(model(inputs), targets)
         loss.backward()  # DDP exchanges the gradients here, through the hook
         optimizer.step()
+        if diloco is not None:
+            diloco.after_inner_step()
 
     probe_steps = 0
     # auto decides after (untimed + timed) steps per candidate; twice that means it never will.
@@ -99,7 +113,7 @@ def measure(
     dist.barrier(group)
     sent_before, started = tx_bytes(interface), time.perf_counter()
     step_seconds = []
-    for _ in range(plan["steps"]):
+    for _ in range(timed_steps):
         step_started = time.perf_counter()
         step()
         step_seconds.append(time.perf_counter() - step_started)
@@ -107,9 +121,9 @@ def measure(
     sent = tx_bytes(interface) - sent_before
     dist.barrier(group)
     return {
-        "step_ms": elapsed / plan["steps"] * 1e3,
+        "step_ms": elapsed / timed_steps * 1e3,
         "step_median_ms": statistics.median(step_seconds) * 1e3,
-        "bytes_per_step": sent / plan["steps"],
+        "bytes_per_step": sent / timed_steps,
         "chosen": hook.chosen,
         "decision": hook.decision,
         "probe_steps": probe_steps,

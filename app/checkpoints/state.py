@@ -38,6 +38,8 @@ PARTS = {
     "gradient_compression": "app/parallel/compression.py GradientCompression: each rank's compression state",
     "step_timing": "app/run/step_timing.py StepTiming: the epoch's step-time sums so far",
     "sharding": "app/parallel/fsdp.py FSDP2Strategy: the mesh the shards were written from (replicas x shards)",
+    "diloco": "app/parallel/diloco.py DiLoCoStrategy (written by DiLoCoCheckpoint): the anchor, the outer momentum, "
+    "the inner step count and every rank's replica (parameters and inner optimizer state)",
 }
 
 # Format 1 (ddp-app 689925d and earlier): the top-level keys each part wrote.

@@ -82,6 +82,8 @@ def trimmed(record: dict[str, Any], part: int) -> list[float]:
 def rank_times(record: dict[str, Any]) -> RankTimes:
     steps = list(zip(*(trimmed(record, part) for part in range(5)), strict=True))
     kept = sorted(steps, key=lambda step: step[0])[: max(1, math.ceil(len(steps) * 0.9))]
+    if record.get("outer_every"):  # strategy diloco: its slowest steps are the outer steps, the cost measured
+        kept = steps
     means = [statistics.fmean(step[part] for step in kept) for part in range(5)]
     return RankTimes(record["rank"], record["host"], *means)
 
@@ -196,6 +198,16 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "trainer.strategy.init_args.reshard_after_forward: false (one all-gather per unit and step, not two, "
             "for more memory), shard_group_size: node (hybrid: the all-gathers stay inside a node), a larger "
             "per-rank batch or trainer.accumulate_grad_batches (docs/fsdp.md)."
+        )
+    elif kind == "communication-bound" and facts.get("outer_every"):
+        every = int(facts["outer_every"])
+        report["communication_cost"] = "outer step"
+        text = (
+            f"communication-bound: strategy diloco's outer step, every {every} steps, adds "
+            f"{percent['communication']} to each step spread over those {every} ({1000 * max(alone):.1f} ms per step "
+            "without it). Fix: a larger trainer.strategy.init_args.sync_every (fewer outer steps; quality at large "
+            "sync_every is in docs/diloco.md), outer_dtype: bfloat16 (half the bytes), or fragments (smaller "
+            "exchanges, more often)."
         )
     elif kind == "communication-bound" and moved < SMALL_GRADIENT_BYTES:
         report["communication_cost"] = "latency"

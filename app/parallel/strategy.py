@@ -1,10 +1,11 @@
 """The one place that decides what `trainer.strategy` is.
 
 A config names its strategy in one of several forms: a registered name (`ddp`, `ddp_spawn`, `fsdp`,
-`auto`), a `class_path` (Lightning's `DDPStrategy`, ddp-app's `FSDP2Strategy`, or a user's subclass
-of either), or, from Python, a strategy object. `resolve_strategy` turns any of them into a
-`ResolvedStrategy`, and every other module (the launcher, the config checks, the parity tool, the
-benches) asks that value instead of comparing names or classes itself.
+`auto`, and ddp-app's `diloco`), a `class_path` (Lightning's `DDPStrategy`, ddp-app's `FSDP2Strategy`
+or `DiLoCoStrategy`, or a user's subclass of one), or, from Python, a strategy object.
+`resolve_strategy` turns any of them into a `ResolvedStrategy`, and every other module (the launcher,
+the config checks, the parity tool, the benches) asks that value instead of comparing names or classes
+itself.
 
 A class is recognised by what it is (`issubclass` of Lightning's `DDPStrategy` or of ddp-app's
 `FSDP2Strategy`), never by the end of its name, so a user's `class_path: mylib.MyDDP` forks its ranks
@@ -32,6 +33,10 @@ from app.parallel.mesh import (  # noqa: F401 (the mesh's names, re-exported for
 # Lightning's FSDP1 strategy registered under that name.
 FSDP_NAME = "fsdp"
 FSDP_CLASS_PATH = "app.parallel.fsdp.FSDP2Strategy"
+# `strategy: diloco`: ddp-app's DiLoCo (app/parallel/diloco.py), a DDPStrategy subclass without DDP's
+# per-step all-reduce; a name of ddp-app's, not Lightning's.
+DILOCO_NAME = "diloco"
+DILOCO_CLASS_PATH = "app.parallel.diloco.DiLoCoStrategy"
 
 # Strategy names whose own launcher starts processes from inside `fit` (multiprocessing); ddp-app
 # starts the ranks itself, so they run as the same DDP the script launcher starts.
@@ -53,6 +58,7 @@ class StrategyKind(enum.Enum):
     DDP = "ddp"
     FSDP = "fsdp"
     SINGLE = "single"  # one process: `auto` on one device, `single_device`
+    DILOCO = "diloco"  # DDP's processes and checkpoints; the replicas sync every sync_every steps
     OTHER = "other"  # a strategy ddp-app does not launch itself (DeepSpeed, Lightning's FSDP1, a user's own)
 
 
@@ -76,7 +82,7 @@ class ResolvedStrategy:
     @property
     def forks_ranks(self) -> bool:
         """ddp-app's launcher starts one process per device (else the run stays in this process)."""
-        return self.kind in (StrategyKind.DDP, StrategyKind.FSDP)
+        return self.kind in (StrategyKind.DDP, StrategyKind.FSDP, StrategyKind.DILOCO)
 
     @property
     def is_sharded(self) -> bool:
@@ -101,6 +107,8 @@ class ResolvedStrategy:
         string (`--trainer.strategy app.parallel.fsdp.FSDP2Strategy`); None for Lightning's own names."""
         if self.kind is StrategyKind.FSDP and self.written == FSDP_NAME:
             return FSDP_CLASS_PATH
+        if self.kind is StrategyKind.DILOCO and self.written == DILOCO_NAME:
+            return DILOCO_CLASS_PATH
         return self.written if "." in self.written else None
 
 
@@ -132,21 +140,24 @@ def _resolve_name(name: str, world_size: int) -> ResolvedStrategy:
         return ResolvedStrategy(StrategyKind.SINGLE, name)
     if name == FSDP_NAME:
         return ResolvedStrategy(StrategyKind.FSDP, name)
+    if name == DILOCO_NAME:
+        return ResolvedStrategy(StrategyKind.DILOCO, name)
     if name in DDP_NAMES:
         return ResolvedStrategy(StrategyKind.DDP, name, registered_name=name, runs_as=SPAWNING_STRATEGIES.get(name))
     from lightning.pytorch.strategies import StrategyRegistry
 
     known = StrategyRegistry.available_strategies()
     if name not in known:
-        choices = sorted({FSDP_NAME, "auto", *known})
+        choices = sorted({FSDP_NAME, DILOCO_NAME, "auto", *known})
         close = difflib.get_close_matches(name.lower(), choices, n=3, cutoff=0.6)
         if name.lower().startswith(FSDP_NAME):  # fsdp2, FSDP, fsdp_v2: ddp-app's fsdp is FSDP2
             close = [FSDP_NAME, *(choice for choice in close if choice != FSDP_NAME)][:1]
         hint = f"Did you mean {' or '.join(f'`{choice}`' for choice in close)}? " if close else ""
         raise TrainerArgumentError(
             f"invalid value {name!r} for trainer.strategy: not a strategy ddp-app or Lightning knows. {hint}Fix: "
-            "`ddp` (data parallel), `fsdp` (sharded: FSDP2), `auto`, another of Lightning's names (python -c 'from "
-            "lightning.pytorch.strategies import StrategyRegistry as r; print(r.available_strategies())'), "
+            "`ddp` (data parallel), `fsdp` (sharded: FSDP2), `diloco` (data parallel over slow links), `auto`, "
+            "another of Lightning's names (python -c 'from lightning.pytorch.strategies import StrategyRegistry "
+            "as r; print(r.available_strategies())'), "
             f"or a strategy's class path such as {FSDP_CLASS_PATH}."
         )
     entry = StrategyRegistry[name]
@@ -157,8 +168,11 @@ def _resolve_name(name: str, world_size: int) -> ResolvedStrategy:
 def _resolve_class(cls: type, written: str, init_args: Any) -> ResolvedStrategy:
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
+    from app.parallel.diloco import DiLoCoStrategy
     from app.parallel.fsdp import FSDP2Strategy  # here: the launcher's light imports need no FSDP
 
+    if issubclass(cls, DiLoCoStrategy):  # a DDPStrategy subclass: asked first
+        return ResolvedStrategy(StrategyKind.DILOCO, written)
     if issubclass(cls, FSDP2Strategy):
         return ResolvedStrategy(StrategyKind.FSDP, written, shard_group_size=_get(init_args, "shard_group_size"))
     if issubclass(cls, DeepSpeedStrategy):  # a DDPStrategy subclass that ddp-app neither launches nor checkpoints
@@ -199,6 +213,8 @@ def name_as_class_spec(name: str) -> dict[str, Any] | None:
     know (refused later, in one line)."""
     if name == FSDP_NAME:
         return {"class_path": FSDP_CLASS_PATH, "init_args": {}}
+    if name == DILOCO_NAME:
+        return {"class_path": DILOCO_CLASS_PATH, "init_args": {}}
     from lightning.pytorch.strategies import StrategyRegistry
 
     if name not in StrategyRegistry.available_strategies():

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from app.data.datasets import DATASETS, DOWNLOADS, LoaderSettings
 from app.data.image_datasets import imagefolder_splits
 from app.models.nets import PARTS, TrainingParts
+from app.reference.diloco import diloco_settings
 
 # DataModule class name -> its splits: `app.data.datasets.DATASETS`, and the ImageFolder's, whose module imports
 # app.data.datasets (so it cannot be listed there).
@@ -118,6 +119,7 @@ class Job:
     accumulation_steps: int  # trainer.accumulate_grad_batches
     ddp_kwargs: dict[str, Any]
     compression: dict[str, Any]  # gradient_compression: method, powersgd_rank, start_iter, ...
+    diloco: dict[str, Any] | None  # strategy: diloco's settings (app/reference/diloco.py), None otherwise
     config: dict[str, Any]
 
     def optimizer(self, params) -> torch.optim.Optimizer:
@@ -170,6 +172,7 @@ def build_job(config: dict[str, Any]) -> Job:
         accumulation_steps=accumulation_steps_of(config.get("trainer") or {}),
         ddp_kwargs=ddp_arguments(config.get("trainer") or {}),
         compression=compression_of(config),
+        diloco=diloco_settings(config.get("trainer") or {}),
         config=config,
     )
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -34,6 +35,7 @@ from app.data.datasets import default_num_workers
 from app.data.on_device import TensorBatchLoader, in_memory_tensors
 from app.data.samplers import ElasticLayout, ResumableDistributedSampler
 from app.reference.config import Job, build_job, load_config, prepare_data
+from app.reference.diloco import DiLoCo
 
 
 class StepHooks(Protocol):
@@ -177,11 +179,19 @@ class Trainer:
                 generator=torch.Generator().manual_seed(job.sampler_seed),
             )
         model = job.net.to(device)
-        # One device per process: device_ids=[local index]; on CPU, DDP takes no device_ids. ddp_kwargs: bucket_cap_mb,
-        # gradient_as_bucket_view, ... from the config's DDPStrategy.
-        ddp_kwargs = without_single_rank_broadcast(job.ddp_kwargs, world_size)  # as the Lightning side
-        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
-        register_compression(self.model, job.compression)
+        self.net = model
+        self.diloco: DiLoCo | None = None
+        self.model: DDP | nn.Module
+        if job.diloco is not None:
+            # strategy: diloco: no DDP (its backward would all-reduce every step); the outer loop syncs.
+            self.model = model
+            self.diloco = DiLoCo(model, world_size, job.diloco)
+        else:
+            # One device per process: device_ids=[local index]; on CPU, DDP takes no device_ids.
+            # ddp_kwargs: bucket_cap_mb, gradient_as_bucket_view, ... from the config's DDPStrategy.
+            ddp_kwargs = without_single_rank_broadcast(job.ddp_kwargs, world_size)  # as the Lightning side
+            self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
+            register_compression(self.model, job.compression)
         self.optimizer = job.optimizer(self.model.parameters())
         self.scheduler = job.scheduler(self.optimizer)
         self.epochs_run = 0
@@ -197,7 +207,7 @@ class Trainer:
     def _load_snapshot(self) -> None:
         # Snapshots are written from cuda:0 (or cpu); map them onto this rank's device.
         snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
-        self.model.module.load_state_dict(snapshot["MODEL_STATE"])
+        self.net.load_state_dict(snapshot["MODEL_STATE"])
         self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(snapshot["SCHEDULER_STATE"])
@@ -212,10 +222,10 @@ class Trainer:
         should_step = (batch_index + 1) % steps == 0 or batch_index + 1 == len(self.train_data)
         if batch_index % steps == 0:  # the group's first micro-batch (where Lightning zeroes them too)
             self.optimizer.zero_grad()
-        # Micro-batches that do not step skip the all-reduce: their gradients add up locally and the step's backward
-        # all-reduces the sum. The forward pass must be inside no_sync() too: DDP decides there whether the following
-        # backward all-reduces.
-        with contextlib.nullcontext() if should_step else self.model.no_sync():
+        # Micro-batches that do not step skip the all-reduce: their gradients add up locally and the
+        # step's backward all-reduces the sum. The forward pass must be inside no_sync() too: DDP
+        # decides there whether the following backward all-reduces.
+        with contextlib.nullcontext() if should_step or self.diloco else self.model.no_sync():
             # bf16-mixed: the forward pass (and loss) in bfloat16 where safe, as Lightning's precision plugin.
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 loss = self.criterion(self.model(source), targets)
@@ -224,6 +234,8 @@ class Trainer:
             (weighted / steps).backward()  # on a stepping micro-batch, DDP all-reduces (averages) here
         if should_step:
             self.optimizer.step()
+            if self.diloco is not None:
+                self.diloco.after_inner_step()
         return loss.item()
 
     def _run_epoch(self, epoch: int) -> None:
@@ -248,7 +260,7 @@ class Trainer:
         """Rank 0 writes; everyone waits at the barrier; then every rank reads it back."""
         if self.rank == 0:
             snapshot = {
-                "MODEL_STATE": self.model.module.state_dict(),
+                "MODEL_STATE": self.net.state_dict(),
                 "OPTIMIZER_STATE": self.optimizer.state_dict(),
                 "SCHEDULER_STATE": self.scheduler.state_dict() if self.scheduler is not None else {},
                 "EPOCHS_RUN": epoch + 1,
@@ -258,8 +270,10 @@ class Trainer:
             torch.save(snapshot, temporary)
             os.replace(temporary, self.snapshot_path)  # never a half-written snapshot
         dist.barrier()
+        if self.diloco is not None:  # the replicas differ between outer steps: each keeps its own
+            return
         loaded = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
-        self.model.module.load_state_dict(loaded["MODEL_STATE"])
+        self.net.load_state_dict(loaded["MODEL_STATE"])
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(self.epochs_run, max_epochs):
@@ -267,7 +281,7 @@ class Trainer:
             if self.save_every and (epoch + 1) % self.save_every == 0:
                 self._save_snapshot(epoch)
         if self.rank == 0:
-            torch.save(self.model.module.state_dict(), self.out_dir / "final.pt")
+            torch.save(self.net.state_dict(), self.out_dir / "final.pt")
 
 
 def train_worker(rank: int, world_size: int, local_rank: int, options: dict[str, Any]) -> None:

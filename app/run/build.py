@@ -58,6 +58,8 @@ from app.errors import UserFacingError
 from app.models.compiling import compile_networks
 from app.models.sync_check import warn_on_per_rank_means
 from app.parallel.compression import GradientCompression
+from app.parallel.diloco import DiLoCoCheckpoint
+from app.parallel.strategy import StrategyKind
 from app.run.callbacks import (
     LogLineProgressBar,
     NonFiniteGuard,
@@ -173,6 +175,7 @@ def build_trainer(
     # - Tracking second: the tracked run is open before a user's callback logs.
     # - GradientCompression (only when it compresses) registers its DDP hook at train start; it talks
     #   to other ranks only inside DDP's backward and inside saves, which every rank reaches together.
+    # - DiLoCoCheckpoint (strategy diloco) puts the replicas and the outer state into every checkpoint.
     # - RunCoordinator last: the one owner of ddp-app's exchanges between ranks (app/run/coordinator.py).
     #   Lightning keeps `Checkpoint` callbacks after every other, so its hooks run after everything
     #   else of the same hook.
@@ -186,6 +189,8 @@ def build_trainer(
     callbacks = [config["exact_resume"], *([step_timing] if timed else []), config["tracking"], *user_callbacks]
     if compression.method != "none":
         callbacks.append(compression)
+    if strategy.kind is StrategyKind.DILOCO:  # its state in every checkpoint (gathered inside saves, as above)
+        callbacks.append(DiLoCoCheckpoint())
     callbacks.append(NonFiniteGuard())
     if launch is None or launch.world_size > 1:  # a single process has no peer to hang on or to ask
         callbacks.append(HangReport())

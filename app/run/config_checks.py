@@ -30,7 +30,7 @@ from app.cluster.preflight import (
     visible_gpus,
 )
 from app.errors import UserFacingError
-from app.parallel.strategy import ResolvedStrategy
+from app.parallel.strategy import ResolvedStrategy, StrategyKind
 from app.tracking.run import require_tracker
 
 
@@ -58,6 +58,10 @@ def check_config(config: Any, strategy: ResolvedStrategy) -> None:
         )
     check_compression_fits(config)
     check_fsdp_combinations(config, strategy)
+    if strategy.kind is StrategyKind.DILOCO:
+        from app.parallel.diloco import check_config as check_diloco  # Lightning's strategies: only for diloco
+
+        check_diloco(config)
     check_tracking(config)
     on_cpu = not on_gpu(trainer)
     precision = str(trainer.get("precision"))

@@ -193,7 +193,7 @@ def make_run_plan(
 def checkpoint_save_plan(config: Any, strategy: ResolvedStrategy) -> SavePlan:
     """How this run's checkpoints are written (app/checkpoints/save_mode.py), for the plan's strategy."""
     plugins = config["trainer"].get("plugins") or []
-    writes_own = strategy.kind not in (StrategyKind.DDP, StrategyKind.SINGLE, StrategyKind.FSDP)
+    writes_own = strategy.kind not in (StrategyKind.DDP, StrategyKind.SINGLE, StrategyKind.FSDP, StrategyKind.DILOCO)
     return save_plan(
         config["last_checkpoint"].async_save,
         config["last_checkpoint"].overlap_copy,

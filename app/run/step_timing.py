@@ -6,7 +6,9 @@
   own profiler);
 - communication: under DDP, the all-reduce's exposed wait, from the last gradient's accumulation (a post-accumulate-grad
   hook) to the end of `backward`; overlapped all-reduce is hidden, waiting for a slower rank counts. Under FSDP2, the
-  all-gathers and reduce-scatters inside forward and backward, with their bytes (app/parallel/collective_timing.py);
+  all-gathers and reduce-scatters inside forward and backward, with their bytes (app/parallel/collective_timing.py).
+  Under diloco, the outer step's collectives, in the step whose optimizer step they follow (every sync_every /
+  fragments steps; its `no_communication` ablation skips them);
 - compute: `on_train_batch_start` to `on_train_batch_end` less communication;
 - other: the rest (logging, other callbacks' hooks, ddp-app's checks).
 
@@ -39,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from app.checkpoints import state as checkpoint_state
 from app.errors import InvalidConfigError
 from app.parallel.collective_timing import CollectiveClock, time_fsdp_collectives
+from app.parallel.diloco import DiLoCoStrategy
 from app.tracking.layout import STEP_TIME_METRICS
 
 ABLATIONS = ("none", "batch_in_memory", "no_communication")
@@ -77,6 +80,7 @@ class StepTiming(L.Callback):
         self._facts: dict[str, Any] = {}
         self._collectives = CollectiveClock()
         self._collective_bytes = 0
+        self._diloco: DiLoCoStrategy | None = None
 
     def _gradient_ready(self, parameter: torch.Tensor) -> None:
         self._last_gradient_at = time.perf_counter()
@@ -94,6 +98,11 @@ class StepTiming(L.Callback):
         ddp = trainer.strategy.model
         if self.ablation == "no_communication" and isinstance(ddp, DistributedDataParallel):
             ddp.register_comm_hook(None, noop_hook)
+        diloco = trainer.strategy if isinstance(trainer.strategy, DiLoCoStrategy) else None
+        if diloco is not None:  # its outer steps' collectives are its communication (in the step they end)
+            diloco.communicate = self.ablation != "no_communication"
+            diloco.communication_s = 0.0
+        self._diloco = diloco
         loader = trainer.train_dataloader
         self._facts = {
             "rank": trainer.global_rank,
@@ -107,6 +116,8 @@ class StepTiming(L.Callback):
             "pin_memory": getattr(loader, "pin_memory", None),
             "device": str(trainer.strategy.root_device),
             "data_measured": self._profiler is not None,
+            # strategy diloco: steps between two outer steps (of a fragment), where the exchange happens
+            "outer_every": diloco.sync_every // diloco.fragments if diloco is not None else None,
         }
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -144,6 +155,9 @@ class StepTiming(L.Callback):
         now = time.perf_counter()
         collective_s, collective_bytes = self._collectives.take()
         self._communication += collective_s
+        if self._diloco is not None:
+            self._communication += self._diloco.communication_s
+            self._diloco.communication_s = 0.0
         fetched = self._profiler.training_fetch_s if self._profiler is not None else 0.0
         if self._previous_end is not None:
             step = now - self._previous_end

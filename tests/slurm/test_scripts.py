@@ -187,6 +187,30 @@ def test_multinode_sbatch_with_powersgd_equals_one_node(
     assert compare_states(weights(lightning_run[1]), weights(root), 0.0)[0] > 0
 
 
+@pytest.mark.distributed  # the comparison run starts 2 ranks outside Slurm
+def test_multinode_sbatch_with_diloco_equals_one_node(
+    slurm_cluster: LocalSlurmCluster, workdir: Path, tmp_path: Path
+) -> None:
+    """`--trainer.strategy diloco` across two nodes with the script unchanged: every replica and the anchor
+    in the checkpoint, and the weights one node's two ranks compute."""
+    diloco = ("--trainer.strategy=diloco", "--trainer.strategy.init_args.sync_every=7")
+    root = workdir / "multinode-diloco"
+    args = (CONFIG, *SHORT_RUN, *diloco, "--trainer.devices=1", "--trainer.num_nodes=2")
+    job = submit(
+        slurm_cluster, workdir, SLURM / "multinode.sbatch", *CPU_ONLY, "--ntasks-per-node=1",
+        args=(*args, f"--trainer.default_root_dir={root}"),
+    )  # fmt: skip
+    assert job.state == "COMPLETED", job.output[-3000:]
+    assert slurm_cluster.job_info(job.job_id)["NodeList"] == "node[1-2]"
+    (last,) = root.rglob("last.ckpt")
+    saved = checkpoint_state.get(safe_load(last), "diloco")
+    assert len(saved["per_rank"]) == 2 and saved["inner_steps"] == 40 and saved["sync_every"] == 7
+    one_node = tmp_path / "one-node"
+    result = ddp_app("fit", "--config", CONFIG, *SHORT_RUN, *diloco, f"--trainer.default_root_dir={one_node}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert compare_states(weights(one_node), weights(root), 0.0) == (0.0, "")
+
+
 def test_torchrun_sbatch_equals_srun(
     slurm_cluster: LocalSlurmCluster, workdir: Path, lightning_run: tuple[Job, Path]
 ) -> None:
