@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -145,18 +145,17 @@ def kill_rank(clock: Path, rank: int) -> float:
     return killed_at
 
 
-def _local_run(command: list[str], workdir: Path, clock: Path, log_name: str) -> Recovery:
-    """Run `command`, kill rank 1 at KILL_AT_STEP, wait for the run to end; it must end with exit 0."""
+def _run_and_kill(command: list[str], log: Path, kill: Callable[[subprocess.Popen], float]) -> float:
+    """Run `command` (its output to `log`), `kill` one of its processes when due (returning the kill's unix
+    time), wait for the run to end; it must end with exit 0. Returns the kill's time."""
     env = env_without_launcher(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    log = workdir / log_name
     with open(log, "w") as output:
         process = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        wait_for_step(clock, KILL_AT_STEP, lambda: process.poll() is None)
-        killed_at = kill_rank(clock, 1)
+        killed_at = kill(process)
         code = process.wait(timeout=600)
     finally:
         if process.poll() is None:
@@ -164,7 +163,17 @@ def _local_run(command: list[str], workdir: Path, clock: Path, log_name: str) ->
             process.wait()
     if code != 0:
         raise RuntimeError(f"{command[0]} exited with {code}:\n{log.read_text()[-3000:]}")
-    return read_clock(clock, killed_at)
+    return killed_at
+
+
+def _local_run(command: list[str], workdir: Path, clock: Path, log_name: str) -> Recovery:
+    """Run `command`, kill rank 1 at KILL_AT_STEP, wait for the run to end; it must end with exit 0."""
+
+    def kill(process: subprocess.Popen) -> float:
+        wait_for_step(clock, KILL_AT_STEP, lambda: process.poll() is None)
+        return kill_rank(clock, 1)
+
+    return read_clock(clock, _run_and_kill(command, workdir / log_name, kill))
 
 
 def measure_ddp_app(workdir: Path) -> Recovery:
@@ -201,14 +210,9 @@ def measure_torchft(workdir: Path) -> Recovery:
         lines = path.read_text().split("\n") if path.exists() else [""]
         return [json.loads(line) for line in lines[:-1]]  # the last piece: empty, or a line being written
 
-    env = env_without_launcher(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log = workdir / "torchft.log"
-    with open(log, "w") as output:
-        process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
+
+    def kill(process: subprocess.Popen) -> float:
         deadline = time.monotonic() + 300
         while not any(entry.get("step", 0) >= KILL_AT_STEP and "time" in entry for entry in record(1)):
             if process.poll() is not None or time.monotonic() > deadline:
@@ -217,13 +221,9 @@ def measure_torchft(workdir: Path) -> Recovery:
         pid = next(entry["pid"] for entry in record(1) if entry.get("start"))
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
-        code = process.wait(timeout=600)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    if code != 0:
-        raise RuntimeError(f"torchft exited with {code}:\n{log.read_text()[-3000:]}")
+        return killed_at
+
+    killed_at = _run_and_kill(command, log, kill)
     restarted = next(entry for entry in record(1) if entry.get("start") and entry["time"] > killed_at)
     back = next(entry for entry in record(1) if entry["time"] > restarted["time"] and not entry.get("start"))
     done = max(entry["step"] for entry in record(1) if entry["time"] <= killed_at and "sent" not in entry)
