@@ -32,7 +32,7 @@ from app.cluster.launch import (
     worth_a_restart,
 )
 from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped
-from app.cluster.preflight import already_launched
+from app.cluster.preflight import already_launched, is_node_launcher
 from app.cluster.requeue import forbid_requeue
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, failed_because_a_peer_died, user_message
@@ -159,7 +159,9 @@ def launch_and_run(args: list[str] | None) -> NoReturn:
         raise SystemExit(report_user_error(error)) from None
     # The ranks get the command line as a list (with the launcher's additions); that is deliberate.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    if already_launched(os.environ):  # torchrun, srun or a launcher started this rank
+    # torchrun, srun or a launcher started this rank; not slurm/fault_tolerant.sbatch's one task per node,
+    # which is the launcher of its node's replica groups (app/cluster/ft_launch.py).
+    if already_launched(os.environ) and not is_node_launcher(os.environ):
         raise SystemExit(run(args))
     checked = check_before_launch(args)
     lock = None
