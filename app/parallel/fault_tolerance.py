@@ -184,8 +184,8 @@ def plan_fault_tolerance(
     if launcher not in (None, "plain", "srun"):
         raise UserFacingError(
             f"fault_tolerance.enabled: true under {launcher}: ddp-app's own launcher starts the replica groups and "
-            "starts a dead one again. Fix: start `ddp-app fit ...` directly on one machine, or on a Slurm cluster "
-            f"{SBATCH_HINT}."
+            f"starts a dead one again. Fix: {SBATCH_HINT} on a Slurm cluster, or `ddp-app fit ...` without torchrun on "
+            "one machine."
         )
     if node_launcher and not lighthouse:
         raise UserFacingError(
