@@ -14,13 +14,16 @@ from pathlib import Path
 
 import pytest
 from localcluster import LocalSlurmCluster
-from test_scripts import CONFIG, CPU_ONLY, FINAL_STATES, SLURM, submit
+from test_scripts import CONFIG, CPU_ONLY, FINAL_STATES, SLURM, preempt, submit
 
 from app.checkpoints.io import net_state_dict, safe_load
 
 pytestmark = pytest.mark.slurm
 
 FT = ("--fault_tolerance.enabled=true", "--trainer.enable_progress_bar=false")
+# Epochs, not max_steps: a run with max_steps resumed from an epoch-end last.ckpt stops with "ddp-app bug:
+# Lightning restored epoch N" (Lightning keeps an iteration-based fit loop `restarting`; not fault tolerance's).
+# 2 groups of digits: 20 steps per epoch.
 DEFAULT_TIMEOUT_S = 10.0  # fault_tolerance.timeout_s's default
 
 
@@ -62,7 +65,7 @@ def test_a_node_whose_group_is_killed_rejoins_and_the_job_ends_0(
         os.kill(start["pid"], signal.SIGKILL)  # the cluster's nodes share the host's process ids
         killed["pid"] = start["pid"]
 
-    args = (CONFIG, f"--trainer.max_steps={steps}", "--trainer.max_epochs=100", f"--trainer.default_root_dir={root}")
+    args = (CONFIG, f"--trainer.max_epochs={steps // 20}", f"--trainer.default_root_dir={root}")
     job = submit(
         slurm_cluster,
         workdir,
@@ -132,3 +135,25 @@ def test_a_launch_fault_tolerance_cannot_serve_stops_in_one_line(
     line = errors.pop()
     assert message in line and "Fix: sbatch slurm/fault_tolerant.sbatch" in line, line
     assert "Initializing distributed" not in job.output and not (root / "fault_tolerance").exists()
+
+
+@pytest.mark.slow
+def test_a_preempted_fault_tolerant_job_is_requeued_and_ends_with_the_same_weights_in_both_groups(
+    slurm_cluster: LocalSlurmCluster, workdir: Path
+) -> None:
+    """scancel --signal=USR1: each node's launcher passes it to its group, which saves and stops; the job
+    is requeued and every group resumes with `--ckpt_path last` (the one behind heals from the other)."""
+    root, steps = workdir / "preempted", 300
+    args = (CONFIG, f"--trainer.max_epochs={steps // 20}", f"--trainer.default_root_dir={root}")
+    job = submit(
+        slurm_cluster, workdir, SLURM / "fault_tolerant.sbatch", *CPU_ONLY, "--time=6", args=(*args, *FT),
+        timeout=420, interrupt=preempt(slurm_cluster, root),
+    )  # fmt: skip
+    output = job.output
+    assert job.state == "COMPLETED" and job.info["Restarts"] == "1", output[-4000:]
+    assert f"job {job.job_id} (restart 1)" in output, output[-4000:]
+    first = safe_load(root / "checkpoints" / "last.ckpt")
+    second = safe_load(root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
+    assert first["global_step"] == second["global_step"] == steps
+    ours, theirs = net_state_dict(first), net_state_dict(second)
+    assert all(ours[key].equal(theirs[key]) for key in ours), "the groups ended with different weights"
