@@ -53,7 +53,8 @@ class FaultTolerance(L.Callback):
         min_replicas: the fewest groups a step may commit with; a step with fewer is not applied
             (its gradients are dropped) and the groups wait for the next quorum.
         lighthouse: the address of a running torchft lighthouse (`http://host:port`); unset, ddp-app's
-            launcher starts one beside the groups and stops it at the end.
+            launcher starts one beside the groups and stops it at the end. On several Slurm nodes
+            slurm/fault_tolerant.sbatch starts one on the first node and gives its address.
         timeout_s: how long a group waits for the others in a gradient all-reduce, a commit decision
             or a state transfer before it gives up on this step (a dead peer is usually seen at once,
             from its closed connection; this bounds a peer that hangs).
