@@ -2,7 +2,8 @@
 
     ddp-app fit --config configs/digits.yaml [--trainer.max_epochs 5 ...]
 
-A rank started by torchrun or srun runs as it is; otherwise a parse-only `DDPAppCLI` reports bad input once, before any
+A rank started by torchrun or srun runs as it is (not slurm/fault_tolerant.sbatch's one task per node: the launcher of
+its node's replica groups); otherwise a parse-only `DDPAppCLI` reports bad input once, before any
 rank exists, then app/cluster/launch.py forks and supervises the ranks (restarting from last.ckpt up to `restarts`
 times)."""
 
