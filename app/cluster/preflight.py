@@ -26,7 +26,7 @@ INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 TORCHRUN_VARIABLES = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # Set by slurm/fault_tolerant.sbatch for its `srun --ntasks-per-node=1 ddp-app fit ...`: this Slurm task is
 # ddp-app's launcher of its node's replica groups (app/parallel/fault_tolerance.py), not a rank.
-NODE_LAUNCHER_VARIABLE = "DDP_APP_FT_NODE_LAUNCHER"  # the same name in app/parallel/fault_tolerance.py
+NODE_LAUNCHER_VARIABLE = "DDP_APP_FT_NODE_LAUNCHER"  # named in app/parallel/fault_tolerance.py's messages
 
 
 class PreflightError(InvalidConfigError):

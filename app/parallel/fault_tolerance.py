@@ -153,6 +153,12 @@ def plan_fault_tolerance(
     `node_launcher`: this is slurm/fault_tolerant.sbatch's one task on node `node_rank` of `num_nodes`,
     which starts that node's groups."""
     if section is None or not _get(section, "enabled"):
+        if node_launcher and launcher == "srun":  # fault_tolerant.sbatch with the groups turned off
+            raise UserFacingError(
+                "DDP_APP_FT_NODE_LAUNCHER=1 (slurm/fault_tolerant.sbatch) makes each node's ddp-app the launcher of "
+                "its replica groups, but fault_tolerance.enabled is false. Fix: --fault_tolerance.enabled true, or "
+                "sbatch slurm/multinode.sbatch for a run without fault tolerance."
+            )
         return None
     if not _importable("torchft"):
         raise UserFacingError(

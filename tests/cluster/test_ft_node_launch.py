@@ -69,6 +69,8 @@ def test_the_node_task_is_a_launcher_of_two_groups_numbered_after_its_node(light
     # srun of one task per rank (no node-launcher variable) is refused with the script to use.
     with pytest.raises(UserFacingError, match="under srun with one task per rank.*Fix: sbatch slurm/fault_tolerant"):
         plan_fault_tolerance(section, "ddp", "srun", 4, NODE2_TASK, 1, 2, False)
+    with pytest.raises(UserFacingError, match="fault_tolerance.enabled is false. Fix: --fault_tolerance.enabled true"):
+        plan_fault_tolerance({**section, "enabled": False}, "ddp", "srun", 4, NODE2_TASK, 1, 2, True)
     with pytest.raises(UserFacingError, match="under torchrun.*Fix: sbatch slurm/fault_tolerant.sbatch"):
         plan_fault_tolerance(section, "ddp", "torchrun", 4, {}, 0, 1, False)
 
