@@ -46,7 +46,6 @@ def steps_of(entries: list[dict]) -> list[dict]:
     return [entry for entry in entries if "step" in entry and "sent" not in entry and not entry.get("start")]
 
 
-@pytest.mark.slow
 def test_a_node_whose_group_is_killed_rejoins_and_the_job_ends_0(
     slurm_cluster: LocalSlurmCluster, workdir: Path
 ) -> None:
@@ -137,7 +136,6 @@ def test_a_launch_fault_tolerance_cannot_serve_stops_in_one_line(
     assert "Initializing distributed" not in job.output and not (root / "fault_tolerance").exists()
 
 
-@pytest.mark.slow
 def test_a_preempted_fault_tolerant_job_is_requeued_and_ends_with_the_same_weights_in_both_groups(
     slurm_cluster: LocalSlurmCluster, workdir: Path
 ) -> None:
