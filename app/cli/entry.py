@@ -2,7 +2,8 @@
 
     ddp-app fit --config configs/digits.yaml [--trainer.max_epochs 5 ...]
 
-A rank started by torchrun or srun runs as it is; otherwise a parse-only `DDPAppCLI` reports bad input once, before any
+A rank started by torchrun or srun runs as it is (not slurm/fault_tolerant.sbatch's one task per node: the launcher of
+its node's replica groups); otherwise a parse-only `DDPAppCLI` reports bad input once, before any
 rank exists, then app/cluster/launch.py forks and supervises the ranks (restarting from last.ckpt up to `restarts`
 times)."""
 
@@ -32,7 +33,7 @@ from app.cluster.launch import (
     worth_a_restart,
 )
 from app.cluster.preemption import PREEMPTION_SIGNALS, STOP_SIGNAL_FLAG, Stopped
-from app.cluster.preflight import already_launched
+from app.cluster.preflight import already_launched, is_node_launcher
 from app.cluster.requeue import forbid_requeue
 from app.cluster.threads import configure_cpu_threads
 from app.errors import UserFacingError, failed_because_a_peer_died, user_message
@@ -159,7 +160,9 @@ def launch_and_run(args: list[str] | None) -> NoReturn:
         raise SystemExit(report_user_error(error)) from None
     # The ranks get the command line as a list (with the launcher's additions); that is deliberate.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    if already_launched(os.environ):  # torchrun, srun or a launcher started this rank
+    # torchrun, srun or a launcher started this rank; not slurm/fault_tolerant.sbatch's one task per node,
+    # which is the launcher of its node's replica groups (app/cluster/ft_launch.py).
+    if already_launched(os.environ) and not is_node_launcher(os.environ):
         raise SystemExit(run(args))
     checked = check_before_launch(args)
     lock = None

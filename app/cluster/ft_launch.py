@@ -8,6 +8,10 @@ peer's memory. Each group is a run of one process to Lightning: its own TCPStore
 and strategy `auto`; group 0 writes the run's logs and checkpoints in `trainer.default_root_dir`,
 group N > 0 its checkpoints in `<default_root_dir>/fault_tolerance/group_N` (without a logger),
 and every group a line per step in `<default_root_dir>/fault_tolerance/group_N.jsonl`.
+
+On a Slurm cluster (slurm/fault_tolerant.sbatch) srun starts this launcher once per node, with the
+lighthouse's address: each starts and restarts its node's groups only (`FaultTolerancePlan.groups_here`),
+and each group's store listens on the node's host name, which the other nodes' groups reach.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +40,7 @@ from app.cluster.launch import (
     with_ckpt_path_last,
     worth_a_restart,
 )
+from app.cluster.preflight import NODE_LAUNCHER_VARIABLE
 from app.errors import UserFacingError
 from app.parallel.fault_tolerance import (
     GROUP_VARIABLE,
@@ -51,7 +57,7 @@ STORY_DIRECTORY = "fault_tolerance"
 
 def group_arguments(args: list[str], group: int, run_dir: Path) -> list[str]:
     """A group's command line: one process to Lightning; groups other than 0 keep their checkpoints apart."""
-    own = ["--trainer.devices=1", "--trainer.strategy=auto"]
+    own = ["--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
     if group:
         own += [f"--trainer.default_root_dir={run_dir / STORY_DIRECTORY / f'group_{group}'}", "--trainer.logger=false"]
     return [*args, *own]
@@ -81,9 +87,11 @@ def start_lighthouse(plan: FaultTolerancePlan, settings: FaultTolerance) -> tupl
 def group_environment(
     env: Mapping[str, str], group: int, plan: FaultTolerancePlan, lighthouse: str, story: Path
 ) -> dict[str, str]:
-    """A group's variables: a run of one process to Lightning, with its own store port."""
+    """A group's variables: a run of one process to Lightning, with its own store port. The store's
+    address is what torchft tells the other groups (the quorum's store address): on several nodes
+    the host's name, which they can reach, else the loopback."""
     return {
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": "127.0.0.1" if plan.local_groups is None else socket.gethostname(),
         "MASTER_PORT": str(free_port()),
         "NODE_RANK": "0",
         "LOCAL_RANK": "0",
@@ -95,6 +103,31 @@ def group_environment(
         STORY_VARIABLE: str(story),
         "RUST_LOG": env.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at INFO
     }
+
+
+# A Slurm job step's variables that would make a group's process a task of the step: SLURM_NTASKS makes
+# Lightning pick its SLURMEnvironment (world size: the step's tasks), SLURM_STEP_ID makes ddp-app's
+# pre-flight take the group for an srun rank. A group is a run of one process of its own.
+SLURM_STEP_VARIABLES = ("SLURM_STEP_ID", "SLURM_NTASKS", "SLURM_NPROCS", NODE_LAUNCHER_VARIABLE)
+
+
+def as_group(run: Callable[[list[str]], int], arguments: list[str]) -> int:
+    """Run a group in its forked process: outside the Slurm step the node's launcher is a task of."""
+    for name in SLURM_STEP_VARIABLES:
+        os.environ.pop(name, None)
+    return run(arguments)
+
+
+def start_directory_for(plan: FaultTolerancePlan, story: Path, env: Mapping[str, str]) -> Path:
+    """Where the first groups say they are ready (START_VARIABLE): on one machine a fresh temporary
+    directory; on several nodes one every node sees, in the run's directory, named after the job and
+    its restart (a requeued job starts its groups together again)."""
+    if plan.local_groups is None:
+        return Path(tempfile.mkdtemp(prefix="ddp-app-ft-start-"))
+    job = f"{env.get('SLURM_JOB_ID', 'job')}.{env.get('SLURM_RESTART_COUNT', '0')}"
+    directory = story / f"start-{job}"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def fork_group(run_group: Callable[[], int], group_env: dict[str, str], group: int) -> int:
@@ -127,24 +160,26 @@ def run_replica_groups(
     lighthouse = plan.lighthouse
     if lighthouse is None:
         lighthouse_process, lighthouse = start_lighthouse(plan, settings)
-    print(f"ddp-app: fault tolerance: {plan.describe()}; lighthouse at {lighthouse}", flush=True)
-    group_args = {group: group_arguments(args, group, run_dir) for group in range(plan.groups)}
+    here = plan.groups_here()
+    where = f"; groups {here.start}..{here.stop - 1} on {socket.gethostname()}" if plan.local_groups is not None else ""
+    print(f"ddp-app: fault tolerance: {plan.describe()}; lighthouse at {lighthouse}{where}", flush=True)
+    group_args = {group: group_arguments(args, group, run_dir) for group in here}
     # A restarted group continues its own run (it heals from a peer when the peers are ahead, which
     # they are unless every group died): as today's in-job restart, with `--ckpt_path last`.
     restart_args = {group: with_ckpt_path_last(arguments) for group, arguments in group_args.items()}
-    start_directory = tempfile.mkdtemp(prefix="ddp-app-ft-start-")
+    start_directory = str(start_directory_for(plan, story, env))
 
     def start(group: int, first: bool = False) -> int:
         group_env = group_environment(env, group, plan, lighthouse, story)
         if first:
             group_env[START_VARIABLE] = start_directory
         arguments = group_args[group] if first else restart_args[group]
-        return fork_group(lambda: run(arguments), group_env, group)
+        return fork_group(lambda: as_group(run, arguments), group_env, group)
 
     signal.pthread_sigmask(signal.SIG_BLOCK, LAUNCHER_SIGNALS)
     running: dict[int, int] = {}  # pid -> group
     try:
-        for group in range(plan.groups):
+        for group in here:
             running[start(group, first=True)] = group
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, LAUNCHER_SIGNALS)
@@ -158,7 +193,7 @@ def run_replica_groups(
                 os.kill(pid, signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in LAUNCHER_SIGNALS}
-    restarts = dict.fromkeys(range(plan.groups), 0)
+    restarts = dict.fromkeys(here, 0)
     code = 0
     try:
         while running:

@@ -1,4 +1,5 @@
-"""`python -m app.cluster.lighthouse`: a torchft lighthouse for ddp-app's launcher (app/cluster/ft_launch.py).
+"""`python -m app.cluster.lighthouse`: a torchft lighthouse for ddp-app's launcher (app/cluster/ft_launch.py),
+or for slurm/fault_tolerant.sbatch, which starts it on the job's first node (`--bind [::]:0`, any port).
 
 It prints its address on the first line of stdout and serves until its stdin closes (the launcher
 closes it at the end, and the kernel does when the launcher dies), so it never outlives the run.
@@ -15,9 +16,10 @@ import sys
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m app.cluster.lighthouse")
     parser.add_argument("--bind", default="[::]:0", help="address to listen on; port 0: any free port")
-    parser.add_argument("--min_replicas", type=int, required=True)
-    parser.add_argument("--join_timeout_ms", type=int, required=True)
-    parser.add_argument("--heartbeat_timeout_ms", type=int, required=True)
+    # The defaults are those of the `fault_tolerance:` section (app/parallel/fault_tolerance.py).
+    parser.add_argument("--min_replicas", type=int, default=1)
+    parser.add_argument("--join_timeout_ms", type=int, default=2000)
+    parser.add_argument("--heartbeat_timeout_ms", type=int, default=2000)
     parser.add_argument("--quorum_tick_ms", type=int, default=50)
     args = parser.parse_args(argv)
     from torchft._torchft import LighthouseServer

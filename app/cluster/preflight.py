@@ -24,6 +24,9 @@ from app.errors import InvalidConfigError
 INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 
 TORCHRUN_VARIABLES = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# Set by slurm/fault_tolerant.sbatch for its `srun --ntasks-per-node=1 ddp-app fit ...`: this Slurm task is
+# ddp-app's launcher of its node's replica groups (app/parallel/fault_tolerance.py), not a rank.
+NODE_LAUNCHER_VARIABLE = "DDP_APP_FT_NODE_LAUNCHER"  # named in app/parallel/fault_tolerance.py's messages
 
 
 class PreflightError(InvalidConfigError):
@@ -121,6 +124,12 @@ def already_launched(env: Mapping[str, str]) -> bool:
     return "LOCAL_RANK" in env or is_torchrun(env) or in_slurm_step
 
 
+def is_node_launcher(env: Mapping[str, str]) -> bool:
+    """This process is slurm/fault_tolerant.sbatch's srun task: the launcher of its node's replica groups, not a
+    rank. (A group it forks has neither variable: app/cluster/ft_launch.py removes them.)"""
+    return NODE_LAUNCHER_VARIABLE in env and "SLURM_STEP_ID" in env
+
+
 def lightning_uses_slurm(env: Mapping[str, str]) -> bool:
     """Lightning will pick its SLURMEnvironment (and read MASTER_PORT): SLURM_NTASKS set, no torchrun, not a job name of
     its interactive mode. Mirrors lightning.fabric's `_is_srun_used`."""
@@ -156,6 +165,8 @@ def _torchrun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> La
 
 
 def _srun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
+    if NODE_LAUNCHER_VARIABLE in env:  # slurm/fault_tolerant.sbatch: one ddp-app per node starts its groups
+        return _srun_node_launchers(env, devices, num_nodes)
     ntasks = int(env.get("SLURM_NTASKS", "1"))
     declared = env.get("SLURM_NTASKS_PER_NODE")
     if ntasks > 1 and declared is None:
@@ -187,6 +198,28 @@ def _srun_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch
             f" HINT: --nodes={num_nodes}, or --trainer.num_nodes {nodes}."
         )
     return Launch("srun", ntasks, *ranks(env, "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"), devices, num_nodes)
+
+
+def _srun_node_launchers(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
+    """srun started ddp-app's launcher once per node (fault tolerance, docs/fault_tolerance.md): each starts
+    the `devices` processes of its node itself, so a node has one task, whatever `devices` is."""
+    counts = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
+    declared = env.get("SLURM_NTASKS_PER_NODE")
+    wrong = next((count for count in [*counts, *([int(declared)] if declared else [])] if count != 1), None)
+    if wrong is not None:
+        raise PreflightError(
+            f"srun started {wrong} task(s) per node with {NODE_LAUNCHER_VARIABLE} set: it marks the one ddp-app per"
+            f" node that starts that node's {devices} replica group process(es). HINT: srun --ntasks-per-node=1"
+            " (as slurm/fault_tolerant.sbatch does)."
+        )
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1")
+    if nodes != num_nodes:
+        raise PreflightError(
+            f"the job step runs on {nodes} node(s) (--nodes={nodes}) but trainer.num_nodes={num_nodes}."
+            f" HINT: --nodes={num_nodes}, or --trainer.num_nodes {nodes}."
+        )
+    node = int(env.get("SLURM_NODEID", "0"))
+    return Launch("srun", devices * num_nodes, node * devices, 0, node, devices, num_nodes)
 
 
 def _interactive_step_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:

@@ -38,6 +38,7 @@ STORY_VARIABLE = "DDP_APP_FT_STORY"  # the directory of each group's per-step re
 # says it is ready, so that the first quorum waits for every group instead of forming with the first
 # one that got there (which would train its first steps alone).
 START_VARIABLE = "DDP_APP_FT_START"
+SBATCH_HINT = "sbatch slurm/fault_tolerant.sbatch CONFIG --trainer.num_nodes N (docs/fault_tolerance.md)"
 
 INSTALL_HINT = "pip install -c constraints.txt -e '.[ft]' (or: pip install 'torchft>=0.2.0,<0.3')"
 
@@ -52,7 +53,8 @@ class FaultTolerance(L.Callback):
         min_replicas: the fewest groups a step may commit with; a step with fewer is not applied
             (its gradients are dropped) and the groups wait for the next quorum.
         lighthouse: the address of a running torchft lighthouse (`http://host:port`); unset, ddp-app's
-            launcher starts one beside the groups and stops it at the end.
+            launcher starts one beside the groups and stops it at the end. On several Slurm nodes
+            slurm/fault_tolerant.sbatch starts one on the first node and gives its address.
         timeout_s: how long a group waits for the others in a gradient all-reduce, a commit decision
             or a state transfer before it gives up on this step (a dead peer is usually seen at once,
             from its closed connection; this bounds a peer that hangs).
@@ -116,6 +118,15 @@ class FaultTolerancePlan:
     min_replicas: int
     lighthouse: str | None  # None in the launcher: it starts one
     group: int | None = None
+    # The groups this launcher starts: on one machine all of them; on a Slurm node (one launcher per
+    # node) that node's, `first_group` = node index x groups per node.
+    first_group: int = 0
+    local_groups: int | None = None  # None: every group
+
+    def groups_here(self) -> range:
+        """The indices of the groups this launcher starts and restarts."""
+        count = self.groups if self.local_groups is None else self.local_groups
+        return range(self.first_group, self.first_group + count)
 
     def describe(self) -> str:
         where = f"lighthouse {self.lighthouse}" if self.lighthouse else "lighthouse started by ddp-app"
@@ -127,12 +138,27 @@ class FaultTolerancePlan:
 
 
 def plan_fault_tolerance(
-    section: Any, strategy_kind: str, launcher: str | None, world_size: int | None, env: Mapping[str, str]
+    section: Any,
+    strategy_kind: str,
+    launcher: str | None,
+    world_size: int | None,
+    env: Mapping[str, str],
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    node_launcher: bool = False,
 ) -> FaultTolerancePlan | None:
     """The `fault_tolerance:` section checked and decided, or None when it is off. In the launcher
     (no group variable) bad input stops here in one line: torchft missing, a group size that does
-    not divide the ranks, a strategy or launch it cannot serve, a lighthouse that does not answer."""
+    not divide the ranks, a strategy or launch it cannot serve, a lighthouse that does not answer.
+    `node_launcher`: this is slurm/fault_tolerant.sbatch's one task on node `node_rank` of `num_nodes`,
+    which starts that node's groups."""
     if section is None or not _get(section, "enabled"):
+        if node_launcher and launcher == "srun":  # fault_tolerant.sbatch with the groups turned off
+            raise UserFacingError(
+                "DDP_APP_FT_NODE_LAUNCHER=1 (slurm/fault_tolerant.sbatch) makes each node's ddp-app the launcher of "
+                "its replica groups, but fault_tolerance.enabled is false. Fix: --fault_tolerance.enabled true, or "
+                "sbatch slurm/multinode.sbatch for a run without fault tolerance."
+            )
         return None
     if not _importable("torchft"):
         raise UserFacingError(
@@ -155,10 +181,23 @@ def plan_fault_tolerance(
             "gradients across replica groups as DDP does, and serves DDP only so far. Fix: --trainer.strategy ddp, "
             "or --fault_tolerance.enabled false."
         )
-    if launcher not in (None, "plain"):
+    node_launcher = node_launcher and launcher == "srun"
+    if launcher == "srun" and not node_launcher:
+        raise UserFacingError(
+            "fault_tolerance.enabled: true under srun with one task per rank: ddp-app's own launcher on each node "
+            "starts that node's replica groups and starts a dead one again, so srun must start one ddp-app per node. "
+            f"Fix: {SBATCH_HINT}, which runs `srun --ntasks-per-node=1` with DDP_APP_FT_NODE_LAUNCHER=1."
+        )
+    if launcher not in (None, "plain", "srun"):
         raise UserFacingError(
             f"fault_tolerance.enabled: true under {launcher}: ddp-app's own launcher starts the replica groups and "
-            "starts a dead one again. Fix: start `ddp-app fit ...` directly (not through torchrun or srun)."
+            f"starts a dead one again. Fix: {SBATCH_HINT} on a Slurm cluster, or `ddp-app fit ...` without torchrun on "
+            "one machine."
+        )
+    if node_launcher and not lighthouse:
+        raise UserFacingError(
+            "fault_tolerance.enabled: true on several Slurm nodes needs the address of the lighthouse every node's "
+            f"groups meet at. Fix: {SBATCH_HINT} starts one and passes --fault_tolerance.lighthouse http://HOST:PORT."
         )
     ranks = world_size or 1
     if group_size < 1 or ranks % group_size:
@@ -190,7 +229,11 @@ def plan_fault_tolerance(
             )
     if lighthouse:
         check_lighthouse_answers(str(lighthouse))
-    return FaultTolerancePlan(groups, group_size, min_replicas, str(lighthouse) if lighthouse else None)
+    address = str(lighthouse) if lighthouse else None
+    if not node_launcher:
+        return FaultTolerancePlan(groups, group_size, min_replicas, address)
+    per_node = groups // num_nodes  # the launch was checked: the same processes on every node
+    return FaultTolerancePlan(groups, group_size, min_replicas, address, None, node_rank * per_node, per_node)
 
 
 def _importable(name: str) -> bool:

@@ -35,7 +35,7 @@ from app.checkpoints.io import (
 from app.checkpoints.save_mode import SavePlan, save_plan
 from app.checkpoints.sharded import is_checkpoint, is_sharded_checkpoint, summarize_any
 from app.cluster.launch import RankPlan, rank_plan
-from app.cluster.preflight import Launch, on_gpu, preflight
+from app.cluster.preflight import Launch, is_node_launcher, on_gpu, preflight
 from app.errors import UserFacingError
 from app.parallel.fault_tolerance import FaultTolerancePlan, plan_fault_tolerance
 from app.parallel.strategy import MeshLayout, ResolvedStrategy, StrategyKind, resolve_strategy
@@ -171,6 +171,9 @@ def make_run_plan(
             launch.launcher if launch is not None else None,
             launch.world_size if launch is not None else None,
             env,
+            launch.node_rank if launch is not None else 0,
+            launch.num_nodes if launch is not None else 1,
+            is_node_launcher(env),
         )
     rank_zero = is_global_rank_zero(launch, env)
     if fault_tolerance is not None and fault_tolerance.group is not None:

@@ -1,0 +1,157 @@
+"""slurm/fault_tolerant.sbatch on the two-node test cluster (issue 57, docs/fault_tolerance.md): one
+replica group per node, the lighthouse on the first node. The group of node2 killed with kill -9 mid-run:
+node1's group keeps training, node2's ddp-app starts its group again, which heals from node1's and
+rejoins; the job ends 0 with the planned steps and the same weights in both groups. And the launches
+fault tolerance cannot serve on Slurm (srun of one task per rank, torchrun) stop in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from localcluster import LocalSlurmCluster
+from test_scripts import CONFIG, CPU_ONLY, FINAL_STATES, SLURM, preempt, submit
+
+from app.checkpoints.io import net_state_dict, safe_load
+
+pytestmark = pytest.mark.slurm
+
+FT = ("--fault_tolerance.enabled=true", "--trainer.enable_progress_bar=false")
+# Epochs, not max_steps: a run with max_steps resumed from an epoch-end last.ckpt stops with "ddp-app bug:
+# Lightning restored epoch N" (Lightning keeps an iteration-based fit loop `restarting`; not fault tolerance's).
+# 2 groups of digits: 20 steps per epoch.
+DEFAULT_TIMEOUT_S = 10.0  # fault_tolerance.timeout_s's default
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("slurm-ft")
+    (path / "logs").mkdir()
+    return path
+
+
+def story(root: Path, group: int) -> list[dict]:
+    """A group's per-step record (app/parallel/ft_manager.py), one dict per complete line."""
+    path = root / "fault_tolerance" / f"group_{group}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
+
+
+def steps_of(entries: list[dict]) -> list[dict]:
+    return [entry for entry in entries if "step" in entry and "sent" not in entry and not entry.get("start")]
+
+
+def test_a_node_whose_group_is_killed_rejoins_and_the_job_ends_0(
+    slurm_cluster: LocalSlurmCluster, workdir: Path
+) -> None:
+    # Killed mid-epoch (20 steps per epoch): its own last.ckpt (step 40) is behind node1's group, so it heals.
+    root, steps, kill_at = workdir / "run", 300, 50
+    killed: dict[str, float] = {}
+
+    def kill_node2_group(job_id: int) -> None:
+        deadline = time.monotonic() + 240
+        while not any(entry["step"] >= kill_at for entry in steps_of(story(root, 1))):
+            assert slurm_cluster.job_state(job_id) not in FINAL_STATES, f"the job ended before step {kill_at}"
+            assert time.monotonic() < deadline, f"group 1 did not reach step {kill_at} within 240 s"
+            time.sleep(0.05)
+        start = next(entry for entry in story(root, 1) if entry.get("start"))
+        killed["time"] = time.time()
+        os.kill(start["pid"], signal.SIGKILL)  # the cluster's nodes share the host's process ids
+        killed["pid"] = start["pid"]
+
+    args = (CONFIG, f"--trainer.max_epochs={steps // 20}", f"--trainer.default_root_dir={root}")
+    job = submit(
+        slurm_cluster,
+        workdir,
+        SLURM / "fault_tolerant.sbatch",
+        *CPU_ONLY,
+        "--time=6",
+        args=(*args, *FT),
+        timeout=420,
+        interrupt=(root, kill_node2_group),
+    )
+    output = job.output
+    assert job.state == "COMPLETED" and job.info["ExitCode"] == "0:0", output[-4000:]
+    assert "pid" in killed, output[-4000:]
+    # One launcher per node, each with its own group; the lighthouse on node1.
+    assert "one replica group per node, lighthouse http://node1:" in output, output[-4000:]
+    assert "groups 0..0 on node1" in output and "groups 1..1 on node2" in output, output[-4000:]
+    assert f"group 1 (pid {killed['pid']})" in output and "starting it again (1 of 3)" in output, output[-4000:]
+    assert "(2 of 3)" not in output and "ddp-app bug" not in output, output[-6000:]  # it rejoined at once
+    assert output.count(" ended: ") == 2, output[-4000:]  # one story line per group, the restarted one's
+    # Node1's group never stopped: no gap between two of its steps beyond the timeout; it ended with both.
+    times = [entry["time"] for entry in steps_of(story(root, 0))]
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    print(f"two-node torchft: node1's longest pause {max(gaps):.2f} s; job {job.seconds:.0f} s")
+    assert max(gaps) < DEFAULT_TIMEOUT_S, f"group 0 stopped for {max(gaps):.1f} s"
+    assert steps_of(story(root, 0))[-1]["step"] == steps
+    assert steps_of(story(root, 0))[-1]["replicas"] == 2
+    # Node2's group rejoined from node1's memory, with the weights node1 sent at that step.
+    restarted = [entry for entry in story(root, 1) if entry.get("start")][1]
+    assert restarted["time"] > killed["time"] and restarted["step"] > kill_at, restarted
+    sent = [entry for entry in story(root, 0) if entry.get("sent") == restarted["step"]]
+    assert sent and all(entry["digest"] == restarted["digest"] for entry in sent), (restarted, sent)
+    assert steps_of(story(root, 1))[-1]["step"] == steps
+    # Both groups end with the planned steps and the same weights; group 0 wrote the run's checkpoint.
+    first = safe_load(root / "checkpoints" / "last.ckpt")
+    second = safe_load(root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
+    assert first["global_step"] == second["global_step"] == steps
+    ours, theirs = net_state_dict(first), net_state_dict(second)
+    assert ours.keys() == theirs.keys()
+    assert all(ours[key].equal(theirs[key]) for key in ours), "the groups ended with different weights"
+    assert not (root / "fault_tolerance" / "group_1" / "lightning_logs").exists()  # group 0 alone logs
+
+
+@pytest.mark.parametrize(
+    ("script", "env", "message"),
+    [
+        ("multinode.sbatch", None, "fault_tolerance.enabled: true under srun with one task per rank"),
+        # MAX_RESTARTS=0: torchrun starts its ranks again after any failure, bad input included (docs/slurm.md).
+        (
+            "torchrun.sbatch",
+            {"NPROC_PER_NODE": "1", "MAX_RESTARTS": "0"},
+            "fault_tolerance.enabled: true under torchrun",
+        ),
+    ],
+    ids=["srun-one-task-per-rank", "torchrun"],
+)
+def test_a_launch_fault_tolerance_cannot_serve_stops_in_one_line(
+    slurm_cluster: LocalSlurmCluster, workdir: Path, script: str, env: dict[str, str] | None, message: str
+) -> None:
+    root = workdir / f"refused-{script}"
+    args = (CONFIG, "--trainer.devices=1", "--trainer.num_nodes=2", f"--trainer.default_root_dir={root}", *FT)
+    options = (*CPU_ONLY, "--ntasks-per-node=1")  # one rank per node: what the node launchers look like, but not them
+    job = submit(slurm_cluster, workdir, SLURM / script, *options, args=args, env=env, timeout=90)
+    print(f"fault tolerance under {script}: refused in {job.seconds:.1f} s")
+    assert job.state == "FAILED", job.output[-3000:]
+    errors = {line.strip() for line in job.output.splitlines() if "ddp-app: error:" in line}
+    assert len(errors) == 1, job.output[-3000:]  # the same line from every rank
+    line = errors.pop()
+    assert message in line and "Fix: sbatch slurm/fault_tolerant.sbatch" in line, line
+    assert "Initializing distributed" not in job.output and not (root / "fault_tolerance").exists()
+
+
+def test_a_preempted_fault_tolerant_job_is_requeued_and_ends_with_the_same_weights_in_both_groups(
+    slurm_cluster: LocalSlurmCluster, workdir: Path
+) -> None:
+    """scancel --signal=USR1: each node's launcher passes it to its group, which saves and stops; the job
+    is requeued and every group resumes with `--ckpt_path last` (the one behind heals from the other)."""
+    root, steps = workdir / "preempted", 300
+    args = (CONFIG, f"--trainer.max_epochs={steps // 20}", f"--trainer.default_root_dir={root}")
+    job = submit(
+        slurm_cluster, workdir, SLURM / "fault_tolerant.sbatch", *CPU_ONLY, "--time=6", args=(*args, *FT),
+        timeout=420, interrupt=preempt(slurm_cluster, root),
+    )  # fmt: skip
+    output = job.output
+    assert job.state == "COMPLETED" and job.info["Restarts"] == "1", output[-4000:]
+    assert f"job {job.job_id} (restart 1)" in output, output[-4000:]
+    first = safe_load(root / "checkpoints" / "last.ckpt")
+    second = safe_load(root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
+    assert first["global_step"] == second["global_step"] == steps
+    ours, theirs = net_state_dict(first), net_state_dict(second)
+    assert all(ours[key].equal(theirs[key]) for key in ours), "the groups ended with different weights"
