@@ -57,8 +57,8 @@ def summarize_parser_error(message: str) -> str:
     nested = re.search(r"NestedArg\(key='([^']+)', val=", given.group(1)) if path and given else None
     if nested:  # `--trainer.strategy NAME --trainer.strategy.init_args.KEY V`: the class has no KEY
         return (
-            f"unknown key {path}.init_args.{nested.group(1)}: the class {path} names has no such argument. Fix: "
-            f"remove it or check its spelling (ddp-app fit --{path}.help CLASS lists the accepted keys)."
+            f"unknown key {path}.init_args.{nested.group(1)}: that class has no such argument. Fix: remove it or "
+            f"check its spelling (ddp-app fit --{path}.help CLASS lists the accepted keys)."
         )
     expected = [name for name in re.findall(r"Expected a <class '([^']+)'>", message) if name != "NoneType"]
     # A choice among fixed values (`precision: 17`): list them, with any plain type the key also takes.

@@ -113,7 +113,7 @@ def test_a_grid_runs_every_point_as_an_ordinary_fit_and_resumes_one_stopped_with
 @pytest.mark.parametrize(
     "spec, message",
     [
-        (["--grid", "optimizer.init_args.lrr=0.1,0.2"], "Option 'lrr' is not accepted"),
+        (["--grid", "optimizer.init_args.lrr=0.1,0.2"], "unknown key optimizer.init_args.lrr"),
         (["--grid", "optimizer.init_args.lr="], "--grid optimizer.init_args.lr: no values"),
         (["--search", "optimizer.init_args.lr=uniform:0.1:0.1", "--trials", "2"], "empty range"),
         (["--search", "optimizer.init_args.lr=gaussian:0:1", "--trials", "2"], "unknown distribution 'gaussian'"),
