@@ -40,7 +40,9 @@ def _counters(ready: int, started: int, processed: int, completed: int) -> dict[
     return {"ready": ready, "started": started, "processed": processed, "completed": completed}
 
 
-def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, validates: bool) -> dict[str, Any]:
+def canonical_fit_loop_state(
+    fit_loop: dict[str, Any], position: DataPosition, validates: bool, by_steps: bool = False
+) -> dict[str, Any]:
     """Lightning's `fit_loop` state dict with its progress counters set from `position`.
 
     Private layout (docs/private_apis.md; tests/test_private_apis.py guards it): `epoch_progress`,
@@ -53,7 +55,12 @@ def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, v
       validation loop mid-evaluation at its first (Lightning's own last-batch form skips both).
 
     `validates`: whether validation runs after this epoch (it advances the logger's step). Optimizer and scheduler
-    progress are left as saved."""
+    progress are left as saved.
+
+    `by_steps` (`trainer.max_steps` set): Lightning keeps the fit loop "restarting" even after a finished epoch
+    (`_FitLoop.restarting`), so the epoch-start form would read as "restarted on epoch end" and train epoch E - 1's
+    end again. There the epoch-start form is the one Lightning writes at `on_train_epoch_start` of epoch E, before any
+    batch: ready one ahead, no batch of the epoch counted."""
     state = copy.deepcopy(fit_loop)
     layout = ("lightning", "exact resume", "the checkpoint's loops.fit_loop state")
     batches = require(state, "epoch_loop.batch_progress", *layout)
@@ -71,6 +78,14 @@ def canonical_fit_loop_state(fit_loop: dict[str, Any], position: DataPosition, v
             raise ResumeError("this checkpoint was written before the first training step: there is nothing to resume.")
         per_epoch = per_epoch if math.isfinite(per_epoch) else 0
         trained = epoch * per_epoch
+        if by_steps:
+            epochs["total"] = _counters(epoch + 1, epoch, epoch, epoch)
+            epochs["current"] = _counters(epoch + 1, epoch, epoch, epoch)
+            batches["total"] = _counters(trained, trained, trained, trained)
+            batches["current"] = _counters(0, 0, 0, 0)
+            batches["is_last_batch"] = False
+            loop_state["_batches_that_stepped"] = position.global_step
+            return state
         epochs["total"], epochs["current"] = (
             _counters(epoch, epoch, epoch, epoch - 1),
             _counters(epoch, epoch, epoch, epoch - 1),
@@ -360,7 +375,9 @@ class ExactResume(L.Callback, TrainingPosition):
         position = resumed.position
         validates = validates_after_epoch(trainer, position.epoch)
         checkpoint_state.replace_loop_state(
-            checkpoint, "fit_loop", lambda fit_loop: canonical_fit_loop_state(fit_loop, position, validates)
+            checkpoint,
+            "fit_loop",
+            lambda fit_loop: canonical_fit_loop_state(fit_loop, position, validates, by_steps=trainer.max_steps != -1),
         )
         self.epoch, self.epoch_end_done = position.epoch, position.epoch_end_done
         self.batches_seen = self.batches_done = position.batches_done

@@ -241,3 +241,26 @@ def test_a_signal_to_one_rank_only_stops_every_rank_at_the_same_step(long_uninte
     step = int(re.search(r"preempted at global step (\d+)", log).group(1))
     assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == step
     resume_and_compare("configs/digits.yaml", extra, tmp_path / "run", expected)
+
+
+def test_a_run_by_max_steps_resumes_exactly_from_an_epoch_end_save(tmp_path: Path) -> None:
+    """With `trainer.max_steps` set Lightning keeps its fit loop "restarting" after a finished epoch, and a resume
+    from an epoch-end last.ckpt once crashed ("Lightning restored epoch 0, the data position says 1"): it resumes
+    exactly, as a run by epochs does."""
+    steps = ["--config", "configs/digits.yaml", "--trainer.max_steps=60", "--trainer.enable_progress_bar=false"]
+    whole = ddp_app("fit", *steps, "--trainer.max_epochs=100", f"--trainer.default_root_dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = ddp_app("fit", *steps, "--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path / 'parts'}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert safe_load(tmp_path / "parts" / "checkpoints" / "last.ckpt")["global_step"] == 20  # the first epoch's end
+    rest = ddp_app(
+        "fit",
+        *steps,
+        "--trainer.max_epochs=100",
+        f"--trainer.default_root_dir={tmp_path / 'parts'}",
+        "--ckpt_path=last",
+    )
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    resumed = tmp_path / "parts" / "checkpoints" / "last.ckpt"
+    assert safe_load(resumed)["global_step"] == 60
+    assert_same_weights(tmp_path / "whole" / "checkpoints" / "last.ckpt", resumed)
