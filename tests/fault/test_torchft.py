@@ -159,7 +159,8 @@ def test_a_lighthouse_given_by_address_serves_the_groups(tmp_path: Path) -> None
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["one-batch-per-step", "accumulating-2"])
 def test_two_groups_without_a_failure_equal_ddp_bit_for_bit(tmp_path: Path, accumulate: int) -> None:
     """The sum of two gradients does not depend on its order, and torchft's (a + b) / 2 rounds as DDP's
-    a / 2 + b / 2 (a division by 2 is exact): the weights are equal, bit for bit."""
+    a / 2 + b / 2 (a division by 2 is exact): the weights are equal, bit for bit, the gradients sent in
+    buckets during backward (with accumulation: only the backward that ends in an optimizer step)."""
     steps = [  # crosses an epoch end (20 batches)
         "--trainer.max_steps=25",
         f"--trainer.accumulate_grad_batches={accumulate}",
@@ -173,6 +174,8 @@ def test_two_groups_without_a_failure_equal_ddp_bit_for_bit(tmp_path: Path, accu
         steps_taken = [entry for entry in story(tmp_path / "ft", group) if not entry.get("start")]
         assert [entry["step"] for entry in steps_taken] == list(range(1, 26))
         assert all(entry["replicas"] == 2 and entry["committed"] for entry in steps_taken)
+        # Overlapped as DDP's: every bucket was started by backward's hooks, none after it.
+        assert all(entry["buckets"][0] == entry["buckets"][1] >= 1 for entry in steps_taken), steps_taken
     assert_same_weights(tmp_path / "ddp" / "checkpoints" / "last.ckpt", tmp_path / "ft" / "checkpoints" / "last.ckpt")
 
 
