@@ -908,3 +908,40 @@ def test_torchft_manager_still_records_the_quorum_id_the_quorum_change_line_read
         f"torchft's Manager no longer keeps its quorum's id in _quorum_id: the line that says the quorum of "
         f"replica groups changed (app/parallel/ft_manager.py) would never print ({DOC})"
     )
+
+
+def test_lightning_still_says_during_backward_whether_it_ends_in_an_optimizer_step(tmp_path: Path) -> None:
+    """app/parallel/ft_buckets.py starts the groups' gradient all-reduces during the backward of the
+    micro-batch that ends in an optimizer step, and only then: `trainer.fit_loop._should_accumulate()`,
+    asked during backward, must be False exactly for the batches whose backward an optimizer step follows
+    (with accumulation, and at an epoch's last batch that closes a short accumulation)."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Recorder(Callback):
+        def __init__(self) -> None:
+            self.batch = -1
+            self.sending: list[int] = []
+            self.stepped: list[int] = []
+
+        def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.batch += 1
+
+        def on_after_backward(self, trainer: Trainer, pl_module: Any) -> None:
+            if not trainer.fit_loop._should_accumulate():
+                self.sending.append(self.batch)
+
+        def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+            self.stepped.append(self.batch)
+
+    recorder = Recorder()
+    trainer = Trainer(
+        max_epochs=2, limit_train_batches=7, limit_val_batches=0, accumulate_grad_batches=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path, callbacks=[recorder],
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    assert recorder.stepped == [2, 5, 6, 9, 12, 13], recorder.stepped
+    assert recorder.sending == recorder.stepped, (
+        f"Lightning's fit_loop._should_accumulate() no longer says during backward which batches end in an "
+        f"optimizer step ({recorder.sending} against {recorder.stepped}): fault tolerance would all-reduce "
+        f"the wrong micro-batches' gradients ({DOC})"
+    )

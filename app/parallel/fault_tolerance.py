@@ -95,9 +95,13 @@ class FaultTolerance(L.Callback):
         if self.runtime is not None:
             self.runtime.on_train_start(trainer, pl_module)
 
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.runtime is not None:
+            self.runtime.after_backward(trainer, pl_module)
+
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.runtime is not None:
-            self.runtime.average_gradients(trainer, pl_module, optimizer)
+            self.runtime.commit_or_drop(trainer, pl_module, optimizer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.runtime is not None:

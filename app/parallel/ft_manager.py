@@ -6,10 +6,12 @@ the `fault_tolerance` callback (app/parallel/fault_tolerance.py). Per optimizer 
 1. The quorum of the step was formed at the end of the previous one (`on_train_batch_end`), or
    before `fit` for the first (`join`), synchronously (`use_async_quorum=False`): a group that
    needs the state of a peer receives it there, before it computes anything on stale weights.
-2. After backward, `average_gradients` (the callback's `on_before_optimizer_step`, before gradient
-   clipping) sums the gradients over the groups in the quorum through torchft's gloo process group
-   and divides by their number: a step with a group missing averages over the groups present.
-3. `should_commit` then says whether the step may be applied: with fewer than `min_replicas` groups,
+2. During backward, the gradients are summed over the groups in the quorum through torchft's gloo
+   process group in buckets, as DDP does (app/parallel/ft_buckets.py), and divided by their number:
+   a step with a group missing averages over the groups present. `after_backward` (the callback's
+   `on_after_backward`) waits for the last buckets.
+3. `should_commit` (`commit_or_drop`, the callback's `on_before_optimizer_step`, before gradient
+   clipping) then says whether the step may be applied: with fewer than `min_replicas` groups,
    or after an error in the all-reduce (a peer died in it), every parameter's gradient is dropped,
    so the optimizer leaves the weights and its state as they were (the step is counted by Lightning,
    its batch is consumed, and the story says `committed: false`).
@@ -44,6 +46,7 @@ import torch
 
 from app.checkpoints.io import atomic_torch_save, safe_load
 from app.parallel.fault_tolerance import START_VARIABLE, STORY_VARIABLE, FaultTolerance, FaultTolerancePlan
+from app.parallel.ft_buckets import GradientBuckets
 from app.private_apis import require
 
 
@@ -60,11 +63,14 @@ class GroupRuntime:
         self.received: dict[str, Any] | None = None
         self.healed_path: str | None = None
         self.committed = True
+        self.buckets: GradientBuckets | None = None  # the gradient all-reduce, made when training starts
         self.replicas = 0
         self.quorum_id: Any = None
         self.quorum_step = -1  # the global step of the last quorum: one per optimizer step
         self.counts = {"quorum changes": 0, "steps not applied": 0, "states sent": 0}
-        self.times: dict[str, float] = {}  # the last step's: its quorum (before it), all-reduce and commit decision
+        # The last step's: its quorum (before it), the wait for its all-reduce after backward, its commit
+        # decision (milliseconds), and its buckets: [started during backward, in all].
+        self.times: dict[str, Any] = {}
         story_dir = env.get(STORY_VARIABLE)
         self.story = None
         if story_dir:
@@ -129,6 +135,10 @@ class GroupRuntime:
             return
         # During fit: a peer at the same step committed a step this group dropped. Same data position
         # and step, other weights: the weights, optimizer and schedulers are taken.
+        # Not handled: a peer a whole step ahead. Seen once in tests/fault/test_torchft.py's kill test (1 run
+        # in 5): group 0's all-reduce with the killed group took 2.1 s to fail, longer than join_timeout_s, so
+        # the lighthouse formed the next quorum without it and the other groups took a step; group 0 then
+        # healed from them at every quorum, one Lightning step behind, and failed its last step.
         trainer = self.trainer
         assert trainer is not None
         trainer.lightning_module.load_state_dict(state["state_dict"])
@@ -142,6 +152,11 @@ class GroupRuntime:
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.trainer, self.running = trainer, True
+        if self.buckets is not None:
+            self.buckets.remove()
+        # Private (docs/private_apis.md): Lightning's decision whether a backward ends in an optimizer step.
+        should_accumulate = require(trainer.fit_loop, "_should_accumulate", "lightning", "fault tolerance's all-reduce")
+        self.buckets = GradientBuckets(self.manager, pl_module, should_accumulate)
         self.quorum_step = trainer.global_step  # `join` formed this step's quorum
         if self.healed_path is not None:  # restored by fit: the copy in memory is no longer needed
             Path(self.healed_path).unlink(missing_ok=True)
@@ -149,22 +164,22 @@ class GroupRuntime:
         if self.story:
             self._record(trainer.global_step, start=pl_module)
 
-    def average_gradients(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        """The gradients averaged over the groups in the quorum, or dropped if the step may not commit."""
-        params = [param for param in pl_module.parameters() if param.grad is not None]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for param in params:
-            by_dtype.setdefault(param.grad.dtype, []).append(param)
+    def after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The gradients averaged over the groups in the quorum, if this backward ends in an optimizer
+        step: most buckets were sent during backward (app/parallel/ft_buckets.py); the rest here."""
+        assert self.buckets is not None
         started = time.perf_counter()
-        flats = []
-        for same in by_dtype.values():
-            flat = torch.cat([param.grad.reshape(-1) for param in same])
-            flats.append((same, flat, self.manager.allreduce(flat)))
-        for _, _, work in flats:
-            work.wait()
-        reduced = time.perf_counter()
+        if self.buckets.after_backward():
+            self.times["allreduce_ms"] = _ms(time.perf_counter() - started)  # what backward did not hide
+            self.times["buckets"] = [self.buckets.started_in_backward, len(self.buckets.order)]
+
+    def commit_or_drop(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        """Before the optimizer step (and gradient clipping): whether the step may be applied; if not,
+        its gradients are dropped."""
+        assert self.buckets is not None
+        started = time.perf_counter()
         self.committed = self.manager.should_commit()
-        self.times.update(allreduce_ms=_ms(reduced - started), commit_ms=_ms(time.perf_counter() - reduced))
+        self.times["commit_ms"] = _ms(time.perf_counter() - started)
         if not self.committed:
             # Not retried within the step: a shrink-only re-quorum (`start_quorum(allow_heal=False,
             # shrink_only=True)`, torchft 0.2.0) was tried for issue 57 and let the survivor whose all-reduce
@@ -176,17 +191,11 @@ class GroupRuntime:
                 f"min_replicas={self.plan.min_replicas} groups took part (its gradients are dropped; the weights "
                 "stay as they were)"
             )
-            for param in params:
-                param.grad = None  # torch's optimizers skip a parameter without a gradient
-            return
-        for same, flat, _ in flats:
-            offset = 0
-            for param in same:
-                count = param.grad.numel()
-                param.grad.copy_(flat[offset : offset + count].view_as(param.grad))
-                offset += count
+            self.buckets.drop()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.buckets is not None:
+            self.buckets.next_batch()
         pl_module.log("ft_replicas", float(self.replicas), on_step=True, on_epoch=False, batch_size=1)
         if trainer.global_step == self.quorum_step:
             return  # a micro-batch of gradient accumulation: the optimizer step (and a save point) is still ahead
@@ -228,6 +237,9 @@ class GroupRuntime:
         if self.running:  # the group's part of the run's story, in one line
             self._say("ended: " + ", ".join(f"{count} {what}" for what, count in self.counts.items()))
         self.running = False
+        if self.buckets is not None:
+            self.buckets.remove()
+            self.buckets = None
         self.manager.shutdown(wait=False)
         if self.story:
             self.story.close()
