@@ -216,7 +216,10 @@ def test_diagnose_measures_fsdp_communication_inside_forward_and_backward(tmp_pa
     parameter_bytes = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
     assert report["collectives"] == "fsdp" and report["shares"]["communication"] > 0, report["shares"]
     assert 2 * parameter_bytes <= report["communication_bytes_per_step"] <= 4 * parameter_bytes + 1_000_000
-    assert f"{report['communication_bytes_per_step'] / 1e6:.2f} MB per rank per step" in report["verdict_text"]
+    # Printed under the table whatever the verdict (a loaded machine may make it data-bound).
+    assert f"communication: {report['communication_bytes_per_step'] / 1e6:.2f} MB per rank per step" in format_table(
+        report
+    )
     for rank in report["ranks"]:
         assert rank["communication"] > 0 and rank["all_reduce"] + rank["waiting"] == pytest.approx(
             rank["communication"]

@@ -330,7 +330,13 @@ def format_table(report: dict[str, Any]) -> str:
             )
         )
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
+    table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
+    if report.get("collectives") == "fsdp":  # what the collectives column carried, whatever the verdict
+        table += (
+            f"\ncommunication: {report['communication_bytes_per_step'] / 1e6:.2f} MB per rank per step "
+            f"(FSDP2's all-gathers and reduce-scatters), {report['shares']['communication']:.0%} of the step"
+        )
+    return table
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

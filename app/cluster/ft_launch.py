@@ -55,6 +55,10 @@ from app.parallel.fault_tolerance import (
 STORY_DIRECTORY = "fault_tolerance"
 
 
+# After a dead group's heartbeat timeout, before it starts again: the lighthouse checks heartbeats every 0.1 s.
+RESTART_MARGIN_S = 0.5
+
+
 def group_arguments(args: list[str], group: int, run_dir: Path) -> list[str]:
     """A group's command line: one process to Lightning; groups other than 0 keep their checkpoints apart."""
     own = ["--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
@@ -169,10 +173,10 @@ def run_replica_groups(
     restart_args = {group: with_ckpt_path_last(arguments) for group, arguments in group_args.items()}
     start_directory = str(start_directory_for(plan, story, env))
 
-    def start(group: int, first: bool = False) -> int:
+    def start(group: int, first: bool = False, barrier: str | None = None) -> int:
         group_env = group_environment(env, group, plan, lighthouse, story)
-        if first:
-            group_env[START_VARIABLE] = start_directory
+        if first or barrier:
+            group_env[START_VARIABLE] = barrier or start_directory
         arguments = group_args[group] if first else restart_args[group]
         return fork_group(lambda: as_group(run, arguments), group_env, group)
 
@@ -194,9 +198,26 @@ def run_replica_groups(
 
     previous = {signum: signal.signal(signum, forward) for signum in LAUNCHER_SIGNALS}
     restarts = dict.fromkeys(here, 0)
+    # A dead group's process stays a member to the lighthouse until it misses its heartbeat for
+    # heartbeat_timeout_s: one started again before that forms a quorum with that ghost, whose all-reduce then
+    # fails and drops the step (seen in tests/fault/test_torchft.py's every-group-killed test). Group -> when.
+    restart_at: dict[int, float] = {}
+    barriers: list[str] = []
     code = 0
     try:
-        while running:
+        while running or restart_at:
+            if stopping:
+                restart_at.clear()
+            due = [group for group, at in restart_at.items() if time.monotonic() >= at]
+            # Every group of the run dead (one machine: the launcher sees them all): they start again together,
+            # behind a start barrier as at the run's start, so that the first quorum has every group.
+            together = not running and plan.local_groups is None and len(restart_at) == len(here)
+            if due and (not together or len(due) == len(restart_at)):
+                barrier = tempfile.mkdtemp(prefix="ddp-app-ft-start-") if together else None
+                barriers += [barrier] if barrier else []
+                for group in due:
+                    del restart_at[group]
+                    running[start(group, barrier=barrier)] = group
             ended = ended_children()
             if not ended:
                 time.sleep(0.05)
@@ -215,7 +236,7 @@ def run_replica_groups(
                         file=sys.stderr,
                         flush=True,
                     )
-                    running[start(group)] = group
+                    restart_at[group] = time.monotonic() + settings.heartbeat_timeout_s + RESTART_MARGIN_S
                     continue
                 if code == 0:
                     code = returncode if returncode > 0 else 128 - returncode
@@ -229,7 +250,8 @@ def run_replica_groups(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        shutil.rmtree(start_directory, ignore_errors=True)
+        for directory in [start_directory, *barriers]:
+            shutil.rmtree(directory, ignore_errors=True)
         if lighthouse_process is not None:
             with contextlib.suppress(Exception):
                 assert lighthouse_process.stdin is not None

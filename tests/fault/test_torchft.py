@@ -153,7 +153,10 @@ def test_a_lighthouse_given_by_address_serves_the_groups(tmp_path: Path) -> None
         lighthouse.wait(timeout=10)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"lighthouse at {address}" in result.stdout
-    assert [entry["replicas"] for entry in story(tmp_path / "run", 0) if not entry.get("start")] == [2] * 10
+    # Both groups in every quorum through the lighthouse given (a group that came late under load healed at its
+    # first quorum and recorded the steps from there), to the last step.
+    steps = [entry for entry in story(tmp_path / "run", 0) if not entry.get("start")]
+    assert steps and all(entry["replicas"] == 2 for entry in steps) and steps[-1]["step"] == 10, steps
 
 
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["one-batch-per-step", "accumulating-2"])
@@ -349,3 +352,11 @@ def test_the_fault_tolerance_doc_quotes_the_per_step_cost() -> None:
     ) in text
     overlap = json.loads((REPO / "docs" / "bench_ft_overlap.json").read_text())["median_allreduce_ms"]
     assert f"{overlap['before']:.1f} ms before and {overlap['after']:.1f} ms after" in text
+
+
+def test_a_group_that_ends_to_heal_exits_with_a_code_its_launcher_restarts() -> None:
+    from app.cluster.exit_codes import PEER_LOST_EXIT_CODE
+    from app.cluster.launch import worth_a_restart
+    from app.parallel.ft_manager import RESTART_TO_HEAL_EXIT_CODE
+
+    assert RESTART_TO_HEAL_EXIT_CODE == PEER_LOST_EXIT_CODE and worth_a_restart(RESTART_TO_HEAL_EXIT_CODE)
