@@ -90,7 +90,10 @@ class StepTiming(L.Callback):
         layout = getattr(trainer.strategy, "mesh_layout", None)
         hybrid = layout is not None and layout.replicas > 1
         sharded = time_fsdp_collectives(pl_module, self._collectives, hybrid) > 0
-        if not sharded:  # under FSDP2 the collectives are timed where they run, not after the last gradient
+        diloco = trainer.strategy if isinstance(trainer.strategy, DiLoCoStrategy) else None
+        # Under FSDP2 and diloco the collectives are timed where they run, not after the last gradient (diloco's
+        # backward all-reduces nothing: that gap would only add noise).
+        if not sharded and diloco is None:
             self._hooks = [parameter.register_post_accumulate_grad_hook(self._gradient_ready) for parameter in trained]
         self._profiler = trainer.profiler if hasattr(trainer.profiler, "training_fetch_s") else None
         self._previous_end = None
@@ -98,7 +101,6 @@ class StepTiming(L.Callback):
         ddp = trainer.strategy.model
         if self.ablation == "no_communication" and isinstance(ddp, DistributedDataParallel):
             ddp.register_comm_hook(None, noop_hook)
-        diloco = trainer.strategy if isinstance(trainer.strategy, DiLoCoStrategy) else None
         if diloco is not None:  # its outer steps' collectives are its communication (in the step they end)
             diloco.communicate = self.ablation != "no_communication"
             diloco.communication_s = 0.0
