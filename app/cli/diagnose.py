@@ -11,6 +11,9 @@ time by ablation from app/run/step_timing.py's numbers:
                       against the median's is the straggler share; each rank's score is the fastest
                       rank's own time over its own.
 
+Where those say data-bound, more loader workers are tried (`check_workers`); where DDP's all-reduce is the cost and the
+run has no compression, one run with PowerSGD says whether compression pays here (`check_compression`).
+
 Each rank's figure is the mean of its steps after `WARMUP_STEPS` and one per loader worker, less its slowest tenth. It
 prints a table per rank and one verdict with the fix, and writes `report.json` and `report.png` in
 `<default_root_dir>-diagnose/<time>/` (or `--out`), leaving the run's directory untouched. `verdict` depends on the
@@ -45,10 +48,13 @@ DATA_BOUND = 0.2
 DATA_FIXED = 0.1  # a data share below this after the suggested num_workers: fixed (issue 43)
 WORKER_TRIES = 3  # the suggested num_workers, then (twice at most) the one the last measured run calls for
 COMMUNICATION_BOUND = 0.3
-# Below this many bytes of gradients per rank per step, compression does not pay: each step's exchange costs its
-# messages' latency and compression's own work more than its bytes. Measured at 100 Mbit/s between two network
-# namespaces (tests/test_diagnose.py); the figures are in docs/performance.md (from docs/diagnose_100mbit*.json).
+# Whether compression pays is measured where it can be (`check_compression`): one more run with PowerSGD, which pays
+# when its step is at least `COMPRESSION_PAYS` shorter. At the same size it pays on one CPU and not on another
+# (docs/performance.md, Diagnose), so the gradients' size is only the guess for records without that run: below
+# `SMALL_GRADIENT_BYTES` per rank per step, each exchange's messages cost more than its bytes.
 SMALL_GRADIENT_BYTES = 1_000_000
+COMPRESSION_PAYS = 0.1
+COMPRESSION_TRIED = ["--gradient_compression.method=powersgd", "--gradient_compression.start_iter=2"]
 WAITING_NOTED = 0.2
 STRAGGLER_SHARE = 0.1
 STRAGGLER_SCORE = 0.8  # a rank at or below this score (fastest own time / its own) is a straggler
@@ -209,24 +215,9 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "sync_every is in docs/diloco.md), outer_dtype: bfloat16 (half the bytes), or fragments (smaller "
             "exchanges, more often)."
         )
-    elif kind == "communication-bound" and moved < SMALL_GRADIENT_BYTES:
-        report["communication_cost"] = "latency"
-        text = (
-            f"communication-bound by latency: the gradient all-reduce adds {percent['communication']} to each step "
-            f"for only {moved / 1e6:.2f} MB of gradients per rank per step ({1000 * max(alone):.1f} "
-            "ms per step without it): the cost is each exchange's messages, not their bytes, and compression adds "
-            "exchanges and work without saving time at this size (docs/performance.md, Diagnose). Fix: fewer "
-            "exchanges per sample: a larger per-rank batch or trainer.accumulate_grad_batches; a faster interconnect."
-        )
     elif kind == "communication-bound":
-        report["communication_cost"] = "bandwidth"
-        text = (
-            f"communication-bound: the gradient all-reduce adds {percent['communication']} to each step "
-            f"({moved / 1e6:.2f} MB of gradients per rank per step; {1000 * max(alone):.1f} ms "
-            f"per step without it). Fix: gradient_compression.method: auto (or powersgd), a larger per-rank batch "
-            "or trainer.accumulate_grad_batches (fewer all-reduces per sample), "
-            "trainer.strategy.init_args.bucket_cap_mb (docs/compression.md)."
-        )
+        report["alone_ms"] = 1000 * max(alone)
+        text = communication_text(report)
     else:
         text = (
             f"compute-bound and balanced: data {percent['data']}, communication {percent['communication']} "
@@ -243,6 +234,61 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     report["verdict"] = kind
     report["verdict_text"] = text
     return report
+
+
+def communication_text(report: dict[str, Any]) -> str:
+    """DDP's communication-bound verdict. Compression is suggested where it paid in `check_compression`'s run (or,
+    without that run, where the gradients are large); otherwise the cost is each exchange's messages, and the fixes
+    are fewer exchanges. Sets `communication_cost` to match."""
+    moved, tried = report["communication_bytes_per_step"], report.get("tried_compression")
+    share, alone = f"{report['shares']['communication']:.0%}", report["alone_ms"]
+    checked = ""
+    if tried and "failed" in tried:
+        checked = f" Compression could not be tried: the run with {tried['method']} failed ({tried['failed']})."
+        pays = moved >= SMALL_GRADIENT_BYTES
+    elif tried:
+        pays = tried["step_ms"] <= (1 - COMPRESSION_PAYS) * report["step_ms"]
+        checked = (
+            f" Checked: with gradient_compression.method {tried['method']} a step took {tried['step_ms']:.1f} ms "
+            f"against {report['step_ms']:.1f} ms as configured"
+            + ("." if pays else f": compression does not pay here (it needs {COMPRESSION_PAYS:.0%} less).")
+        )
+    else:
+        pays = moved >= SMALL_GRADIENT_BYTES
+    report["communication_cost"] = "bandwidth" if pays else "latency"
+    if pays:
+        method = tried["method"] if tried and "failed" not in tried else "auto"
+        return (
+            f"communication-bound: the gradient all-reduce adds {share} to each step ({moved / 1e6:.2f} MB of "
+            f"gradients per rank per step; {alone:.1f} ms per step without it).{checked} Fix: "
+            f"gradient_compression.method: {method}{' (or auto)' if method != 'auto' else ' (or powersgd)'}, a larger "
+            "per-rank batch or trainer.accumulate_grad_batches (fewer all-reduces per sample), "
+            "trainer.strategy.init_args.bucket_cap_mb (docs/compression.md)."
+        )
+    return (
+        f"communication-bound by latency: the gradient all-reduce adds {share} to each step for {moved / 1e6:.2f} MB "
+        f"of gradients per rank per step ({alone:.1f} ms per step without it): the cost is each exchange's messages, "
+        f"not their bytes, and compression adds exchanges and work.{checked} Fix: fewer exchanges per sample: a "
+        "larger per-rank batch or trainer.accumulate_grad_batches; a faster interconnect (docs/performance.md, "
+        "Diagnose)."
+    )
+
+
+def check_compression(
+    report: dict[str, Any],
+    records: dict[str, list[dict[str, Any]]],
+    run_variant: Callable[..., tuple[int, Path]],
+) -> None:
+    """DDP communication-bound without compression: one more shortened fit with PowerSGD (`COMPRESSION_TRIED`) says
+    whether compression pays on this link and these gradients, instead of guessing it from their size."""
+    guessed = communication_text(report)  # what `verdict` wrote, before its note on late ranks (if any)
+    code, log = run_variant("compressed", COMPRESSION_TRIED)
+    if code != 0:  # a model PowerSGD cannot serve, say: named, and the guess stands
+        report["tried_compression"] = {"method": "powersgd", "failed": f"exit {code}, see {log}"}
+    else:
+        step = statistics.fmean(rank_times(record).step for record in records["compressed"])
+        report["tried_compression"] = {"method": "powersgd", "step_ms": 1000 * step}
+    report["verdict_text"] = communication_text(report) + report["verdict_text"][len(guessed) :]
 
 
 def data_bound_text(report: dict[str, Any]) -> str:
@@ -469,12 +515,17 @@ def main(argv: list[str]) -> int:
             print(errors[-1] if errors else f"ddp-app diagnose: the {variant} run failed (exit {code}); see {log}")
             return code
     report = verdict(records)
-    if report["verdict"] == "data-bound":
-        try:
+    # DDP's gradient all-reduce, as configured without compression (not FSDP2's collectives, not diloco's outer step)
+    ddp_gradients = report["verdict"] == "communication-bound" and report["collectives"] == "ddp"
+    compression_unset = records["as_configured"][0].get("gradient_compression", "none") == "none"
+    try:
+        if report["verdict"] == "data-bound":
             check_workers(report, records, run_variant)
-        except UserFacingError as error:
-            print(f"ddp-app: error: {error}", file=sys.stderr, flush=True)
-            return 2
+        elif ddp_gradients and report.get("communication_cost") in ("latency", "bandwidth") and compression_unset:
+            check_compression(report, records, run_variant)
+    except UserFacingError as error:
+        print(f"ddp-app: error: {error}", file=sys.stderr, flush=True)
+        return 2
     if index:  # the same verdict as the first node's or task's, which writes it
         print(f"ddp-app diagnose: {report['verdict']}; the report is written by the first node or task in {out}")
         return 0

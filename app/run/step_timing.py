@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from app.checkpoints import state as checkpoint_state
 from app.errors import InvalidConfigError
 from app.parallel.collective_timing import CollectiveClock, time_fsdp_collectives
+from app.parallel.compression import GradientCompression
 from app.parallel.diloco import DiLoCoStrategy
 from app.tracking.layout import STEP_TIME_METRICS
 
@@ -113,6 +114,10 @@ class StepTiming(L.Callback):
             "cpu_count": os.cpu_count(),
             "gradient_bytes": sum(parameter.numel() * parameter.element_size() for parameter in trained),
             "collectives": "fsdp" if sharded else "ddp",
+            # diagnose tries compression only where the run has none of its own
+            "gradient_compression": next(
+                (callback.method for callback in trainer.callbacks if isinstance(callback, GradientCompression)), "none"
+            ),
             "num_workers": getattr(loader, "num_workers", None),
             "persistent_workers": getattr(loader, "persistent_workers", None),
             "pin_memory": getattr(loader, "pin_memory", None),
