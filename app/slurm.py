@@ -244,17 +244,22 @@ def check(
     if not any(re.search(r"\bddp-app\b|-m app\s", line) for line in body):
         # The overrides are for the script's program: reference.sbatch takes `--epochs 2`, not ddp-app's.
         overrides = []
-    # A script may pin trainer.devices/num_nodes on its command line (rendered ones do).
+    nodes = int(options.get("nodes", "1").split("-")[0])
+    # A script may pin trainer.devices/num_nodes on its command line (rendered ones do), to a number or to the job's
+    # node count (fault_tolerant.sbatch: --trainer.num_nodes "$SLURM_JOB_NUM_NODES").
+    job_nodes = re.compile(r'"?\$\{?(SLURM_JOB_NUM_NODES|SLURM_NNODES)\}?"?')
     pinned = [
-        f"--trainer.{key}={value}"
-        for key, value in re.findall(r"--trainer\.(devices|num_nodes|accelerator)[=\s]+([\w.-]+)", "\n".join(body))
+        f"--trainer.{key}={nodes if job_nodes.fullmatch(value) else value}"
+        for key, value in re.findall(
+            r"--trainer\.(devices|num_nodes|accelerator)[=\s]+([\w.-]+|\"?\$\{?\w+\}?\"?)", "\n".join(body)
+        )
+        if "$" not in value or job_nodes.fullmatch(value)  # another variable: unknown here, as if not pinned
     ]
     shape = read_trainer_shape(config, [*pinned, *(overrides or [])])
     uses_torchrun = any(re.search(r"\btorchrun\b", line) for line in body)
     uses_srun = any(re.match(r"\s*(exec\s+)?srun\b", line) for line in body)
     problems: list[str] = []
 
-    nodes = int(options.get("nodes", "1").split("-")[0])
     if nodes != shape.num_nodes:
         problems.append(
             f"--nodes={nodes} but trainer.num_nodes={shape.num_nodes}."

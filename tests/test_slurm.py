@@ -241,3 +241,15 @@ def test_submit_refuses_in_one_line(
         "python -m app.slurm submit: error: sbatch not found: run this on a Slurm login node"
         " (or put Slurm's commands on PATH).\n"
     )
+
+
+def test_check_takes_the_fault_tolerant_script_as_pinned_to_the_jobs_nodes(tmp_path: Path) -> None:
+    """fault_tolerant.sbatch passes --trainer.num_nodes "$SLURM_JOB_NUM_NODES" and --trainer.devices 1
+    itself: it agrees with any config at any --nodes; a variable check cannot know stays unpinned."""
+    script, config = REPO / "slurm" / "fault_tolerant.sbatch", REPO / "configs" / "digits.yaml"
+    assert check(script, config) == []
+    assert check(script, config, sbatch_options=["--nodes=4"]) == []
+    assert check(script, config, sbatch_options=["--gpus-per-node=2"])[0].startswith("2 GPUs per node requested")
+    other = tmp_path / "own.sbatch"
+    other.write_text('#!/bin/bash\n#SBATCH --nodes=2\nsrun ddp-app fit --trainer.num_nodes "$MY_NODES"\n')
+    assert check(other, config)[0].startswith("--nodes=2 but trainer.num_nodes=1.")
