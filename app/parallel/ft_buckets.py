@@ -70,7 +70,7 @@ class GradientBuckets:
 
     UNDECIDED, ACCUMULATING, SENDING, SENT = "undecided", "accumulating", "sending", "sent"
 
-    def __init__(self, manager: Any, module: torch.nn.Module, should_accumulate: Any) -> None:
+    def __init__(self, manager: Any, module: torch.nn.Module, should_accumulate: Any, overlap: bool = True) -> None:
         self.manager = manager
         self.should_accumulate = should_accumulate  # Lightning's `fit_loop._should_accumulate`
         self.module = module
@@ -82,7 +82,10 @@ class GradientBuckets:
         self.order: list[list[torch.nn.Parameter]] = []  # what is sent this step: the buckets, then the late ones
         self.started: list[tuple[torch.Tensor, Any]] = []  # the flat buckets and their all-reduces, in order
         self.started_in_backward = 0  # of the last backward that sent: the buckets its hooks started
-        self.handles = [param.register_post_accumulate_grad_hook(self._ready) for param in self.params]
+        # overlap=False: every bucket is started after backward (a group of several processes, whose DDP puts the
+        # group's averaged gradients in `.grad` only at the end of backward).
+        hooks = self.params if overlap else []
+        self.handles = [param.register_post_accumulate_grad_hook(self._ready) for param in hooks]
 
     def next_batch(self) -> None:
         """At the end of every batch (micro-batch or not)."""

@@ -1,7 +1,13 @@
 """A replica group's side of fault tolerance: torchft's Manager inside a Lightning fit.
 
-One `GroupRuntime` per group's process (groups of one process, so the group's rank 0), owned by
-the `fault_tolerance` callback (app/parallel/fault_tolerance.py). Per optimizer step:
+One `GroupRuntime` per process of a group, owned by the `fault_tolerance` callback
+(app/parallel/fault_tolerance.py): each process has its own torchft Manager (replica id: the group;
+rank and world size: its rank within the group and the group's size, as torchft's own examples do).
+The Manager of the group's rank 0 talks to the lighthouse for the whole group, and process r of a
+group all-reduces with process r of every other group (torchft's process group of "group rank r").
+In a group of several processes, Lightning's DDP first averages the gradients within the group
+(its own process group, MASTER_PORT), and the groups then average those across groups. Per optimizer
+step:
 
 1. The quorum of the step was formed at the end of the previous one (`on_train_batch_end`), or
    before `fit` for the first (`join`), synchronously (`use_async_quorum=False`): a group that
@@ -45,7 +51,13 @@ import lightning as L
 import torch
 
 from app.checkpoints.io import atomic_torch_save, safe_load
-from app.parallel.fault_tolerance import START_VARIABLE, STORY_VARIABLE, FaultTolerance, FaultTolerancePlan
+from app.parallel.fault_tolerance import (
+    START_VARIABLE,
+    STORE_PORT_VARIABLE,
+    STORY_VARIABLE,
+    FaultTolerance,
+    FaultTolerancePlan,
+)
 from app.parallel.ft_buckets import GradientBuckets
 from app.private_apis import require
 
@@ -57,6 +69,7 @@ class GroupRuntime:
         env = os.environ if env is None else env
         assert plan.group is not None
         self.settings, self.plan, self.group = settings, plan, plan.group
+        self.group_rank = int(env.get("LOCAL_RANK", "0"))  # this process's rank within its group
         self.trainer: L.Trainer | None = None
         self.running = False
         self.resume_path: str | None = None
@@ -73,7 +86,7 @@ class GroupRuntime:
         self.times: dict[str, Any] = {}
         story_dir = env.get(STORY_VARIABLE)
         self.story = None
-        if story_dir:
+        if story_dir and self.group_rank == 0:  # the group's rank 0 keeps the group's record
             Path(story_dir).mkdir(parents=True, exist_ok=True)
             self.story = open(Path(story_dir) / f"group_{self.group}.jsonl", "a", buffering=1)  # noqa: SIM115
         self.store, self.manager = make_manager(settings, plan, env)
@@ -108,10 +121,10 @@ class GroupRuntime:
         """At the run's start: until every group's Manager is up (heartbeating to the lighthouse), so
         that the first quorum has every group. A group that does not come within the quorum timeout is
         left out; it heals from the others when it comes."""
-        (directory / f"group_{self.group}").touch()
+        (directory / f"group_{self.group}.{self.group_rank}").touch()
         deadline = time.monotonic() + self.settings.quorum_timeout_s
         while time.monotonic() < deadline:
-            if sum(1 for _ in directory.glob("group_*")) >= self.plan.groups:
+            if sum(1 for _ in directory.glob("group_*")) >= self.plan.groups * self.plan.group_size:
                 return
             time.sleep(0.02)
 
@@ -154,13 +167,17 @@ class GroupRuntime:
             self.buckets.remove()
         # Private (docs/private_apis.md): Lightning's decision whether a backward ends in an optimizer step.
         should_accumulate = require(trainer.fit_loop, "_should_accumulate", "lightning", "fault tolerance's all-reduce")
-        self.buckets = GradientBuckets(self.manager, pl_module, should_accumulate)
+        # In a group of several processes Lightning's DDP averages the gradients within the group during backward and
+        # puts them in `.grad` only at its end: the buckets go across groups after backward, not overlapped with it.
+        overlap = self.plan.group_size == 1
+        self.buckets = GradientBuckets(self.manager, pl_module, should_accumulate, overlap=overlap)
         self.quorum_step = trainer.global_step  # `join` formed this step's quorum
         if self.healed_path is not None:  # restored by fit: the copy in memory is no longer needed
             Path(self.healed_path).unlink(missing_ok=True)
             self.healed_path = None
+        pids = _group_pids()  # every rank of the group takes part
         if self.story:
-            self._record(trainer.global_step, start=pl_module)
+            self._record(trainer.global_step, start=pl_module, pids=pids)
 
     def after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The gradients averaged over the groups in the quorum, if this backward ends in an optimizer
@@ -215,13 +232,13 @@ class GroupRuntime:
             self._say(f"quorum changed at step {step}: {replicas} of {self.plan.groups} groups (was {self.replicas})")
         self.replicas, self.quorum_id = replicas, quorum_id
 
-    def _record(self, step: int, start: L.LightningModule | None = None) -> None:
-        """One JSON line per step (and one when training starts, with the process and its weights'
-        digest): the step done, when, with how many groups, and whether it was applied."""
+    def _record(self, step: int, start: L.LightningModule | None = None, pids: list[int] | None = None) -> None:
+        """One JSON line per step (and one when training starts, with the group's processes, rank 0's
+        first, and its weights' digest): the step done, when, with how many groups, and whether it was applied."""
         entry: dict[str, Any] = {"step": step, "time": time.time(), "replicas": self.replicas}
         entry.update(committed=self.committed, **self.times)
         if start is not None:
-            entry.update(start=True, pid=os.getpid(), digest=weights_digest(start))
+            entry.update(start=True, pid=os.getpid(), pids=pids, digest=weights_digest(start))
         self._write(entry)
 
     def _write(self, entry: dict[str, Any]) -> None:
@@ -229,6 +246,8 @@ class GroupRuntime:
         self.story.write(json.dumps(entry) + "\n")
 
     def _say(self, line: str) -> None:
+        if self.group_rank:  # the group's rank 0 speaks for the group
+            return
         print(f"ddp-app: fault tolerance: group {self.group} {line}", file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
@@ -270,8 +289,11 @@ def make_manager(settings: FaultTolerance, plan: FaultTolerancePlan, env: Any) -
     from torchft.process_group import ProcessGroupGloo
 
     timeout = timedelta(seconds=settings.timeout_s)
-    host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"])
-    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get(STORE_PORT_VARIABLE) or env["MASTER_PORT"])
+    group_rank = int(env.get("LOCAL_RANK", "0"))
+    store = None  # the group's rank 0 serves it; the Manager of every rank connects to it
+    if group_rank == 0:
+        store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),
         load_state_dict=None,
@@ -281,7 +303,7 @@ def make_manager(settings: FaultTolerance, plan: FaultTolerancePlan, env: Any) -
         timeout=timeout,
         quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
         connect_timeout=timeout,
-        rank=0,
+        rank=group_rank,
         world_size=plan.group_size,
         store_addr=host,
         store_port=port,
@@ -292,6 +314,17 @@ def make_manager(settings: FaultTolerance, plan: FaultTolerancePlan, env: Any) -
     # Private (docs/private_apis.md), checked once here, before training relies on it.
     require(manager, "_quorum_id", "torchft", "the line that says the quorum of replica groups changed")
     return store, manager
+
+
+def _group_pids() -> list[int]:
+    """The process ids of this group's processes, in rank order (a collective in a group of several)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [os.getpid()]
+    pids: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    return [int(pid) for pid in pids]
 
 
 def weights_digest(module: torch.nn.Module) -> str:

@@ -187,6 +187,95 @@ def test_two_groups_without_a_failure_equal_ddp_bit_for_bit(tmp_path: Path, accu
     assert_same_weights(tmp_path / "ddp" / "checkpoints" / "last.ckpt", tmp_path / "ft" / "checkpoints" / "last.ckpt")
 
 
+GROUPS_OF_TWO = ["--trainer.devices=4", "--fault_tolerance.group_size=2", *FT]
+# Another summation order of the gradients (docs/parity.md), as tests/fsdp/test_hybrid.py allows.
+RELATIVE_TOLERANCE = 1e-5
+
+
+def oversubscribed() -> dict[str, str]:
+    return clean_env(DDP_APP_ALLOW_OVERSUBSCRIBE="1")  # 4 processes on this 2-core machine
+
+
+def test_two_groups_of_two_without_a_failure_equal_ddp_on_four_within_rounding(tmp_path: Path) -> None:
+    """2 groups of 2 processes (DDP within a group, torchft across): each process reads what the DDP rank
+    of the same index reads, and the gradients are summed as (a/4 + b/4) + (c/4 + d/4) where DDP on 4
+    processes sums the same four in gloo's order: the weights agree within rounding, and both groups
+    end with the same weights bit for bit."""
+    from app.parity import last_weights, relative_difference
+
+    steps = ["--trainer.max_steps=25", "--trainer.enable_progress_bar=false"]  # crosses two epoch ends
+    env = oversubscribed()
+    ddp = ddp_app(*fit_command(tmp_path / "ddp", "--trainer.devices=4", *steps)[1:], env=env, timeout=300)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    ft = ddp_app(
+        *fit_command(tmp_path / "ft", *GROUPS_OF_TWO, *steps, "--fault_tolerance.min_replicas=2")[1:],
+        env=env,
+        timeout=300,
+    )
+    assert ft.returncode == 0, ft.stderr[-3000:]
+    assert "on 2 replica groups of 2 process(es)" in ft.stdout
+    for group in (0, 1):
+        start_line, *steps_taken = story(tmp_path / "ft", group)
+        assert len(start_line["pids"]) == 2  # both processes of the group trained
+        assert [entry["step"] for entry in steps_taken] == list(range(1, 26))
+        assert all(entry["replicas"] == 2 and entry["committed"] for entry in steps_taken), steps_taken
+    last = tmp_path / "ft" / "checkpoints" / "last.ckpt"
+    assert_same_weights(last, tmp_path / "ft" / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
+    difference, detail = relative_difference(
+        last_weights(tmp_path / "ddp" / "checkpoints" / "last.ckpt"), last_weights(last)
+    )
+    print(f"2 groups of 2 vs ddp on 4: {difference:.2e} of the largest weight")
+    assert difference <= RELATIVE_TOLERANCE, detail
+
+
+def test_a_killed_group_of_two_restarts_whole_and_rejoins_while_the_other_keeps_training(tmp_path: Path) -> None:
+    """2 groups of 2 processes: both processes of group 1 killed -9 at step 50; the launcher starts the
+    group again as a whole (both processes, named as before), it heals from group 0 (each process from
+    the process of the same rank) and rejoins with its weights, while group 0 never stops."""
+    root = tmp_path / "run"
+    steps = 300
+    args = [*GROUPS_OF_TWO, f"--trainer.max_steps={steps}", "--trainer.max_epochs=100"]
+    env = oversubscribed()
+    uninterrupted = ddp_app(*fit_command(tmp_path / "uninterrupted", *args)[1:], env=env, timeout=300)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    paced = '--trainer.callbacks+={"class_path": "tests.helpers.user_callbacks.SleepOnRank", "init_args": {"rank": 0}}'
+    with open(tmp_path / "ft.log", "w") as log:
+        process = start(fit_command(root, *args, paced), stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: any(entry["step"] >= 50 for entry in story(root, 1)), "step 50 of group 1", process)
+        pids = next(entry["pids"] for entry in story(root, 1) if entry.get("start"))
+        names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in pids]
+        assert names == ["ddp-app rank 2", "ddp-app rank 3"], names
+        killed_at = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: len([entry for entry in story(root, 1) if entry.get("start")]) > 1, "group 1 back", process)
+        restarted_pids = [entry for entry in story(root, 1) if entry.get("start")][1]["pids"]
+        names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in restarted_pids]
+        assert names == ["ddp-app rank 2", "ddp-app rank 3"], names
+        process.wait(timeout=300)
+    finally:
+        kill_job(process.pid)
+        process.wait()
+    output = (tmp_path / "ft.log").read_text()
+    assert process.returncode == 0, output[-4000:]
+    assert output.count("starting it again (1 of 3)") == 1, output[-4000:]  # one restart: the group, not each process
+    times = [entry["time"] for entry in story(root, 0) if "step" in entry and "sent" not in entry]
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    assert max(gaps) < DEFAULT_TIMEOUT_S, f"group 0 stopped for {max(gaps):.1f} s"
+    replicas = [entry["replicas"] for entry in story(root, 0) if entry.get("time", 0) > killed_at]
+    assert 1 in replicas and replicas[-1] == 2, replicas
+    restarted = [entry for entry in story(root, 1) if entry.get("start")][1]
+    assert restarted["step"] > 50
+    sent = [entry for entry in story(root, 0) if entry.get("sent") == restarted["step"]]
+    assert sent and sent[-1]["digest"] == restarted["digest"], (restarted, sent)
+    assert story(root, 0)[-1]["step"] == story(root, 1)[-1]["step"] == steps
+    assert abs(last_val_acc(root) - last_val_acc(tmp_path / "uninterrupted")) <= 0.01
+    last = root / "checkpoints" / "last.ckpt"
+    assert safe_load(last)["global_step"] == steps
+    assert_same_weights(last, root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
+
+
 WHOLE_JOB = ["--trainer.devices=2", "--trainer.max_steps=60", "--last_checkpoint.every_n_steps=7", *FT]
 
 
