@@ -183,11 +183,17 @@ def plan_fault_tolerance(
             lighthouse=env[LIGHTHOUSE_VARIABLE],
             group=int(env[GROUP_VARIABLE]),
         )
-    if strategy_kind != "ddp":
+    if strategy_kind == "fsdp" and group_size == 1:
+        raise UserFacingError(
+            "fault_tolerance.enabled: true with trainer.strategy fsdp and fault_tolerance.group_size 1: a group of one "
+            "process has nothing to shard with. Fix: --fault_tolerance.group_size 2 or more (sharded within a group, "
+            "HSDP), or --trainer.strategy ddp."
+        )
+    if strategy_kind not in ("ddp", "fsdp"):
         raise UserFacingError(
             f"fault_tolerance.enabled: true with trainer.strategy of kind {strategy_kind}: fault tolerance averages "
-            "gradients across replica groups as DDP does, and serves DDP only so far. Fix: --trainer.strategy ddp, "
-            "or --fault_tolerance.enabled false."
+            "gradients across replica groups as DDP does, and serves DDP and FSDP (sharded within a group) only. "
+            "Fix: --trainer.strategy ddp, or --fault_tolerance.enabled false."
         )
     node_launcher = node_launcher and launcher == "srun"
     if launcher == "srun" and not node_launcher:

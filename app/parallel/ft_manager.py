@@ -49,8 +49,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 from app.checkpoints.io import atomic_torch_save, safe_load
+from app.checkpoints.sharded import META_NAME, is_sharded_checkpoint
 from app.parallel.fault_tolerance import (
     START_VARIABLE,
     STORE_PORT_VARIABLE,
@@ -59,6 +61,7 @@ from app.parallel.fault_tolerance import (
     FaultTolerancePlan,
 )
 from app.parallel.ft_buckets import GradientBuckets
+from app.parallel.ft_shards import LOCAL_SHARDS_KEY, has_shards, load_local_shards, to_local_shards
 from app.private_apis import require
 
 
@@ -136,7 +139,9 @@ class GroupRuntime:
             if self.story:  # what it sent, for the record: the receiver's start line says what it got
                 self._write({"sent": self.trainer.global_step, "digest": weights_digest(self.trainer.lightning_module)})
             # Private (docs/private_apis.md): the dict `trainer.save_checkpoint` writes, without writing it.
-            return self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            # Sharded within the group (strategy fsdp): this process's shards, for the process of the same rank.
+            return to_local_shards(checkpoint) if has_shards(checkpoint) else checkpoint
         if self.resume_path:  # not training yet: the checkpoint it is about to resume from
             return safe_load(self.resume_path)
         raise RuntimeError("ddp-app: fault tolerance: asked for its state before it has any")
@@ -152,9 +157,12 @@ class GroupRuntime:
         assert trainer is not None
         if state.get("global_step") != trainer.global_step:
             end_to_heal(self._say, self.story, trainer.global_step, state.get("global_step"))
-        trainer.lightning_module.load_state_dict(state["state_dict"])
-        for optimizer, saved in zip(trainer.optimizers, state["optimizer_states"], strict=True):
-            optimizer.load_state_dict(saved)
+        if state.get(LOCAL_SHARDS_KEY):  # sharded within the group: this process's shards
+            load_local_shards(trainer.strategy.model, trainer.optimizers, state)
+        else:
+            trainer.lightning_module.load_state_dict(state["state_dict"])
+            for optimizer, saved in zip(trainer.optimizers, state["optimizer_states"], strict=True):
+                optimizer.load_state_dict(saved)
         for config, saved in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
             config.scheduler.load_state_dict(saved)
         self._say(f"took the weights of a peer at step {state.get('global_step')}")
@@ -328,10 +336,12 @@ def _group_pids() -> list[int]:
 
 
 def weights_digest(module: torch.nn.Module) -> str:
-    """A SHA-256 of the module's parameters, in order: equal digests, equal weights."""
+    """A SHA-256 of the module's parameters, in order: equal digests, equal weights (sharded: this process's shards,
+    which the process of the same rank in another group holds too)."""
     digest = hashlib.sha256()
     for param in module.parameters():
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        local = param.to_local() if isinstance(param, DTensor) else param
+        digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -341,6 +351,8 @@ def _ms(seconds: float) -> float:
 
 def _global_step_of(path: str) -> int:
     """The global step a checkpoint resumes at (memory-mapped: the tensors are not read)."""
+    if is_sharded_checkpoint(path):  # strategy fsdp: the step is in its meta file, beside the shards
+        path = str(Path(path) / META_NAME)
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception:  # a sharded directory or another format: Lightning reports it when it loads

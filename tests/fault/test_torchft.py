@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from app.checkpoints.io import safe_load
 from tests.fault.test_resume import assert_same_weights
@@ -43,8 +45,38 @@ def last_val_acc(root: Path) -> float:
     return float([row for row in rows if row.get("val_acc")][-1]["val_acc"])
 
 
-def fit_command(root: Path, *args: str) -> list[str]:
-    return [str(BIN / "ddp-app"), "fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={root}", *args]
+def fit_command(root: Path, *args: str, config: str | Path = "configs/digits.yaml") -> list[str]:
+    return [str(BIN / "ddp-app"), "fit", "--config", str(config), f"--trainer.default_root_dir={root}", *args]
+
+
+def digits_config(directory: Path, strategy: str, **init_args: object) -> Path:
+    """configs/digits.yaml as it is (`ddp`), or with `strategy: fsdp` (FSDP2Strategy with `init_args`)."""
+    if strategy == "ddp":
+        return REPO / "configs" / "digits.yaml"
+    from app.parity import write_variant
+
+    config = yaml.safe_load((REPO / "configs" / "digits.yaml").read_text())
+    fsdp = {"class_path": "app.parallel.fsdp.FSDP2Strategy", "init_args": init_args}
+    return write_variant(config, directory / f"digits_fsdp{len(init_args)}.yaml", fsdp)
+
+
+def net_weights(last: Path) -> dict:
+    """The network's weights in a last.ckpt, one file or sharded (joined)."""
+    from app.parity import last_weights
+
+    return last_weights(last)
+
+
+def assert_equal_weights(first: Path, second: Path) -> None:
+    """Bit for bit, a checkpoint of one file or sharded."""
+    expected, actual = net_weights(first), net_weights(second)
+    assert expected.keys() == actual.keys()
+    different = [key for key in expected if not torch.equal(expected[key], actual[key])]
+    assert not different, f"weights differ, first: {different[0]}"
+
+
+def global_step(last: Path) -> int:
+    return int(safe_load(last / "meta.pt" if last.is_dir() else last)["global_step"])
 
 
 def run_fit(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -228,19 +260,25 @@ def test_two_groups_of_two_without_a_failure_equal_ddp_on_four_within_rounding(t
     assert difference <= RELATIVE_TOLERANCE, detail
 
 
-def test_a_killed_group_of_two_restarts_whole_and_rejoins_while_the_other_keeps_training(tmp_path: Path) -> None:
-    """2 groups of 2 processes: both processes of group 1 killed -9 at step 50; the launcher starts the
-    group again as a whole (both processes, named as before), it heals from group 0 (each process from
-    the process of the same rank) and rejoins with its weights, while group 0 never stops."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_killed_group_of_two_restarts_whole_and_rejoins_while_the_other_keeps_training(
+    tmp_path: Path, strategy: str
+) -> None:
+    """2 groups of 2 processes (DDP, or FSDP2 sharding within a group: HSDP): both processes of group 1
+    killed -9 at step 50; the launcher starts the group again as a whole (both processes, named as
+    before), it heals from group 0 (each process from the process of the same rank: its shard under
+    fsdp) and rejoins with its weights, while group 0 never stops; the run ends with the planned steps,
+    both groups with the same weights, and validation accuracy within 1% of an uninterrupted run."""
     root = tmp_path / "run"
     steps = 300
+    config = digits_config(tmp_path, strategy)
     args = [*GROUPS_OF_TWO, f"--trainer.max_steps={steps}", "--trainer.max_epochs=100"]
     env = oversubscribed()
-    uninterrupted = ddp_app(*fit_command(tmp_path / "uninterrupted", *args)[1:], env=env, timeout=300)
+    uninterrupted = ddp_app(*fit_command(tmp_path / "uninterrupted", *args, config=config)[1:], env=env, timeout=300)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     paced = '--trainer.callbacks+={"class_path": "tests.helpers.user_callbacks.SleepOnRank", "init_args": {"rank": 0}}'
     with open(tmp_path / "ft.log", "w") as log:
-        process = start(fit_command(root, *args, paced), stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = start(fit_command(root, *args, paced, config=config), stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_for(lambda: any(entry["step"] >= 50 for entry in story(root, 1)), "step 50 of group 1", process)
         pids = next(entry["pids"] for entry in story(root, 1) if entry.get("start"))
@@ -272,8 +310,34 @@ def test_a_killed_group_of_two_restarts_whole_and_rejoins_while_the_other_keeps_
     assert story(root, 0)[-1]["step"] == story(root, 1)[-1]["step"] == steps
     assert abs(last_val_acc(root) - last_val_acc(tmp_path / "uninterrupted")) <= 0.01
     last = root / "checkpoints" / "last.ckpt"
-    assert safe_load(last)["global_step"] == steps
-    assert_same_weights(last, root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
+    assert global_step(last) == steps
+    assert_equal_weights(last, root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
+
+
+def test_two_fsdp_groups_of_two_without_a_failure_equal_hybrid_sharding_2x2_bit_for_bit(tmp_path: Path) -> None:
+    """`strategy: fsdp` in 2 groups of 2 processes (each group shards the model over its 2 processes,
+    torchft averages each shard across the groups) against plain hybrid sharding, 2 replicas x 2 shards
+    on 4 processes: the same reduce-scatter within a shard group, then a sum of two values across the
+    replicas (which does not depend on its order) halved (exact), so the weights are equal bit for bit
+    (the hybrid tests allow 1e-5 of the largest weight; none is needed)."""
+    steps = ["--trainer.max_steps=25", "--trainer.enable_progress_bar=false"]
+    env = oversubscribed()
+    hybrid = digits_config(tmp_path, "fsdp", shard_group_size=2)
+    plain = ddp_app(*fit_command(tmp_path / "hybrid", "--trainer.devices=4", *steps, config=hybrid)[1:], env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "sharded as 2 replicas x 2 shards" in plain.stdout
+    groups = [*GROUPS_OF_TWO, *steps, "--fault_tolerance.min_replicas=2"]
+    ft = ddp_app(*fit_command(tmp_path / "ft", *groups, config=digits_config(tmp_path, "fsdp"))[1:], env=env)
+    assert ft.returncode == 0, ft.stderr[-3000:]
+    assert "sharded as 1 replica x 2 shards" in ft.stdout and "on 2 replica groups of 2 process(es)" in ft.stdout
+    for group in (0, 1):
+        steps_taken = [entry for entry in story(tmp_path / "ft", group) if not entry.get("start")]
+        assert [entry["step"] for entry in steps_taken] == list(range(1, 26))
+        assert all(entry["replicas"] == 2 and entry["committed"] for entry in steps_taken), steps_taken
+    last = tmp_path / "ft" / "checkpoints" / "last.ckpt"
+    assert last.is_dir()  # sharded, as under strategy fsdp without fault tolerance
+    assert_equal_weights(tmp_path / "hybrid" / "checkpoints" / "last.ckpt", last)
+    assert_equal_weights(last, tmp_path / "ft" / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
 
 
 WHOLE_JOB = ["--trainer.devices=2", "--trainer.max_steps=60", "--last_checkpoint.every_n_steps=7", *FT]
