@@ -1,11 +1,14 @@
-"""ddp-app's launcher for a fault-tolerant run: the lighthouse, one process per replica group, and
-a dead group started again while the others keep training (docs/fault_tolerance.md).
+"""ddp-app's launcher for a fault-tolerant run: the lighthouse, the processes of every replica group,
+and a dead group started again while the others keep training (docs/fault_tolerance.md).
 
 Unlike a plain launch (app/cluster/launch.py), one group's death does not stop the others: its
-process is forked again (up to `fault_tolerance.group_restarts` times per group) with the same
-command line and process name (`ddp-app rank N`, N the group's index), and it rejoins from a
-peer's memory. Each group is a run of one process to Lightning: its own TCPStore port, `devices=1`
-and strategy `auto`; group 0 writes the run's logs and checkpoints in `trainer.default_root_dir`,
+processes are forked again (up to `fault_tolerance.group_restarts` times per group) with the same
+command line and process names (`ddp-app rank N`, N = group x group_size + its rank in the group),
+and it rejoins from a peer's memory. A group whose one process fails restarts whole: the launcher
+kills its other processes, which would wait for the dead one in the group's own collectives. Each
+group is a run of `group_size` processes to Lightning: its own MASTER_PORT and torchft store port,
+`devices=group_size` (one process: strategy `auto`; several: the config's, DDP or FSDP within the
+group); group 0 writes the run's logs and checkpoints in `trainer.default_root_dir`,
 group N > 0 its checkpoints in `<default_root_dir>/fault_tolerance/group_N` (without a logger),
 and every group a line per step in `<default_root_dir>/fault_tolerance/group_N.jsonl`.
 

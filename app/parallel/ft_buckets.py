@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This process's part of a tensor: its shard if sharded (strategy fsdp within a group, a DTensor), else itself.
     Process r of every group holds the same shard, so the groups all-reduce shard with shard."""
@@ -113,7 +114,10 @@ class GradientBuckets:
             self._start(len(self.started))
 
     def _start(self, index: int) -> None:
-        grads = [_local(param.grad) if param.grad is not None else torch.zeros_like(_local(param)) for param in self.order[index]]
+        grads = [
+            _local(param.grad) if param.grad is not None else torch.zeros_like(_local(param))
+            for param in self.order[index]
+        ]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         self.started.append((flat, self.manager.allreduce(flat)))
 

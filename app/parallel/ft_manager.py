@@ -153,18 +153,10 @@ class GroupRuntime:
             return
         # During fit: a peer at the same step committed a step this group dropped. Same data position
         # and step, other weights: the weights, optimizer and schedulers are taken.
-        trainer = self.trainer
-        assert trainer is not None
-        if state.get("global_step") != trainer.global_step:
-            end_to_heal(self._say, self.story, trainer.global_step, state.get("global_step"))
-        if state.get(LOCAL_SHARDS_KEY):  # sharded within the group: this process's shards
-            load_local_shards(trainer.strategy.model, trainer.optimizers, state)
-        else:
-            trainer.lightning_module.load_state_dict(state["state_dict"])
-            for optimizer, saved in zip(trainer.optimizers, state["optimizer_states"], strict=True):
-                optimizer.load_state_dict(saved)
-        for config, saved in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
-            config.scheduler.load_state_dict(saved)
+        assert self.trainer is not None
+        if state.get("global_step") != self.trainer.global_step:
+            end_to_heal(self._say, self.story, self.trainer.global_step, state.get("global_step"))
+        take_weights(self.trainer, state)
         self._say(f"took the weights of a peer at step {state.get('global_step')}")
 
     # ----- during fit -----
@@ -322,6 +314,18 @@ def make_manager(settings: FaultTolerance, plan: FaultTolerancePlan, env: Any) -
     # Private (docs/private_apis.md), checked once here, before training relies on it.
     require(manager, "_quorum_id", "torchft", "the line that says the quorum of replica groups changed")
     return store, manager
+
+
+def take_weights(trainer: L.Trainer, state: dict[str, Any]) -> None:
+    """The weights, optimizer and scheduler states a peer sent, put in place during `fit`."""
+    if state.get(LOCAL_SHARDS_KEY):  # sharded within the group: this process's shards
+        load_local_shards(trainer.strategy.model, trainer.optimizers, state)
+    else:
+        trainer.lightning_module.load_state_dict(state["state_dict"])
+        for optimizer, saved in zip(trainer.optimizers, state["optimizer_states"], strict=True):
+            optimizer.load_state_dict(saved)
+    for config, saved in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
+        config.scheduler.load_state_dict(saved)
 
 
 def _group_pids() -> list[int]:

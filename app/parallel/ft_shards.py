@@ -1,4 +1,4 @@
-"""The state a replica group sends a healing peer under `strategy: fsdp` (sharded within a group, docs/fault_tolerance.md).
+"""What a replica group sends a healing peer under `strategy: fsdp`, sharded within a group (docs/fault_tolerance.md).
 
 Each process of a group holds its shard of the weights and of the optimizer state (DTensors over the group's own
 mesh). Every group has the same mesh, so process r of one group holds the same shard as process r of any other, and
@@ -51,13 +51,16 @@ def to_local_shards(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint
 
 
-def received_local_shards(path: str | Path) -> dict[str, Any] | None:
-    """The checkpoint at `path` if it is the state a peer sent this sharded process (a file with the mark), else
-    None (a sharded checkpoint directory, which FSDP2Strategy loads as usual)."""
+def load_received_shards(path: str | Path, module: nn.Module, optimizers: list[Any]) -> dict[str, Any] | None:
+    """If `path` is the state a peer sent this sharded process (a file with the mark): its shards put into `module`
+    and `optimizers`, and the checkpoint returned; else None (a sharded checkpoint directory, loaded as usual)."""
     if not Path(path).is_file():
         return None
     checkpoint = safe_load(path)
-    return checkpoint if isinstance(checkpoint, dict) and checkpoint.get(LOCAL_SHARDS_KEY) else None
+    if not (isinstance(checkpoint, dict) and checkpoint.get(LOCAL_SHARDS_KEY)):
+        return None
+    load_local_shards(module, optimizers, checkpoint)
+    return checkpoint
 
 
 def _as_dtensor(template: torch.Tensor, local: Any) -> Any:

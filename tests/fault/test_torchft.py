@@ -398,11 +398,21 @@ def test_every_group_killed_at_once_is_started_again_and_ends_exactly(
     ("args", "expected"),
     [
         (["--trainer.devices=3", "--fault_tolerance.group_size=2"], "fault_tolerance.group_size=2 does not divide"),
-        (["--trainer.devices=2", "--trainer.strategy=fsdp"], "serves DDP only so far"),
+        (["--trainer.devices=2", "--trainer.strategy=fsdp"], "a group of one process has nothing to shard with"),
+        (["--trainer.devices=2", "--trainer.strategy=diloco"], "serves DDP and FSDP (sharded within a group) only"),
+        (
+            [
+                "--trainer.devices=4",
+                "--fault_tolerance.group_size=2",
+                "--trainer.strategy=app.parallel.fsdp.FSDP2Strategy",
+                "--trainer.strategy.init_args.shard_group_size=4",
+            ],
+            "does not divide a group's 2 ranks",
+        ),  # fmt: skip
         (["--trainer.devices=2", "--fault_tolerance.lighthouse=http://127.0.0.1:9"], "does not answer"),
         (["--trainer.devices=1"], "fault tolerance needs at least 2"),
     ],
-    ids=["group-size", "strategy", "lighthouse", "one-group"],
+    ids=["group-size", "fsdp-one-process", "strategy", "fsdp-shards-beyond-a-group", "lighthouse", "one-group"],
 )
 def test_bad_input_stops_in_one_line_before_any_group(tmp_path: Path, args: list[str], expected: str) -> None:
     result = run_fit(tmp_path / "run", *args, *FT, timeout=120)
