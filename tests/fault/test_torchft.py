@@ -260,7 +260,9 @@ def test_two_groups_of_two_without_a_failure_equal_ddp_on_four_within_rounding(t
     assert difference <= RELATIVE_TOLERANCE, detail
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# About 50 s each alone on this 2-core VM, 65 to 73 s under the others' load: the acceptance line's fsdp case stays in
+# the default tier, the ddp case (the same launcher path, the state of groups of one process) runs in the slow tier.
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_a_killed_group_of_two_restarts_whole_and_rejoins_while_the_other_keeps_training(
     tmp_path: Path, strategy: str
 ) -> None:
