@@ -43,7 +43,7 @@ from app.cluster.launch import (
     with_ckpt_path_last,
     worth_a_restart,
 )
-from app.cluster.preflight import NODE_LAUNCHER_VARIABLE
+from app.cluster.preflight import NODE_LAUNCHER_VARIABLE, visible_gpus
 from app.errors import UserFacingError
 from app.parallel.fault_tolerance import (
     GROUP_VARIABLE,
@@ -94,11 +94,35 @@ def start_lighthouse(plan: FaultTolerancePlan, settings: FaultTolerance) -> tupl
     return process, address
 
 
+def group_gpus(visible: list[str], plan: FaultTolerancePlan, group: int) -> str | None:
+    """The GPUs a group's processes see (CUDA_VISIBLE_DEVICES): the node's visible GPUs in order, `group_size`
+    for each of the node's groups, so that no two groups train on the same GPU; None (unchanged) where the node
+    has fewer GPUs than its groups' processes (none: a CPU run; or groups that share them)."""
+    here = plan.groups_here()
+    if len(visible) < len(here) * plan.group_size:
+        return None
+    local = group - here.start
+    return ",".join(visible[local * plan.group_size : (local + 1) * plan.group_size])
+
+
+def visible_gpu_ids(env: Mapping[str, str]) -> list[str]:
+    """The node's GPUs as CUDA_VISIBLE_DEVICES names them (else 0..n-1), counted without initialising CUDA."""
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [name.strip() for name in env["CUDA_VISIBLE_DEVICES"].split(",") if name.strip()]
+    return [str(index) for index in range(visible_gpus())]
+
+
 def group_environments(
-    env: Mapping[str, str], group: int, plan: FaultTolerancePlan, lighthouse: str, story: Path
+    env: Mapping[str, str],
+    group: int,
+    plan: FaultTolerancePlan,
+    lighthouse: str,
+    story: Path,
+    gpus: list[str] | None = None,
 ) -> list[dict[str, str]]:
     """The variables of a group's processes, one dict per process: a run of `group_size` processes to
-    Lightning, with its own MASTER_PORT (the group's own process group) and its own torchft store port.
+    Lightning, with its own MASTER_PORT (the group's own process group), its own torchft store port and,
+    on a node with a GPU per process, its own GPUs (`gpus`: the node's, `group_gpus`).
     The store's address is what torchft tells the other groups (the quorum's store address): on several
     nodes the host's name, which they can reach, else the loopback."""
     shared = {
@@ -114,6 +138,9 @@ def group_environments(
         STORY_VARIABLE: str(story),
         "RUST_LOG": env.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at INFO
     }
+    own_gpus = group_gpus(gpus or [], plan, group)
+    if own_gpus is not None:
+        shared["CUDA_VISIBLE_DEVICES"] = own_gpus
     return [{**shared, "LOCAL_RANK": str(local_rank)} for local_rank in range(plan.group_size)]
 
 
@@ -185,11 +212,12 @@ def run_replica_groups(
     # they are unless every group died): as today's in-job restart, with `--ckpt_path last`.
     restart_args = {group: with_ckpt_path_last(arguments) for group, arguments in group_args.items()}
     start_directory = str(start_directory_for(plan, story, env))
+    gpus = visible_gpu_ids(env)
 
     running: dict[int, int] = {}  # pid -> group: every process of every group
 
     def start(group: int, first: bool = False, barrier: str | None = None) -> None:
-        group_envs = group_environments(env, group, plan, lighthouse, story)
+        group_envs = group_environments(env, group, plan, lighthouse, story, gpus)
         for group_env in group_envs:
             if first or barrier:
                 group_env[START_VARIABLE] = barrier or start_directory
