@@ -263,7 +263,11 @@ def test_two_groups_of_two_without_a_failure_equal_ddp_on_four_within_rounding(t
 # About 50 s each alone on this 2-core VM, 65 to 73 s under the others' load: the acceptance line's case (fsdp, both
 # processes killed) stays in the default tier; the ddp case, one process killed, runs in the slow tier.
 @pytest.mark.parametrize(
-    ("strategy", "killed"), [pytest.param("ddp", [1], marks=pytest.mark.slow, id="ddp-one-process"), ("fsdp", [0, 1])]
+    ("strategy", "killed"),
+    [
+        pytest.param("ddp", [1], marks=pytest.mark.slow, id="ddp-one-process"),
+        pytest.param("fsdp", [0, 1], id="fsdp-both-processes"),
+    ],
 )
 def test_a_killed_group_of_two_restarts_whole_and_rejoins_while_the_other_keeps_training(
     tmp_path: Path, strategy: str, killed: list[int]
