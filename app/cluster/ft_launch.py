@@ -1,11 +1,14 @@
-"""ddp-app's launcher for a fault-tolerant run: the lighthouse, one process per replica group, and
-a dead group started again while the others keep training (docs/fault_tolerance.md).
+"""ddp-app's launcher for a fault-tolerant run: the lighthouse, the processes of every replica group,
+and a dead group started again while the others keep training (docs/fault_tolerance.md).
 
 Unlike a plain launch (app/cluster/launch.py), one group's death does not stop the others: its
-process is forked again (up to `fault_tolerance.group_restarts` times per group) with the same
-command line and process name (`ddp-app rank N`, N the group's index), and it rejoins from a
-peer's memory. Each group is a run of one process to Lightning: its own TCPStore port, `devices=1`
-and strategy `auto`; group 0 writes the run's logs and checkpoints in `trainer.default_root_dir`,
+processes are forked again (up to `fault_tolerance.group_restarts` times per group) with the same
+command line and process names (`ddp-app rank N`, N = group x group_size + its rank in the group),
+and it rejoins from a peer's memory. A group whose one process fails restarts whole: the launcher
+kills its other processes, which would wait for the dead one in the group's own collectives. Each
+group is a run of `group_size` processes to Lightning: its own MASTER_PORT and torchft store port,
+`devices=group_size` (one process: strategy `auto`; several: the config's, DDP or FSDP within the
+group); group 0 writes the run's logs and checkpoints in `trainer.default_root_dir`,
 group N > 0 its checkpoints in `<default_root_dir>/fault_tolerance/group_N` (without a logger),
 and every group a line per step in `<default_root_dir>/fault_tolerance/group_N.jsonl`.
 
@@ -40,13 +43,14 @@ from app.cluster.launch import (
     with_ckpt_path_last,
     worth_a_restart,
 )
-from app.cluster.preflight import NODE_LAUNCHER_VARIABLE
+from app.cluster.preflight import NODE_LAUNCHER_VARIABLE, visible_gpus
 from app.errors import UserFacingError
 from app.parallel.fault_tolerance import (
     GROUP_VARIABLE,
     GROUPS_VARIABLE,
     LIGHTHOUSE_VARIABLE,
     START_VARIABLE,
+    STORE_PORT_VARIABLE,
     STORY_VARIABLE,
     FaultTolerance,
     FaultTolerancePlan,
@@ -59,9 +63,11 @@ STORY_DIRECTORY = "fault_tolerance"
 RESTART_MARGIN_S = 0.5
 
 
-def group_arguments(args: list[str], group: int, run_dir: Path) -> list[str]:
-    """A group's command line: one process to Lightning; groups other than 0 keep their checkpoints apart."""
-    own = ["--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
+def group_arguments(args: list[str], group: int, run_dir: Path, group_size: int = 1) -> list[str]:
+    """A group's command line: a run of `group_size` processes to Lightning (one: strategy `auto`; more: the
+    config's strategy within the group); groups other than 0 keep their checkpoints apart."""
+    own = [f"--trainer.devices={group_size}", "--trainer.num_nodes=1"]
+    own += ["--trainer.strategy=auto"] if group_size == 1 else []
     if group:
         own += [f"--trainer.default_root_dir={run_dir / STORY_DIRECTORY / f'group_{group}'}", "--trainer.logger=false"]
     return [*args, *own]
@@ -88,17 +94,42 @@ def start_lighthouse(plan: FaultTolerancePlan, settings: FaultTolerance) -> tupl
     return process, address
 
 
-def group_environment(
-    env: Mapping[str, str], group: int, plan: FaultTolerancePlan, lighthouse: str, story: Path
-) -> dict[str, str]:
-    """A group's variables: a run of one process to Lightning, with its own store port. The store's
-    address is what torchft tells the other groups (the quorum's store address): on several nodes
-    the host's name, which they can reach, else the loopback."""
-    return {
+def group_gpus(visible: list[str], plan: FaultTolerancePlan, group: int) -> str | None:
+    """The GPUs a group's processes see (CUDA_VISIBLE_DEVICES): the node's visible GPUs in order, `group_size`
+    for each of the node's groups, so that no two groups train on the same GPU; None (unchanged) where the node
+    has fewer GPUs than its groups' processes (none: a CPU run; or groups that share them)."""
+    here = plan.groups_here()
+    if len(visible) < len(here) * plan.group_size:
+        return None
+    local = group - here.start
+    return ",".join(visible[local * plan.group_size : (local + 1) * plan.group_size])
+
+
+def visible_gpu_ids(env: Mapping[str, str]) -> list[str]:
+    """The node's GPUs as CUDA_VISIBLE_DEVICES names them (else 0..n-1), counted without initialising CUDA."""
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [name.strip() for name in env["CUDA_VISIBLE_DEVICES"].split(",") if name.strip()]
+    return [str(index) for index in range(visible_gpus())]
+
+
+def group_environments(
+    env: Mapping[str, str],
+    group: int,
+    plan: FaultTolerancePlan,
+    lighthouse: str,
+    story: Path,
+    gpus: list[str] | None = None,
+) -> list[dict[str, str]]:
+    """The variables of a group's processes, one dict per process: a run of `group_size` processes to
+    Lightning, with its own MASTER_PORT (the group's own process group), its own torchft store port and,
+    on a node with a GPU per process, its own GPUs (`gpus`: the node's, `group_gpus`).
+    The store's address is what torchft tells the other groups (the quorum's store address): on several
+    nodes the host's name, which they can reach, else the loopback."""
+    shared = {
         "MASTER_ADDR": "127.0.0.1" if plan.local_groups is None else socket.gethostname(),
         "MASTER_PORT": str(free_port()),
+        STORE_PORT_VARIABLE: str(free_port()),
         "NODE_RANK": "0",
-        "LOCAL_RANK": "0",
         "WORLD_SIZE": str(plan.group_size),
         "PL_GLOBAL_SEED": env["PL_GLOBAL_SEED"],
         GROUP_VARIABLE: str(group),
@@ -107,6 +138,10 @@ def group_environment(
         STORY_VARIABLE: str(story),
         "RUST_LOG": env.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at INFO
     }
+    own_gpus = group_gpus(gpus or [], plan, group)
+    if own_gpus is not None:
+        shared["CUDA_VISIBLE_DEVICES"] = own_gpus
+    return [{**shared, "LOCAL_RANK": str(local_rank)} for local_rank in range(plan.group_size)]
 
 
 # A Slurm job step's variables that would make a group's process a task of the step: SLURM_NTASKS makes
@@ -134,17 +169,22 @@ def start_directory_for(plan: FaultTolerancePlan, story: Path, env: Mapping[str,
     return directory
 
 
-def fork_group(run_group: Callable[[], int], group_env: dict[str, str], group: int) -> int:
-    """Fork one group's process (its stderr is the launcher's); returns its pid."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    parent = os.getpid()
-    stderr_fd = os.dup(2)
-    pid = os.fork()
-    if pid == 0:
-        _rank_main(run_group, group_env, parent, stderr_fd, name_rank=group)
-    os.close(stderr_fd)
-    return pid
+def fork_group(run_group: Callable[[], int], group_envs: list[dict[str, str]], group: int) -> list[int]:
+    """Fork one group's processes (their stderr is the launcher's); returns their pids. Process r of
+    group g is named `ddp-app rank g x group_size + r`: the rank it would be under `strategy: ddp`."""
+    pids = []
+    for group_env in group_envs:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        stderr_fd = os.dup(2)
+        pid = os.fork()
+        if pid == 0:
+            name = group * len(group_envs) + int(group_env["LOCAL_RANK"])
+            _rank_main(run_group, group_env, parent, stderr_fd, name_rank=name)
+        os.close(stderr_fd)
+        pids.append(pid)
+    return pids
 
 
 def run_replica_groups(
@@ -167,24 +207,28 @@ def run_replica_groups(
     here = plan.groups_here()
     where = f"; groups {here.start}..{here.stop - 1} on {socket.gethostname()}" if plan.local_groups is not None else ""
     print(f"ddp-app: fault tolerance: {plan.describe()}; lighthouse at {lighthouse}{where}", flush=True)
-    group_args = {group: group_arguments(args, group, run_dir) for group in here}
+    group_args = {group: group_arguments(args, group, run_dir, plan.group_size) for group in here}
     # A restarted group continues its own run (it heals from a peer when the peers are ahead, which
     # they are unless every group died): as today's in-job restart, with `--ckpt_path last`.
     restart_args = {group: with_ckpt_path_last(arguments) for group, arguments in group_args.items()}
     start_directory = str(start_directory_for(plan, story, env))
+    gpus = visible_gpu_ids(env)
 
-    def start(group: int, first: bool = False, barrier: str | None = None) -> int:
-        group_env = group_environment(env, group, plan, lighthouse, story)
-        if first or barrier:
-            group_env[START_VARIABLE] = barrier or start_directory
+    running: dict[int, int] = {}  # pid -> group: every process of every group
+
+    def start(group: int, first: bool = False, barrier: str | None = None) -> None:
+        group_envs = group_environments(env, group, plan, lighthouse, story, gpus)
+        for group_env in group_envs:
+            if first or barrier:
+                group_env[START_VARIABLE] = barrier or start_directory
         arguments = group_args[group] if first else restart_args[group]
-        return fork_group(lambda: as_group(run, arguments), group_env, group)
+        for pid in fork_group(lambda: as_group(run, arguments), group_envs, group):
+            running[pid] = group
 
     signal.pthread_sigmask(signal.SIG_BLOCK, LAUNCHER_SIGNALS)
-    running: dict[int, int] = {}  # pid -> group
     try:
         for group in here:
-            running[start(group, first=True)] = group
+            start(group, first=True)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, LAUNCHER_SIGNALS)
     stopping = False
@@ -203,6 +247,9 @@ def run_replica_groups(
     # fails and drops the step (seen in tests/fault/test_torchft.py's every-group-killed test). Group -> when.
     restart_at: dict[int, float] = {}
     barriers: list[str] = []
+    # A group one of whose processes failed, while its others are still ending (killed by the launcher: a group's
+    # processes train together, so a group restarts as a whole). Group -> its first failure's (pid, exit code).
+    failing: dict[int, tuple[int, int]] = {}
     code = 0
     try:
         while running or restart_at:
@@ -217,15 +264,23 @@ def run_replica_groups(
                 barriers += [barrier] if barrier else []
                 for group in due:
                     del restart_at[group]
-                    running[start(group, barrier=barrier)] = group
+                    start(group, barrier=barrier)
             ended = ended_children()
             if not ended:
                 time.sleep(0.05)
                 continue
             for pid, returncode in ended:
                 group = running.pop(pid, None)
-                if group is None or returncode == 0:
+                if group is None:
                     continue
+                if returncode != 0 and group not in failing:  # the group's first failure: its others go too
+                    failing[group] = (pid, returncode)
+                    for other in [other for other, of in running.items() if of == group]:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(other, signal.SIGKILL)
+                if group not in failing or group in running.values():
+                    continue  # finished, or the rest of a failing group still ending
+                pid, returncode = failing.pop(group)  # the whole group is gone: it restarts, or the run stops
                 may_restart = worth_a_restart(returncode) and not stopping and returncode not in STOP_EXIT_CODES
                 if may_restart and restarts[group] < settings.group_restarts:  # alone too: it resumes from last.ckpt
                     restarts[group] += 1

@@ -34,6 +34,9 @@ GROUP_VARIABLE = "DDP_APP_FT_GROUP"
 GROUPS_VARIABLE = "DDP_APP_FT_GROUPS"
 LIGHTHOUSE_VARIABLE = "DDP_APP_FT_LIGHTHOUSE"
 STORY_VARIABLE = "DDP_APP_FT_STORY"  # the directory of each group's per-step record (JSON lines)
+# The port of the group's torchft store (a TCPStore its rank 0 serves): not MASTER_PORT, which the group's own
+# process group (Lightning's DDP within a group of several processes) uses.
+STORE_PORT_VARIABLE = "DDP_APP_FT_STORE_PORT"
 # Given to the groups the launcher starts first (not to a restarted one): a directory where each group
 # says it is ready, so that the first quorum waits for every group instead of forming with the first
 # one that got there (which would train its first steps alone).
@@ -48,8 +51,9 @@ class FaultTolerance(L.Callback):
 
     Args:
         enabled: train in replica groups that survive each other's failures (torchft); off by default.
-        group_size: processes per replica group. Only 1 is built so far: on one machine,
-            `--trainer.devices 3 --fault_tolerance.group_size 1` is three groups of one process.
+        group_size: processes per replica group: on one machine, `--trainer.devices 3
+            --fault_tolerance.group_size 1` is three groups of one process, `--trainer.devices 4
+            --fault_tolerance.group_size 2` two groups of two (DDP within a group, torchft across groups).
         min_replicas: the fewest groups a step may commit with; a step with fewer is not applied
             (its gradients are dropped) and the groups wait for the next quorum.
         lighthouse: the address of a running torchft lighthouse (`http://host:port`); unset, ddp-app's
@@ -179,11 +183,17 @@ def plan_fault_tolerance(
             lighthouse=env[LIGHTHOUSE_VARIABLE],
             group=int(env[GROUP_VARIABLE]),
         )
-    if strategy_kind != "ddp":
+    if strategy_kind == "fsdp" and group_size == 1:
+        raise UserFacingError(
+            "fault_tolerance.enabled: true with trainer.strategy fsdp and fault_tolerance.group_size 1: a group of one "
+            "process has nothing to shard with. Fix: --fault_tolerance.group_size 2 or more (sharded within a group, "
+            "HSDP), or --trainer.strategy ddp."
+        )
+    if strategy_kind not in ("ddp", "fsdp"):
         raise UserFacingError(
             f"fault_tolerance.enabled: true with trainer.strategy of kind {strategy_kind}: fault tolerance averages "
-            "gradients across replica groups as DDP does, and serves DDP only so far. Fix: --trainer.strategy ddp, "
-            "or --fault_tolerance.enabled false."
+            "gradients across replica groups as DDP does, and serves DDP and FSDP (sharded within a group) only. "
+            "Fix: --trainer.strategy ddp, or --fault_tolerance.enabled false."
         )
     node_launcher = node_launcher and launcher == "srun"
     if launcher == "srun" and not node_launcher:
@@ -209,10 +219,11 @@ def plan_fault_tolerance(
             f"fault_tolerance.group_size={group_size} does not divide the run's {ranks} process(es) "
             "(trainer.devices x trainer.num_nodes). Fix: a group size that divides them, such as 1."
         )
-    if group_size != 1:
+    node_processes = ranks // max(num_nodes, 1)
+    if group_size != 1 and node_processes % group_size:
         raise UserFacingError(
-            f"fault_tolerance.group_size={group_size}: only groups of 1 process are built so far. "
-            "Fix: --fault_tolerance.group_size 1 (each process is a replica group)."
+            f"fault_tolerance.group_size={group_size} does not divide the {node_processes} process(es) of a node "
+            "(trainer.devices): a replica group lives on one node. Fix: a group size that divides trainer.devices."
         )
     groups = ranks // group_size
     if groups < 2:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from app.checkpoints import state as checkpoint_state
 from app.checkpoints.sharded_io import ShardedCheckpointIO
 from app.errors import UserFacingError
+from app.parallel.ft_shards import load_received_shards
 from app.parallel.mesh import MeshLayout, ShardGroupSize, check_shard_group_size, mesh_layout
 from app.private_apis import require
 
@@ -214,6 +215,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         """This rank's part of the weights and optimizer state loaded in place by the checkpoint I/O (DCP reshards them
         when the mesh changed); returns the rest of the checkpoint."""
         assert self.model is not None
+        if (received := load_received_shards(checkpoint_path, self.model, self.optimizers)) is not None:
+            return received  # a replica group's process healing from a peer's shards (fault tolerance)
         checkpoint = self.checkpoint_io.load_checkpoint(
             checkpoint_path, module=self.model, optimizers=self.optimizers, strict=self.lightning_module.strict_loading
         )

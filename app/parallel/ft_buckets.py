@@ -32,6 +32,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: its shard if sharded (strategy fsdp within a group, a DTensor), else itself.
+    Process r of every group holds the same shard, so the groups all-reduce shard with shard."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (`dist._DEFAULT_FIRST_BUCKET_BYTES`): starts early
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's `bucket_cap_mb` default
@@ -48,7 +56,7 @@ def assign_buckets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Param
         if not members:
             buckets.append(members)
         members.append(param)
-        size += param.numel() * param.element_size()
+        size += _local(param).numel() * param.element_size()
         cap = FIRST_BUCKET_BYTES if closed_per_dtype.get(param.dtype, 0) == 0 else BUCKET_BYTES
         if size >= cap:
             closed_per_dtype[param.dtype] = closed_per_dtype.get(param.dtype, 0) + 1
@@ -70,7 +78,7 @@ class GradientBuckets:
 
     UNDECIDED, ACCUMULATING, SENDING, SENT = "undecided", "accumulating", "sending", "sent"
 
-    def __init__(self, manager: Any, module: torch.nn.Module, should_accumulate: Any) -> None:
+    def __init__(self, manager: Any, module: torch.nn.Module, should_accumulate: Any, overlap: bool = True) -> None:
         self.manager = manager
         self.should_accumulate = should_accumulate  # Lightning's `fit_loop._should_accumulate`
         self.module = module
@@ -82,7 +90,10 @@ class GradientBuckets:
         self.order: list[list[torch.nn.Parameter]] = []  # what is sent this step: the buckets, then the late ones
         self.started: list[tuple[torch.Tensor, Any]] = []  # the flat buckets and their all-reduces, in order
         self.started_in_backward = 0  # of the last backward that sent: the buckets its hooks started
-        self.handles = [param.register_post_accumulate_grad_hook(self._ready) for param in self.params]
+        # overlap=False: every bucket is started after backward (a group of several processes, whose DDP puts the
+        # group's averaged gradients in `.grad` only at the end of backward).
+        hooks = self.params if overlap else []
+        self.handles = [param.register_post_accumulate_grad_hook(self._ready) for param in hooks]
 
     def next_batch(self) -> None:
         """At the end of every batch (micro-batch or not)."""
@@ -103,7 +114,10 @@ class GradientBuckets:
             self._start(len(self.started))
 
     def _start(self, index: int) -> None:
-        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in self.order[index]]
+        grads = [
+            _local(param.grad) if param.grad is not None else torch.zeros_like(_local(param))
+            for param in self.order[index]
+        ]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         self.started.append((flat, self.manager.allreduce(flat)))
 
@@ -129,9 +143,10 @@ class GradientBuckets:
             work.wait()  # torchft: an error is recorded for `should_commit`, not raised
             offset = 0
             for param in bucket:
-                count = param.numel()
+                count = _local(param).numel()
                 if param.grad is not None:
-                    param.grad.copy_(flat[offset : offset + count].view_as(param.grad))
+                    grad = _local(param.grad)
+                    grad.copy_(flat[offset : offset + count].view_as(grad))
                 offset += count
         self.state = self.SENT
         return True

@@ -1,7 +1,13 @@
 """A replica group's side of fault tolerance: torchft's Manager inside a Lightning fit.
 
-One `GroupRuntime` per group's process (groups of one process, so the group's rank 0), owned by
-the `fault_tolerance` callback (app/parallel/fault_tolerance.py). Per optimizer step:
+One `GroupRuntime` per process of a group, owned by the `fault_tolerance` callback
+(app/parallel/fault_tolerance.py): each process has its own torchft Manager (replica id: the group;
+rank and world size: its rank within the group and the group's size, as torchft's own examples do).
+The Manager of the group's rank 0 talks to the lighthouse for the whole group, and process r of a
+group all-reduces with process r of every other group (torchft's process group of "group rank r").
+In a group of several processes, Lightning's DDP first averages the gradients within the group
+(its own process group, MASTER_PORT), and the groups then average those across groups. Per optimizer
+step:
 
 1. The quorum of the step was formed at the end of the previous one (`on_train_batch_end`), or
    before `fit` for the first (`join`), synchronously (`use_async_quorum=False`): a group that
@@ -43,10 +49,19 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 from app.checkpoints.io import atomic_torch_save, safe_load
-from app.parallel.fault_tolerance import START_VARIABLE, STORY_VARIABLE, FaultTolerance, FaultTolerancePlan
+from app.checkpoints.sharded import META_NAME, is_sharded_checkpoint
+from app.parallel.fault_tolerance import (
+    START_VARIABLE,
+    STORE_PORT_VARIABLE,
+    STORY_VARIABLE,
+    FaultTolerance,
+    FaultTolerancePlan,
+)
 from app.parallel.ft_buckets import GradientBuckets
+from app.parallel.ft_shards import LOCAL_SHARDS_KEY, has_shards, load_local_shards, to_local_shards
 from app.private_apis import require
 
 
@@ -57,6 +72,7 @@ class GroupRuntime:
         env = os.environ if env is None else env
         assert plan.group is not None
         self.settings, self.plan, self.group = settings, plan, plan.group
+        self.group_rank = int(env.get("LOCAL_RANK", "0"))  # this process's rank within its group
         self.trainer: L.Trainer | None = None
         self.running = False
         self.resume_path: str | None = None
@@ -73,7 +89,7 @@ class GroupRuntime:
         self.times: dict[str, Any] = {}
         story_dir = env.get(STORY_VARIABLE)
         self.story = None
-        if story_dir:
+        if story_dir and self.group_rank == 0:  # the group's rank 0 keeps the group's record
             Path(story_dir).mkdir(parents=True, exist_ok=True)
             self.story = open(Path(story_dir) / f"group_{self.group}.jsonl", "a", buffering=1)  # noqa: SIM115
         self.store, self.manager = make_manager(settings, plan, env)
@@ -108,10 +124,10 @@ class GroupRuntime:
         """At the run's start: until every group's Manager is up (heartbeating to the lighthouse), so
         that the first quorum has every group. A group that does not come within the quorum timeout is
         left out; it heals from the others when it comes."""
-        (directory / f"group_{self.group}").touch()
+        (directory / f"group_{self.group}.{self.group_rank}").touch()
         deadline = time.monotonic() + self.settings.quorum_timeout_s
         while time.monotonic() < deadline:
-            if sum(1 for _ in directory.glob("group_*")) >= self.plan.groups:
+            if sum(1 for _ in directory.glob("group_*")) >= self.plan.groups * self.plan.group_size:
                 return
             time.sleep(0.02)
 
@@ -123,7 +139,9 @@ class GroupRuntime:
             if self.story:  # what it sent, for the record: the receiver's start line says what it got
                 self._write({"sent": self.trainer.global_step, "digest": weights_digest(self.trainer.lightning_module)})
             # Private (docs/private_apis.md): the dict `trainer.save_checkpoint` writes, without writing it.
-            return self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            # Sharded within the group (strategy fsdp): this process's shards, for the process of the same rank.
+            return to_local_shards(checkpoint) if has_shards(checkpoint) else checkpoint
         if self.resume_path:  # not training yet: the checkpoint it is about to resume from
             return safe_load(self.resume_path)
         raise RuntimeError("ddp-app: fault tolerance: asked for its state before it has any")
@@ -135,15 +153,10 @@ class GroupRuntime:
             return
         # During fit: a peer at the same step committed a step this group dropped. Same data position
         # and step, other weights: the weights, optimizer and schedulers are taken.
-        trainer = self.trainer
-        assert trainer is not None
-        if state.get("global_step") != trainer.global_step:
-            end_to_heal(self._say, self.story, trainer.global_step, state.get("global_step"))
-        trainer.lightning_module.load_state_dict(state["state_dict"])
-        for optimizer, saved in zip(trainer.optimizers, state["optimizer_states"], strict=True):
-            optimizer.load_state_dict(saved)
-        for config, saved in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
-            config.scheduler.load_state_dict(saved)
+        assert self.trainer is not None
+        if state.get("global_step") != self.trainer.global_step:
+            end_to_heal(self._say, self.story, self.trainer.global_step, state.get("global_step"))
+        take_weights(self.trainer, state)
         self._say(f"took the weights of a peer at step {state.get('global_step')}")
 
     # ----- during fit -----
@@ -154,13 +167,17 @@ class GroupRuntime:
             self.buckets.remove()
         # Private (docs/private_apis.md): Lightning's decision whether a backward ends in an optimizer step.
         should_accumulate = require(trainer.fit_loop, "_should_accumulate", "lightning", "fault tolerance's all-reduce")
-        self.buckets = GradientBuckets(self.manager, pl_module, should_accumulate)
+        # In a group of several processes Lightning's DDP averages the gradients within the group during backward and
+        # puts them in `.grad` only at its end: the buckets go across groups after backward, not overlapped with it.
+        overlap = self.plan.group_size == 1
+        self.buckets = GradientBuckets(self.manager, pl_module, should_accumulate, overlap=overlap)
         self.quorum_step = trainer.global_step  # `join` formed this step's quorum
         if self.healed_path is not None:  # restored by fit: the copy in memory is no longer needed
             Path(self.healed_path).unlink(missing_ok=True)
             self.healed_path = None
+        pids = _group_pids()  # every rank of the group takes part
         if self.story:
-            self._record(trainer.global_step, start=pl_module)
+            self._record(trainer.global_step, start=pl_module, pids=pids)
 
     def after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The gradients averaged over the groups in the quorum, if this backward ends in an optimizer
@@ -215,13 +232,13 @@ class GroupRuntime:
             self._say(f"quorum changed at step {step}: {replicas} of {self.plan.groups} groups (was {self.replicas})")
         self.replicas, self.quorum_id = replicas, quorum_id
 
-    def _record(self, step: int, start: L.LightningModule | None = None) -> None:
-        """One JSON line per step (and one when training starts, with the process and its weights'
-        digest): the step done, when, with how many groups, and whether it was applied."""
+    def _record(self, step: int, start: L.LightningModule | None = None, pids: list[int] | None = None) -> None:
+        """One JSON line per step (and one when training starts, with the group's processes, rank 0's
+        first, and its weights' digest): the step done, when, with how many groups, and whether it was applied."""
         entry: dict[str, Any] = {"step": step, "time": time.time(), "replicas": self.replicas}
         entry.update(committed=self.committed, **self.times)
         if start is not None:
-            entry.update(start=True, pid=os.getpid(), digest=weights_digest(start))
+            entry.update(start=True, pid=os.getpid(), pids=pids, digest=weights_digest(start))
         self._write(entry)
 
     def _write(self, entry: dict[str, Any]) -> None:
@@ -229,6 +246,8 @@ class GroupRuntime:
         self.story.write(json.dumps(entry) + "\n")
 
     def _say(self, line: str) -> None:
+        if self.group_rank:  # the group's rank 0 speaks for the group
+            return
         print(f"ddp-app: fault tolerance: group {self.group} {line}", file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
@@ -270,8 +289,11 @@ def make_manager(settings: FaultTolerance, plan: FaultTolerancePlan, env: Any) -
     from torchft.process_group import ProcessGroupGloo
 
     timeout = timedelta(seconds=settings.timeout_s)
-    host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"])
-    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get(STORE_PORT_VARIABLE) or env["MASTER_PORT"])
+    group_rank = int(env.get("LOCAL_RANK", "0"))
+    store = None  # the group's rank 0 serves it; the Manager of every rank connects to it
+    if group_rank == 0:
+        store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),
         load_state_dict=None,
@@ -281,7 +303,7 @@ def make_manager(settings: FaultTolerance, plan: FaultTolerancePlan, env: Any) -
         timeout=timeout,
         quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
         connect_timeout=timeout,
-        rank=0,
+        rank=group_rank,
         world_size=plan.group_size,
         store_addr=host,
         store_port=port,
@@ -294,11 +316,36 @@ def make_manager(settings: FaultTolerance, plan: FaultTolerancePlan, env: Any) -
     return store, manager
 
 
+def take_weights(trainer: L.Trainer, state: dict[str, Any]) -> None:
+    """The weights, optimizer and scheduler states a peer sent, put in place during `fit`."""
+    if state.get(LOCAL_SHARDS_KEY):  # sharded within the group: this process's shards
+        load_local_shards(trainer.strategy.model, trainer.optimizers, state)
+    else:
+        trainer.lightning_module.load_state_dict(state["state_dict"])
+        for optimizer, saved in zip(trainer.optimizers, state["optimizer_states"], strict=True):
+            optimizer.load_state_dict(saved)
+    for config, saved in zip(trainer.lr_scheduler_configs, state.get("lr_schedulers", []), strict=False):
+        config.scheduler.load_state_dict(saved)
+
+
+def _group_pids() -> list[int]:
+    """The process ids of this group's processes, in rank order (a collective in a group of several)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [os.getpid()]
+    pids: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    return [int(pid) for pid in pids]
+
+
 def weights_digest(module: torch.nn.Module) -> str:
-    """A SHA-256 of the module's parameters, in order: equal digests, equal weights."""
+    """A SHA-256 of the module's parameters, in order: equal digests, equal weights (sharded: this process's shards,
+    which the process of the same rank in another group holds too)."""
     digest = hashlib.sha256()
     for param in module.parameters():
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        local = param.to_local() if isinstance(param, DTensor) else param
+        digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -308,6 +355,8 @@ def _ms(seconds: float) -> float:
 
 def _global_step_of(path: str) -> int:
     """The global step a checkpoint resumes at (memory-mapped: the tensors are not read)."""
+    if is_sharded_checkpoint(path):  # strategy fsdp: the step is in its meta file, beside the shards
+        path = str(Path(path) / META_NAME)
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception:  # a sharded directory or another format: Lightning reports it when it loads

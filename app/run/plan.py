@@ -175,6 +175,8 @@ def make_run_plan(
             launch.num_nodes if launch is not None else 1,
             is_node_launcher(env),
         )
+    if fault_tolerance is not None and fault_tolerance.group is None and strategy.is_sharded:
+        check_group_sharding(strategy, fault_tolerance.group_size)
     rank_zero = is_global_rank_zero(launch, env)
     if fault_tolerance is not None and fault_tolerance.group is not None:
         rank_zero = rank_zero and fault_tolerance.group == 0  # group 0 speaks for the run
@@ -191,6 +193,19 @@ def make_run_plan(
         rank_zero=rank_zero,
         fault_tolerance=fault_tolerance,
     )
+
+
+def check_group_sharding(strategy: ResolvedStrategy, group_size: int) -> None:
+    """Fault tolerance with `strategy: fsdp`: each replica group is a run of `group_size` processes that shards
+    the model within itself, so `shard_group_size` must divide a group, not only the run (checked in the
+    launcher, before any group starts)."""
+    try:
+        strategy.mesh(group_size, group_size)
+    except UserFacingError as error:
+        raise UserFacingError(
+            f"fault_tolerance.group_size={group_size} with trainer.strategy fsdp: each replica group shards the model "
+            f"over its own {group_size} processes, and {error}".replace("the run's", "a group's")
+        ) from None
 
 
 def checkpoint_save_plan(config: Any, strategy: ResolvedStrategy) -> SavePlan:

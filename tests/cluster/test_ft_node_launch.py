@@ -90,3 +90,31 @@ def test_a_group_is_a_one_process_run_outside_the_slurm_step(monkeypatch: pytest
     # Not a task of the step any more: ddp-app's pre-flight and Lightning see a plain one-process run.
     assert detect_launch(seen["env"], devices=1, num_nodes=1).launcher == "plain"
     assert "--trainer.num_nodes=1" in group_arguments(["fit"], 3, Path("/run"))
+
+
+def test_the_processes_of_a_group_share_its_ports_and_see_their_own_gpus() -> None:
+    """Groups of 2 processes (fault_tolerance.group_size 2): the processes of a group share its MASTER_PORT (its own
+    process group) and torchft store port, other groups have others; on a node with a GPU per process each group
+    sees its own GPUs (CUDA_VISIBLE_DEVICES), in the node's order; with fewer, the variable is left as it is."""
+    from app.cluster.ft_launch import group_environments, visible_gpu_ids
+    from app.parallel.fault_tolerance import STORE_PORT_VARIABLE, FaultTolerancePlan
+
+    one_machine = FaultTolerancePlan(groups=2, group_size=2, min_replicas=1, lighthouse=None)
+    env = {"PL_GLOBAL_SEED": "1"}
+    groups = [
+        group_environments(env, group, one_machine, "http://h:1", Path("/s"), ["0", "1", "2", "3"]) for group in (0, 1)
+    ]
+    assert [[process["LOCAL_RANK"] for process in group] for group in groups] == [["0", "1"], ["0", "1"]]
+    assert [[process["CUDA_VISIBLE_DEVICES"] for process in group] for group in groups] == [["0,1"] * 2, ["2,3"] * 2]
+    for key in ("MASTER_PORT", STORE_PORT_VARIABLE):
+        assert all(len({process[key] for process in group}) == 1 for group in groups)
+        assert groups[0][0][key] != groups[1][0][key]
+    assert all(process["WORLD_SIZE"] == "2" for group in groups for process in group)
+    # The second of two Slurm nodes (groups 2 and 3 of 4), its GPUs named by CUDA_VISIBLE_DEVICES.
+    node2 = FaultTolerancePlan(4, 2, 1, "http://h:1", None, first_group=2, local_groups=2)
+    gpus = visible_gpu_ids({"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert group_environments(env, 3, node2, "http://h:1", Path("/s"), gpus)[1]["CUDA_VISIBLE_DEVICES"] == "6,7"
+    # Two GPUs for two groups of two processes: the groups share them, as without fault tolerance.
+    assert (
+        "CUDA_VISIBLE_DEVICES" not in group_environments(env, 1, one_machine, "http://h:1", Path("/s"), ["0", "1"])[0]
+    )
