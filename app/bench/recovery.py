@@ -145,7 +145,7 @@ def kill_rank(clock: Path, rank: int) -> float:
     return killed_at
 
 
-def _run_and_kill(command: list[str], log: Path, kill: Callable[[subprocess.Popen], float]) -> float:
+def run_and_kill(command: list[str], log: Path, kill: Callable[[subprocess.Popen], float]) -> float:
     """Run `command` (its output to `log`), `kill` one of its processes when due (returning the kill's unix
     time), wait for the run to end; it must end with exit 0. Returns the kill's time."""
     env = env_without_launcher(os.environ)
@@ -173,7 +173,7 @@ def _local_run(command: list[str], workdir: Path, clock: Path, log_name: str) ->
         wait_for_step(clock, KILL_AT_STEP, lambda: process.poll() is None)
         return kill_rank(clock, 1)
 
-    return read_clock(clock, _run_and_kill(command, workdir / log_name, kill))
+    return read_clock(clock, run_and_kill(command, workdir / log_name, kill))
 
 
 def measure_ddp_app(workdir: Path) -> Recovery:
@@ -223,7 +223,7 @@ def measure_torchft(workdir: Path) -> Recovery:
         os.kill(pid, signal.SIGKILL)
         return killed_at
 
-    killed_at = _run_and_kill(command, log, kill)
+    killed_at = run_and_kill(command, log, kill)
     restarted = next(entry for entry in record(1) if entry.get("start") and entry["time"] > killed_at)
     back = next(entry for entry in record(1) if entry["time"] > restarted["time"] and not entry.get("start"))
     done = max(entry["step"] for entry in record(1) if entry["time"] <= killed_at and "sent" not in entry)
