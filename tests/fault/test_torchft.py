@@ -537,3 +537,18 @@ def test_a_group_that_ends_to_heal_exits_with_a_code_its_launcher_restarts() -> 
     from app.parallel.ft_manager import RESTART_TO_HEAL_EXIT_CODE
 
     assert RESTART_TO_HEAL_EXIT_CODE == PEER_LOST_EXIT_CODE and worth_a_restart(RESTART_TO_HEAL_EXIT_CODE)
+
+
+def test_the_fault_tolerance_doc_quotes_the_throughput_under_failures() -> None:
+    """docs/fault_tolerance.md's table is docs/bench_ft_throughput.json (python -m app.bench.ft_throughput), each
+    ratio that run's samples per second over its baseline's."""
+    figures = json.loads((REPO / "docs" / "bench_ft_throughput.json").read_text())
+    lines = [line.strip() for line in (REPO / "docs" / "fault_tolerance.md").read_text().splitlines()]
+    for path, baseline in (("torchft", "torchft-nofail"), ("ddp-app", "ddp-nofail"), ("torchrun", "ddp-nofail")):
+        run = figures[path]
+        ratio = run["samples_per_s"] / figures[baseline]["samples_per_s"]
+        assert run[f"of_{baseline}"] == ratio and run["kills"] >= 3, (path, run)
+        cells = f"| {run['samples_per_s']:.0f} | {run['kills']} | {ratio:.2f} of {baseline} | {run['load_after']:.1f} |"
+        assert any(line.endswith(cells) for line in lines), cells
+    text = " ".join(lines)
+    assert f"torchft kept {figures['torchft']['of_torchft-nofail']:.2f} of its throughput" in text
