@@ -52,6 +52,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from app.checkpoints.io import atomic_torch_save, safe_load
+from app.checkpoints.local_shards import LOCAL_SHARDS_KEY, has_shards, to_local_shards
 from app.checkpoints.sharded import META_NAME, is_sharded_checkpoint
 from app.parallel.fault_tolerance import (
     START_VARIABLE,
@@ -61,7 +62,7 @@ from app.parallel.fault_tolerance import (
     FaultTolerancePlan,
 )
 from app.parallel.ft_buckets import GradientBuckets
-from app.parallel.ft_shards import LOCAL_SHARDS_KEY, has_shards, load_local_shards, to_local_shards
+from app.parallel.ft_shards import load_local_shards
 from app.private_apis import require
 
 

@@ -2,12 +2,12 @@
 
 Each process of a group holds its shard of the weights and of the optimizer state (DTensors over the group's own
 mesh). Every group has the same mesh, so process r of one group holds the same shard as process r of any other, and
-torchft sends each process's state to the process of the same rank (app/parallel/ft_manager.py). What travels is
-the Lightning checkpoint of that process with each DTensor replaced by its local shard (a plain tensor: no mesh,
-no process group in the payload), marked with `LOCAL_SHARDS_KEY`. The healing process puts the shards back into
-its own sharded module and optimizer, as DTensors of its own mesh (`load_local_shards`): from
-`FSDP2Strategy.load_checkpoint` (app/parallel/fsdp.py) when it resumes from the state before `fit`, or during
-`fit` when a peer at the same step committed a step this group dropped.
+torchft sends each process's state to the process of the same rank (app/parallel/ft_manager.py). What travels is the
+Lightning checkpoint of that process with each DTensor replaced by its local shard (a plain tensor: no mesh, no
+process group in the payload), marked with `LOCAL_SHARDS_KEY` (app/checkpoints/local_shards.py makes it). The
+healing process puts the shards back into its own sharded module and optimizer, as DTensors of its own mesh
+(`load_local_shards`): from `FSDP2Strategy.load_checkpoint` (app/parallel/fsdp.py) when it resumes from the state
+before `fit`, or during `fit` when a peer at the same step committed a step this group dropped.
 
 This module imports nothing of torchft, and nothing of app/parallel/fsdp.py (which imports it).
 """
@@ -23,32 +23,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 from torch.distributed.tensor import DTensor
 
 from app.checkpoints.io import safe_load
-
-LOCAL_SHARDS_KEY = "ddp_app_ft_local_shards"  # in a checkpoint whose DTensors were replaced by their local shards
-
-
-def has_shards(checkpoint: dict[str, Any]) -> bool:
-    """The checkpoint holds DTensors (a process of a sharded group)."""
-    return any(isinstance(value, DTensor) for value in checkpoint.get("state_dict", {}).values())
-
-
-def to_local_shards(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint with every DTensor of its weights and optimizer states replaced by a copy of this process's
-    shard (a copy: the process trains on while the peer fetches it), and marked."""
-
-    def local(value: Any) -> Any:
-        if isinstance(value, DTensor):
-            return value.to_local().detach().clone()
-        if isinstance(value, dict):
-            return {key: local(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [local(item) for item in value]
-        return value
-
-    checkpoint["state_dict"] = local(checkpoint["state_dict"])
-    checkpoint["optimizer_states"] = local(checkpoint.get("optimizer_states", []))
-    checkpoint[LOCAL_SHARDS_KEY] = True
-    return checkpoint
+from app.checkpoints.local_shards import LOCAL_SHARDS_KEY
 
 
 def load_received_shards(path: str | Path, module: nn.Module, optimizers: list[Any]) -> dict[str, Any] | None:
