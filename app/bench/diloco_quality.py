@@ -16,9 +16,10 @@ it, `.png`) that docs/diloco.md quotes (tests/test_docs_numbers.py checks it):
 The inner optimizer and its schedule are each config's own; the outer step is the paper's (Nesterov
 SGD, lr 0.7, momentum 0.9) but in the `avg` columns. Step counts divide by 50, so every run ends on an outer step.
 
-`--study outer [--out docs/diloco_outer.json]`: why the paper's outer step falls short on digits at H 10.
-Each run of `OUTER_STUDY` (the outer learning rate and momentum varied, and other seeds) alone, its
-validation metric in a JSON that docs/diloco.md's "Why the paper's outer step" quotes.
+`--study outer [--out docs/diloco_outer.json]`: why the paper's outer step falls short on digits at H 10
+(`OUTER_STUDY`: the outer learning rate and momentum varied, and other seeds); `--study overlap`: what
+`overlap_steps` costs (`OVERLAP_STUDY`). Each run alone, its validation metric in a JSON that
+docs/diloco.md quotes (`study_table`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,20 @@ OUTER_STUDY: list[tuple[str, str, list[str], tuple[int, ...], tuple[int, ...]]] 
     ("gpt", "H10 lr0.7 m0.9 (paper)", outer(10, 0.7, 0.9), (2, 4), (42,)),
     ("gpt", "H10 lr0.7 m0.5", outer(10, 0.7, 0.5), (2, 4), (42,)),
 ]
+# What overlap_steps costs in quality: the paper's outer step and the plain average at H 10, the all-reduce
+# overlapped with 5 inner steps (the in-line runs are the quality table's).
+OVERLAP = "--trainer.strategy.init_args.overlap_steps=5"
+OVERLAP_STUDY: list[tuple[str, str, list[str], tuple[int, ...], tuple[int, ...]]] = [
+    (model, name, strategy, (2, 4), (42,))
+    for model in MODELS
+    for name, strategy in (
+        ("ddp", ["--trainer.strategy=ddp"]),
+        ("H10 lr0.7 m0.9 (paper)", outer(10, 0.7, 0.9)),
+        ("H10 lr0.7 m0.9 (paper), overlap 5", [*outer(10, 0.7, 0.9), OVERLAP]),
+        ("H10 lr1 m0 (avg), overlap 5", [*outer(10, 1.0, 0.0), OVERLAP]),
+    )
+]
+STUDIES = {"outer": OUTER_STUDY, "overlap": OVERLAP_STUDY}
 
 
 def logged_values(root: Path, metric: str) -> list[float]:
@@ -164,12 +179,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
     figure.savefig(path, dpi=100)
 
 
-def outer_study(out: Path) -> None:
-    """Every run of OUTER_STUDY, one after the other, into `out` (rewritten after each run)."""
+def study(runs_of: list[tuple[str, str, list[str], tuple[int, ...], tuple[int, ...]]], out: Path) -> None:
+    """Every run of a study (OUTER_STUDY, OVERLAP_STUDY), one after the other, into `out` (rewritten after
+    each run)."""
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diloco-outer-") as work:
-        for model, name, strategy, world_sizes, seeds in OUTER_STUDY:
+        for model, name, strategy, world_sizes, seeds in runs_of:
             for world_size in world_sizes:
                 for seed in seeds:
                     arguments = [*strategy, f"--seed_everything={seed}"]
@@ -181,8 +197,8 @@ def outer_study(out: Path) -> None:
     print(f"written: {out}")
 
 
-def outer_table(report: dict[str, Any]) -> list[str]:
-    """docs/diloco.md's outer-step table: per model, variant and ranks the metric over the seeds run
+def study_table(report: dict[str, Any]) -> list[str]:
+    """docs/diloco.md's table of a study: per model, variant and ranks the metric over the seeds run
     (digits' final accuracy, the GPT's best loss), and its difference from DDP's at the same seeds."""
     lines = ["| model | outer step | ranks | seeds | metric | vs ddp |", "|---|---|---|---|---|---|"]
     runs = report["runs"]
@@ -209,13 +225,13 @@ def outer_table(report: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m app.bench.diloco_quality", description=__doc__)
-    parser.add_argument("--out", type=Path, default=None, help="default: docs/diloco_quality.json (--study outer: "
-                        "docs/diloco_outer.json)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None, help="default: docs/diloco_quality.json (--study NAME: "
+                        "docs/diloco_NAME.json)")  # fmt: skip
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--study", choices=("table", "outer"), default="table")
+    parser.add_argument("--study", choices=("table", *STUDIES), default="table")
     args = parser.parse_args(argv)
-    if args.study == "outer":
-        outer_study(args.out or Path("docs/diloco_outer.json"))
+    if args.study in STUDIES:
+        study(STUDIES[args.study], args.out or Path(f"docs/diloco_{args.study}.json"))
         return
     args.out = args.out or Path("docs/diloco_quality.json")
     models = [name for name in args.models.split(",") if name]
