@@ -603,6 +603,16 @@ def test_diloco_doc_quotes_its_quality_bench() -> None:
     assert not missing, "\n".join(missing)
 
 
+def test_diloco_doc_quotes_its_studies() -> None:
+    """docs/diloco.md's tables of the outer-step and the overlap studies, as `study_table` renders their JSON."""
+    from app.bench.diloco_quality import study_table
+
+    text = (DOCS / "diloco.md").read_text()
+    for name in ("diloco_outer", "diloco_overlap"):
+        missing = [line for line in study_table(bench(name)) if line not in text]
+        assert not missing, "\n".join(missing)
+
+
 def test_diloco_doc_quotes_its_overlap_bench() -> None:
     """docs/diloco.md's overlap figures, from its two runs: in line and overlapped, at 100 Mbit/s (and with
     no cap), and the load."""
