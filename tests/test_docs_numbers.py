@@ -617,7 +617,11 @@ def test_diloco_doc_quotes_its_overlap_bench() -> None:
     """docs/diloco.md's overlap figures, from its two runs: in line and overlapped, at 100 Mbit/s (and with
     no cap), and the load."""
     fragments = []
-    for name in ("bench_network_diloco_overlap_first", "bench_network_diloco_overlap"):
+    for name in (
+        "bench_network_diloco_overlap_first",
+        "bench_network_diloco_overlap",
+        "bench_network_diloco_overlap_third",
+    ):
         fragments += overlap_bench_figures(bench(name))
     flat = " ".join((DOCS / "diloco.md").read_text().split())
     missing = [fragment for fragment in fragments if " ".join(fragment.split()) not in flat]
