@@ -98,7 +98,8 @@ class DiLoCo:
         # The outer gradient: how far this replica moved since the last sync, averaged over the replicas.
         flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters, strict=True)]).to(self.dtype)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True) if self.world_size > 1 else None
-        return flat, work, [p.detach().float().clone() for p in parameters]
+        # With overlap, the parameters as sent: the progress since is what the replica keeps.
+        return flat, work, [p.detach().float().clone() if self.overlap else p for p in parameters]
 
     def finish(self) -> None:
         """Wait for an exchange still in flight (at the end of training): its result is not applied."""
