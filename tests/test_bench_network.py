@@ -213,11 +213,13 @@ def test_short_run_at_100mbit_writes_json_and_plot_and_removes_its_namespaces(tm
 @needs_root
 @pytest.mark.distributed
 def test_diloco_sends_one_exchange_per_sync_every_steps(tmp_path: Path) -> None:
-    """`--methods diloco`: no DDP, one outer all-reduce of every parameter per 5 steps, so about a fifth
-    of DDP's bytes per step (the no-hook step sends every gradient once); timed over a whole period."""
+    """`--methods diloco,diloco_overlap`: no DDP, one outer all-reduce of every parameter per 5 steps, so
+    about a fifth of DDP's bytes per step (the no-hook step sends every gradient once), in line or started
+    2 steps early (overlap_steps: half of 5) and sent beside them; timed over a whole period."""
     report_path = tmp_path / "net.json"
     result = run(
-        [sys.executable, "-m", "app.bench.network", "--config", CONFIG, "--links", "100mbit", "--methods", "diloco"]
+        [sys.executable, "-m", "app.bench.network", "--config", CONFIG, "--links", "100mbit", "--methods"]
+        + ["diloco,diloco_overlap"]
         + ["--diloco-sync-every", "5", "--repeats", "1", "--steps", "3", "--warmup-steps", "1"]
         + ["--out", str(tmp_path / "out"), "--json", str(report_path)],
         timeout=240,
@@ -225,10 +227,11 @@ def test_diloco_sends_one_exchange_per_sync_every_steps(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert leftovers() == []
     report = json.loads(report_path.read_text())
-    diloco = report["links"]["100mbit"]["settings"]["diloco@25MB"]
     gradient_bytes = 1_199_882 * 4  # the CNN's parameters in float32
-    assert gradient_bytes / 5 <= diloco["bytes_per_step"]["median"] < 1.1 * gradient_bytes / 5
-    assert report["diloco"] == {"sync_every": 5, "outer_dtype": "float32"}
+    for method in ("diloco", "diloco_overlap"):
+        diloco = report["links"]["100mbit"]["settings"][f"{method}@25MB"]
+        assert gradient_bytes / 5 <= diloco["bytes_per_step"]["median"] < 1.1 * gradient_bytes / 5, method
+    assert report["diloco"] == {"sync_every": 5, "outer_dtype": "float32", "overlap_steps": 2}
 
 
 @needs_root

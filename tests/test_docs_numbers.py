@@ -607,6 +607,51 @@ def test_diloco_doc_quotes_its_quality_bench() -> None:
     assert not missing, "\n".join(missing)
 
 
+def test_diloco_doc_quotes_its_studies() -> None:
+    """docs/diloco.md's tables of the outer-step and the overlap studies, as `study_table` renders their JSON."""
+    from app.bench.diloco_quality import study_table
+
+    text = (DOCS / "diloco.md").read_text()
+    for name in ("diloco_outer", "diloco_overlap"):
+        missing = [line for line in study_table(bench(name)) if line not in text]
+        assert not missing, "\n".join(missing)
+
+
+def test_diloco_doc_quotes_its_overlap_bench() -> None:
+    """docs/diloco.md's overlap figures, from its two runs: in line and overlapped, at 100 Mbit/s (and with
+    no cap), and the load."""
+    fragments = []
+    for name in (
+        "bench_network_diloco_overlap_first",
+        "bench_network_diloco_overlap",
+        "bench_network_diloco_overlap_third",
+    ):
+        fragments += overlap_bench_figures(bench(name))
+    flat = " ".join((DOCS / "diloco.md").read_text().split())
+    missing = [fragment for fragment in fragments if " ".join(fragment.split()) not in flat]
+    assert not missing, "\n".join(missing)
+
+
+def overlap_bench_figures(report: dict[str, Any]) -> list[str]:
+    assert report["diloco"] == {"sync_every": 50, "outer_dtype": "float32", "overlap_steps": 25}
+    before, after = report["loadavg_before"][0], report["loadavg_after"][0]
+    fragments = [
+        f"{report['repeats']} repeats of {report['steps']} timed steps",
+        f"load average {before:.1f} at its start and {after:.1f} at its end",
+    ]
+    for link in report["links"].values():
+        one = link["one_rank"]["step_ms"]
+        fragments.append(f"{link['label']}: 1 rank {one['median']:.1f} ms ({one['min']:.1f} to {one['max']:.1f})")
+        for method in ("diloco", "diloco_overlap"):
+            figures = link["settings"][f"{method}@25MB"]
+            step, efficiency = figures["step_ms"], figures["scaling_efficiency"]
+            fragments.append(
+                f"{method} {step['median']:.1f} ms (efficiency {efficiency['median']:.2f}, "
+                f"{efficiency['min']:.2f} to {efficiency['max']:.2f})"
+            )
+    return fragments
+
+
 def test_diloco_doc_quotes_its_network_bench() -> None:
     """docs/diloco.md's "Speed over a slow link": bytes, step times and load from the two network runs."""
     first, second = bench("bench_network_diloco"), bench("bench_network_diloco_h100_bf16")

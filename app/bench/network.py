@@ -3,7 +3,8 @@
 DDP on a slow network: two ranks, each in its own network namespace (a "node"), joined by one
 veth link that tc's token bucket filter caps at 100 Mbit/s, 1 Gbit/s or leaves unlimited. For
 each link and each gradient-compression setting (no hook, fp16, bf16, PowerSGD, auto) and strategy
-diloco (no DDP: local steps and an outer all-reduce every `--diloco-sync-every`), and at one
+diloco (no DDP: local steps and an outer all-reduce every `--diloco-sync-every`, in line; `diloco_overlap`:
+the same, each all-reduce started `--diloco-overlap-steps` inner steps before its outer step), and at one
 link (1 Gbit/s) for each DDP bucket size (1, 25, 100 MB), it reports:
 
   step time        a training step on the config's network and batches (forward, backward with the
@@ -53,8 +54,10 @@ from app.parallel.compression import METHODS
 
 PROG = "python -m app.bench.network"
 # The settings measured: DDP with each gradient compression method, and strategy diloco (no DDP: an
-# outer step every --diloco-sync-every steps, app/reference/diloco.py's on the same network).
-BENCH_METHODS = (*METHODS, "diloco")
+# outer step every --diloco-sync-every steps, app/reference/diloco.py's on the same network; diloco_overlap: its
+# all-reduce overlapped with the --diloco-overlap-steps inner steps before the outer step).
+DILOCO_METHODS = ("diloco", "diloco_overlap")
+BENCH_METHODS = (*METHODS, *DILOCO_METHODS)
 DDP_DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb default
 MASTER_PORT = 29500  # inside rank 0's namespace, where nothing else listens
 
@@ -122,7 +125,7 @@ def build_schedule(
             sweep = sorted({*buckets, default_bucket}) if swept else [default_bucket]
             # diloco has no DDP buckets: measured once, at the default size's place.
             settings = [("none", default_bucket, 1)] + [
-                (m, b, 2) for b in sweep for m in methods if m != "diloco" or b == default_bucket
+                (m, b, 2) for b in sweep for m in methods if m not in DILOCO_METHODS or b == default_bucket
             ]
             for method, bucket, world_size in settings if repeat % 2 == 0 else settings[::-1]:
                 schedule.append(
@@ -136,6 +139,15 @@ def build_schedule(
                     }
                 )
     return schedule
+
+
+def diloco_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """diloco's settings in the plan and the report (overlap_steps: diloco_overlap's only)."""
+    return {
+        "sync_every": args.diloco_sync_every,
+        "outer_dtype": args.diloco_outer_dtype,
+        "overlap_steps": args.diloco_overlap_steps,
+    }
 
 
 def run_bench(args: argparse.Namespace, config: dict[str, Any], batch_size: int) -> dict[str, Any]:
@@ -161,7 +173,7 @@ def run_bench(args: argparse.Namespace, config: dict[str, Any], batch_size: int)
         "warmup_steps": args.warmup_steps,
         "repeats": args.repeats,
         "compression": compression,
-        "diloco": {"sync_every": args.diloco_sync_every, "outer_dtype": args.diloco_outer_dtype},
+        "diloco": diloco_settings(args),
         "schedule": schedule,
         "records": str(records.resolve()),
     }
@@ -184,7 +196,7 @@ def run_bench(args: argparse.Namespace, config: dict[str, Any], batch_size: int)
         # The key in "links" where the buckets were swept, if that link was measured.
         "bucket_link": next((link.name for link in args.links if link.rate_mbit == args.bucket_link.rate_mbit), None),
         "compression": compression,
-        "diloco": {"sync_every": args.diloco_sync_every, "outer_dtype": args.diloco_outer_dtype},
+        "diloco": diloco_settings(args),
         "tbf": {
             "burst_bytes": {link.name: tbf_burst_bytes(link.rate_mbit) for link in args.links if link.rate_mbit},
             "latency": TBF_LATENCY,
@@ -243,6 +255,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--diloco-sync-every", type=int, default=50, help="diloco's inner steps per outer step (default: 50)"
     )
     parser.add_argument(
+        "--diloco-overlap-steps",
+        type=int,
+        default=None,
+        help="diloco_overlap's inner steps beside each all-reduce, below --diloco-sync-every (default: half of it)",
+    )
+    parser.add_argument(
         "--diloco-outer-dtype", choices=("float32", "bfloat16"), default="float32", help="diloco's outer_dtype"
     )
     parser.add_argument("--out", type=Path, default=Path("runs/bench_network"), help="plan, records, rank logs")
@@ -258,6 +276,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("repeats", "steps", "powersgd_rank", "diloco_sync_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.diloco_overlap_steps is None:
+        args.diloco_overlap_steps = args.diloco_sync_every // 2
+    if not 0 <= args.diloco_overlap_steps < args.diloco_sync_every:
+        parser.error(
+            f"--diloco-overlap-steps must be from 0 to --diloco-sync-every - 1 = {args.diloco_sync_every - 1}, "
+            f"got {args.diloco_overlap_steps}"
+        )
     if args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.powersgd_start_iter < 2:

@@ -143,16 +143,16 @@ def format_table(report: dict[str, Any]) -> str:
         "",
     ]
     header = (
-        f"{'link':<12}{'setting':<18}{'step ms (min-max)':<26}{'samples/s':>10}{'eff.':>7}"
+        f"{'link':<12}{'setting':<22}{'step ms (min-max)':<26}{'samples/s':>10}{'eff.':>7}"
         f"{'MB/step':>9}{'vs none':>9}  auto chose"
     )
     lines += [header, "-" * len(header)]
     for entry in report["links"].values():
         one = entry["one_rank"]["step_ms"]
-        lines.append(f"{entry['label']:<12}{'1 rank':<18}{_range(one, '.1f'):<26}")
+        lines.append(f"{entry['label']:<12}{'1 rank':<22}{_range(one, '.1f'):<26}")
         for key, figures in entry["settings"].items():
             lines.append(
-                f"{'':<12}{key:<18}{_range(figures['step_ms'], '.1f'):<26}"
+                f"{'':<12}{key:<22}{_range(figures['step_ms'], '.1f'):<26}"
                 f"{figures['samples_per_s']['median']:>10.0f}{figures['scaling_efficiency']['median']:>7.2f}"
                 f"{figures['bytes_per_step']['median'] / 1e6:>9.3f}"
                 f"{_speedup(figures):>9}  {_chosen(figures)}"

@@ -73,9 +73,11 @@ def measure(
     step, auto's choice."""
     diloco = None
     timed_steps = plan["steps"]
-    if item["method"] == "diloco":  # no DDP: the replicas step alone, the outer loop syncs them
+    if item["method"] in ("diloco", "diloco_overlap"):  # no DDP: the replicas step alone, the outer loop syncs them
         model: torch.nn.Module = copy.deepcopy(job.net)
         settings = {**DILOCO_DEFAULTS, **plan["diloco"]}
+        if item["method"] == "diloco":
+            settings["overlap_steps"] = 0
         diloco = DiLoCo(model, WORLD_SIZE, settings)
         hook = CommunicationHook(method="none")
         every = int(settings["sync_every"])
@@ -119,6 +121,8 @@ def measure(
         step_seconds.append(time.perf_counter() - step_started)
     elapsed = time.perf_counter() - started
     sent = tx_bytes(interface) - sent_before
+    if diloco is not None:  # an exchange still in flight (the next period's) completes untimed
+        diloco.finish()
     dist.barrier(group)
     return {
         "step_ms": elapsed / timed_steps * 1e3,

@@ -39,7 +39,8 @@ PARTS = {
     "step_timing": "app/run/step_timing.py StepTiming: the epoch's step-time sums so far",
     "sharding": "app/parallel/fsdp.py FSDP2Strategy: the mesh the shards were written from (replicas x shards)",
     "diloco": "app/parallel/diloco.py DiLoCoStrategy (written by DiLoCoCheckpoint): the anchor, the outer momentum, "
-    "the inner step count and every rank's replica (parameters and inner optimizer state)",
+    "the inner step count, every rank's replica (parameters and inner optimizer state) and, with overlap_steps, "
+    "the outer all-reduce in flight (its mean and each rank's parameters when it was sent)",
 }
 
 # Format 1 (ddp-app 689925d and earlier): the top-level keys each part wrote.

@@ -212,8 +212,8 @@ def verdict(variants: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             f"communication-bound: strategy diloco's outer step, every {every} steps, adds "
             f"{percent['communication']} to each step spread over those {every} ({1000 * max(alone):.1f} ms per step "
             "without it). Fix: a larger trainer.strategy.init_args.sync_every (fewer outer steps; quality at large "
-            "sync_every is in docs/diloco.md), outer_dtype: bfloat16 (half the bytes), or fragments (smaller "
-            "exchanges, more often)."
+            "sync_every is in docs/diloco.md), overlap_steps (the all-reduce beside the inner steps before the "
+            "outer step), outer_dtype: bfloat16 (half the bytes), or fragments (smaller exchanges, more often)."
         )
     elif kind == "communication-bound":
         report["alone_ms"] = 1000 * max(alone)

@@ -4,7 +4,8 @@ only every `sync_every` optimizer steps, for ranks behind a slow link (docs/dilo
     trainer:
       strategy:
         class_path: app.parallel.diloco.DiLoCoStrategy
-        init_args: {sync_every: 10, outer_lr: 0.7, outer_momentum: 0.9, fragments: 1, outer_dtype: float32}
+        init_args: {sync_every: 10, outer_lr: 0.7, outer_momentum: 0.9, fragments: 1, outer_dtype: float32,
+                    overlap_steps: 0}
 
 (`strategy: diloco`, or `--trainer.strategy diloco --trainer.strategy.init_args.sync_every 10`.)
 Every rank trains its own replica with the config's optimizer (the inner steps: no collective, no
@@ -19,7 +20,15 @@ Streaming DiLoCo (arXiv 2501.18512), `fragments: F`: the model's blocks (its `nn
 or else its layers with parameters) are cut into F fragments of as many blocks each
 (app/parallel/fragments.py; F must divide their number, and H); fragment f has its outer step at
 inner steps where `step % H == (f + 1) * H / F % H`, so every fragment syncs every H steps and some fragment every
-H / F steps, each all-reduce 1/F of the model. The sync runs in line, not overlapped with compute.
+H / F steps, each all-reduce 1/F of the model.
+
+Overlap, `overlap_steps: T` (the paper's tau; 0 < T < H / F): a fragment's outer gradient is taken and its
+all-reduce started (`async_op`) T inner steps before its outer step, and the inner steps go on meanwhile;
+at the outer step the strategy waits for it (by then it has usually arrived), the outer optimizer steps
+the anchor, and the fragment's parameters become the new anchor plus this replica's progress since the
+send (`new = anchor + (now - sent)`: no inner step is lost and none counted twice, the next outer
+gradient carries those T steps; docs/diloco.md says why this rule and not the paper's mix). T = 0 is the
+in-line outer step, unchanged. At most one exchange is in flight (T < H / F).
 
 Written here, not taken from torchft: torchft's `DiLoCo` needs its `Manager`, a lighthouse server and
 its own process groups for fault tolerance, and keeps the outer state where Lightning's checkpoint does
@@ -28,7 +37,10 @@ ddp-app's checkpoint (the `diloco` part, app/checkpoints/state.py).
 
 Exact resume: between two outer steps every rank's parameters and inner optimizer state differ, so a
 checkpoint keeps every rank's (gathered on rank 0, as the random state is), the anchor, the outer
-momentum (per parameter name, so a resume may change `fragments`) and the inner step count. A resume on
+momentum (per parameter name, so a resume may change `fragments`), the inner step count, and an
+exchange in flight (waited for while the checkpoint is built: its averaged outer gradient, and each
+rank's parameters when it was sent, so it is applied at its outer step after a resume as it would have
+been). A resume on
 the same number of ranks restores each rank's own; on another number every rank continues from the
 mean of the saved replicas with rank 0's inner optimizer state (`_restore`).
 """
@@ -39,6 +51,7 @@ import importlib
 import inspect
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -61,22 +74,34 @@ OUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CLASS_PATH = "app.parallel.diloco.DiLoCoStrategy"
 
 
-def check_settings(sync_every: Any, fragments: Any, outer_lr: Any, outer_momentum: Any, outer_dtype: Any) -> None:
+def check_settings(
+    sync_every: Any, fragments: Any, outer_lr: Any, outer_momentum: Any, outer_dtype: Any, overlap_steps: Any = 0
+) -> None:
     """Refuse, in one line naming the key, what DiLoCo cannot run (the config checks call it before any
     rank starts; the strategy again when it is built in Python)."""
     key = "trainer.strategy.init_args"
-    meanings = {"sync_every": ("inner optimizer steps between outer steps", 10), "fragments": ("model parts", 1)}
-    for name, value in (("sync_every", sync_every), ("fragments", fragments)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            meaning, example = meanings[name]
+    meanings = {
+        "sync_every": ("inner optimizer steps between outer steps", 10, 1),
+        "fragments": ("model parts", 1, 1),
+        "overlap_steps": ("inner steps an outer all-reduce overlaps; 0: none", 0, 0),
+    }
+    for name, value in (("sync_every", sync_every), ("fragments", fragments), ("overlap_steps", overlap_steps)):
+        meaning, example, least = meanings[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidConfigError(
-                f"{key}.{name}={value!r}: it must be a whole number >= 1 ({meaning}). "
+                f"{key}.{name}={value!r}: it must be a whole number >= {least} ({meaning}). "
                 f"Fix: e.g. --{key}.{name} {example}."
             )
     if sync_every % fragments:
         raise InvalidConfigError(
             f"{key}.fragments={fragments} does not divide {key}.sync_every={sync_every}: each fragment syncs every "
             f"sync_every steps, one every sync_every / fragments. Fix: a sync_every that is a multiple of {fragments}."
+        )
+    if overlap_steps >= sync_every // fragments:
+        raise InvalidConfigError(
+            f"{key}.overlap_steps={overlap_steps} is not below sync_every / fragments = {sync_every // fragments}: "
+            "an exchange must arrive before the next one starts. "
+            f"Fix: an overlap_steps from 0 to {sync_every // fragments - 1}."
         )
     if not isinstance(outer_lr, (int, float)) or isinstance(outer_lr, bool) or outer_lr <= 0:
         raise InvalidConfigError(f"{key}.outer_lr={outer_lr!r}: it must be > 0. Fix: e.g. 0.7 (the paper's).")
@@ -106,6 +131,19 @@ def fragments_due(step: int, sync_every: int, fragments: int) -> list[int]:
     return [f for f in range(fragments) if step % sync_every == ((f + 1) * every) % sync_every]
 
 
+@dataclass
+class Exchange:
+    """One fragment's outer gradient on its way: this rank's (`flat`, then the replicas' mean once
+    `work` is waited for), and with overlap the fragment's parameters when it was sent (float32)."""
+
+    fragment: int
+    due: int  # the inner step after which it is applied
+    flat: torch.Tensor
+    sent: list[torch.Tensor] | None = None
+    work: Any = None  # the all-reduce in flight (None: done, or never started)
+    reduced: bool = False  # flat holds the mean over the ranks (False: no exchange, the rank's own)
+
+
 @torch.no_grad()
 def broadcast_in_place(tensor: torch.Tensor) -> None:
     """Rank 0's values into `tensor` on every rank (through a contiguous copy where it is not: a
@@ -129,6 +167,8 @@ class DiLoCoStrategy(DDPStrategy):
         outer_nesterov: Nesterov momentum (only with outer_momentum > 0).
         fragments: streaming DiLoCo's F: the model synced in F parts, one every H / F steps.
         outer_dtype: the dtype the outer gradients are all-reduced in (bfloat16: half the bytes).
+        overlap_steps: the inner steps an outer all-reduce runs beside (started that many steps before its
+            outer step; 0: in line). Below sync_every / fragments.
         process_group_backend, timeout: as for Lightning's strategies.
     """
 
@@ -140,20 +180,22 @@ class DiLoCoStrategy(DDPStrategy):
         outer_nesterov: bool = True,
         fragments: int = 1,
         outer_dtype: OuterDtype = "float32",
+        overlap_steps: int = 0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        check_settings(sync_every, fragments, outer_lr, outer_momentum, outer_dtype)
+        check_settings(sync_every, fragments, outer_lr, outer_momentum, outer_dtype, overlap_steps)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.sync_every, self.fragments = sync_every, fragments
         self.outer_lr, self.outer_momentum, self.outer_nesterov = outer_lr, outer_momentum, outer_nesterov
-        self.outer_dtype = outer_dtype
+        self.outer_dtype, self.overlap_steps = outer_dtype, overlap_steps
         self.inner_steps = 0  # optimizer steps since the run began (saved: the outer steps' schedule)
         self._names: list[str] = []
         self._parameters: list[nn.Parameter] = []
         self._anchors: list[torch.Tensor] = []  # float32, the parameters at the last outer step
         self._outer: list[torch.optim.SGD] = []  # one per fragment
         self._fragments: list[list[int]] = []  # each fragment's indices into _parameters
+        self._pending: dict[int, Exchange] = {}  # overlap: the exchange on its way, by fragment (saved)
         # For app/run/step_timing.py (`ddp-app diagnose`): the seconds spent in the outer steps'
         # collectives since it last asked, and its `no_communication` ablation (each rank then applies
         # its own outer gradient: the step without any exchange).
@@ -181,6 +223,7 @@ class DiLoCoStrategy(DDPStrategy):
             for part in self._fragments
         ]
         self.inner_steps = 0
+        self._pending = {}
 
     def setup(self, trainer: L.Trainer) -> None:
         super().setup(trainer)
@@ -190,37 +233,63 @@ class DiLoCoStrategy(DDPStrategy):
             raise RuntimeError("ddp-app bug: DDPStrategy.setup did not call configure_ddp; diloco has no anchor")
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """The inner step (the config's optimizer, local), then the outer steps due after it."""
+        """The inner step (the config's optimizer, local), then the outer steps due after it, then (with
+        overlap) the exchanges that start now."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._anchors:
             self.inner_steps += 1
             for fragment in fragments_due(self.inner_steps, self.sync_every, self.fragments):
                 self.outer_step(fragment)
+            if self.overlap_steps:
+                for fragment in fragments_due(self.inner_steps + self.overlap_steps, self.sync_every, self.fragments):
+                    self._pending[fragment] = self.send(fragment, self.inner_steps + self.overlap_steps)
         return output
 
     @torch.no_grad()
-    def outer_step(self, fragment: int) -> None:
-        """Average the replicas' outer gradients of one fragment, step its anchor, restart from it.
-        Every rank makes the same collectives in the same order (one all-reduce, then the buffers')."""
+    def send(self, fragment: int, due: int) -> Exchange:
+        """This rank's outer gradient of one fragment (anchor - replica, in outer_dtype), its all-reduce
+        started; with overlap, a float32 copy of the fragment's parameters beside it."""
         part = self._fragments[fragment]
         anchors, parameters = [self._anchors[i] for i in part], [self._parameters[i] for i in part]
         flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters, strict=True)])
-        flat = flat.to(OUTER_DTYPES[self.outer_dtype])
-        exchanges = self.world_size > 1 and self.communicate
-        if exchanges:
+        exchange = Exchange(fragment, due, flat.to(OUTER_DTYPES[self.outer_dtype]))
+        if self.overlap_steps:
+            exchange.sent = [parameter.detach().float().clone() for parameter in parameters]
+        if self.world_size > 1 and self.communicate:
             started = time.perf_counter()
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat.div_(self.world_size)
-            self._waited(started, flat)
+            exchange.work = dist.all_reduce(exchange.flat, op=dist.ReduceOp.SUM, async_op=True)
+            self.communication_s += time.perf_counter() - started
+        return exchange
+
+    def complete(self, exchange: Exchange) -> None:
+        """Wait for the exchange's all-reduce (the time counted as communication) and average it."""
+        if exchange.work is None:
+            return
+        started = time.perf_counter()
+        exchange.work.wait()
+        exchange.work, exchange.reduced = None, True
+        exchange.flat.div_(self.world_size)
+        self._waited(started, exchange.flat)
+
+    @torch.no_grad()
+    def outer_step(self, fragment: int) -> None:
+        """Average the replicas' outer gradients of one fragment (sent now, or `overlap_steps` ago), step
+        its anchor, restart from it (plus, with overlap, the progress since the send). Every rank makes
+        the same collectives in the same order (one all-reduce, then the buffers')."""
+        exchange = self._pending.pop(fragment, None) or self.send(fragment, self.inner_steps)
+        self.complete(exchange)
+        part = self._fragments[fragment]
+        anchors, parameters = [self._anchors[i] for i in part], [self._parameters[i] for i in part]
         offset = 0
         for anchor in anchors:
-            anchor.grad = flat[offset : offset + anchor.numel()].view_as(anchor).float()
+            anchor.grad = exchange.flat[offset : offset + anchor.numel()].view_as(anchor).float()
             offset += anchor.numel()
         self._outer[fragment].step()
-        for anchor, parameter in zip(anchors, parameters, strict=True):
+        sent = exchange.sent or [None] * len(anchors)
+        for anchor, parameter, then in zip(anchors, parameters, sent, strict=True):
             anchor.grad = None
-            parameter.copy_(anchor)
-        buffers = list(self.model.buffers()) if exchanges else []
+            parameter.copy_(anchor if then is None else anchor + (parameter.float() - then))
+        buffers = list(self.model.buffers()) if exchange.reduced else []
         if buffers:
             started = time.perf_counter()
             for buffer in buffers:
@@ -234,6 +303,17 @@ class DiLoCoStrategy(DDPStrategy):
             torch.cuda.current_stream().synchronize()
         self.communication_s += time.perf_counter() - started
 
+    def teardown(self) -> None:
+        """An exchange still on its way (the fit stopped inside an overlap) is waited for, not abandoned
+        in the process group; its result stays, for a checkpoint taken after."""
+        try:
+            for exchange in self._pending.values():
+                self.complete(exchange)
+        except RuntimeError as error:  # a peer gone (the fit is failing already): the exchange is dropped
+            print(f"ddp-app: diloco: the outer all-reduce in flight did not complete ({error})", file=sys.stderr)
+            self._pending = {}
+        super().teardown()
+
     # ----- checkpoints: the `diloco` part (kept by `DiLoCoCheckpoint`, restored here) -----
 
     def checkpoint_part(self, trainer: L.Trainer) -> dict[str, Any]:
@@ -242,7 +322,15 @@ class DiLoCoStrategy(DDPStrategy):
         replica = {
             "parameters": {name: to_host(p) for name, p in zip(self._names, self._parameters, strict=True)},
             "optimizers": apply_to_collection([o.state_dict() for o in trainer.optimizers], torch.Tensor, to_host),
+            "sent": {},  # overlap: this rank's parameters when the exchange in flight was sent, by name
         }
+        pending = []
+        for fragment, exchange in sorted(self._pending.items()):
+            self.complete(exchange)  # the same wait on every rank: its mean is saved, not the work
+            pending.append({"fragment": fragment, "due": exchange.due, "flat": to_host(exchange.flat),
+                            "reduced": exchange.reduced})  # fmt: skip
+            names = [self._names[i] for i in self._fragments[fragment]]
+            replica["sent"].update(zip(names, map(to_host, exchange.sent or []), strict=True))
         momentum = {}
         for outer in self._outer:
             for anchor in outer.param_groups[0]["params"]:
@@ -254,8 +342,28 @@ class DiLoCoStrategy(DDPStrategy):
             "sync_every": self.sync_every,
             "anchor": {name: to_host(anchor) for name, anchor in zip(self._names, self._anchors, strict=True)},
             "outer_momentum": momentum,
+            "fragments": self.fragments,
+            "pending": pending,
             "per_rank": gather_per_rank(replica),
         }
+
+    def _restore_pending(self, saved: dict[str, Any], sent: dict[str, torch.Tensor]) -> None:
+        """The exchange that was in flight at the save, its mean arrived, applied at its outer step. Where
+        the resume cuts the model otherwise (another `fragments` or `sync_every`) it is dropped: the
+        replicas keep their progress and the next outer gradient, from the same anchor, carries it."""
+        self._pending = {}
+        schedule = (int(saved["sync_every"]), int(saved.get("fragments", self.fragments)))
+        if schedule != (self.sync_every, self.fragments):
+            return
+        for entry in saved.get("pending", []):
+            fragment = int(entry["fragment"])
+            device = self._anchors[0].device
+            names = [self._names[i] for i in self._fragments[fragment]]
+            exchange = Exchange(fragment, int(entry["due"]), entry["flat"].to(device, copy=True))
+            exchange.reduced = bool(entry["reduced"])
+            if all(name in sent for name in names):
+                exchange.sent = [sent[name].to(device, copy=True) for name in names]
+            self._pending[fragment] = exchange
 
     def _index(self, anchor: torch.Tensor) -> int:
         return next(i for i, own in enumerate(self._anchors) if own is anchor)
@@ -283,12 +391,16 @@ class DiLoCoStrategy(DDPStrategy):
                 parameter.copy_(own["parameters"][name])
             for optimizer, state in zip(self.optimizers, own["optimizers"], strict=True):
                 optimizer.load_state_dict(state)  # torch moves the state onto its parameters' device
+            self._restore_pending(saved, own.get("sent", {}))
             return
         # Another number of ranks: the replicas cannot be handed out one each. Every rank continues
-        # from their mean (what the next outer all-reduce would average) with rank 0's inner state.
+        # from their mean (what the next outer all-reduce would average) with rank 0's inner state,
+        # and an exchange in flight from the mean of the replicas' parameters when it was sent.
+        mean = lambda key, name: torch.stack([replica[key][name].double() for replica in replicas]).mean(0)  # noqa: E731
         for name, parameter in zip(self._names, self._parameters, strict=True):
-            mean = torch.stack([replica["parameters"][name].double() for replica in replicas]).mean(0)
-            parameter.copy_(mean)
+            parameter.copy_(mean("parameters", name))
+        sent = {name: mean("sent", name).float() for name in replicas[0].get("sent", {})}
+        self._restore_pending(saved, sent)
         if self.global_rank == 0:
             print(
                 f"ddp-app: diloco: the checkpoint holds {len(replicas)} replicas and this run has "
@@ -322,7 +434,7 @@ def check_config(config: Any) -> None:
         value = given.get(name) if given is not None else None
         if value is not None:
             settings[name] = value
-    names = ("sync_every", "fragments", "outer_lr", "outer_momentum", "outer_dtype")
+    names = ("sync_every", "fragments", "outer_lr", "outer_momentum", "outer_dtype", "overlap_steps")
     check_settings(*(settings[name] for name in names))
     method = (config.get("gradient_compression") or {}).get("method", "none")
     refused = [

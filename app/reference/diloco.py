@@ -1,7 +1,9 @@
 """DiLoCo written plainly on `torch.distributed`, for the reference trainer (`strategy: diloco` in the
 YAML; no Lightning): the replicas take their optimizer steps alone, and after every `sync_every`-th
 the mean of (anchor - replica) is all-reduced, an outer SGD steps the anchor, and every replica
-continues from it. The same operations in the same order as app/parallel/diloco.py, written again
+continues from it. With `overlap_steps` T the all-reduce starts T inner steps before its outer step
+and runs beside them; the fragment then continues from the new anchor plus its progress since the send.
+The same operations in the same order as app/parallel/diloco.py, written again
 here so that `python -m app.parity` compares two implementations (docs/parity.md, P10).
 """
 
@@ -23,6 +25,7 @@ DEFAULTS = {
     "outer_nesterov": True,
     "fragments": 1,
     "outer_dtype": "float32",
+    "overlap_steps": 0,
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -72,31 +75,55 @@ class DiLoCo:
             for part in self.parts
         ]
         self.inner_steps = 0
+        self.overlap = settings["overlap_steps"]
+        # fragment -> (its outer gradient, the all-reduce's handle, its parameters when sent)
+        self.in_flight: dict[int, tuple[torch.Tensor, Any, list[torch.Tensor]]] = {}
+
+    def due(self, step: int) -> list[int]:
+        every = self.sync_every // self.fragments
+        return [f for f in range(self.fragments) if step % self.sync_every == ((f + 1) * every) % self.sync_every]
 
     def after_inner_step(self) -> None:
         self.inner_steps += 1
-        every = self.sync_every // self.fragments
-        for fragment in range(self.fragments):
-            if self.inner_steps % self.sync_every == ((fragment + 1) * every) % self.sync_every:
-                self.sync(fragment)
+        for fragment in self.due(self.inner_steps):
+            self.sync(fragment)
+        if self.overlap:  # the exchange of the outer step `overlap` steps ahead starts now
+            for fragment in self.due(self.inner_steps + self.overlap):
+                self.in_flight[fragment] = self.start(fragment)
+
+    @torch.no_grad()
+    def start(self, fragment: int) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
+        part = self.parts[fragment]
+        anchors, parameters = [self.anchors[i] for i in part], [self.parameters[i] for i in part]
+        # The outer gradient: how far this replica moved since the last sync, averaged over the replicas.
+        flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters, strict=True)]).to(self.dtype)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True) if self.world_size > 1 else None
+        # With overlap, the parameters as sent: the progress since is what the replica keeps.
+        return flat, work, [p.detach().float().clone() if self.overlap else p for p in parameters]
+
+    def finish(self) -> None:
+        """Wait for an exchange still in flight (at the end of training): its result is not applied."""
+        for _, work, _ in self.in_flight.values():
+            if work is not None:
+                work.wait()
 
     @torch.no_grad()
     def sync(self, fragment: int) -> None:
         part = self.parts[fragment]
         anchors, parameters = [self.anchors[i] for i in part], [self.parameters[i] for i in part]
-        # The outer gradient: how far this replica moved since the last sync, averaged over the replicas.
-        flat = torch.cat([(a - p.float()).reshape(-1) for a, p in zip(anchors, parameters, strict=True)]).to(self.dtype)
-        if self.world_size > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat, work, sent = self.in_flight.pop(fragment, None) or self.start(fragment)
+        if work is not None:
+            work.wait()
         flat.div_(self.world_size)
         offset = 0
         for anchor in anchors:
             anchor.grad = flat[offset : offset + anchor.numel()].view_as(anchor).float()
             offset += anchor.numel()
         self.outer[fragment].step()
-        for anchor, parameter in zip(anchors, parameters, strict=True):
+        for anchor, parameter, then in zip(anchors, parameters, sent, strict=True):
             anchor.grad = None
-            parameter.copy_(anchor)
+            # In line (no overlap) the replica is the anchor; with overlap, its progress since the send is kept.
+            parameter.copy_(anchor + (parameter.float() - then) if self.overlap else anchor)
         if self.world_size > 1:
             for buffer in self.net.buffers():
                 broadcast(buffer)

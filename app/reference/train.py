@@ -280,6 +280,8 @@ class Trainer:
             self._run_epoch(epoch)
             if self.save_every and (epoch + 1) % self.save_every == 0:
                 self._save_snapshot(epoch)
+        if self.diloco is not None:  # an outer all-reduce still in flight is waited for, not abandoned
+            self.diloco.finish()
         if self.rank == 0:
             torch.save(self.net.state_dict(), self.out_dir / "final.pt")
 

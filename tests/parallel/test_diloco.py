@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from jsonargparse import Namespace
 
@@ -100,6 +101,10 @@ DILOCO = ["--trainer.strategy", "diloco"]
         (["--trainer.strategy.init_args.sync_every", "5", "--trainer.strategy.init_args.fragments", "2"],
          "does not divide trainer.strategy.init_args.sync_every=5"),
         (["--trainer.strategy.init_args.outer_dtype", "float16"], "trainer.strategy.init_args.outer_dtype"),
+        # An exchange must arrive before the next starts: overlap_steps below sync_every / fragments (10 / 2).
+        (["--trainer.strategy.init_args.fragments", "2", "--trainer.strategy.init_args.overlap_steps", "5"],
+         "overlap_steps=5 is not below sync_every / fragments = 5"),
+        (["--trainer.strategy.init_args.overlap_steps", "-1"], "overlap_steps=-1"),
         (["--gradient_compression.method", "powersgd"], "gradient_compression.method=powersgd"),
         (["--trainer.sync_batchnorm", "true"], "trainer.sync_batchnorm=true"),
         # A DDP option diloco cannot honour (it has no DDP model to give it to): no such key.
@@ -177,6 +182,23 @@ def test_diloco_at_sync_every_1_equals_the_reference_bit_for_bit_and_ddp_within_
     assert difference > 0  # the outer step ran: the mean of lr x gradient is not the mean gradient exactly
 
 
+@pytest.mark.parity
+@pytest.mark.distributed
+def test_overlapped_outer_steps_equal_the_reference_bit_for_bit(tmp_path: Path) -> None:
+    """overlap_steps 1 in 2 fragments at sync_every 4 (Nesterov outer steps, the defaults): every all-reduce
+    starts an inner step before its outer step and runs beside it, and the fragment continues from the
+    new anchor plus that step's progress; Lightning's strategy equals the reference's, every weight. The
+    overlap changes the training (the progress kept is not the in-line run's): not the in-line result."""
+    overlapped = diloco_config(tmp_path, "overlap", {"sync_every": 4, "fragments": 2, "overlap_steps": 1})
+    lightning = lightning_fit(overlapped, tmp_path / "lightning", "ddp-app", world_size=2)
+    reference = reference_fit(overlapped, tmp_path / "reference", "mp.spawn", world_size=2)
+    difference, first = compare_states(reference, lightning, tolerance=0.0)
+    assert not first and difference == 0.0, first
+    inline = diloco_config(tmp_path, "inline", {"sync_every": 4, "fragments": 2})
+    difference, _ = compare_states(reference_fit(inline, tmp_path / "inline", "mp.spawn", world_size=2), lightning, 0.0)
+    assert difference > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parity
 @pytest.mark.distributed
@@ -213,12 +235,16 @@ def test_the_parity_command_passes_its_diloco_rows(tmp_path: Path) -> None:
 SYNC_EVERY = 4
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory):
-    """digits (Adam inner steps, Nesterov outer steps every 4), 2 epochs of 20 steps on 2 ranks."""
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-line", "overlap-2"])
+def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """digits (Adam inner steps, Nesterov outer steps every 4), 2 epochs of 20 steps on 2 ranks; the
+    outer steps in line, or each all-reduce started 2 inner steps before (overlap_steps 2: sent after
+    steps 2, 6, ..., 30, so the saves of steps 10 and 30 find one in flight)."""
     args = ["--config", DIGITS, *DILOCO, f"--trainer.strategy.init_args.sync_every={SYNC_EVERY}",
-            "--trainer.callbacks=[]"]  # fmt: skip
-    return fit_runner(args, tmp_path_factory.mktemp("diloco"), epochs=2)
+            f"--trainer.strategy.init_args.overlap_steps={request.param}", "--trainer.callbacks=[]"]  # fmt: skip
+    fit = fit_runner(args, tmp_path_factory.mktemp("diloco"), epochs=2)
+    fit.overlap_steps = request.param
+    return fit
 
 
 def diloco_part(root: Path) -> dict:
@@ -229,8 +255,9 @@ def diloco_part(root: Path) -> dict:
 @pytest.mark.distributed
 def test_a_kill_between_two_outer_steps_resumes_bit_for_bit(runner) -> None:
     """kill -9 of rank 1 after step 31 (the last save at step 30: two inner steps after the outer step of
-    step 28), then `--ckpt_path last`: weights, optimizer, metrics, and every rank's replica, the anchor
-    and the outer momentum as the uninterrupted run's."""
+    step 28; with overlap, the all-reduce of step 32's outer step in flight at the save and at the kill),
+    then `--ckpt_path last`: weights, optimizer, metrics, and every rank's replica, the anchor and the
+    outer momentum as the uninterrupted run's."""
     case = Case("kill-rank1", "mid-epoch", epoch=1)
     outcome = runner.run(case)
     assert outcome.exact, outcome.detail or outcome
@@ -245,7 +272,8 @@ def test_a_kill_between_two_outer_steps_resumes_bit_for_bit(runner) -> None:
 @pytest.mark.distributed
 def test_the_saved_state_between_outer_steps_holds_replicas_that_differ(runner, tmp_path: Path) -> None:
     """A max_steps stop at step 30 (mid-H): the checkpoint keeps both replicas, which differ, and the anchor
-    of step 28; resumed on 3 ranks the run trains on, with the elastic notice and diloco's."""
+    of step 28 (with overlap, the exchange sent after step 30: its mean and each rank's parameters then);
+    resumed on 3 ranks the run trains on, with the elastic notice and diloco's."""
     root = tmp_path / "elastic"
     log = tmp_path / "elastic.log"
     base = [*runner._args("default", root), "--trainer.max_epochs=2"]
@@ -254,6 +282,17 @@ def test_the_saved_state_between_outer_steps_holds_replicas_that_differ(runner, 
     assert part["inner_steps"] == 30 and part["inner_steps"] % SYNC_EVERY
     first, second = (replica["parameters"] for replica in part["per_rank"])
     assert max_abs_diff(first, second) > 0
+    if runner.overlap_steps:
+        (pending,) = part["pending"]
+        assert (
+            pending["due"] == 32
+            and pending["reduced"]
+            and len(pending["flat"]) == sum(map(torch.numel, first.values()))
+        )
+        # Sent right after step 30's save point: each rank's parameters then are its parameters now.
+        assert all(max_abs_diff(r["sent"], r["parameters"]) == 0 for r in part["per_rank"])
+    else:
+        assert part["pending"] == [] and part["per_rank"][0]["sent"] == {}
     code = runner.run_command([*base, "--trainer.devices=3", "--ckpt_path=last"], log, runner.timeout)
     text = log.read_text()
     assert code == 0, text[-3000:]
