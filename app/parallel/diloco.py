@@ -51,6 +51,7 @@ import importlib
 import inspect
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -156,7 +157,121 @@ def broadcast_in_place(tensor: torch.Tensor) -> None:
     tensor.copy_(copy)
 
 
-class DiLoCoStrategy(DDPStrategy):
+class DiLoCoCheckpointing:
+    """The `diloco` part of a checkpoint, for DiLoCoStrategy (which sets the attributes below): what it
+    keeps (`checkpoint_part`, gathered by `DiLoCoCheckpoint`) and how a resume restores it, exactly on
+    as many ranks, elastically on another number."""
+
+    inner_steps: int
+    sync_every: int
+    fragments: int
+    world_size: int
+    global_rank: int
+    optimizers: list[Any]
+    _names: list[str]
+    _parameters: list[nn.Parameter]
+    _anchors: list[torch.Tensor]
+    _outer: list[torch.optim.SGD]
+    _fragments: list[list[int]]
+    _pending: dict[int, Exchange]
+    complete: Callable[[Exchange], None]  # waits for an exchange's all-reduce (DiLoCoStrategy)
+
+    def checkpoint_part(self, trainer: L.Trainer) -> dict[str, Any]:
+        """What a checkpoint keeps of DiLoCo; a collective (every rank's replica, gathered on rank 0)."""
+        to_host = lambda tensor: tensor.detach().to("cpu", copy=True)  # noqa: E731
+        replica = {
+            "parameters": {name: to_host(p) for name, p in zip(self._names, self._parameters, strict=True)},
+            "optimizers": apply_to_collection([o.state_dict() for o in trainer.optimizers], torch.Tensor, to_host),
+            "sent": {},  # overlap: this rank's parameters when the exchange in flight was sent, by name
+        }
+        pending = []
+        for fragment, exchange in sorted(self._pending.items()):
+            self.complete(exchange)  # the same wait on every rank: its mean is saved, not the work
+            pending.append({"fragment": fragment, "due": exchange.due, "flat": to_host(exchange.flat),
+                            "reduced": exchange.reduced})  # fmt: skip
+            names = [self._names[i] for i in self._fragments[fragment]]
+            replica["sent"].update(zip(names, map(to_host, exchange.sent or []), strict=True))
+        momentum = {}
+        for outer in self._outer:
+            for anchor in outer.param_groups[0]["params"]:
+                buffer = outer.state.get(anchor, {}).get("momentum_buffer")
+                if buffer is not None:
+                    momentum[self._names[self._index(anchor)]] = to_host(buffer)
+        return {
+            "inner_steps": self.inner_steps,
+            "sync_every": self.sync_every,
+            "anchor": {name: to_host(anchor) for name, anchor in zip(self._names, self._anchors, strict=True)},
+            "outer_momentum": momentum,
+            "fragments": self.fragments,
+            "pending": pending,
+            "per_rank": gather_per_rank(replica),
+        }
+
+    def _restore_pending(self, saved: dict[str, Any], sent: dict[str, torch.Tensor]) -> None:
+        """The exchange that was in flight at the save, its mean arrived, applied at its outer step. Where
+        the resume cuts the model otherwise (another `fragments` or `sync_every`) it is dropped: the
+        replicas keep their progress and the next outer gradient, from the same anchor, carries it."""
+        self._pending = {}
+        schedule = (int(saved["sync_every"]), int(saved.get("fragments", self.fragments)))
+        if schedule != (self.sync_every, self.fragments):
+            return
+        for entry in saved.get("pending", []):
+            fragment = int(entry["fragment"])
+            device = self._anchors[0].device
+            names = [self._names[i] for i in self._fragments[fragment]]
+            exchange = Exchange(fragment, int(entry["due"]), entry["flat"].to(device, copy=True))
+            exchange.reduced = bool(entry["reduced"])
+            if all(name in sent for name in names):
+                exchange.sent = [sent[name].to(device, copy=True) for name in names]
+            self._pending[fragment] = exchange
+
+    def _index(self, anchor: torch.Tensor) -> int:
+        return next(i for i, own in enumerate(self._anchors) if own is anchor)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)  # rank 0's inner state, on every rank
+        saved = checkpoint_state.get(checkpoint, "diloco")
+        if saved is not None and self._anchors:
+            self._restore(saved)
+
+    @torch.no_grad()
+    def _restore(self, saved: dict[str, Any]) -> None:
+        self.inner_steps = int(saved["inner_steps"])
+        for name, anchor in zip(self._names, self._anchors, strict=True):
+            anchor.copy_(saved["anchor"][name])
+        for outer in self._outer:
+            for anchor in outer.param_groups[0]["params"]:
+                buffer = saved["outer_momentum"].get(self._names[self._index(anchor)])
+                if buffer is not None:
+                    outer.state[anchor]["momentum_buffer"] = buffer.to(anchor.device, copy=True)
+        replicas = saved["per_rank"]
+        if len(replicas) == self.world_size:  # each rank continues its own replica, exactly
+            own = replicas[self.global_rank]
+            for name, parameter in zip(self._names, self._parameters, strict=True):
+                parameter.copy_(own["parameters"][name])
+            for optimizer, state in zip(self.optimizers, own["optimizers"], strict=True):
+                optimizer.load_state_dict(state)  # torch moves the state onto its parameters' device
+            self._restore_pending(saved, own.get("sent", {}))
+            return
+        # Another number of ranks: the replicas cannot be handed out one each. Every rank continues
+        # from their mean (what the next outer all-reduce would average) with rank 0's inner state,
+        # and an exchange in flight from the mean of the replicas' parameters when it was sent.
+        mean = lambda key, name: torch.stack([replica[key][name].double() for replica in replicas]).mean(0)  # noqa: E731
+        for name, parameter in zip(self._names, self._parameters, strict=True):
+            parameter.copy_(mean("parameters", name))
+        sent = {name: mean("sent", name).float() for name in replicas[0].get("sent", {})}
+        self._restore_pending(saved, sent)
+        if self.global_rank == 0:
+            print(
+                f"ddp-app: diloco: the checkpoint holds {len(replicas)} replicas and this run has "
+                f"{self.world_size} ranks: every rank continues from their mean, with rank 0's inner optimizer "
+                f"state; the outer steps keep their schedule (inner step {self.inner_steps} now).",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+class DiLoCoStrategy(DiLoCoCheckpointing, DDPStrategy):
     """Lightning's DDPStrategy without DDP's per-step gradient all-reduce: inner steps are local and an
     outer step every `sync_every` optimizer steps averages the replicas (module docstring).
 
@@ -313,102 +428,6 @@ class DiLoCoStrategy(DDPStrategy):
             print(f"ddp-app: diloco: the outer all-reduce in flight did not complete ({error})", file=sys.stderr)
             self._pending = {}
         super().teardown()
-
-    # ----- checkpoints: the `diloco` part (kept by `DiLoCoCheckpoint`, restored here) -----
-
-    def checkpoint_part(self, trainer: L.Trainer) -> dict[str, Any]:
-        """What a checkpoint keeps of DiLoCo; a collective (every rank's replica, gathered on rank 0)."""
-        to_host = lambda tensor: tensor.detach().to("cpu", copy=True)  # noqa: E731
-        replica = {
-            "parameters": {name: to_host(p) for name, p in zip(self._names, self._parameters, strict=True)},
-            "optimizers": apply_to_collection([o.state_dict() for o in trainer.optimizers], torch.Tensor, to_host),
-            "sent": {},  # overlap: this rank's parameters when the exchange in flight was sent, by name
-        }
-        pending = []
-        for fragment, exchange in sorted(self._pending.items()):
-            self.complete(exchange)  # the same wait on every rank: its mean is saved, not the work
-            pending.append({"fragment": fragment, "due": exchange.due, "flat": to_host(exchange.flat),
-                            "reduced": exchange.reduced})  # fmt: skip
-            names = [self._names[i] for i in self._fragments[fragment]]
-            replica["sent"].update(zip(names, map(to_host, exchange.sent or []), strict=True))
-        momentum = {}
-        for outer in self._outer:
-            for anchor in outer.param_groups[0]["params"]:
-                buffer = outer.state.get(anchor, {}).get("momentum_buffer")
-                if buffer is not None:
-                    momentum[self._names[self._index(anchor)]] = to_host(buffer)
-        return {
-            "inner_steps": self.inner_steps,
-            "sync_every": self.sync_every,
-            "anchor": {name: to_host(anchor) for name, anchor in zip(self._names, self._anchors, strict=True)},
-            "outer_momentum": momentum,
-            "fragments": self.fragments,
-            "pending": pending,
-            "per_rank": gather_per_rank(replica),
-        }
-
-    def _restore_pending(self, saved: dict[str, Any], sent: dict[str, torch.Tensor]) -> None:
-        """The exchange that was in flight at the save, its mean arrived, applied at its outer step. Where
-        the resume cuts the model otherwise (another `fragments` or `sync_every`) it is dropped: the
-        replicas keep their progress and the next outer gradient, from the same anchor, carries it."""
-        self._pending = {}
-        schedule = (int(saved["sync_every"]), int(saved.get("fragments", self.fragments)))
-        if schedule != (self.sync_every, self.fragments):
-            return
-        for entry in saved.get("pending", []):
-            fragment = int(entry["fragment"])
-            device = self._anchors[0].device
-            names = [self._names[i] for i in self._fragments[fragment]]
-            exchange = Exchange(fragment, int(entry["due"]), entry["flat"].to(device, copy=True))
-            exchange.reduced = bool(entry["reduced"])
-            if all(name in sent for name in names):
-                exchange.sent = [sent[name].to(device, copy=True) for name in names]
-            self._pending[fragment] = exchange
-
-    def _index(self, anchor: torch.Tensor) -> int:
-        return next(i for i, own in enumerate(self._anchors) if own is anchor)
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)  # rank 0's inner state, on every rank
-        saved = checkpoint_state.get(checkpoint, "diloco")
-        if saved is not None and self._anchors:
-            self._restore(saved)
-
-    @torch.no_grad()
-    def _restore(self, saved: dict[str, Any]) -> None:
-        self.inner_steps = int(saved["inner_steps"])
-        for name, anchor in zip(self._names, self._anchors, strict=True):
-            anchor.copy_(saved["anchor"][name])
-        for outer in self._outer:
-            for anchor in outer.param_groups[0]["params"]:
-                buffer = saved["outer_momentum"].get(self._names[self._index(anchor)])
-                if buffer is not None:
-                    outer.state[anchor]["momentum_buffer"] = buffer.to(anchor.device, copy=True)
-        replicas = saved["per_rank"]
-        if len(replicas) == self.world_size:  # each rank continues its own replica, exactly
-            own = replicas[self.global_rank]
-            for name, parameter in zip(self._names, self._parameters, strict=True):
-                parameter.copy_(own["parameters"][name])
-            for optimizer, state in zip(self.optimizers, own["optimizers"], strict=True):
-                optimizer.load_state_dict(state)  # torch moves the state onto its parameters' device
-            self._restore_pending(saved, own.get("sent", {}))
-            return
-        # Another number of ranks: the replicas cannot be handed out one each. Every rank continues
-        # from their mean (what the next outer all-reduce would average) with rank 0's inner state,
-        # and an exchange in flight from the mean of the replicas' parameters when it was sent.
-        mean = lambda key, name: torch.stack([replica[key][name].double() for replica in replicas]).mean(0)  # noqa: E731
-        for name, parameter in zip(self._names, self._parameters, strict=True):
-            parameter.copy_(mean("parameters", name))
-        sent = {name: mean("sent", name).float() for name in replicas[0].get("sent", {})}
-        self._restore_pending(saved, sent)
-        if self.global_rank == 0:
-            print(
-                f"ddp-app: diloco: the checkpoint holds {len(replicas)} replicas and this run has "
-                f"{self.world_size} ranks: every rank continues from their mean, with rank 0's inner optimizer "
-                f"state; the outer steps keep their schedule (inner step {self.inner_steps} now).",
-                file=sys.stderr,
-                flush=True,
-            )
 
 
 class DiLoCoCheckpoint(L.Callback):
