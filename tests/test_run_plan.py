@@ -123,3 +123,26 @@ def test_the_strategy_a_rank_runs_is_its_own_not_the_launchers(tmp_path: Path) -
     rank = check_before_launch([*DIGITS, "--trainer.strategy=ddp_spawn", *launcher.plan.ranks.extra_args,
                                 f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
     assert rank.plan.strategy.written == "ddp" and rank.plan.strategy.kind is StrategyKind.DDP
+
+
+def test_a_checkpoint_supplied_at_load_replaces_the_file_once(
+    one_rank_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted replica group joins its peers when `fit` loads its own last.ckpt (app/run/build.py,
+    `supply_at_load`): the supplier runs then, once; its checkpoint (a peer's state) replaces the file and
+    the summary's stale read of it; a supplier that gives None (not behind) leaves the file to be read."""
+    from app.checkpoints.io import supply_at_load
+
+    loads = count_torch_loads(monkeypatch)
+    monkeypatch.setattr(plan_module, "_HANDED_RESUME", None)
+    summarize_checkpoint(one_rank_checkpoint)  # the plan's read, kept for the load
+    peer = {"state_dict": {}, "global_step": 99}
+    calls: list[str] = []
+    supply_at_load(one_rank_checkpoint, lambda: calls.append("joined") or peer)
+    assert SafeCheckpointIO().load_checkpoint(one_rank_checkpoint) is peer and calls == ["joined"]
+    assert peer["callbacks"] == {}  # as any loaded checkpoint: ExactResume sees it
+    loaded = SafeCheckpointIO().load_checkpoint(one_rank_checkpoint)  # supplied once; the summary's read forgotten
+    assert loaded["global_step"] != 99 and calls == ["joined"] and len(loads) == 2, loads
+    supply_at_load(one_rank_checkpoint, lambda: calls.append("not behind") and None)
+    assert SafeCheckpointIO().load_checkpoint(one_rank_checkpoint)["global_step"] == loaded["global_step"]
+    assert calls == ["joined", "not behind"] and len(loads) == 3, loads

@@ -391,6 +391,24 @@ def take_read_checkpoint(path: str | Path) -> dict[str, Any] | None:
     return kept[1]
 
 
+# Checkpoints that another part of the run supplies at the moment `fit` loads a path, by the path's real path: a
+# restarted replica group joins its peers there (app/parallel/ft_manager.py), once its Trainer, model and DataModule
+# are set up, and resumes from their state instead of its own file when it is behind them.
+_SUPPLIED_AT_LOAD: dict[str, Callable[[], dict[str, Any] | None]] = {}
+
+
+def supply_at_load(path: str | Path, supplier: Callable[[], dict[str, Any] | None]) -> None:
+    """When `path` is next loaded by SafeCheckpointIO: `supplier()`'s checkpoint instead, or the file if it gives
+    None."""
+    _SUPPLIED_AT_LOAD[os.path.realpath(path)] = supplier
+
+
+def take_supplied_checkpoint(path: str | Path) -> dict[str, Any] | None:
+    """The checkpoint supplied for `path` (`supply_at_load`), once; None: read the file."""
+    supplier = _SUPPLIED_AT_LOAD.pop(os.path.realpath(path), None)
+    return supplier() if supplier is not None else None
+
+
 def forget_read_checkpoint() -> None:
     """Drop the kept checkpoint (a launcher, whose ranks load it themselves)."""
     global _READ_FOR_THE_LOAD

@@ -25,7 +25,15 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from app.checkpoints.io import atomic_torch_save, refuse_url, remove_stale_temporaries, safe_load, take_read_checkpoint
+from app.checkpoints.io import (
+    atomic_torch_save,
+    forget_read_checkpoint,
+    refuse_url,
+    remove_stale_temporaries,
+    safe_load,
+    take_read_checkpoint,
+    take_supplied_checkpoint,
+)
 from app.checkpoints.staging import HostStaging, storage_key
 from app.errors import UserFacingError
 from app.private_apis import require
@@ -70,7 +78,11 @@ class SafeCheckpointIO(TorchCheckpointIO):
             raise write_failed(path, error) from error
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = take_read_checkpoint(path) if map_location in (None, "cpu") else None
+        checkpoint = take_supplied_checkpoint(path)
+        if checkpoint is not None:  # a peer's state (a restarted replica group): the summary's read is stale
+            forget_read_checkpoint()
+        elif map_location in (None, "cpu"):
+            checkpoint = take_read_checkpoint(path)
         if checkpoint is None:
             checkpoint = safe_load(path, map_location=map_location if map_location is not None else "cpu")
         # Lightning calls the callbacks' on_load_checkpoint only if the checkpoint has a "callbacks" entry

@@ -9,9 +9,10 @@ In a group of several processes, Lightning's DDP first averages the gradients wi
 (its own process group, MASTER_PORT), and the groups then average those across groups. Per optimizer
 step:
 
-1. The quorum of the step was formed at the end of the previous one (`on_train_batch_end`), or
-   before `fit` for the first (`join`), synchronously (`use_async_quorum=False`): a group that
-   needs the state of a peer receives it there, before it computes anything on stale weights.
+1. The quorum of the step was formed at the end of the previous one (`on_train_batch_end`), or for
+   the first when `fit` loads the group's own checkpoint (`join_for_state`) or before `fit` (`join`),
+   synchronously (`use_async_quorum=False`): a group that needs the state of a peer receives it
+   there, before it computes anything on stale weights.
 2. During backward, the gradients are summed over the groups in the quorum through torchft's gloo
    process group in buckets, as DDP does (app/parallel/ft_buckets.py), and divided by their number:
    a step with a group missing averages over the groups present. `after_backward` (the callback's
@@ -24,8 +25,8 @@ step:
 
 What a peer sends is the Lightning checkpoint it would save at this point of its run (model,
 optimizer, schedulers, loops, ddp-app's data position and random state: `dump_checkpoint`), through
-torchft's HTTP checkpoint transport; nothing is read from disk. A group that receives it before
-`fit` resumes from it as from `--ckpt_path` (written to /dev/shm, memory, for Lightning's loader),
+torchft's HTTP checkpoint transport; nothing is read from disk. A group that receives it resumes from
+it as from `--ckpt_path` (in place of its own file's contents, or written to /dev/shm before `fit`),
 so the exact-resume machinery (app/resume/exact.py) restores its data position and random state
 as it does for last.ckpt. Each group reads its own shard of the data (its index among the groups,
 app/data/rank_loaders.py), at the same step as the others, so a rejoining group continues in its own
@@ -100,8 +101,23 @@ class GroupRuntime:
     # ----- before fit -----
 
     def join(self, trainer: L.Trainer, resume_path: str | None) -> str | None:
-        """The first quorum, before `fit`. Returns the path of the state a peer sent (in /dev/shm) if
-        this group is behind the others, for `fit` to resume from; None if it starts as it is."""
+        """The first quorum, before `fit` (a group with no checkpoint file of its own to load). Returns the path of
+        the state a peer sent (in /dev/shm) if this group is behind the others, for `fit` to resume from; None if it
+        starts as it is."""
+        received = self.join_for_state(trainer, resume_path)
+        if received is None:
+            return None
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(trainer.default_root_dir)
+        path = shm / f"ddp-app-ft-group{self.group}-{os.getpid()}.ckpt"
+        atomic_torch_save(received, path)
+        self.healed_path = str(path)
+        return self.healed_path
+
+    def join_for_state(self, trainer: L.Trainer, resume_path: str | None) -> dict[str, Any] | None:
+        """The first quorum: the state a peer sent if this group is behind the others, else None. A restarted group
+        calls it when `fit` loads its own checkpoint (app/run/build.py, `supply_at_load`): by then its Trainer, model
+        and DataModule are set up, so the groups that wait for it in their next all-reduce wait only for the
+        transfer and its first step, not for its setup."""
         self.trainer, self.resume_path = trainer, resume_path
         connector = require(trainer, "_checkpoint_connector", "lightning", "the state a replica group sends a peer")
         require(connector, "dump_checkpoint", "lightning", "the state a replica group sends a peer")
@@ -110,16 +126,11 @@ class GroupRuntime:
         if self.start_directory:
             self._wait_for_every_group(Path(self.start_directory))
         self._quorum(step)
-        if self.received is None:
-            return None
-        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(trainer.default_root_dir)
-        path = shm / f"ddp-app-ft-group{self.group}-{os.getpid()}.ckpt"
-        atomic_torch_save(self.received, path)
-        self.healed_path = str(path)
-        healed_step = int(self.received.get("global_step", 0))
-        self._say(f"rejoins at step {healed_step} with the state of a peer (received live, not read from disk)")
-        self.received = None
-        return self.healed_path
+        received, self.received = self.received, None
+        if received is not None:
+            healed_step = int(received.get("global_step", 0))
+            self._say(f"rejoins at step {healed_step} with the state of a peer (received live, not read from disk)")
+        return received
 
     def _wait_for_every_group(self, directory: Path) -> None:
         """At the run's start: until every group's Manager is up (heartbeating to the lighthouse), so

@@ -46,7 +46,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.profilers import PassThroughProfiler
 
-from app.checkpoints.io import CheckpointSummary
+from app.checkpoints.io import CheckpointSummary, supply_at_load
 from app.checkpoints.last import agreed_last_checkpoint
 from app.checkpoints.save_mode import SavePlan
 from app.cluster.ddp_stream import build_ddp_on_the_current_stream
@@ -281,9 +281,7 @@ def prepare_run(
             found = f"resuming from {config['ckpt_path']}" if config["ckpt_path"] else "none yet, starting fresh"
             print(f"ddp-app: --ckpt_path last: {found}", flush=True)
     if plan.fault_tolerance is not None and plan.fault_tolerance.group is not None and plan.subcommand == "fit":
-        healed = join_replica_groups(config, plan, trainer)
-        if healed is not None:  # behind the other groups: resume from the state a peer sent
-            config["ckpt_path"] = healed
+        join_replica_groups(config, plan, trainer)
     if open_tracked_run is not None:
         ckpt_path = config.get("ckpt_path")
         open_tracked_run(ckpt_path, plan.resume.is_last and not ckpt_path, resume.summary if ckpt_path else None)
@@ -309,15 +307,24 @@ def prepare_run(
     return resume
 
 
-def join_replica_groups(config: Any, plan: RunPlan, trainer: Trainer) -> str | None:
-    """A replica group's first quorum, before `fit` (app/parallel/ft_manager.py): the path of the
-    state a peer sent if this group is behind the others (a restarted group), else None."""
+def join_replica_groups(config: Any, plan: RunPlan, trainer: Trainer) -> None:
+    """A replica group's first quorum (app/parallel/ft_manager.py). A group with a checkpoint file of its own (a
+    restarted one, `--ckpt_path last`) joins when `fit` loads that file, after its setup, and resumes from a peer's
+    state if it is behind; any other joins here, before `fit`, and resumes from the state a peer sent (written to
+    /dev/shm) if it is behind."""
     from app.parallel.ft_manager import GroupRuntime  # here: torchft is an optional dependency
 
     settings = config["fault_tolerance"]
     assert plan.fault_tolerance is not None
-    settings.runtime = GroupRuntime(settings, plan.fault_tolerance)
-    return settings.runtime.join(trainer, config.get("ckpt_path"))
+    runtime = settings.runtime = GroupRuntime(settings, plan.fault_tolerance)
+    own = config.get("ckpt_path")
+    # Under fsdp a checkpoint is a directory its strategy loads itself, not through SafeCheckpointIO: it joins here.
+    if own and Path(own).is_file() and plan.strategy.kind is not StrategyKind.FSDP:
+        supply_at_load(own, lambda: runtime.join_for_state(trainer, own))
+    else:
+        healed = runtime.join(trainer, own)
+        if healed is not None:  # behind the other groups: resume from the state a peer sent
+            config["ckpt_path"] = healed
 
 
 def open_tracked_run(

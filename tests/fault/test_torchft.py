@@ -552,3 +552,5 @@ def test_the_fault_tolerance_doc_quotes_the_throughput_under_failures() -> None:
         assert any(line.endswith(cells) for line in lines), cells
     text = " ".join(lines)
     assert f"torchft kept {figures['torchft']['of_torchft-nofail']:.2f} of its throughput" in text
+    before = figures["torchft-joined-before-fit"]  # a restarted group joined before fit: its setup paused the others
+    assert f"it kept {before['of_torchft-nofail']:.2f} ({before['samples_per_s']:.0f} against" in text
