@@ -124,24 +124,14 @@ class GroupRuntime:
         step = _global_step_of(resume_path) if resume_path else 0
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         if self.start_directory:
-            self._wait_for_every_group(Path(self.start_directory))
+            wait_for_every_process(Path(self.start_directory), self.plan, self.group, self.group_rank,
+                                   self.settings.quorum_timeout_s)  # fmt: skip
         self._quorum(step)
         received, self.received = self.received, None
         if received is not None:
             healed_step = int(received.get("global_step", 0))
             self._say(f"rejoins at step {healed_step} with the state of a peer (received live, not read from disk)")
         return received
-
-    def _wait_for_every_group(self, directory: Path) -> None:
-        """At the run's start: until every group's Manager is up (heartbeating to the lighthouse), so
-        that the first quorum has every group. A group that does not come within the quorum timeout is
-        left out; it heals from the others when it comes."""
-        (directory / f"group_{self.group}.{self.group_rank}").touch()
-        deadline = time.monotonic() + self.settings.quorum_timeout_s
-        while time.monotonic() < deadline:
-            if sum(1 for _ in directory.glob("group_*")) >= self.plan.groups * self.plan.group_size:
-                return
-            time.sleep(0.02)
 
     def _state(self) -> dict[str, Any]:
         """What this group sends to a group that heals: its checkpoint at this point of the run."""
@@ -278,6 +268,20 @@ class GroupRuntime:
 # app/cluster/exit_codes.py PEER_LOST_EXIT_CODE (not imported: app.cluster imports app.parallel), which the
 # launcher restarts a group for (tests/fault/test_torchft.py checks that the two agree).
 RESTART_TO_HEAL_EXIT_CODE = 4
+
+
+def wait_for_every_process(
+    directory: Path, plan: FaultTolerancePlan, group: int, group_rank: int, timeout_s: float
+) -> None:
+    """At the run's start: until every group's processes have their Manager up (heartbeating to the lighthouse), so
+    that the first quorum has every group. A group that does not come within the quorum timeout is left out; it
+    heals from the others when it comes."""
+    (directory / f"group_{group}.{group_rank}").touch()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sum(1 for _ in directory.glob("group_*")) >= plan.groups * plan.group_size:
+            return
+        time.sleep(0.02)
 
 
 def end_to_heal(say: Any, story: Any, step: int, peer_step: Any) -> None:
