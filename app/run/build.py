@@ -48,6 +48,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 
 from app.checkpoints.io import CheckpointSummary, supply_at_load
 from app.checkpoints.last import agreed_last_checkpoint
+from app.checkpoints.plugin import SafeCheckpointIO
 from app.checkpoints.save_mode import SavePlan
 from app.cluster.ddp_stream import build_ddp_on_the_current_stream
 from app.cluster.hangs import HangReport
@@ -318,8 +319,10 @@ def join_replica_groups(config: Any, plan: RunPlan, trainer: Trainer) -> None:
     assert plan.fault_tolerance is not None
     runtime = settings.runtime = GroupRuntime(settings, plan.fault_tolerance)
     own = config.get("ckpt_path")
-    # Under fsdp a checkpoint is a directory its strategy loads itself, not through SafeCheckpointIO: it joins here.
-    if own and Path(own).is_file() and plan.strategy.kind is not StrategyKind.FSDP:
+    # Only SafeCheckpointIO takes a supplied checkpoint: with a config's own CheckpointIO, or under fsdp (a directory
+    # of shards its ShardedCheckpointIO reads), the group joins here.
+    io = trainer.strategy.checkpoint_io
+    if own and Path(own).is_file() and isinstance(getattr(io, "checkpoint_io", io), SafeCheckpointIO):
         supply_at_load(own, lambda: runtime.join_for_state(trainer, own))
     else:
         healed = runtime.join(trainer, own)
