@@ -77,7 +77,7 @@ def test_verdicts_on_recorded_numbers() -> None:
     assert latency["verdict"] == "communication-bound" and latency["communication_cost"] == "latency", latency
     assert "by latency" in latency["verdict_text"] and "gradient_compression" not in latency["verdict_text"]
     assert "accumulate_grad_batches" in latency["verdict_text"] and "0.08 MB" in latency["verdict_text"]
-    # Measured beats the guess: where a PowerSGD run was 19% faster, the small gradients' cost was their bytes.
+    # Measured beats the guess: where a PowerSGD run was 19% shorter, the small gradients' cost was their bytes.
     paid = {**latency, "tried_compression": {"method": "powersgd", "step_ms": 0.81 * latency["step_ms"]}}
     text = communication_text(paid)
     assert paid["communication_cost"] == "bandwidth" and "gradient_compression.method: powersgd" in text, text
@@ -349,8 +349,8 @@ def test_a_100_mbit_link_is_communication_bound_and_powersgd_measured_to_pay_is_
 def test_small_gradients_over_100_mbit_get_the_compression_verdict_their_powersgd_run_measured(
     tmp_path: Path,
 ) -> None:
-    """Whether compression pays for 0.08 MB at 100 Mbit/s depends on the CPU (13% slower on one,
-    19% faster on another): diagnose measures it instead of guessing from the size."""
+    """Whether compression pays for 0.08 MB at 100 Mbit/s depends on the CPU (it made the step
+    longer on one machine, shorter on another): diagnose measures it instead of guessing from the size."""
     with netns.namespace_pair():
         netns.limit_pair(netns.parse_link("100mbit"))
         report = diagnose_on_two_nodes(tmp_path / "plain", config="digits.yaml")
