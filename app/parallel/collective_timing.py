@@ -35,7 +35,9 @@ class CollectiveClock:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.bytes = 0
-        self._reduce_scatter_end: float | None = None
+        # Where a hybrid unit's all-reduce began: the end of its reduce-scatter or, in a shard group of one
+        # rank (FSDP2 then calls no reduce-scatter, only copies into the output), that output's allocation.
+        self.all_reduce_from: float | None = None
 
     def add(self, started: float, tensor: torch.Tensor) -> None:
         self.seconds += time.perf_counter() - started
@@ -73,7 +75,13 @@ class TimedReduceScatter:
 
     def __init__(self, clock: CollectiveClock) -> None:
         self.clock = clock
-        self.allocate = _allocate
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP2 allocates the input, then the output right before the reduce-scatter, or before its copy
+        where the shard group is one rank: the last allocation marks where a hybrid all-reduce may begin."""
+        tensor = _allocate(size, dtype=dtype, device=device)
+        self.clock.all_reduce_from = time.perf_counter()
+        return tensor
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
@@ -83,16 +91,16 @@ class TimedReduceScatter:
             output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
         )
         self.clock.add(started, input_tensor)
-        self.clock._reduce_scatter_end = time.perf_counter()
+        self.clock.all_reduce_from = time.perf_counter()
         return work
 
 
 def _after_hybrid_all_reduce(clock: CollectiveClock, reduced: torch.Tensor) -> None:
     """FSDP2's all-reduce hook: it runs right after the unit's all-reduce across the replicas (hybrid
     sharding) or right after its reduce-scatter (full sharding: nothing to add there)."""
-    if clock._reduce_scatter_end is not None:
-        clock.add(clock._reduce_scatter_end, reduced)
-        clock._reduce_scatter_end = None
+    if clock.all_reduce_from is not None:
+        clock.add(clock.all_reduce_from, reduced)
+        clock.all_reduce_from = None
 
 
 def time_fsdp_collectives(module: nn.Module, clock: CollectiveClock, hybrid: bool) -> int:

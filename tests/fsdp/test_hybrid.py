@@ -11,6 +11,7 @@ on 2 ranks and back (the two-node version on the Slurm cluster: tests/slurm/test
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -58,8 +59,9 @@ def assert_bit_for_bit(expected: dict[str, torch.Tensor], actual: dict[str, torc
 
 def test_hybrid_sharding_trains_the_references_weights_and_resumes_as_full_sharding(tmp_path: Path) -> None:
     """2 ranks as 2 replicas x 1 shard, stopped at step 8 of 16 and resumed with full sharding: the run's
-    first line says each mesh, the resume says DCP reshards, and the weights equal the reference's hybrid
-    run bit for bit."""
+    first line says each mesh, the resume says DCP reshards, the step line counts each layout's
+    communication (2 x 1: the replicas' all-reduce alone, no reduce-scatter), and the weights equal the
+    reference's hybrid run bit for bit."""
     config = gpt_config(tmp_path / "hybrid.yaml", 1, max_epochs=1)
     root = tmp_path / "run"
     stopped = fit(config, root, "--trainer.max_steps=8")
@@ -72,6 +74,11 @@ def test_hybrid_sharding_trains_the_references_weights_and_resumes_as_full_shard
         "shards: DCP reshards the weights and the optimizer state"
     )
     assert notice in resumed, resumed[-3000:]
+    for output in (stopped, resumed):
+        step_line = next(
+            line for line in output.splitlines() if line.strip().startswith("step ") and "communication" in line
+        )
+        assert int(re.search(r"communication (\d+)%", step_line).group(1)) > 0, step_line
     expected = reference(config, tmp_path / "reference", 2)
     assert_bit_for_bit(expected, last_weights(root / "checkpoints" / "last.ckpt"))
 
