@@ -64,12 +64,11 @@ FULL_READ_EVERY_S = STALLED_S
 # PyTorch's debug endpoint handlers (torch/csrc/distributed/c10d/control_plane/Handlers.cpp).
 STACKS_HANDLER = "dump_traceback"
 COLLECTIVES_HANDLER = "fr_trace_json"
-# This project's files that every rank's stack passes through on its way into Lightning: never the place. (The test
-# suite forks its `ddp-app` commands from tests/helpers/zygote.py: plumbing too.)
-PLUMBING = (
-    "app/cli/parser.py", "app/cli/entry.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app",
-    "tests/helpers/zygote.py",
-)  # fmt: skip
+# This project's files that every rank's stack passes through on its way into Lightning: never the place.
+PLUMBING = ("app/cli/parser.py", "app/cli/entry.py", "app/__main__.py", "app/cluster/launch.py", "bin/ddp-app")
+# ddp-app's entry point: whatever called it (the console script, a user's wrapper, the tests' zygote that forks their
+# commands) is outside the run and never the place either.
+ENTRY_POINT = "app/__main__.py"
 # Ours, on the same endpoint: where this rank's own collective timed out (its main thread has left that place to write
 # its report by the time another rank asks).
 WAITED_HANDLER = "ddp_app_waited"
@@ -378,6 +377,8 @@ def call_site(frames: list[Frame]) -> str:
     project's) code, else the innermost frame outside torch (Lightning's, torchmetrics')."""
     if is_gradient_all_reduce(frames):
         return "DDP gradient all-reduce in loss.backward()"
+    entries = [index for index, frame in enumerate(frames) if frame.filename.endswith(ENTRY_POINT)]
+    frames = frames[entries[-1] :] if entries else frames
     for frame in reversed(frames):
         if not is_library(frame.filename) and not frame.filename.endswith(PLUMBING):
             return f"{frame.name} at {short_path(frame.filename)}:{frame.lineno}"

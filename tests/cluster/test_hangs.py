@@ -17,6 +17,7 @@ from app.cluster.hangs import (
     Answer,
     Frame,
     RankAddress,
+    call_site,
     describe_hang,
     main_thread_frames,
     mismatched,
@@ -154,6 +155,24 @@ def test_a_rank_that_reaches_no_one_says_its_own_host_lost_the_network() -> None
 
 def test_the_main_thread_is_the_one_that_runs_the_program() -> None:
     assert [frame.name for frame in main_thread_frames(LOADER_STACK)] == ["<module>", "__next__", "__getitem__"]
+
+
+@pytest.mark.parametrize("caller", ["/home/me/my_launcher.py", "/repo/tests/helpers/zygote.py"])
+def test_whatever_called_ddp_app_is_never_named_as_the_place(caller: str) -> None:
+    """A user's wrapper (or the tests' zygote) that calls `app.__main__.main()` sits outside the run: a rank
+    waiting inside Lightning is placed in Lightning, not in the wrapper's call."""
+    lightning = "/venv/lib/python3.11/site-packages/lightning/pytorch/trainer/trainer.py"
+    frames = [
+        Frame(caller, 40, "<module>"),
+        Frame(caller, 12, "run"),
+        Frame("/repo/app/__main__.py", 30, "main"),
+        Frame("/repo/app/cli/entry.py", 20, "main"),
+        Frame(lightning, 580, "fit"),
+        Frame("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 3000, "barrier"),
+    ]
+    assert call_site(frames) == "fit at lightning/pytorch/trainer/trainer.py:580", call_site(frames)
+    user = [*frames[:4], Frame("/repo/my_model.py", 77, "training_step"), *frames[4:]]
+    assert call_site(user).startswith("training_step at "), call_site(user)
 
 
 def test_the_collective_a_rank_waits_in_is_the_newest_it_entered_whatever_is_marked_completed() -> None:
