@@ -66,6 +66,7 @@ class TrainerShape:
     devices: int | str  # an int, or "auto" when the config leaves it to the machine
     num_nodes: int
     accelerator: str
+    fault_tolerant: bool = False  # fault_tolerance.enabled: one ddp-app per node starts its replica groups
 
 
 def read_trainer_shape(config_path: str | Path, overrides: list[str] | None = None) -> TrainerShape:
@@ -80,7 +81,8 @@ def read_trainer_shape(config_path: str | Path, overrides: list[str] | None = No
         with warnings.catch_warnings():
             # Lightning warns when sys.argv holds arguments too: here they are this tool's own.
             warnings.filterwarnings("ignore", "LightningCLI's args parameter", UserWarning)
-            trainer = parse_config(["fit", "--config", str(config_path), *(overrides or [])])["trainer"]
+            parsed = parse_config(["fit", "--config", str(config_path), *(overrides or [])])
+            trainer = parsed["trainer"]
     finally:
         seed_log.setLevel(seed_log_level)
     devices = trainer.get("devices", "auto")
@@ -90,6 +92,7 @@ def read_trainer_shape(config_path: str | Path, overrides: list[str] | None = No
         count if count is not None else str(devices),
         int(trainer.get("num_nodes") or 1),
         accelerator if isinstance(accelerator, str) else type(accelerator).__name__,
+        bool((parsed.get("fault_tolerance") or {}).get("enabled")),
     )
 
 
@@ -109,6 +112,12 @@ def render(
 
     gpus_per_node=0 renders a CPU-only job (no GPU request); otherwise one task per GPU."""
     shape = read_trainer_shape(config, overrides)
+    if shape.fault_tolerant:
+        raise InvalidConfigError(
+            f"fault_tolerance.enabled is true in {config}: render writes one srun task per rank, and a fault-tolerant"
+            " job runs one ddp-app per node that starts (and restarts) its replica groups, with a lighthouse."
+            " Fix: sbatch --nodes=N slurm/fault_tolerant.sbatch CONFIG (python -m app.slurm check agrees with it)."
+        )
     num_nodes = nodes if nodes is not None else shape.num_nodes
     if devices is None and gpus_per_node:
         devices = gpus_per_node
@@ -255,11 +264,26 @@ def check(
         )
         if "$" not in value or job_nodes.fullmatch(value)  # another variable: unknown here, as if not pinned
     ]
+    # fault_tolerant.sbatch makes each node's one task the launcher of its replica groups, and turns them on itself.
+    node_launcher = "DDP_APP_FT_NODE_LAUNCHER=1" in "\n".join(body)
+    if node_launcher:
+        pinned.append("--fault_tolerance.enabled=true")
     shape = read_trainer_shape(config, [*pinned, *(overrides or [])])
     uses_torchrun = any(re.search(r"\btorchrun\b", line) for line in body)
     uses_srun = any(re.match(r"\s*(exec\s+)?srun\b", line) for line in body)
     problems: list[str] = []
 
+    if shape.fault_tolerant and not node_launcher:
+        problems.append(
+            "fault_tolerance.enabled is true but the script starts one ddp-app per rank: a fault-tolerant job runs"
+            " one ddp-app per node, which starts its replica groups (each task here would refuse at its start)."
+            " Fix: slurm/fault_tolerant.sbatch, or --fault_tolerance.enabled false."
+        )
+    if node_launcher and not shape.fault_tolerant:  # an override after the script's own turned it off
+        problems.append(
+            "the script starts each node's replica groups (DDP_APP_FT_NODE_LAUNCHER=1) but fault_tolerance.enabled is"
+            " false. Fix: drop --fault_tolerance.enabled false, or slurm/multinode.sbatch for a run without it."
+        )
     if nodes != shape.num_nodes:
         problems.append(
             f"--nodes={nodes} but trainer.num_nodes={shape.num_nodes}."

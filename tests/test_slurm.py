@@ -253,3 +253,20 @@ def test_check_takes_the_fault_tolerant_script_as_pinned_to_the_jobs_nodes(tmp_p
     other = tmp_path / "own.sbatch"
     other.write_text('#!/bin/bash\n#SBATCH --nodes=2\nsrun ddp-app fit --trainer.num_nodes "$MY_NODES"\n')
     assert check(other, config)[0].startswith("--nodes=2 but trainer.num_nodes=1.")
+
+
+def test_a_fault_tolerant_config_is_checked_against_the_script_that_can_run_it(tmp_path: Path) -> None:
+    """A config with fault_tolerance.enabled needs one ddp-app per node (slurm/fault_tolerant.sbatch): the per-rank
+    scripts disagree with it before the job queues, not at its start; render refuses it and names the script;
+    fault_tolerant.sbatch with the groups turned off after its own switch is a disagreement too."""
+    config, on = REPO / "configs" / "digits.yaml", ["--fault_tolerance.enabled=true"]
+    for script in ("train.sbatch", "multinode.sbatch"):
+        overrides = [*on, "--trainer.num_nodes=2"] if script == "multinode.sbatch" else on
+        (problem,) = check(REPO / "slurm" / script, config, overrides)
+        assert problem.startswith("fault_tolerance.enabled is true but the script starts one ddp-app per rank"), problem
+        assert "Fix: slurm/fault_tolerant.sbatch" in problem
+    assert check(REPO / "slurm" / "fault_tolerant.sbatch", config, on) == []
+    (problem,) = check(REPO / "slurm" / "fault_tolerant.sbatch", config, ["--fault_tolerance.enabled=false"])
+    assert "fault_tolerance.enabled is false" in problem, problem
+    with pytest.raises(InvalidConfigError, match=r"render writes one srun task per rank.*slurm/fault_tolerant.sbatch"):
+        render(str(config), overrides=on)
