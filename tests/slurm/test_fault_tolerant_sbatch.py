@@ -106,6 +106,59 @@ def test_a_node_whose_group_is_killed_rejoins_and_the_job_ends_0(
     assert not (root / "fault_tolerance" / "group_1" / "lightning_logs").exists()  # group 0 alone logs
 
 
+@pytest.mark.slow  # 4 processes on the 2-core host: about 2 minutes
+def test_groups_of_two_processes_one_per_node_survive_a_killed_process_and_end_with_equal_weights(
+    slurm_cluster: LocalSlurmCluster, workdir: Path
+) -> None:
+    """`--trainer.devices 2 --fault_tolerance.group_size 2`: each node's ddp-app forks a group of two processes
+    (DDP inside the group, torchft across the nodes). One process of node2's group killed -9: its node's
+    launcher ends the group's other process and starts both again; they heal from node1's processes of the same
+    rank, node1's group never stops, and both groups end with the planned steps and equal weights."""
+    root, steps, kill_at = workdir / "groups-of-two", 600, 50
+    killed: dict[str, float] = {}
+
+    def kill_one_process_of_node2(job_id: int) -> None:
+        deadline = time.monotonic() + 240
+        while not any(entry["step"] >= kill_at for entry in steps_of(story(root, 1))):
+            assert slurm_cluster.job_state(job_id) not in FINAL_STATES, f"the job ended before step {kill_at}"
+            assert time.monotonic() < deadline, f"group 1 did not reach step {kill_at} within 240 s"
+            time.sleep(0.05)
+        start = next(entry for entry in story(root, 1) if entry.get("start"))
+        killed["time"] = time.time()
+        killed["pid"] = start["pids"][1]  # the group's second process: not the one that keeps its record
+        os.kill(start["pids"][1], signal.SIGKILL)
+
+    args = (
+        CONFIG, f"--trainer.max_steps={steps}", "--trainer.max_epochs=1000", f"--trainer.default_root_dir={root}",
+        "--trainer.devices=2", "--fault_tolerance.group_size=2",
+    )  # fmt: skip
+    job = submit(
+        slurm_cluster, workdir, SLURM / "fault_tolerant.sbatch", *CPU_ONLY, "--cpus-per-task=2", "--time=6",
+        args=(*args, *FT), timeout=420, interrupt=(root, kill_one_process_of_node2),
+    )  # fmt: skip
+    output = job.output
+    assert job.state == "COMPLETED" and job.info["ExitCode"] == "0:0", output[-4000:]
+    assert "pid" in killed, output[-4000:]
+    assert "groups 0..0 on node1" in output and "groups 1..1 on node2" in output, output[-4000:]
+    assert "starting it again (1 of 3)" in output and "(2 of 3)" not in output, output[-6000:]
+    assert "ddp-app bug" not in output, output[-6000:]
+    times = [entry["time"] for entry in steps_of(story(root, 0))]
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    print(f"two nodes, groups of two: node1's longest pause {max(gaps):.2f} s; job {job.seconds:.0f} s")
+    assert max(gaps) < DEFAULT_TIMEOUT_S, f"group 0 stopped for {max(gaps):.1f} s"
+    restarted = [entry for entry in story(root, 1) if entry.get("start")]
+    assert len(restarted) == 2 and killed["pid"] not in restarted[1]["pids"], restarted
+    assert restarted[1]["time"] > killed["time"] and restarted[1]["step"] > kill_at, restarted
+    for group in (0, 1):
+        assert steps_of(story(root, group))[-1]["step"] == steps
+    first = safe_load(root / "checkpoints" / "last.ckpt")
+    second = safe_load(root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
+    assert first["global_step"] == second["global_step"] == steps
+    ours, theirs = net_state_dict(first), net_state_dict(second)
+    assert ours.keys() == theirs.keys()
+    assert all(ours[key].equal(theirs[key]) for key in ours), "the groups ended with different weights"
+
+
 @pytest.mark.parametrize(
     ("script", "env", "message"),
     [
