@@ -144,7 +144,10 @@ def detect_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
         if env.get("SLURM_JOB_NAME") in INTERACTIVE_JOB_NAMES:
             return _interactive_step_launch(env, devices, num_nodes)
         return _srun_launch(env, devices, num_nodes)
-    if "SLURM_JOB_ID" in env:
+    if "SLURM_JOB_ID" in env and "LOCAL_RANK" not in env:
+        # The batch script or salloc's shell. A process with LOCAL_RANK was started by a launcher that checked
+        # already: Lightning's or ddp-app's rank 0, or a node's launcher of replica groups (fault_tolerant.sbatch),
+        # whose groups run outside the Slurm step as plain runs on that node.
         _refuse_slurm_job_without_srun(env, devices, num_nodes)
     return _plain_launch(env, devices, num_nodes)
 

@@ -171,6 +171,25 @@ def test_single_process_in_a_batch_script() -> None:
     assert detect_launch(one_task, devices=1, num_nodes=1).world_size == 1
 
 
+def test_a_replica_group_of_two_forked_by_a_slurm_nodes_launcher_is_a_plain_run_of_two() -> None:
+    """slurm/fault_tolerant.sbatch with --fault_tolerance.group_size 2: the node's launcher (an srun task) forks a
+    group of 2 processes outside the step, its variables gone (app/cluster/ft_launch.py), with the group's own
+    LOCAL_RANK, WORLD_SIZE and MASTER_PORT. Each is rank LOCAL_RANK of a plain run of 2, not a batch script
+    that forgot srun; Lightning does not take it for a Slurm task either."""
+    from app.cluster.ft_launch import SLURM_STEP_VARIABLES
+
+    node_launcher = {**STEP, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "DDP_APP_FT_NODE_LAUNCHER": "1"}
+    outside_the_step = {key: value for key, value in node_launcher.items() if key not in SLURM_STEP_VARIABLES}
+    for local_rank in (0, 1):
+        group = {**outside_the_step, "LOCAL_RANK": str(local_rank), "NODE_RANK": "0", "WORLD_SIZE": "2"}
+        launch = detect_launch(group, devices=2, num_nodes=1)
+        assert (launch.launcher, launch.world_size, launch.global_rank) == ("plain", 2, local_rank), launch
+        assert not lightning_uses_slurm(group)
+    # The batch script itself, with the same job but no launcher's LOCAL_RANK, is still refused.
+    with pytest.raises(PreflightError, match=r"2 processes, but this Slurm job has one task"):
+        detect_launch({**outside_the_step, "SLURM_NTASKS": "1"}, devices=2, num_nodes=1)
+
+
 # --- the launches that stop, each with Lightning's own behaviour ------------------------------
 
 

@@ -1,8 +1,9 @@
 """slurm/fault_tolerant.sbatch on the two-node test cluster (issue 57, docs/fault_tolerance.md): one
 replica group per node, the lighthouse on the first node. The group of node2 killed with kill -9 mid-run:
 node1's group keeps training, node2's ddp-app starts its group again, which heals from node1's and
-rejoins; the job ends 0 with the planned steps and the same weights in both groups. And the launches
-fault tolerance cannot serve on Slurm (srun of one task per rank, torchrun) stop in one line."""
+rejoins; the job ends 0 with the planned steps and the same weights in both groups. The same with a group
+of two processes per node (one of node2's killed: its group restarts whole). And the launches fault
+tolerance cannot serve on Slurm (srun of one task per rank, torchrun) stop in one line."""
 
 from __future__ import annotations
 
@@ -106,7 +107,6 @@ def test_a_node_whose_group_is_killed_rejoins_and_the_job_ends_0(
     assert not (root / "fault_tolerance" / "group_1" / "lightning_logs").exists()  # group 0 alone logs
 
 
-@pytest.mark.slow  # 4 processes on the 2-core host: about 2 minutes
 def test_groups_of_two_processes_one_per_node_survive_a_killed_process_and_end_with_equal_weights(
     slurm_cluster: LocalSlurmCluster, workdir: Path
 ) -> None:
