@@ -301,6 +301,8 @@ def check(
                 f"--ntasks-per-node={tasks_per_node} under torchrun: each task is a torchrun agent that starts"
                 " trainer.devices ranks itself. Fix: --ntasks-per-node=1."
             )
+    elif node_launcher:
+        pass  # its srun starts one task per node, which forks the node's trainer.devices processes (its groups)
     elif tasks_per_node is not None and isinstance(shape.devices, int) and tasks_per_node != shape.devices:
         problems.append(
             f"--ntasks-per-node={tasks_per_node} but trainer.devices={shape.devices}: under srun there is one task"

@@ -270,3 +270,9 @@ def test_a_fault_tolerant_config_is_checked_against_the_script_that_can_run_it(t
     assert "fault_tolerance.enabled is false" in problem, problem
     with pytest.raises(InvalidConfigError, match=r"render writes one srun task per rank.*slurm/fault_tolerant.sbatch"):
         render(str(config), overrides=on)
+    # Groups of two processes per node: one task per node still (it forks both), and a GPU per process.
+    groups_of_two = ["--trainer.devices=2", "--fault_tolerance.group_size=2"]
+    script = REPO / "slurm" / "fault_tolerant.sbatch"
+    assert check(script, config, groups_of_two, sbatch_options=["--gpus-per-node=2"]) == []
+    (problem,) = check(script, config, groups_of_two)
+    assert problem.startswith("1 GPUs per node requested but trainer.devices=2"), problem
