@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,36 @@ def steps_of(entries: list[dict]) -> list[dict]:
     return [entry for entry in entries if "step" in entry and "sent" not in entry and not entry.get("start")]
 
 
+def assert_both_groups_end_at(root: Path, steps: int) -> None:
+    """Group 0's last.ckpt (the run's) and group 1's hold the planned steps and the same weights."""
+    first = safe_load(root / "checkpoints" / "last.ckpt")
+    second = safe_load(root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
+    assert first["global_step"] == second["global_step"] == steps
+    ours, theirs = net_state_dict(first), net_state_dict(second)
+    assert ours.keys() == theirs.keys()
+    assert all(ours[key].equal(theirs[key]) for key in ours), "the groups ended with different weights"
+
+
+def kill_group_1_at(
+    cluster: LocalSlurmCluster, root: Path, step: int, process: int | None, killed: dict[str, float]
+) -> Callable[[int], None]:
+    """`submit`'s interrupt: once group 1 (node2's) has recorded `step`, kill -9 its process (its `process`-th of
+    several, or its one), noting the pid and the time in `killed`."""
+
+    def kill(job_id: int) -> None:
+        deadline = time.monotonic() + 240
+        while not any(entry["step"] >= step for entry in steps_of(story(root, 1))):
+            assert cluster.job_state(job_id) not in FINAL_STATES, f"the job ended before step {step}"
+            assert time.monotonic() < deadline, f"group 1 did not reach step {step} within 240 s"
+            time.sleep(0.05)
+        start = next(entry for entry in story(root, 1) if entry.get("start"))
+        killed["pid"] = start["pid"] if process is None else start["pids"][process]
+        killed["time"] = time.time()
+        os.kill(int(killed["pid"]), signal.SIGKILL)  # the cluster's nodes share the host's process ids
+
+    return kill
+
+
 def test_a_node_whose_group_is_killed_rejoins_and_the_job_ends_0(
     slurm_cluster: LocalSlurmCluster, workdir: Path
 ) -> None:
@@ -52,17 +83,7 @@ def test_a_node_whose_group_is_killed_rejoins_and_the_job_ends_0(
     # 900 steps: the 850 after the kill outlast the restart (after the lighthouse's heartbeat timeout) under load.
     root, steps, kill_at = workdir / "run", 900, 50
     killed: dict[str, float] = {}
-
-    def kill_node2_group(job_id: int) -> None:
-        deadline = time.monotonic() + 240
-        while not any(entry["step"] >= kill_at for entry in steps_of(story(root, 1))):
-            assert slurm_cluster.job_state(job_id) not in FINAL_STATES, f"the job ended before step {kill_at}"
-            assert time.monotonic() < deadline, f"group 1 did not reach step {kill_at} within 240 s"
-            time.sleep(0.05)
-        start = next(entry for entry in story(root, 1) if entry.get("start"))
-        killed["time"] = time.time()
-        os.kill(start["pid"], signal.SIGKILL)  # the cluster's nodes share the host's process ids
-        killed["pid"] = start["pid"]
+    kill_node2_group = kill_group_1_at(slurm_cluster, root, kill_at, None, killed)
 
     args = (CONFIG, f"--trainer.max_epochs={steps // 20}", f"--trainer.default_root_dir={root}")
     job = submit(
@@ -98,12 +119,7 @@ def test_a_node_whose_group_is_killed_rejoins_and_the_job_ends_0(
     assert sent and all(entry["digest"] == restarted["digest"] for entry in sent), (restarted, sent)
     assert steps_of(story(root, 1))[-1]["step"] == steps
     # Both groups end with the planned steps and the same weights; group 0 wrote the run's checkpoint.
-    first = safe_load(root / "checkpoints" / "last.ckpt")
-    second = safe_load(root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
-    assert first["global_step"] == second["global_step"] == steps
-    ours, theirs = net_state_dict(first), net_state_dict(second)
-    assert ours.keys() == theirs.keys()
-    assert all(ours[key].equal(theirs[key]) for key in ours), "the groups ended with different weights"
+    assert_both_groups_end_at(root, steps)
     assert not (root / "fault_tolerance" / "group_1" / "lightning_logs").exists()  # group 0 alone logs
 
 
@@ -116,17 +132,8 @@ def test_groups_of_two_processes_one_per_node_survive_a_killed_process_and_end_w
     rank, node1's group never stops, and both groups end with the planned steps and equal weights."""
     root, steps, kill_at = workdir / "groups-of-two", 600, 50
     killed: dict[str, float] = {}
-
-    def kill_one_process_of_node2(job_id: int) -> None:
-        deadline = time.monotonic() + 240
-        while not any(entry["step"] >= kill_at for entry in steps_of(story(root, 1))):
-            assert slurm_cluster.job_state(job_id) not in FINAL_STATES, f"the job ended before step {kill_at}"
-            assert time.monotonic() < deadline, f"group 1 did not reach step {kill_at} within 240 s"
-            time.sleep(0.05)
-        start = next(entry for entry in story(root, 1) if entry.get("start"))
-        killed["time"] = time.time()
-        killed["pid"] = start["pids"][1]  # the group's second process: not the one that keeps its record
-        os.kill(start["pids"][1], signal.SIGKILL)
+    # The group's second process: not the one that keeps its record.
+    kill_one_process_of_node2 = kill_group_1_at(slurm_cluster, root, kill_at, 1, killed)
 
     args = (
         CONFIG, f"--trainer.max_steps={steps}", "--trainer.max_epochs=1000", f"--trainer.default_root_dir={root}",
@@ -151,12 +158,7 @@ def test_groups_of_two_processes_one_per_node_survive_a_killed_process_and_end_w
     assert restarted[1]["time"] > killed["time"] and restarted[1]["step"] > kill_at, restarted
     for group in (0, 1):
         assert steps_of(story(root, group))[-1]["step"] == steps
-    first = safe_load(root / "checkpoints" / "last.ckpt")
-    second = safe_load(root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
-    assert first["global_step"] == second["global_step"] == steps
-    ours, theirs = net_state_dict(first), net_state_dict(second)
-    assert ours.keys() == theirs.keys()
-    assert all(ours[key].equal(theirs[key]) for key in ours), "the groups ended with different weights"
+    assert_both_groups_end_at(root, steps)
 
 
 @pytest.mark.parametrize(
@@ -202,8 +204,4 @@ def test_a_preempted_fault_tolerant_job_is_requeued_and_ends_with_the_same_weigh
     output = job.output
     assert job.state == "COMPLETED" and job.info["Restarts"] == "1", output[-4000:]
     assert f"job {job.job_id} (restart 1)" in output, output[-4000:]
-    first = safe_load(root / "checkpoints" / "last.ckpt")
-    second = safe_load(root / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
-    assert first["global_step"] == second["global_step"] == steps
-    ours, theirs = net_state_dict(first), net_state_dict(second)
-    assert all(ours[key].equal(theirs[key]) for key in ours), "the groups ended with different weights"
+    assert_both_groups_end_at(root, steps)
