@@ -19,6 +19,13 @@ guess), one dtype per bucket, DDP's sizes (1 MiB for the first bucket, then 25 M
 backward runs in another order is still correct, with less overlap: a bucket starts only after the
 buckets before it.
 
+In a group of several processes under DDP every process holds the group's same averaged gradients after
+backward, so each sends only its part across the groups (`split`): process r of N all-reduces slice r
+of each flat bucket with process r of the other groups, then the group all-gathers the N slices over
+its own process group. What crosses between groups is 1/N of the gradients per process (the group's
+whole gradient once, not N times); every element's sum is the one a whole-bucket all-reduce makes. Under
+FSDP2 within a group each process holds only its shard already: nothing to split.
+
 With gradient accumulation only the backward of the micro-batch that ends in an optimizer step
 starts all-reduces (the micro-batches before it accumulate locally, as under DDP's `no_sync`);
 Lightning's own decision, `fit_loop._should_accumulate()` (private, docs/private_apis.md), is asked
@@ -32,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -78,7 +86,9 @@ class GradientBuckets:
 
     UNDECIDED, ACCUMULATING, SENDING, SENT = "undecided", "accumulating", "sending", "sent"
 
-    def __init__(self, manager: Any, module: torch.nn.Module, should_accumulate: Any, overlap: bool = True) -> None:
+    def __init__(
+        self, manager: Any, module: torch.nn.Module, should_accumulate: Any, overlap: bool = True, split: bool = False
+    ) -> None:
         self.manager = manager
         self.should_accumulate = should_accumulate  # Lightning's `fit_loop._should_accumulate`
         self.module = module
@@ -88,8 +98,13 @@ class GradientBuckets:
         self.state = self.UNDECIDED
         self.missing: list[int] = []  # per bucket: gradients still to come in this backward
         self.order: list[list[torch.nn.Parameter]] = []  # what is sent this step: the buckets, then the late ones
-        self.started: list[tuple[torch.Tensor, Any]] = []  # the flat buckets and their all-reduces, in order
+        # The flat buckets (padded to a multiple of the group's processes when split), the part each sends across
+        # the groups, and its all-reduce, in order.
+        self.started: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
         self.started_in_backward = 0  # of the last backward that sent: the buckets its hooks started
+        self.sent_bytes = 0  # of the last backward that sent: what this process all-reduced across the groups
+        # split: DDP within a group of several processes (module docstring): each sends its slice of a bucket.
+        self.parts, self.part = (dist.get_world_size(), dist.get_rank()) if split else (1, 0)
         # overlap=False: every bucket is started after backward (a group of several processes, whose DDP puts the
         # group's averaged gradients in `.grad` only at the end of backward).
         hooks = self.params if overlap else []
@@ -103,7 +118,7 @@ class GradientBuckets:
         if self.state == self.UNDECIDED:
             self.state = self.ACCUMULATING if self.should_accumulate() else self.SENDING
             self.missing = [len(bucket) for bucket in self.buckets]
-            self.order, self.started = list(self.buckets), []
+            self.order, self.started, self.sent_bytes = list(self.buckets), [], 0
 
     def _ready(self, param: torch.nn.Parameter) -> None:
         self._decide()
@@ -119,7 +134,13 @@ class GradientBuckets:
             for param in self.order[index]
         ]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
-        self.started.append((flat, self.manager.allreduce(flat)))
+        part = flat
+        if self.parts > 1:  # the same gradients in every process of the group: each sends its slice
+            size = -(-flat.numel() // self.parts)
+            flat = torch.nn.functional.pad(flat, (0, size * self.parts - flat.numel()))
+            part = flat[self.part * size : (self.part + 1) * size].clone()
+        self.sent_bytes += part.numel() * part.element_size()
+        self.started.append((flat, part, self.manager.allreduce(part)))
 
     def after_backward(self) -> bool:
         """After a backward: if it ends in an optimizer step, start what is left, wait for every
@@ -128,7 +149,7 @@ class GradientBuckets:
         if self.state == self.ACCUMULATING:
             return False
         if self.state == self.SENT:  # another backward before the same optimizer step: everything again
-            self.order, self.started = list(self.buckets), []
+            self.order, self.started, self.sent_bytes = list(self.buckets), [], 0
         # Parameters trained since the buckets were made (unfrozen during the run) go last, one dtype per
         # all-reduce: every group unfreezes them at the same step, so every group sends the same.
         late: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -139,8 +160,10 @@ class GradientBuckets:
         self.started_in_backward = len(self.started)
         while len(self.started) < len(self.order):
             self._start(len(self.started))
-        for (flat, work), bucket in zip(self.started, self.order, strict=True):
-            work.wait()  # torchft: an error is recorded for `should_commit`, not raised
+        for (flat, part, work), bucket in zip(self.started, self.order, strict=True):
+            work.wait()  # torchft: an error is recorded for `should_commit`, not raised (the group drops the step)
+            if self.parts > 1:  # every process of the group issues the same all-gathers, failed step or not
+                dist.all_gather(list(flat.view(self.parts, -1).unbind(0)), part)
             offset = 0
             for param in bucket:
                 count = _local(param).numel()

@@ -172,7 +172,10 @@ class GroupRuntime:
         # In a group of several processes Lightning's DDP averages the gradients within the group during backward and
         # puts them in `.grad` only at its end: the buckets go across groups after backward, not overlapped with it.
         overlap = self.plan.group_size == 1
-        self.buckets = GradientBuckets(self.manager, pl_module, should_accumulate, overlap=overlap)
+        # Under DDP within a group every process holds the group's whole gradient: each sends its slice across groups.
+        sharded = any(isinstance(param, DTensor) for param in pl_module.parameters())
+        split = self.plan.group_size > 1 and not sharded
+        self.buckets = GradientBuckets(self.manager, pl_module, should_accumulate, overlap=overlap, split=split)
         self.quorum_step = trainer.global_step  # `join` formed this step's quorum
         if self.healed_path is not None:  # restored by fit: the copy in memory is no longer needed
             Path(self.healed_path).unlink(missing_ok=True)
@@ -189,6 +192,7 @@ class GroupRuntime:
         if self.buckets.after_backward():
             self.times["allreduce_ms"] = _ms(time.perf_counter() - started)  # what backward did not hide
             self.times["buckets"] = [self.buckets.started_in_backward, len(self.buckets.order)]
+            self.times["sent_bytes"] = self.buckets.sent_bytes  # across the groups, by this process
 
     def commit_or_drop(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         """Before the optimizer step (and gradient clipping): whether the step may be applied; if not,

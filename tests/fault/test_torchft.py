@@ -210,12 +210,16 @@ def test_two_groups_without_a_failure_equal_ddp_bit_for_bit(tmp_path: Path, accu
     assert ft.returncode == 0, ft.stderr[-3000:]
     # Group 0 speaks for the run: one end-of-fit summary, naming the groups.
     assert ft.stdout.count("ddp-app: fit done") == 1 and "on 2 replica groups of 1 process(es)" in ft.stdout
+    gradient_bytes = 4 * sum(
+        tensor.numel() for tensor in net_weights(tmp_path / "ft" / "checkpoints" / "last.ckpt").values()
+    )
     for group in (0, 1):  # one quorum per optimizer step, every one with both groups
         steps_taken = [entry for entry in story(tmp_path / "ft", group) if not entry.get("start")]
         assert [entry["step"] for entry in steps_taken] == list(range(1, 26))
         assert all(entry["replicas"] == 2 and entry["committed"] for entry in steps_taken)
         # Overlapped as DDP's: every bucket was started by backward's hooks, none after it.
         assert all(entry["buckets"][0] == entry["buckets"][1] >= 1 for entry in steps_taken), steps_taken
+        assert all(entry["sent_bytes"] == gradient_bytes for entry in steps_taken), steps_taken  # the whole gradient
     assert_same_weights(tmp_path / "ddp" / "checkpoints" / "last.ckpt", tmp_path / "ft" / "checkpoints" / "last.ckpt")
 
 
@@ -246,11 +250,14 @@ def test_two_groups_of_two_without_a_failure_equal_ddp_on_four_within_rounding(t
     )
     assert ft.returncode == 0, ft.stderr[-3000:]
     assert "on 2 replica groups of 2 process(es)" in ft.stdout
+    # Each process of a group sends half of the (same) gradient across the groups; its group all-gathers the halves.
+    parameters = sum(tensor.numel() for tensor in net_weights(tmp_path / "ft" / "checkpoints" / "last.ckpt").values())
     for group in (0, 1):
         start_line, *steps_taken = story(tmp_path / "ft", group)
         assert len(start_line["pids"]) == 2  # both processes of the group trained
         assert [entry["step"] for entry in steps_taken] == list(range(1, 26))
         assert all(entry["replicas"] == 2 and entry["committed"] for entry in steps_taken), steps_taken
+        assert all(entry["sent_bytes"] == 4 * -(-parameters // 2) for entry in steps_taken), steps_taken
     last = tmp_path / "ft" / "checkpoints" / "last.ckpt"
     assert_same_weights(last, tmp_path / "ft" / "fault_tolerance" / "group_1" / "checkpoints" / "last.ckpt")
     difference, detail = relative_difference(
