@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.cluster.preflight import resolve_devices
+from app.cluster.preflight import NODE_LAUNCHER_VARIABLE, resolve_devices
 from app.cluster.requeue import requeue_after_failed_step
 from app.cluster.slurm_env import master_address_and_port
 from app.errors import InvalidConfigError, UserFacingError
@@ -265,7 +265,7 @@ def check(
         if "$" not in value or job_nodes.fullmatch(value)  # another variable: unknown here, as if not pinned
     ]
     # fault_tolerant.sbatch makes each node's one task the launcher of its replica groups, and turns them on itself.
-    node_launcher = "DDP_APP_FT_NODE_LAUNCHER=1" in "\n".join(body)
+    node_launcher = f"{NODE_LAUNCHER_VARIABLE}=1" in "\n".join(body)
     if node_launcher:
         pinned.append("--fault_tolerance.enabled=true")
     shape = read_trainer_shape(config, [*pinned, *(overrides or [])])
@@ -281,7 +281,7 @@ def check(
         )
     if node_launcher and not shape.fault_tolerant:  # an override after the script's own turned it off
         problems.append(
-            "the script starts each node's replica groups (DDP_APP_FT_NODE_LAUNCHER=1) but fault_tolerance.enabled is"
+            f"the script starts each node's replica groups ({NODE_LAUNCHER_VARIABLE}=1) but fault_tolerance.enabled is"
             " false. Fix: drop --fault_tolerance.enabled false, or slurm/multinode.sbatch for a run without it."
         )
     if nodes != shape.num_nodes:

@@ -130,7 +130,8 @@ def test_groups_of_two_processes_one_per_node_survive_a_killed_process_and_end_w
     (DDP inside the group, torchft across the nodes). One process of node2's group killed -9: its node's
     launcher ends the group's other process and starts both again; they heal from node1's processes of the same
     rank, node1's group never stops, and both groups end with the planned steps and equal weights."""
-    root, steps, kill_at = workdir / "groups-of-two", 600, 50
+    # 1200 steps, as the test above has 900: the steps after the kill outlast the group's restart under load.
+    root, steps, kill_at = workdir / "groups-of-two", 1200, 50
     killed: dict[str, float] = {}
     # The group's second process: not the one that keeps its record.
     kill_one_process_of_node2 = kill_group_1_at(slurm_cluster, root, kill_at, 1, killed)
