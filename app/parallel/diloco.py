@@ -191,12 +191,12 @@ class DiLoCoCheckpointing:
                             "reduced": exchange.reduced})  # fmt: skip
             names = [self._names[i] for i in self._fragments[fragment]]
             replica["sent"].update(zip(names, map(to_host, exchange.sent or []), strict=True))
-        momentum = {}
+        momentum, names_of = {}, self._anchor_names()
         for outer in self._outer:
             for anchor in outer.param_groups[0]["params"]:
                 buffer = outer.state.get(anchor, {}).get("momentum_buffer")
                 if buffer is not None:
-                    momentum[self._names[self._index(anchor)]] = to_host(buffer)
+                    momentum[names_of[id(anchor)]] = to_host(buffer)
         return {
             "inner_steps": self.inner_steps,
             "sync_every": self.sync_every,
@@ -225,8 +225,9 @@ class DiLoCoCheckpointing:
                 exchange.sent = [sent[name].to(device, copy=True) for name in names]
             self._pending[fragment] = exchange
 
-    def _index(self, anchor: torch.Tensor) -> int:
-        return next(i for i, own in enumerate(self._anchors) if own is anchor)
+    def _anchor_names(self) -> dict[int, str]:
+        """The parameter name of each outer optimizer's anchor, by the anchor's identity."""
+        return dict(zip(map(id, self._anchors), self._names, strict=True))
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)  # rank 0's inner state, on every rank
@@ -239,9 +240,10 @@ class DiLoCoCheckpointing:
         self.inner_steps = int(saved["inner_steps"])
         for name, anchor in zip(self._names, self._anchors, strict=True):
             anchor.copy_(saved["anchor"][name])
+        names_of = self._anchor_names()
         for outer in self._outer:
             for anchor in outer.param_groups[0]["params"]:
-                buffer = saved["outer_momentum"].get(self._names[self._index(anchor)])
+                buffer = saved["outer_momentum"].get(names_of[id(anchor)])
                 if buffer is not None:
                     outer.state[anchor]["momentum_buffer"] = buffer.to(anchor.device, copy=True)
         replicas = saved["per_rank"]
