@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -945,3 +946,35 @@ def test_lightning_still_says_during_backward_whether_it_ends_in_an_optimizer_st
         f"optimizer step ({recorder.sending} against {recorder.stepped}): fault tolerance would all-reduce "
         f"the wrong micro-batches' gradients ({DOC})"
     )
+
+
+def test_env_rendezvous_still_makes_every_rank_a_client_of_the_store_at_the_agents_address() -> None:
+    """app/cluster/rendezvous.py: a launcher holds the port and one process serves the store on it; every rank,
+    rank 0 too, must then connect as a client. Here another process serves it (in this process, TCPStore's
+    multi-tenancy would reuse the server and hide the difference); a torch that made rank 0 the server again would
+    fail to bind the held port."""
+    from app.cluster.rendezvous import held_ports_variables, hold_free_port, serve_held
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the package's attribute is the function
+    assert hasattr(rendezvous, "_agent_store_serves"), "torch's env:// rendezvous lost `_agent_store_serves`"
+    with hold_free_port() as held:
+        variables = held_ports_variables({"MASTER_PORT": held})
+        server = os.fork()
+        if server == 0:  # serves the store on the inherited socket until killed
+            try:
+                serve_held(dict(variables), serves=True)
+                time.sleep(120)
+            finally:
+                os._exit(0)
+    try:
+        environment = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": variables["MASTER_PORT"]}
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in {**environment, "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+                patch.setenv(name, value)
+            store, rank, world_size = next(rendezvous.rendezvous("env://", rank=0, world_size=1))
+            store.set("from rank 0", "as a client")
+        assert (rank, world_size) == (0, 1)
+        assert store.get("from rank 0") == b"as a client"
+    finally:
+        os.kill(server, signal.SIGKILL)
+        os.waitpid(server, 0)

@@ -39,11 +39,11 @@ from app.cluster.launch import (
     _rank_main,
     describe_exit,
     ended_children,
-    free_port,
     with_ckpt_path_last,
     worth_a_restart,
 )
 from app.cluster.preflight import NODE_LAUNCHER_VARIABLE, visible_gpus
+from app.cluster.rendezvous import held_ports_variables, hold_free_port
 from app.errors import UserFacingError
 from app.parallel.fault_tolerance import (
     GROUP_VARIABLE,
@@ -118,17 +118,17 @@ def group_environments(
     plan: FaultTolerancePlan,
     lighthouse: str,
     story: Path,
+    held: tuple[socket.socket, socket.socket],
     gpus: list[str] | None = None,
 ) -> list[dict[str, str]]:
     """The variables of a group's processes, one dict per process: a run of `group_size` processes to
-    Lightning, with its own MASTER_PORT (the group's own process group), its own torchft store port and,
-    on a node with a GPU per process, its own GPUs (`gpus`: the node's, `group_gpus`).
+    Lightning, with its own MASTER_PORT (the group's own process group), its own torchft store port (the
+    ports of the two sockets the launcher `held` for them, app/cluster/rendezvous.py) and, on a node with
+    a GPU per process, its own GPUs (`gpus`: the node's, `group_gpus`).
     The store's address is what torchft tells the other groups (the quorum's store address): on several
     nodes the host's name, which they can reach, else the loopback."""
     shared = {
         "MASTER_ADDR": "127.0.0.1" if plan.local_groups is None else socket.gethostname(),
-        "MASTER_PORT": str(free_port()),
-        STORE_PORT_VARIABLE: str(free_port()),
         "NODE_RANK": "0",
         "WORLD_SIZE": str(plan.group_size),
         "PL_GLOBAL_SEED": env["PL_GLOBAL_SEED"],
@@ -138,6 +138,8 @@ def group_environments(
         STORY_VARIABLE: str(story),
         "RUST_LOG": env.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at INFO
     }
+    master, store = held
+    shared.update(held_ports_variables({"MASTER_PORT": master, STORE_PORT_VARIABLE: store}))
     own_gpus = group_gpus(gpus or [], plan, group)
     if own_gpus is not None:
         shared["CUDA_VISIBLE_DEVICES"] = own_gpus
@@ -217,13 +219,18 @@ def run_replica_groups(
     running: dict[int, int] = {}  # pid -> group: every process of every group
 
     def start(group: int, first: bool = False, barrier: str | None = None) -> None:
-        group_envs = group_environments(env, group, plan, lighthouse, story, gpus)
-        for group_env in group_envs:
-            if first or barrier:
-                group_env[START_VARIABLE] = barrier or start_directory
-        arguments = group_args[group] if first else restart_args[group]
-        for pid in fork_group(lambda: as_group(run, arguments), group_envs, group):
-            running[pid] = group
+        held = (hold_free_port(), hold_free_port())
+        try:
+            group_envs = group_environments(env, group, plan, lighthouse, story, held, gpus)
+            for group_env in group_envs:
+                if first or barrier:
+                    group_env[START_VARIABLE] = barrier or start_directory
+            arguments = group_args[group] if first else restart_args[group]
+            for pid in fork_group(lambda: as_group(run, arguments), group_envs, group):
+                running[pid] = group
+        finally:
+            for sock in held:  # the group's rank 0 has its own copies: held until it serves them
+                sock.close()
 
     signal.pthread_sigmask(signal.SIG_BLOCK, LAUNCHER_SIGNALS)
     try:

@@ -5,7 +5,8 @@ config once, in this process: a bad key, type, class path or device count is rep
 about the time it takes to import Lightning, before any rank exists. It then forks one process
 per local rank (`fork` after the imports: the ranks do not import torch and Lightning again) with
 the variables a launcher gives a rank (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, NODE_RANK,
-LOCAL_RANK); with LOCAL_RANK set, Lightning starts no processes itself. Every `devices` form
+LOCAL_RANK); with LOCAL_RANK set, Lightning starts no processes itself. A port it picks itself it
+holds until rank 0 serves the rendezvous on it (app/cluster/rendezvous.py). Every `devices` form
 (a number, "auto", -1, a list of GPU indices) and every DDP-family strategy takes this path.
 
 The parent stays until the ranks are done, like torchrun's agent:
@@ -42,6 +43,7 @@ from typing import Any, NoReturn
 
 from app.cluster.exit_codes import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE, INTERRUPTED_EXIT_CODE, STOP_EXIT_CODES
 from app.cluster.preflight import devices_as_written_count
+from app.cluster.rendezvous import HELD_PORTS_VARIABLE, held_ports_variables, hold_free_port, serve_held
 from app.errors import UserFacingError
 from app.parallel.strategy import ResolvedStrategy
 from app.private_apis import require
@@ -60,13 +62,18 @@ STOP_GRACE_S = 60.0
 # starts a fresh job must not pass the caller's values on.
 LAUNCHER_VARIABLES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-    "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID",
+    "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", HELD_PORTS_VARIABLE,
 )  # fmt: skip
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_")
 
 
 def env_without_launcher(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` minus launcher and SLURM variables: the environment for starting a new, separate job."""
-    return {key: value for key, value in env.items() if key not in LAUNCHER_VARIABLES and not key.startswith("SLURM_")}
+    """`env` minus launcher, torchrun and SLURM variables: the environment for starting a new, separate job."""
+    return {
+        key: value
+        for key, value in env.items()
+        if key not in LAUNCHER_VARIABLES and not key.startswith(LAUNCHER_PREFIXES)
+    }
 
 
 @dataclass(frozen=True)
@@ -157,23 +164,22 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def free_port() -> int:
-    """A port the OS says is free now, for a launcher that owns the choice."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def rank_environments(nprocs: int, env: Mapping[str, str], num_nodes: int = 1) -> list[dict[str, str]]:
-    """The variables a launcher gives the `nprocs` local ranks of this node (NODE_RANK from `env`)."""
+def rank_environments(
+    nprocs: int, env: Mapping[str, str], num_nodes: int = 1, held: socket.socket | None = None
+) -> list[dict[str, str]]:
+    """The variables a launcher gives the `nprocs` local ranks of this node (NODE_RANK from `env`).
+    The rendezvous is at `env`'s MASTER_PORT, else at the port of the socket the launcher `held`."""
     if num_nodes > 1 and not env.get("MASTER_PORT"):
         raise UserFacingError(
             "a multi-node plain launch needs MASTER_ADDR and MASTER_PORT set on every node. Fix: set both "
             "(the same on every node), or use srun or torchrun."
         )
+    if not env.get("MASTER_PORT") and held is None:  # a caller's bug
+        raise ValueError("no MASTER_PORT and no held port: the caller holds one (app.cluster.rendezvous)")
+    users_port = env.get("MASTER_PORT")
     shared = {
         "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
-        "MASTER_PORT": env.get("MASTER_PORT") or str(free_port()),
+        **({"MASTER_PORT": users_port} if users_port else held_ports_variables({"MASTER_PORT": held})),
         "NODE_RANK": env.get("NODE_RANK", "0"),
         "WORLD_SIZE": str(nprocs * num_nodes),
         # `seed_everything: true` (or no seed) draws a random seed per process; Lightning passes rank
@@ -277,6 +283,7 @@ def _rank_main(
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, LAUNCHER_SIGNALS)  # blocked by the parent while it forks
         os.environ.update(rank_env)
+        serve_held(os.environ, serves=rank_env["LOCAL_RANK"] == "0")
         code = run_rank()
     except SystemExit as error:
         code = exit_code_of(error)
@@ -326,16 +333,21 @@ def _start_ranks(nprocs: int, run_rank: Callable[[], int], env: Mapping[str, str
     sys.stderr.flush()
     started = []
     parent = os.getpid()
-    for rank_env in rank_environments(nprocs, env, num_nodes):
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_fd)
-            for _, other_fd in started:
-                os.close(other_fd)
-            _rank_main(run_rank, rank_env, parent, write_fd)
-        os.close(write_fd)
-        started.append((_Rank(int(rank_env["LOCAL_RANK"]), pid), read_fd))
+    held = None if env.get("MASTER_PORT") else hold_free_port()
+    try:
+        for rank_env in rank_environments(nprocs, env, num_nodes, held):
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(read_fd)
+                for _, other_fd in started:
+                    os.close(other_fd)
+                _rank_main(run_rank, rank_env, parent, write_fd)
+            os.close(write_fd)
+            started.append((_Rank(int(rank_env["LOCAL_RANK"]), pid), read_fd))
+    finally:
+        if held is not None:
+            held.close()  # rank 0 has its own copy: the port stays held until it serves the store
     return started
 
 

@@ -283,17 +283,20 @@ def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) 
     """Under torchrun, give every round of the worker group a rendezvous store of its own.
 
     torchrun's agent keeps its TCPStore across restarts and gloo files its keys under "default_pg", so restarted ranks
-    would read the dead round's addresses. Global rank 0 publishes a free port under a fresh random tag in the agent's
-    store, and every rank waits for a tag it has not met under yet (TORCHELASTIC_RESTART_COUNT differs between nodes, so
-    it cannot name the round). MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE change for this process only."""
+    would read the dead round's addresses. Global rank 0 serves a new store on a port it holds from the moment it is
+    picked (app/cluster/rendezvous.py) and publishes that port under a fresh random tag in the agent's store; every rank
+    waits for a tag it has not met under yet (TORCHELASTIC_RESTART_COUNT differs between nodes, so it cannot name the
+    round) and connects to the new store as a client, rank 0 too (TORCHELASTIC_USE_AGENT_STORE stays "True").
+    MASTER_PORT changes for this process only."""
     if not is_torchrun(env) or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
     import datetime
     import secrets
-    import socket
     import time
 
     from torch.distributed import TCPStore
+
+    from app.cluster.rendezvous import serve_fresh_store
 
     agent_store = TCPStore(
         env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
@@ -301,9 +304,7 @@ def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) 
     prefix = f"ddp-app/{env.get('TORCHELASTIC_RUN_ID', '')}"
     rank = env.get("RANK", "0")
     if rank == "0":
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
+        port = serve_fresh_store(timeout_s)
         tag = secrets.token_hex(8)
         agent_store.set(f"{prefix}/store", f"{tag} {port}")
     else:
@@ -323,7 +324,6 @@ def fresh_store_for_this_round(env: MutableMapping[str, str], timeout_s: float) 
         agent_store.set(met_under, tag)
         port = int(port_text)
     env["MASTER_PORT"] = str(port)
-    env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
 
 
 def export_master_address(env: MutableMapping[str, str]) -> None:

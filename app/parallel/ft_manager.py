@@ -311,8 +311,10 @@ def make_manager(settings: FaultTolerance, plan: FaultTolerancePlan, env: Any) -
     timeout = timedelta(seconds=settings.timeout_s)
     host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get(STORE_PORT_VARIABLE) or env["MASTER_PORT"])
     group_rank = int(env.get("LOCAL_RANK", "0"))
-    store = None  # the group's rank 0 serves it; the Manager of every rank connects to it
-    if group_rank == 0:
+    # The group's rank 0 serves it; the Manager of every rank connects to it. ddp-app's launcher held STORE_PORT for the
+    # group and its rank 0 serves it since it started (app/cluster/rendezvous.py); a group started otherwise binds it.
+    store = None
+    if group_rank == 0 and STORE_PORT_VARIABLE not in env:
         store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),

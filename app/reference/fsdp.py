@@ -228,12 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: one process per rank, env:// rendezvous
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), options)
         end_rank()
-    from app.reference.train import free_port
+    from app.reference.train import spawn_rendezvous
 
     world_size = args.world_size or int(trainer.get("devices", 1))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
-    mp.spawn(spawn_entry, args=(world_size, options), nprocs=world_size, join=True)
+    with spawn_rendezvous():
+        mp.spawn(spawn_entry, args=(world_size, options), nprocs=world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ both "cpu" without GPUs). DDP wraps it without `device_ids`, because the module 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from app.cluster.threads import configure_cpu_threads
 from app.models.nets import ToyMpNet
 from app.reference.config import accumulation_steps_of, build_job, load_config, seed_everything
-from app.reference.train import cleanup, free_port, setup
+from app.reference.train import cleanup, setup, spawn_rendezvous
 
 
 def devices_for(rank: int) -> tuple[torch.device, torch.device]:
@@ -77,7 +76,6 @@ def run_model_parallel(
         "max_epochs": max_epochs if max_epochs is not None else int(config["trainer"].get("max_epochs", 1)),
         "timeout_s": timeout_s,
     }
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
-    mp.spawn(model_parallel_worker, args=(world_size or 2, options), nprocs=world_size or 2, join=True)
+    with spawn_rendezvous():
+        mp.spawn(model_parallel_worker, args=(world_size or 2, options), nprocs=world_size or 2, join=True)
     return "mp.spawn"

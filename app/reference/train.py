@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,11 +52,22 @@ class StepHooks(Protocol):
 MakeHooks = Callable[[int, int], StepHooks | None]
 
 
-def free_port() -> int:
-    """A port the OS says is free now, for the rendezvous of the ranks mp.spawn starts."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@contextlib.contextmanager
+def spawn_rendezvous() -> Iterator[None]:
+    """Where the ranks mp.spawn starts meet: a TCPStore this process serves on a port the kernel picks, to which every
+    rank connects as a client (TORCHELASTIC_USE_AGENT_STORE="True" at MASTER_ADDR:MASTER_PORT, as under torchrun). The
+    tutorials' fixed port, or a free port left for rank 0 to bind seconds later, is a race another job can win
+    (app/cluster/rendezvous.py). A MASTER_PORT already set is used as it is."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if os.environ.get("MASTER_PORT"):
+        yield
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, is_master=True, wait_for_workers=False)
+    os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(store.port), "True"
+    try:
+        yield
+    finally:
+        del os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_USE_AGENT_STORE"]
 
 
 def setup(rank: int, world_size: int, local_rank: int, timeout_s: float) -> torch.device:
@@ -329,9 +339,8 @@ def launch(options: dict[str, Any], devices: int, num_nodes: int) -> str:
         # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for us (env://).
         train_worker(launched.global_rank, launched.world_size, launched.local_rank, options)
         return launched.launcher
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
-    mp.spawn(spawn_entry, args=(launched.world_size, options), nprocs=launched.world_size, join=True)
+    with spawn_rendezvous():
+        mp.spawn(spawn_entry, args=(launched.world_size, options), nprocs=launched.world_size, join=True)
     return "mp.spawn"
 
 

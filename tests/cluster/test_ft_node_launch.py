@@ -5,6 +5,7 @@ runs the script on the two-node cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from app.cluster.preflight import (
     detect_launch,
     is_node_launcher,
 )
+from app.cluster.rendezvous import HELD_PORTS_VARIABLE, hold_free_port
 from app.errors import UserFacingError
 from app.parallel.fault_tolerance import plan_fault_tolerance
 
@@ -94,27 +96,37 @@ def test_a_group_is_a_one_process_run_outside_the_slurm_step(monkeypatch: pytest
 
 def test_the_processes_of_a_group_share_its_ports_and_see_their_own_gpus() -> None:
     """Groups of 2 processes (fault_tolerance.group_size 2): the processes of a group share its MASTER_PORT (its own
-    process group) and torchft store port, other groups have others; on a node with a GPU per process each group
-    sees its own GPUs (CUDA_VISIBLE_DEVICES), in the node's order; with fewer, the variable is left as it is."""
+    process group) and torchft store port, the ports the launcher holds for the group; other groups have others; on a
+    node with a GPU per process each group sees its own GPUs (CUDA_VISIBLE_DEVICES), in the node's order; with fewer,
+    the variable is left as it is."""
     from app.cluster.ft_launch import group_environments, visible_gpu_ids
     from app.parallel.fault_tolerance import STORE_PORT_VARIABLE, FaultTolerancePlan
 
     one_machine = FaultTolerancePlan(groups=2, group_size=2, min_replicas=1, lighthouse=None)
+    node2 = FaultTolerancePlan(4, 2, 1, "http://h:1", None, first_group=2, local_groups=2)  # the second of 2 nodes
     env = {"PL_GLOBAL_SEED": "1"}
-    groups = [
-        group_environments(env, group, one_machine, "http://h:1", Path("/s"), ["0", "1", "2", "3"]) for group in (0, 1)
-    ]
-    assert [[process["LOCAL_RANK"] for process in group] for group in groups] == [["0", "1"], ["0", "1"]]
-    assert [[process["CUDA_VISIBLE_DEVICES"] for process in group] for group in groups] == [["0,1"] * 2, ["2,3"] * 2]
-    for key in ("MASTER_PORT", STORE_PORT_VARIABLE):
-        assert all(len({process[key] for process in group}) == 1 for group in groups)
-        assert groups[0][0][key] != groups[1][0][key]
-    assert all(process["WORLD_SIZE"] == "2" for group in groups for process in group)
-    # The second of two Slurm nodes (groups 2 and 3 of 4), its GPUs named by CUDA_VISIBLE_DEVICES.
-    node2 = FaultTolerancePlan(4, 2, 1, "http://h:1", None, first_group=2, local_groups=2)
-    gpus = visible_gpu_ids({"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
-    assert group_environments(env, 3, node2, "http://h:1", Path("/s"), gpus)[1]["CUDA_VISIBLE_DEVICES"] == "6,7"
-    # Two GPUs for two groups of two processes: the groups share them, as without fault tolerance.
-    assert (
-        "CUDA_VISIBLE_DEVICES" not in group_environments(env, 1, one_machine, "http://h:1", Path("/s"), ["0", "1"])[0]
-    )
+    with contextlib.ExitStack() as stack:
+        held = [(stack.enter_context(hold_free_port()), stack.enter_context(hold_free_port())) for _ in range(2)]
+        groups = [
+            group_environments(env, group, one_machine, "http://h:1", Path("/s"), held[group], ["0", "1", "2", "3"])
+            for group in (0, 1)
+        ]
+        assert [[process["LOCAL_RANK"] for process in group] for group in groups] == [["0", "1"], ["0", "1"]]
+        gpus_seen = [[process["CUDA_VISIBLE_DEVICES"] for process in group] for group in groups]
+        assert gpus_seen == [["0,1"] * 2, ["2,3"] * 2]
+        for key in ("MASTER_PORT", STORE_PORT_VARIABLE):
+            assert all(len({process[key] for process in group}) == 1 for group in groups)
+            assert groups[0][0][key] != groups[1][0][key]
+        for (master, store), group in zip(held, groups, strict=True):
+            assert group[0]["MASTER_PORT"] == str(master.getsockname()[1])
+            assert group[0][STORE_PORT_VARIABLE] == str(store.getsockname()[1])
+            held_ports = f"MASTER_PORT={master.fileno()},{STORE_PORT_VARIABLE}={store.fileno()}"
+            assert group[0][HELD_PORTS_VARIABLE] == held_ports
+        assert all(process["WORLD_SIZE"] == "2" for group in groups for process in group)
+        # Groups 2 and 3 of 4 on the second node, its GPUs named by CUDA_VISIBLE_DEVICES.
+        gpus = visible_gpu_ids({"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+        node2_group3 = group_environments(env, 3, node2, "http://h:1", Path("/s"), held[0], gpus)
+        assert node2_group3[1]["CUDA_VISIBLE_DEVICES"] == "6,7"
+        # Two GPUs for two groups of two processes: the groups share them, as without fault tolerance.
+        fewer_gpus = group_environments(env, 1, one_machine, "http://h:1", Path("/s"), held[1], ["0", "1"])
+        assert "CUDA_VISIBLE_DEVICES" not in fewer_gpus[0]

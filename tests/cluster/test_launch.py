@@ -12,6 +12,7 @@ import pytest
 
 from app.cli import DDPAppCLI
 from app.cluster.launch import RankPlan, rank_environments, rank_process_name, run_local_ranks
+from app.cluster.rendezvous import HELD_PORTS_VARIABLE, hold_free_port
 from tests.helpers.run import REPO, clean_env, ddp_app, run
 
 DIGITS = str(REPO / "configs" / "digits.yaml")
@@ -61,13 +62,57 @@ def test_a_later_config_wins_as_in_the_cli(tmp_path: Path) -> None:
 
 
 def test_ranks_get_what_a_launcher_gives_them() -> None:
-    first, second = rank_environments(2, {"PATH": "/bin"})
+    with hold_free_port() as held:
+        first, second = rank_environments(2, {"PATH": "/bin"}, held=held)
+        for env in (first, second):
+            assert env["WORLD_SIZE"] == "2" and env["NODE_RANK"] == "0" and env["MASTER_ADDR"] == "127.0.0.1"
+            # The port the launcher holds, served by rank 0 on the held socket; every rank a client of it.
+            assert env["MASTER_PORT"] == str(held.getsockname()[1])
+            assert env[HELD_PORTS_VARIABLE] == f"MASTER_PORT={held.fileno()}"
+            assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert (first["LOCAL_RANK"], second["LOCAL_RANK"]) == ("0", "1")
-    for env in (first, second):
-        assert env["WORLD_SIZE"] == "2" and env["NODE_RANK"] == "0" and env["MASTER_ADDR"] == "127.0.0.1"
-    # One rendezvous port and one seed for all ranks (Lightning passes rank 0's seed on the same way).
-    assert first["MASTER_PORT"] == second["MASTER_PORT"]
-    assert first["PL_GLOBAL_SEED"] == second["PL_GLOBAL_SEED"]
+    assert first["PL_GLOBAL_SEED"] == second["PL_GLOBAL_SEED"]  # Lightning passes rank 0's seed on the same way
+    # A port the user set is theirs: nothing held, rank 0 binds it as Lightning does.
+    users = rank_environments(2, {"MASTER_PORT": "29555"})[1]
+    assert (
+        users["MASTER_PORT"] == "29555"
+        and HELD_PORTS_VARIABLE not in users
+        and "TORCHELASTIC_USE_AGENT_STORE" not in users
+    )
+
+
+def meet_on_the_held_port() -> int:
+    """The port is taken as the ranks start: a rank of another job binding it now fails (before, it was free until
+    rank 0's init_process_group bound it). Then both ranks meet through torch's env:// rendezvous, rank 0 a second
+    late, and all-reduce."""
+    import errno
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    if os.environ["LOCAL_RANK"] == "1":
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other_job:
+            try:
+                other_job.bind(("", int(os.environ["MASTER_PORT"])))
+            except OSError as error:
+                assert error.errno == errno.EADDRINUSE, error
+            else:
+                raise AssertionError(f"MASTER_PORT {os.environ['MASTER_PORT']} was free for another job to take")
+    else:
+        time.sleep(1.0)
+    dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=2)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == 2.0
+    dist.destroy_process_group()
+    return 0
+
+
+def test_the_port_a_launcher_picks_is_never_free_for_another_job(capfd: pytest.CaptureFixture[str]) -> None:
+    """CI saw two jobs' rank 0s draw the same free port (one "MASTER_PORT is already in use", the other met the wrong
+    job's ranks): the launcher now holds the port from the moment it picks it, and rank 0 serves the store on it."""
+    assert run_local_ranks(2, meet_on_the_held_port, {}) == 0, capfd.readouterr().err
 
 
 def exit_with_rank_code() -> int:

@@ -17,8 +17,8 @@ import pytest
 from app.bench.recovery import clock_arguments, kill_rank
 from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.checkpoints.io import safe_load
-from app.cluster.launch import free_port
 from app.resume.position import saved_position
+from tests.helpers.ports import unused_port
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -195,7 +195,7 @@ def test_a_torchrun_elastic_round_with_fewer_workers_continues_the_run(
     """torchrun --nnodes=1:2 with two agents (one rank each, as on two nodes); one agent dies with its
     rank mid-epoch, the other's restart round has one worker, which resumes the 2-rank run elastically."""
     clock = tmp_path / "clock.txt"
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{unused_port()}"
     command = [
         str(BIN / "torchrun"), "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic", "--rdzv-conf=last_call_timeout=5",

@@ -12,8 +12,8 @@ import pytest
 
 from app.bench.recovery import KILL_AT_STEP, clock_arguments, kill_rank
 from app.bench.recovery import wait_for_step as wait_for_clock_step
-from app.cluster.launch import free_port
 from tests.fault.test_resume import assert_same_weights, start_fit, wait_for_step
+from tests.helpers.ports import unused_port
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, rank_pids
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -57,7 +57,7 @@ def test_torchrun_with_two_agents_restarts_after_kill_9_and_ends_bit_exact(unint
     overlay, expected = uninterrupted
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     clock = tmp_path / "clock.txt"
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{unused_port()}"
     command = [
         str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-agents", "-m", "app", "fit", "--config", "configs/digits.yaml",

@@ -17,8 +17,9 @@ import pytest
 from app.bench.recovery import clock_arguments
 from app.bench.recovery import wait_for_step as wait_for_clock_step
 from app.cluster.exit_codes import PREEMPTED_EXIT_CODE
-from app.cluster.launch import STOP_GRACE_S, free_port
+from app.cluster.launch import STOP_GRACE_S
 from app.tracking.run import CLOSE_WAIT_S, MLFLOW_OPEN_DEADLINE_S
+from tests.helpers.ports import unused_port
 from tests.helpers.run import BIN, ddp_app, kill_job, seconds_to_exit, start
 from tests.tracking.mlflow_helpers import csv_values, histories, only_run, start_mlflow_server, stop_mlflow_server
 
@@ -34,7 +35,7 @@ EPOCHS = 60
 
 
 def test_an_unreachable_mlflow_uri_ends_the_run_in_one_line_before_any_rank_starts(tmp_path: Path) -> None:
-    uri = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
+    uri = f"http://127.0.0.1:{unused_port()}/"  # nothing listens there
     command = [str(BIN / "ddp-app"), "fit", *FIT, "--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path}",
                f"--tracking.mlflow.tracking_uri={uri}"]  # fmt: skip
     started = time.monotonic()
@@ -94,7 +95,7 @@ def test_a_server_that_goes_away_costs_no_training_time_and_the_next_attempt_sen
 ) -> None:
     store, root, clock = tmp_path / "store", tmp_path / "run", tmp_path / "clock.txt"
     store.mkdir()
-    port = free_port()
+    port = unused_port()
     uri = f"http://127.0.0.1:{port}"
     tracking = [f"--tracking.mlflow.tracking_uri={uri}", "--tracking.mlflow.experiment=outage"]
     command = [str(BIN / "ddp-app"), "fit", *FIT, f"--trainer.max_epochs={EPOCHS}",

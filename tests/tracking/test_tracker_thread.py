@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import pytest
 
 from app.cli.entry import check_before_launch, report_user_error
-from app.cluster.launch import free_port
 from app.errors import UserFacingError
 from app.tracking import run as tracking_run
 from app.tracking.history import Call, sent_seqs
 from app.tracking.run import MLflowSettings, TrackedRun, Tracking
 from app.tracking.sinks import RunFacts
+from tests.helpers.ports import unused_port
 from tests.helpers.run import REPO
 
 # Any call of the training thread that hands work to the tracker thread returns within this.
@@ -163,7 +163,7 @@ def test_what_a_tracker_missed_when_an_attempt_ended_goes_to_the_next_attempt(tm
 
 def test_an_unreachable_mlflow_server_stops_the_open_in_seconds_and_writes_nothing(tmp_path: Path) -> None:
     pytest.importorskip("mlflow")
-    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    uri = f"http://127.0.0.1:{unused_port()}"  # nothing listens there
     trainer = SimpleNamespace(default_root_dir=str(tmp_path / "run"), is_global_zero=True, world_size=2, num_nodes=1)
     tracking = Tracking(mlflow=MLflowSettings(tracking_uri=uri), tensorboard=True)
     started = time.monotonic()
@@ -206,7 +206,7 @@ def test_the_launcher_refuses_an_unreachable_mlflow_server_before_any_rank_in_on
     check says so in one line (exit 2) before it starts a rank, and writes nothing."""
     pytest.importorskip("mlflow")
     monkeypatch.chdir(REPO)
-    uri = f"http://127.0.0.1:{free_port()}/"
+    uri = f"http://127.0.0.1:{unused_port()}/"
     root = tmp_path / "run"
     args = ["fit", "--config", "configs/digits.yaml", f"--trainer.default_root_dir={root}"]
     started = time.monotonic()

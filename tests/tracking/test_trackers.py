@@ -18,8 +18,8 @@ import yaml
 
 from app.bench.recovery import clock_arguments, kill_rank
 from app.bench.recovery import wait_for_step as wait_for_clock_step
-from app.cluster.launch import free_port
 from app.tracking.layout import MEASURED_METRICS
+from tests.helpers.ports import unused_port
 from tests.helpers.run import BIN, REPO, clean_env, ddp_app, kill_job, start
 from tests.helpers.run import run as run_command
 from tests.helpers.wandb_files import wandb_history
@@ -40,7 +40,7 @@ TIMING = MEASURED_METRICS  # measured, not computed: differs between any two run
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
+    port = unused_port()
     server = start_mlflow_server(tmp_path_factory.mktemp("mlflow-server"), port)
     try:
         yield f"http://127.0.0.1:{port}"
