@@ -354,7 +354,7 @@ recorder = answer.collectives
 for _ in range(20):
     dist.all_reduce(torch.ones(2))
 dist.barrier()
-recent = json.loads(hangs.ask(me, hangs.RECENT_HANDLER, 10)[0])
+recent = hangs.cut_to_recent(json.loads(hangs.ask(me, hangs.COLLECTIVES_HANDLER, 10)[0]))
 later = {
     "entered_now": hangs.entered_now(),
     "recent_seqs": sorted(entry["collective_seq_id"] for entry in recent["entries"]),

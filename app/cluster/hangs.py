@@ -72,8 +72,8 @@ ENTRY_POINT = "app/__main__.py"
 # Ours, on the same endpoint: where this rank's own collective timed out (its main thread has left that place to write
 # its report by the time another rank asks).
 WAITED_HANDLER = "ddp_app_waited"
-# Ours: this rank's newest collectives (`recent_collectives`), a few kB, for another rank's deadlock check.
-RECENT_HANDLER = "ddp_app_recent"
+# What a stalled rank's deadlock check asks the others for (`HangReport._peek` says why PyTorch's C++ handler).
+PEEK_HANDLER = COLLECTIVES_HANDLER
 # The fields of a flight-recorder entry the deadlock check and `entries_by_seq` read.
 ENTRY_FIELDS = (
     "process_group", "collective_seq_id", "is_p2p", "profiling_name", "input_sizes", "input_dtypes", "time_created_ns",
@@ -160,17 +160,6 @@ def _serve_waited(request: Any, response: Any) -> None:
     response.set_status(200)
 
 
-def _serve_recent(request: Any, response: Any) -> None:
-    try:
-        body = json.dumps(recent_collectives())
-    except Exception as error:  # noqa: BLE001 (in the endpoint's thread: the asking rank reads "no answer")
-        response.set_content(f"{type(error).__name__}: {error}", "text/plain")
-        response.set_status(500)
-        return
-    response.set_content(body, "application/json")
-    response.set_status(200)
-
-
 _recent_lock = threading.Lock()
 _recent: dict[str, Any] = {"entered": None, "recorder": None, "at": 0.0}  # the last full read: what it had entered
 
@@ -200,16 +189,21 @@ def recent_collectives() -> dict[str, Any]:
     with _recent_lock:
         stale = time.monotonic() - _recent["at"] >= FULL_READ_EVERY_S and entered_now() != _recent["entered"]
         if _recent["recorder"] is None or stale:
-            recorder = json.loads(c10d._dump_fr_trace_json(True, False))
-            entered = entered_by_group(recorder)
-            entries = []
-            for entry in recorder.get("entries") or []:
-                group, seq = str(entry.get("process_group", [""])[0]), entry.get("collective_seq_id")
-                if isinstance(seq, int) and seq > entered.get(group, -1) - RECENT_ENTRIES:
-                    entries.append({field: entry[field] for field in ENTRY_FIELDS if field in entry})
-            _recent["entered"], _recent["at"] = entered, time.monotonic()
-            _recent["recorder"] = {"pg_status": recorder.get("pg_status") or {}, "entries": entries}
+            recorder = cut_to_recent(json.loads(c10d._dump_fr_trace_json(True, False)))
+            _recent["entered"], _recent["at"] = entered_by_group(recorder), time.monotonic()
+            _recent["recorder"] = recorder
         return _recent["recorder"]
+
+
+def cut_to_recent(recorder: dict[str, Any]) -> dict[str, Any]:
+    """A flight recorder cut to the newest `RECENT_ENTRIES` per group and the fields the deadlock check reads."""
+    entered = entered_by_group(recorder)
+    entries = []
+    for entry in recorder.get("entries") or []:
+        group, seq = str(entry.get("process_group", [""])[0]), entry.get("collective_seq_id")
+        if isinstance(seq, int) and seq > entered.get(group, -1) - RECENT_ENTRIES:
+            entries.append({field: entry[field] for field in ENTRY_FIELDS if field in entry})
+    return {"pg_status": recorder.get("pg_status") or {}, "entries": entries}
 
 
 def debug_endpoint_api() -> Any:
@@ -231,7 +225,7 @@ def start_debug_endpoint(ip: str) -> tuple[Any, int]:
     there (the report then says this rank's endpoint does not answer)."""
     # Private: docs/private_apis.md, guarded in tests/test_private_apis.py.
     c10d = debug_endpoint_api()
-    for name, handler in ((WAITED_HANDLER, _serve_waited), (RECENT_HANDLER, _serve_recent)):
+    for name, handler in ((WAITED_HANDLER, _serve_waited),):
         if name not in c10d._get_handler_names():  # once per process: registering twice raises
             # Never freed: torch frees its handlers after Python has finalized (outlive_the_interpreter).
             c10d._register_handler(name, outlive_the_interpreter(handler))
@@ -633,9 +627,9 @@ class HangReport(Callback):
         """A thread: every `mismatch_check_s`, read which collective this rank entered last on each group.
 
         Once stalled for `stalled_s`, compare its newest one per group with what each other rank entered at that
-        sequence number (`RECENT_HANDLER`). Another operation there is a certain deadlock: the lowest rank involved
-        writes the report and every rank involved exits. A rank that has not reached that number yet is only slow:
-        nothing here is decided by time (`stalled_s` only keeps the reads off a rank that progresses)."""
+        sequence number (`_peek`). Another operation there is a certain deadlock: the lowest rank involved writes the
+        report and every rank involved exits. A rank that has not reached that number yet is only slow: nothing here
+        is decided by time (`stalled_s` only keeps the reads off a rank that progresses)."""
         me = self.peers[trainer.global_rank]
         others = [peer for peer in self.peers if peer.rank != me.rank]
         seen: dict[str, int] = {}
@@ -666,22 +660,32 @@ class HangReport(Callback):
     def _peek(
         self, pool: ThreadPoolExecutor, others: list[RankAddress], quiet: dict[int, tuple[float, float]]
     ) -> dict[int, dict[str, Any] | None]:
-        """The other ranks' recent collectives (`RECENT_HANDLER`), asked in parallel.
+        """The other ranks' recent collectives, asked in parallel, of PyTorch's C++ `COLLECTIVES_HANDLER` and cut here.
+
+        Not of a Python handler of ours, which this once was: PyTorch enters one with a new Python thread state for the
+        endpoint's C++ thread, created without the GIL under CPython's runtime lock, and deletes it after. A DataLoader
+        of the asked rank that forked its workers at that moment left the lock held in the child: on CPython before
+        3.12 (3.11 before 3.11.10, gh-112275) the worker hung in `PyOS_AfterFork_Child` before running a line, and the
+        rank waited for its batch forever (CI, slow shard 2's resume matrix; gdb showed `_PyThreadState_DeleteExcept`).
+        Forking while the handler ran also crashed the asked rank ("PyThreadState_Get ... GIL is released").
+        `tests/fault/test_hangs.py::test_a_rank_forks_safely_while_its_peers_check_for_deadlocks` forks beside a peer
+        that asks nonstop. The C++ handler writes the whole recorder (up to `FLIGHT_RECORDER_ENTRIES`), and only a
+        rank stalled for `stalled_s` asks.
 
         A silent rank is asked again only after `SILENT_RETRY_S`, doubling up to `SILENT_RETRY_MAX_S`: each unanswered
         ask fills a stopped rank's short accept queue, which would make it look unreachable to the timeout's report."""
         now = time.monotonic()
         asked = [peer for peer in others if now >= quiet.get(peer.rank, (0.0, 0.0))[0]]
         recorders: dict[int, dict[str, Any] | None] = {}
-        bodies = pool.map(lambda peer: ask(peer, RECENT_HANDLER, self.peek_timeout_s)[0], asked)
+        bodies = pool.map(lambda peer: ask(peer, PEEK_HANDLER, self.peek_timeout_s)[0], asked)
         for peer, body in zip(asked, bodies, strict=True):
             if body is None:
                 wait = quiet.get(peer.rank, (0.0, SILENT_RETRY_S))[1]
                 quiet[peer.rank] = (time.monotonic() + wait, min(2 * wait, SILENT_RETRY_MAX_S))
                 continue
             quiet.pop(peer.rank, None)
-            with contextlib.suppress(TypeError, ValueError):
-                recorders[peer.rank] = json.loads(body)
+            with contextlib.suppress(TypeError, ValueError, AttributeError):
+                recorders[peer.rank] = cut_to_recent(json.loads(body))
         return recorders
 
     def _end_mismatch(self, trainer: L.Trainer, me: RankAddress, reporter: int) -> None:

@@ -483,3 +483,73 @@ def test_a_rank_that_is_only_slow_is_waited_for(kind: str, tmp_path: Path) -> No
     assert elapsed > SLOW_SECONDS
     if kind == "long-step":
         assert (marker / "slept").exists()
+
+
+# A rank: a 1-rank gloo group with collectives in its flight recorder and the hang report's debug endpoint. It forks
+# FORKS children (as a DataLoader starts its workers) while a peer process asks its endpoint nonstop, as a stalled
+# rank's deadlock check does (`HangReport._peek`, `PEEK_HANDLER`), as fast as it answers; each child must start and
+# exit at once.
+FORKING_RANK = """
+import datetime, json, os, sys, tempfile, time, subprocess, signal
+import torch, torch.distributed as dist
+from app.cluster import hangs
+forks = int(sys.argv[1])
+server, port = hangs.start_debug_endpoint("127.0.0.1")
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+for _ in range(50):
+    dist.all_reduce(torch.ones(4))
+PEER = '''
+import sys, threading
+from app.cluster import hangs
+me = hangs.RankAddress(0, "here", 0, "127.0.0.1", int(sys.argv[1]))
+def ask_nonstop():
+    while True:
+        assert hangs.ask(me, hangs.PEEK_HANDLER, 10)[0], "no answer from the rank"
+        print("asked", flush=True)
+for _ in range(4):
+    threading.Thread(target=ask_nonstop, daemon=True).start()
+threading.Event().wait()
+'''
+peer = subprocess.Popen([sys.executable, "-c", PEER, str(port)], stdout=subprocess.PIPE, text=True)
+stuck = 0
+try:
+    assert peer.stdout.readline().strip() == "asked", "the peer's first ask failed"
+    for _ in range(forks):
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        deadline = time.monotonic() + 10
+        while not os.waitpid(child, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                stuck += 1
+                os.kill(child, signal.SIGKILL)
+                os.waitpid(child, 0)
+                break
+            time.sleep(0.001)
+    assert peer.poll() is None, "the asking peer ended"
+finally:
+    peer.kill()
+    peer.wait()
+print(json.dumps({"stuck": stuck}))
+sys.stdout.flush()
+os._exit(0)  # no interpreter teardown: the endpoint and gloo threads would race it
+"""
+
+
+def test_a_rank_forks_safely_while_its_peers_check_for_deadlocks() -> None:
+    """A rank forks (as a DataLoader starts its workers) while a peer asks its endpoint what a stalled rank's deadlock
+    check asks (`PEEK_HANDLER`), nonstop from four threads: 600 children each start and exit, and the rank lives.
+
+    Why: CI hung in slow shard 2, a rank's DataLoader worker stuck in CPython's `PyOS_AfterFork_Child` (gdb:
+    `_PyThreadState_DeleteExcept`, the runtime lock inherited held; gh-112275, CPython before 3.12), forked while a
+    peer's check ran a Python handler on the rank's endpoint. A standalone script (a trivial Python handler, four
+    asking threads) crashed the forking process twice within about 250 forks ("PyThreadState_Get ... the GIL is
+    released") and ran 600 forks clean against PyTorch's C++ handler, which the check now asks. This test did not
+    reproduce the old failure in three tries with a Python handler: it guards the property, not the cause."""
+    result = subprocess.run(
+        [sys.executable, "-c", FORKING_RANK, "600"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"stuck": 0}
