@@ -84,8 +84,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not any(item.get_closest_marker(name) for name in NOT_QUICK):
             item.add_marker(pytest.mark.quick)
         # Under pytest-xdist's `--dist loadgroup` (README, Tests) a module runs on one worker, so its
-        # module-scoped runs are trained once; the Slurm tier shares one cluster, on one worker.
-        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        # module-scoped runs are trained once; the Slurm tier shares one cluster, on one worker; the tests
+        # that create the bench's fixed-name namespaces (app/bench/netns.py) take turns on one worker.
+        group = item.nodeid.split("::")[0]
+        for shared in ("slurm", "network_namespaces"):
+            if item.get_closest_marker(shared):
+                group = shared
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -25,6 +25,9 @@ from tests.helpers.run import REPO, clean_env, run, start
 
 CONFIG = "configs/bench_cnn.yaml"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
+# Every test here may create or remove nbn-rank0/1: they run on the worker of every other test that does
+# (tests/conftest.py), never beside one.
+pytestmark = pytest.mark.network_namespaces
 
 
 def leftovers() -> list[str]:
@@ -175,8 +178,10 @@ def test_short_run_at_100mbit_writes_json_and_plot_and_removes_its_namespaces(tm
     """The user's command on a small budget. Bytes per step are exact properties of the hook (the
     no-hook step sends every gradient once); step times on a shared machine are only compared
     where the link, not the CPU, decides: at 100 Mbit/s no hook needs >= 5 MB / 12.5 MB/s."""
-    # A crashed run's leftover: a namespace of ours with a process in it, removed by the next run.
-    subprocess.run(["ip", "netns", "add", NAMESPACES[0]], check=True, timeout=30)
+    # A crashed run's leftover: a namespace of ours with a process in it, removed by the next run. A real
+    # leftover (a run killed on this machine before) serves as well.
+    if not Path(f"/run/netns/{NAMESPACES[0]}").exists():
+        subprocess.run(["ip", "netns", "add", NAMESPACES[0]], check=True, timeout=30)
     stray = subprocess.Popen(["ip", "netns", "exec", NAMESPACES[0], "sleep", "600"], start_new_session=True)
     report_path, plot_path = tmp_path / "net.json", tmp_path / "net.png"
     try:

@@ -333,6 +333,7 @@ def assert_the_compression_verdict_is_what_its_run_measured(report: dict) -> Non
 # The CNN of configs/bench_cnn.yaml (4.8 MB of gradients a step: the link's bandwidth is the cost).
 @pytest.mark.distributed
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
+@pytest.mark.network_namespaces
 def test_a_100_mbit_link_is_communication_bound_and_powersgd_measured_to_pay_is_suggested(tmp_path: Path) -> None:
     with netns.namespace_pair():
         netns.limit_pair(netns.parse_link("100mbit"))
@@ -346,6 +347,7 @@ def test_a_100_mbit_link_is_communication_bound_and_powersgd_measured_to_pay_is_
 @pytest.mark.slow  # about 90 s: the same on digits' MLP, 0.08 MB of gradients a step
 @pytest.mark.distributed
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
+@pytest.mark.network_namespaces
 def test_small_gradients_over_100_mbit_get_the_compression_verdict_their_powersgd_run_measured(
     tmp_path: Path,
 ) -> None:

@@ -55,6 +55,7 @@ def test_the_strategies_alternate_and_the_summary_takes_medians_and_the_slowest_
 @pytest.mark.slow  # about 40 s as root: the docs' JSON is checked above in the default run
 @pytest.mark.distributed
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
+@pytest.mark.network_namespaces
 def test_a_short_run_at_100mbit_meets_the_targets_and_removes_its_namespaces(tmp_path: Path) -> None:
     out, report_path, plot_path = tmp_path / "out", tmp_path / "traffic.json", tmp_path / "traffic.png"
     result = run(
