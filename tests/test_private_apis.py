@@ -978,3 +978,31 @@ def test_env_rendezvous_still_makes_every_rank_a_client_of_the_store_at_the_agen
     finally:
         os.kill(server, signal.SIGKILL)
         os.waitpid(server, 0)
+
+
+def test_multiprocessing_still_forks_through_the_launch_and_bootstrap_a_worker_check_overrides() -> None:
+    """app/data/worker_fork.py overrides `popen_fork.Popen._launch` (waits for the child's first line) and
+    `BaseProcess._bootstrap` (writes it): `_launch` must fork and call `_bootstrap(parent_sentinel=...)` in the
+    child."""
+    import inspect
+    import multiprocessing.popen_fork
+    import multiprocessing.process
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from app.data.worker_fork import FIRST_LINE_FORK
+
+    launch = inspect.getsource(multiprocessing.popen_fork.Popen._launch)
+    assert "os.fork()" in launch and "_bootstrap(parent_sentinel=" in launch, (
+        f"CPython {platform.python_version()} changed multiprocessing.popen_fork.Popen._launch: the DataLoader workers "
+        f"of a rank on CPython < 3.12 (app/data/worker_fork.py) would no longer be checked for a fork that hung ({DOC})"
+    )
+    assert "parent_sentinel" in inspect.signature(multiprocessing.process.BaseProcess._bootstrap).parameters, (
+        f"CPython {platform.python_version()} changed BaseProcess._bootstrap: app/data/worker_fork.py ({DOC})"
+    )
+    data = TensorDataset(torch.arange(8.0))
+    loader = DataLoader(data, batch_size=2, num_workers=2, multiprocessing_context=FIRST_LINE_FORK)
+    assert sorted(value for batch in loader for value in batch[0].tolist()) == list(range(8)), (
+        f"a DataLoader worker forked through app/data/worker_fork.py no longer runs the worker loop ({DOC})"
+    )

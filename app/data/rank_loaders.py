@@ -9,7 +9,9 @@ its public attributes with:
 - validation, test, predict: `UnpaddedDistributedSampler` (each sample on exactly one rank).
 
 Left as returned: a `DistributedSampler`, a user-set sampler or batch sampler, DataLoader subclasses, other iterable
-datasets and non-DataLoaders (a training loader without `state_dict` gets a line at fit start).
+datasets and non-DataLoaders (a training loader without `state_dict` gets a line at fit start). Every DataLoader that
+forks its workers does so through `app.data.worker_fork` on CPython before 3.12 (a worker hung in the fork is forked
+again).
 
 Why wrap methods: Lightning has no public hook to replace a loader (only the private
 `_DataConnector._prepare_dataloader`) and a Callback costs dispatch every step. `functools.wraps` keeps `is_overridden`
@@ -41,6 +43,7 @@ from app.data.seeding import (
     reads_without_randomness,
     training_loader_generator,
 )
+from app.data.worker_fork import fork_workers_safely
 from app.parallel.fault_tolerance import training_shard
 
 # The methods Lightning calls for loaders, and whether they train.
@@ -227,7 +230,9 @@ def _resharding(method: Callable[[], Any], run: dict[str, Any], training: bool) 
         positioner = positioner_of(run["trainer"])
         if training and positioner is not None:  # the loaders built now replace the previous ones
             positioner.training_loaders_rebuilt()
-        return reshard(method(*args, **kwargs), run["trainer"], training)
+        # Every loader, ours or the user's, resharded or left as returned: its workers forked with a check where
+        # CPython needs it (app/data/worker_fork.py).
+        return fork_workers_safely(reshard(method(*args, **kwargs), run["trainer"], training))
 
     setattr(wrapper, WRAPPED, run)
     return wrapper

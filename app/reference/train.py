@@ -33,6 +33,7 @@ from app.cluster.threads import configure_cpu_threads
 from app.data.datasets import default_num_workers
 from app.data.on_device import TensorBatchLoader, in_memory_tensors
 from app.data.samplers import ElasticLayout, ResumableDistributedSampler
+from app.data.worker_fork import fork_workers_safely
 from app.reference.config import Job, build_job, load_config, prepare_data
 from app.reference.diloco import DiLoCo
 
@@ -188,6 +189,8 @@ class Trainer:
                 # dropout draws from.
                 generator=torch.Generator().manual_seed(job.sampler_seed),
             )
+            # Its ranks run gloo too: a worker hung in the fork is forked again (CPython before 3.12).
+            fork_workers_safely(self.train_data)
         model = job.net.to(device)
         self.net = model
         self.diloco: DiLoCo | None = None
