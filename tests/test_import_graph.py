@@ -86,11 +86,13 @@ def test_reference_imports_only_models_datasets_and_helpers() -> None:
     # so it cannot be listed there).
     # app.parallel.fragments: which parameters strategy diloco syncs together (its "blocks"), one
     # definition on both sides, Lightning-free; the outer loop itself is written again in app/reference/diloco.py.
+    # app.data.worker_fork: loader workers whose hung fork is forked again (CPython < 3.12), Lightning-free: the
+    # reference's ranks run gloo too.
     allowed = {
         "app.reference", "app.models.nets", "app.models.transformer", "app.data.datasets", "app.data.image_datasets",
         "app.cluster.preflight", "app.cluster.slurm_env", "app.cluster.threads",
         "app.resume.elastic", "app.data.samplers", "app.data.on_device", "app.cluster.ddp_buffers",
-        "app.parallel.fragments",
+        "app.parallel.fragments", "app.data.worker_fork",
     }  # fmt: skip
     for path in (APP / "reference").glob("*.py"):
         for imported in imports_of(path):
