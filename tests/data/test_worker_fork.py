@@ -14,12 +14,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from app.data import worker_fork
+from app.data.rank_loaders import shard_all_loaders
 from app.data.worker_fork import FIRST_LINE_FORK, WorkerDidNotStart, fork_workers_safely
+from tests.helpers.user_modules import BlobsDataModule, MyNet
 
 # The children the hook below hangs: while this names a directory, each fork that can create a file there (one per
 # slot) sleeps instead of returning from os.fork.
@@ -103,3 +106,35 @@ def test_loaders_that_fork_get_the_check_where_cpython_needs_it_and_others_stay_
     assert forking.multiprocessing_context is expected
     assert spawning.multiprocessing_context.get_start_method() == "spawn"
     assert inline.multiprocessing_context is None
+
+
+class WorkersDataModule(BlobsDataModule):
+    """A user's DataModule whose loaders use workers: one plain (ddp-app rebuilds it), one with its own sampler
+    (left as returned)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=1)
+
+    def val_dataloader(self) -> DataLoader:
+        sampler = SequentialSampler(self.val_set)
+        return DataLoader(self.val_set, batch_size=self.batch_size, sampler=sampler, num_workers=1)
+
+
+class RecordContexts(L.Callback):
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.contexts = [
+            trainer.train_dataloader.multiprocessing_context,
+            trainer.val_dataloaders.multiprocessing_context,
+        ]
+
+
+def test_a_runs_loaders_ours_and_left_as_returned_fork_through_the_check() -> None:
+    data, recorder = WorkersDataModule(train_size=64, val_size=32), RecordContexts()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+    )  # fmt: skip
+    shard_all_loaders(trainer, data, MyNet())
+    trainer.fit(MyNet(), data)
+    expected = FIRST_LINE_FORK if worker_fork.FORK_NEEDS_CHECK else None
+    assert recorder.contexts == [expected, expected]
