@@ -33,6 +33,7 @@ import os
 import select
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -69,12 +70,13 @@ class _FirstLinePopen(multiprocessing.popen_fork.Popen):
                 os.close(ready_read)
             if started:
                 return
+            seen = state_of(self.pid)
             os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)
             self.finalizer()  # the pipes of that child
             print(
-                f"ddp-app: a DataLoader worker (pid {self.pid}) hung before its first line (CPython before 3.12, "
-                "gh-112275): forked it again",
+                f"ddp-app: a DataLoader worker (pid {self.pid}) hung before its first line ({seen}; CPython before "
+                "3.12, gh-112275): forked it again",
                 file=sys.stderr,
                 flush=True,
             )
@@ -83,6 +85,19 @@ class _FirstLinePopen(multiprocessing.popen_fork.Popen):
             f"a DataLoader worker hung before its first line in {ATTEMPTS} forks (CPython before 3.12, gh-112275). "
             "Fix: Python 3.12 or later, or multiprocessing_context='forkserver' on the DataLoader."
         )
+
+
+def state_of(pid: int) -> str:
+    """What the kernel says a process does: "sleeping in futex_wait_queue" (waiting for a lock: the deadlock) or
+    "running" (only slow), for the line that reports a retry."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except (OSError, IndexError):
+        return "state unknown"
+    if state == "S":
+        return f"sleeping in {wchan}" if wchan and wchan != "0" else "sleeping"
+    return {"R": "running", "D": "in uninterruptible I/O"}.get(state, f"state {state}")
 
 
 class _FirstLineForkProcess(multiprocessing.context.ForkProcess):
