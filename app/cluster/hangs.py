@@ -665,7 +665,7 @@ class HangReport(Callback):
         Not of a Python handler of ours, which this once was: PyTorch enters one with a new Python thread state for the
         endpoint's C++ thread, created without the GIL under CPython's runtime lock, and deletes it after. A DataLoader
         of the asked rank that forked its workers at that moment left the lock held in the child: on CPython before
-        3.12 (3.11 before 3.11.10, gh-112275) the worker hung in `PyOS_AfterFork_Child` before running a line, and the
+        3.12 (gh-112275) the worker hung in `PyOS_AfterFork_Child` before running a line, and the
         rank waited for its batch forever (CI, slow shard 2's resume matrix; gdb showed `_PyThreadState_DeleteExcept`).
         Forking while the handler ran also crashed the asked rank ("PyThreadState_Get ... GIL is released").
         `tests/fault/test_hangs.py::test_a_rank_forks_safely_while_its_peers_check_for_deadlocks` forks beside a peer

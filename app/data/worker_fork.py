@@ -88,8 +88,8 @@ class _FirstLinePopen(multiprocessing.popen_fork.Popen):
 
 
 def state_of(pid: int) -> str:
-    """What the kernel says a process does: "sleeping in futex_wait_queue" (waiting for a lock: the deadlock) or
-    "running" (only slow), for the line that reports a retry."""
+    """What the kernel says a process does: "sleeping in futex_do_wait" (waiting for a lock: the deadlock; the name
+    varies by kernel) or "running" (only slow), for the line that reports a retry."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         wchan = Path(f"/proc/{pid}/wchan").read_text().strip()

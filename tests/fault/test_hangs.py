@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from app.cluster.exit_codes import HANG_EXIT_CODE
+from app.cluster.hangs import PEEK_HANDLER, STACKS_HANDLER
 from tests.helpers.run import BIN, REPO, clean_env, kill_job, live_job_processes, local_rank_of, rank_pids, run, start
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
@@ -553,3 +554,52 @@ def test_a_rank_forks_safely_while_its_peers_check_for_deadlocks() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"stuck": 0}
+
+
+# A rank whose main thread holds the GIL (a busy loop with the switch interval raised) while two other processes ask its
+# endpoint: for what the deadlock check asks (`PEEK_HANDLER`) and, as the control, for the stacks (which PyTorch answers
+# from Python). Prints {handler: answered?}.
+GIL_HOLDING_RANK = """
+import datetime, json, os, subprocess, sys, tempfile, time
+import torch, torch.distributed as dist
+from app.cluster import hangs
+server, port = hangs.start_debug_endpoint("127.0.0.1")
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+for _ in range(5):
+    dist.all_reduce(torch.ones(4))
+ASK = '''
+import http.client, sys, time
+time.sleep(1)  # the rank holds the GIL by then
+connection = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=3)
+try:
+    connection.request("POST", "/handler/" + sys.argv[2])
+    print(connection.getresponse().status == 200 and "answered")
+except OSError:
+    print("silent")
+'''
+askers = {name: subprocess.Popen([sys.executable, "-c", ASK, str(port), name], stdout=subprocess.PIPE, text=True)
+          for name in (hangs.PEEK_HANDLER, hangs.STACKS_HANDLER)}
+sys.setswitchinterval(1000.0)  # no other thread gets the GIL until the loop ends
+held_until = time.monotonic() + 6
+while time.monotonic() < held_until:
+    pass
+sys.setswitchinterval(0.005)
+print(json.dumps({name: asker.communicate()[0].strip() for name, asker in askers.items()}))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_the_deadlock_checks_question_is_answered_without_the_asked_ranks_gil() -> None:
+    """What a stalled rank's deadlock check asks every other rank (`PEEK_HANDLER`) is answered while the asked rank's
+    main thread holds the GIL: no Python runs in the asked rank, so no Python thread state is made there while it may
+    be forking its loader workers (gh-112275, docs/resume.md). The stacks handler, which enters Python, stays silent
+    then: the control that this test sees a handler that needs the GIL."""
+    result = subprocess.run(
+        [sys.executable, "-c", GIL_HOLDING_RANK], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answers == {PEEK_HANDLER: "answered", STACKS_HANDLER: "silent"}, answers
