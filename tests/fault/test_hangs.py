@@ -490,16 +490,21 @@ def test_a_rank_that_is_only_slow_is_waited_for(kind: str, tmp_path: Path) -> No
 # FORKS children (as a DataLoader starts its workers) while a peer process asks its endpoint nonstop, as a stalled
 # rank's deadlock check does (`HangReport._peek`, `PEEK_HANDLER`), as fast as it answers; each child must start and
 # exit at once.
-FORKING_RANK = """
+# The start of both scripts below: a 1-rank gloo group with collectives in its recorder, and the endpoint on `port`.
+RANK_WITH_ENDPOINT = """
 import datetime, json, os, sys, tempfile, time, subprocess, signal
 import torch, torch.distributed as dist
 from app.cluster import hangs
-forks = int(sys.argv[1])
 server, port = hangs.start_debug_endpoint("127.0.0.1")
 store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
 for _ in range(50):
     dist.all_reduce(torch.ones(4))
+"""
+FORKING_RANK = (
+    RANK_WITH_ENDPOINT
+    + """
+forks = int(sys.argv[1])
 PEER = '''
 import sys, threading
 from app.cluster import hangs
@@ -536,6 +541,7 @@ print(json.dumps({"stuck": stuck}))
 sys.stdout.flush()
 os._exit(0)  # no interpreter teardown: the endpoint and gloo threads would race it
 """
+)
 
 
 def test_a_rank_forks_safely_while_its_peers_check_for_deadlocks() -> None:
@@ -559,15 +565,9 @@ def test_a_rank_forks_safely_while_its_peers_check_for_deadlocks() -> None:
 # A rank whose main thread holds the GIL (a busy loop with the switch interval raised) while two other processes ask its
 # endpoint: for what the deadlock check asks (`PEEK_HANDLER`) and, as the control, for the stacks (which PyTorch answers
 # from Python). Prints {handler: answered?}.
-GIL_HOLDING_RANK = """
-import datetime, json, os, subprocess, sys, tempfile, time
-import torch, torch.distributed as dist
-from app.cluster import hangs
-server, port = hangs.start_debug_endpoint("127.0.0.1")
-store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-for _ in range(5):
-    dist.all_reduce(torch.ones(4))
+GIL_HOLDING_RANK = (
+    RANK_WITH_ENDPOINT
+    + """
 ASK = '''
 import http.client, sys, time
 time.sleep(1)  # the rank holds the GIL by then
@@ -589,6 +589,7 @@ print(json.dumps({name: asker.communicate()[0].strip() for name, asker in askers
 sys.stdout.flush()
 os._exit(0)
 """
+)
 
 
 def test_the_deadlock_checks_question_is_answered_without_the_asked_ranks_gil() -> None:
