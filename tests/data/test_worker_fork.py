@@ -71,8 +71,10 @@ def gone(pid: int) -> bool:
 
 
 def test_a_worker_hung_before_its_first_line_is_forked_again(
-    hang_forks: Path, capfd: pytest.CaptureFixture[str]
+    hang_forks: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Long enough that a healthy worker on a loaded machine is never taken for a hung one (exactly one line below).
+    monkeypatch.setattr(worker_fork, "FIRST_LINE_S", 2.0)
     expected = batches(DataLoader(loader().dataset, batch_size=4))
     _hang["forks"] = 1
     got = batches(loader())
